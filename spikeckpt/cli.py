@@ -1,0 +1,52 @@
+"""The ``spikeckpt`` command line: ``plan``, ``data`` (and ``demo``/``bench`` when installed)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+#: Subcommand modules: each has ``add_parser(subparsers)`` registering its own arguments and
+#: handler. They are imported only when present, so a missing optional extra never breaks
+#: the other subcommands.
+_SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("spikeckpt.cli_plan", "add_parser"),
+    ("spikeckpt.data.cli", "add_data_parser"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="spikeckpt",
+        description="Checkpointed training of spiking networks on long sequences.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name, function_name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            optional_extra = error.name and not error.name.startswith("spikeckpt")
+            if optional_extra or error.name == module_name:
+                continue  # an optional extra (or the subcommand itself) is missing: skip it
+            raise
+        register: Callable[[argparse._SubParsersAction], None] = getattr(module, function_name)
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``spikeckpt`` script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int | None] = args.handler
+    try:
+        return handler(args) or 0
+    except (ValueError, OSError) as error:
+        print(f"spikeckpt {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

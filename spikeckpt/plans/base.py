@@ -1,0 +1,131 @@
+"""The :class:`Plan` interface and argument checks shared by every plan. Pure Python."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from spikeckpt.plans.schedule import Schedule
+from spikeckpt.plans.simulate import Cost, CostModel, simulate
+
+
+def check_length(T: Any) -> int:
+    """Return ``T`` if it is a whole number of steps >= 1, else raise a clear ValueError."""
+    if isinstance(T, bool) or not isinstance(T, int):
+        raise ValueError(f"the sequence length T must be an int >= 1, got {T!r}")
+    if T < 1:
+        raise ValueError(f"the sequence length T must be >= 1 step, got T={T}")
+    return T
+
+
+def check_count(name: str, value: Any, *, allow_none: bool = False) -> int | None:
+    """Return ``value`` if it is an int >= 1 (or None when allowed), else raise ValueError."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def check_within(name: str, value: int | None, T: int) -> None:
+    """Raise ValueError when an explicit interval is longer than the sequence."""
+    if value is not None and value > T:
+        raise ValueError(
+            f"{name}={value} is longer than the sequence (T={T}); pick an interval <= T, "
+            "or call plan.for_length(T) to clamp it"
+        )
+
+
+class Plan(ABC):
+    """A checkpointing strategy: turns a sequence length ``T`` into a :class:`Schedule`.
+
+    Subclasses implement :meth:`schedule` and :meth:`for_length`; they may override
+    :meth:`cost` with a closed form (tests check it against :func:`simulate`).
+    """
+
+    #: True when the plan stores states in the remote (host/disk) tier.
+    uses_remote: bool = False
+
+    @abstractmethod
+    def schedule(self, T: int) -> Schedule:
+        """The schedule for ``T`` steps (raises ValueError on bad T or intervals > T)."""
+
+    @abstractmethod
+    def for_length(self, T: int) -> Plan:
+        """A copy with every default filled in for ``T`` steps and intervals clamped to ``T``."""
+
+    def cost(
+        self,
+        T: int,
+        *,
+        state_bytes: int = 1,
+        step_bytes: int = 1,
+        costs: CostModel | None = None,
+    ) -> Cost:
+        """Counts, peak bytes and modeled time of this plan on ``T`` steps.
+
+        Args:
+            T: steps.
+            state_bytes: ``S``, bytes of one state.
+            step_bytes: ``A``, bytes saved by autograd for one taped step.
+            costs: operation times (default :class:`CostModel`).
+        """
+        return simulate(
+            self.for_length(T).schedule(T),
+            state_bytes=state_bytes,
+            step_bytes=step_bytes,
+            costs=costs,
+        )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{k}={v!r}"
+            for k, v in vars(self).items()
+            if not k.startswith("_") and not (v is None and k in ("state_bytes", "step_bytes"))
+        )
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+
+
+def make_cost(
+    T: int,
+    *,
+    forward_steps: int,
+    peak_states: int,
+    peak_taped: int,
+    peak_units: tuple[tuple[int, int], ...],
+    remote: int,
+    state_bytes: int,
+    step_bytes: int,
+    costs: CostModel | None,
+) -> Cost:
+    """Assemble a closed-form :class:`Cost`.
+
+    ``peak_units`` lists the (states, taped) pairs that can be the peak moment; the peak bytes
+    is the largest ``states * S + taped * A`` among them. ``remote`` is the number of remote
+    writes, equal to the number of remote reads and to the peak remote states.
+    """
+    costs = costs or CostModel()
+    peak_bytes = max(states * state_bytes + taped * step_bytes for states, taped in peak_units)
+    time = forward_steps * costs.forward + T * costs.backward + remote * (costs.write + costs.read)
+    return Cost(
+        T=T,
+        forward_steps=forward_steps,
+        backward_steps=T,
+        peak_device_states=peak_states,
+        peak_taped_steps=peak_taped,
+        remote_writes=remote,
+        remote_reads=remote,
+        peak_remote_states=remote,
+        peak_bytes=peak_bytes,
+        time=time,
+        state_bytes=state_bytes,
+        step_bytes=step_bytes,
+    )

@@ -1,0 +1,145 @@
+"""Double Checkpointing (Bencheikh, Finkbeiner & Neftci, arXiv 2412.11810), as defined here.
+
+The paper's text is not available to us; this is our definition, built from its summary:
+remote checkpoints off the device every ``K`` steps in the forward pass; in the backward pass
+each remote segment is loaded back, run forward once laying local (device) checkpoints every
+``k`` steps, and its sub-segments are recomputed taped in reverse.
+
+Conventions (they fix the counts and the peak):
+- The last remote segment is not written off the device: the forward pass lays its local
+  checkpoints directly and keeps its last sub-segment taped.
+- While a segment is reversed, the previous segment's remote checkpoint is prefetched into
+  one device buffer (issued at the start of the segment, so the copy hides behind compute).
+"""
+
+from __future__ import annotations
+
+import math
+
+from spikeckpt.plans.base import Plan, check_count, check_length, check_within, make_cost
+from spikeckpt.plans.builders import sweep
+from spikeckpt.plans.schedule import Action, Advance, Free, Load, Prefetch, Schedule, Store
+from spikeckpt.plans.simulate import Cost, CostModel
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Double(Plan):
+    """Remote checkpoints every ``remote_interval`` steps, local ones every ``local_interval``.
+
+    With ``K`` the remote and ``k`` the local interval, ``n = ceil(T/K)`` remote segments:
+    device memory about ``2S + (K/k)*S + k*A`` independent of ``T``; remote tier ``n - 1``
+    states; evaluations ``T + (L - l) + (n - 1)*(2K - k')`` where ``L`` is the last segment's
+    length, ``l`` its last sub-segment's, ``k'`` the last sub-segment's length in a full
+    segment (at most ``3T - (T/K)*k``).
+
+    Defaults: ``K = ceil(sqrt(T))``; ``k = round(sqrt(K*S/A))`` (the memory optimum) when
+    ``state_bytes`` and ``step_bytes`` are given, else ``ceil(sqrt(K))``.
+
+    Args:
+        remote_interval: ``K``, steps between remote checkpoints.
+        local_interval: ``k``, steps between local checkpoints inside a remote segment.
+        state_bytes: ``S`` (bytes), only used for the default ``k``.
+        step_bytes: ``A`` (bytes), only used for the default ``k``.
+    """
+
+    uses_remote = True
+
+    def __init__(
+        self,
+        remote_interval: int | None = None,
+        local_interval: int | None = None,
+        *,
+        state_bytes: int | None = None,
+        step_bytes: int | None = None,
+    ) -> None:
+        self.remote_interval = check_count("remote_interval", remote_interval, allow_none=True)
+        self.local_interval = check_count("local_interval", local_interval, allow_none=True)
+        self.state_bytes = check_count("state_bytes", state_bytes, allow_none=True)
+        self.step_bytes = check_count("step_bytes", step_bytes, allow_none=True)
+        if (
+            self.remote_interval is not None
+            and self.local_interval is not None
+            and self.local_interval > self.remote_interval
+        ):
+            raise ValueError(
+                f"local_interval={self.local_interval} is longer than "
+                f"remote_interval={self.remote_interval}; pick local_interval <= remote_interval"
+            )
+
+    def for_length(self, T: int) -> Double:
+        T = check_length(T)
+        remote = self.remote_interval or math.isqrt(T - 1) + 1
+        remote = min(remote, T)
+        local = self.local_interval
+        if local is None:
+            if self.state_bytes and self.step_bytes:
+                local = max(1, round(math.sqrt(remote * self.state_bytes / self.step_bytes)))
+            else:
+                local = math.isqrt(remote - 1) + 1
+        return Double(remote, min(local, remote))
+
+    def _intervals(self, T: int) -> tuple[int, int]:
+        check_within("remote_interval", self.remote_interval, T)
+        plan = self.for_length(T)
+        assert plan.remote_interval is not None and plan.local_interval is not None
+        return plan.remote_interval, plan.local_interval
+
+    def schedule(self, T: int) -> Schedule:
+        T = check_length(T)
+        K, k = self._intervals(T)
+        starts = list(range(0, T, K))
+        last = starts[-1]
+        forward: list[Action] = []
+        for first in starts[:-1]:
+            forward += [Store(first, "remote"), Advance(first, first + K)]
+        if len(starts) > 1:
+            forward.append(Prefetch(starts[-2]))
+        last_forward, backward = sweep(last, T, k)
+        actions = forward + last_forward + backward
+        for position in range(len(starts) - 2, -1, -1):
+            first = starts[position]
+            actions += [Load(first, "remote"), Free(first, "remote")]
+            if position > 0:
+                actions.append(Prefetch(starts[position - 1]))
+            segment_forward, segment_backward = sweep(first, first + K, k)
+            actions += segment_forward + segment_backward
+        return Schedule(T, tuple(actions), plan=repr(Double(K, k)))
+
+    def cost(
+        self, T: int, *, state_bytes: int = 1, step_bytes: int = 1, costs: CostModel | None = None
+    ) -> Cost:
+        T = check_length(T)
+        plan = self.for_length(T)
+        K, k = plan.remote_interval, plan.local_interval
+        assert K is not None and k is not None
+        segments = _ceil_div(T, K)
+        last_length = T - (segments - 1) * K
+        last_subs = _ceil_div(last_length, k)
+        last_tail = last_length - (last_subs - 1) * k
+        prefetch_last = 1 if segments > 1 else 0
+        units: list[tuple[int, int]] = [(last_subs + prefetch_last, last_tail)]
+        if last_subs >= 2:
+            units.append((last_subs + prefetch_last, k))
+        forward_steps = T + (last_length - last_tail)
+        if segments > 1:
+            full_subs = _ceil_div(K, k)
+            full_tail = K - (full_subs - 1) * k
+            prefetch_full = 1 if segments > 2 else 0
+            units.append((full_subs + prefetch_full, full_tail))
+            if full_subs >= 2:
+                units.append((full_subs + prefetch_full, k))
+            forward_steps += (segments - 1) * (2 * K - full_tail)
+        return make_cost(
+            T,
+            forward_steps=forward_steps,
+            peak_states=max(states for states, _ in units),
+            peak_taped=max(taped for _, taped in units),
+            peak_units=tuple(units),
+            remote=segments - 1,
+            state_bytes=state_bytes,
+            step_bytes=step_bytes,
+            costs=costs,
+        )

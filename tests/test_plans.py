@@ -1,0 +1,329 @@
+"""Plans as data: oracle counts, closed forms against the simulator, validation, the planner."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spikeckpt import plans
+from spikeckpt.errors import BudgetTooSmall, ScheduleError
+from spikeckpt.plans import (
+    BPTT,
+    Advance,
+    Backprop,
+    CostModel,
+    Double,
+    Free,
+    Load,
+    Revolve,
+    Store,
+    Tape,
+    TwoLevel,
+    Uniform,
+    make_schedule,
+    simulate,
+)
+from spikeckpt.plans.twolevel import EXACT_LIMIT
+from spikeckpt.units import format_bytes, parse_bytes
+
+REVOLVE_ORACLES = [
+    (10, 2, 20),
+    (100, 5, 316),
+    (100, 10, 222),
+    (1000, 10, 3636),
+    (1000, 32, 2405),
+    (1000, 50, 1948),
+    (10**4, 20, 37976),
+    (10**5, 30, 447640),
+]
+
+
+def test_import_plans_does_not_import_torch() -> None:
+    code = "import sys, spikeckpt.plans, spikeckpt; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("steps", "slots", "expected"), REVOLVE_ORACLES)
+def test_revolve_advances_match_oracles(steps: int, slots: int, expected: int) -> None:
+    assert plans.advances(steps, slots) == expected
+
+
+@pytest.mark.parametrize(("steps", "slots", "expected"), REVOLVE_ORACLES[:6])
+def test_revolve_schedule_counts_match_oracles(steps: int, slots: int, expected: int) -> None:
+    cost = simulate(Revolve(slots).schedule(steps))
+    assert cost.forward_steps == steps + expected
+    assert cost.backward_steps == steps
+
+
+def test_revolve_equals_gruslys_q() -> None:
+    # Gruslys et al.: Q(t, m) = t + t_revolve(t, m); Q(1000, 50) = 2948.
+    assert simulate(Revolve(50).schedule(1000)).forward_steps == 2948
+
+
+@cache
+def _exact_q(steps: int, slots: int) -> int:
+    """Exact DP for the fewest evaluations (taped ones included) reversing ``steps`` steps."""
+    if steps == 1:
+        return 1
+    if slots == 1:
+        return steps * (steps + 1) // 2
+    return min(m + _exact_q(steps - m, slots - 1) + _exact_q(m, slots) for m in range(1, steps))
+
+
+def test_revolve_is_optimal_against_the_exact_dynamic_program() -> None:
+    for slots in range(1, 7):
+        for steps in range(1, 61):
+            cost = simulate(Revolve(slots).schedule(steps))
+            assert cost.forward_steps == _exact_q(steps, slots), (steps, slots)
+            assert cost.peak_device_states <= slots + 1
+
+
+def test_uniform_and_double_match_the_design_oracle() -> None:
+    uniform = simulate(Uniform(50).schedule(10_000), state_bytes=1, step_bytes=3)
+    assert (uniform.forward_steps, uniform.peak_bytes) == (19_950, 350)
+    double = simulate(Double(1000, 20).schedule(10_000), state_bytes=1, step_bytes=3)
+    assert (double.forward_steps, double.peak_bytes) == (28_800, 111)
+    assert double.remote_writes + double.remote_reads == 18
+    assert double.forward_steps <= 3 * 10_000 - (10_000 // 1000) * 20
+
+
+def test_double_memory_is_independent_of_length() -> None:
+    peaks = {
+        simulate(Double(1000, 20).schedule(T), state_bytes=1, step_bytes=3).peak_bytes
+        for T in (5_000, 10_000, 40_000)
+    }
+    assert peaks == {111}
+
+
+def test_bptt_counts() -> None:
+    cost = simulate(BPTT().schedule(7), state_bytes=5, step_bytes=2)
+    assert (cost.forward_steps, cost.peak_bytes, cost.peak_taped_steps) == (7, 5 + 7 * 2, 7)
+
+
+def test_defaults() -> None:
+    assert Uniform().for_length(100).interval == 10
+    assert Uniform().for_length(101).interval == 11
+    assert Double().for_length(10_000) == Double(100, 10)
+    assert Double(state_bytes=1, step_bytes=4).for_length(10_000).local_interval == 5
+
+
+PLAN_STRATEGY = st.one_of(
+    st.just(BPTT()),
+    st.builds(Uniform, st.integers(1, 300)),
+    st.builds(Uniform, st.none()),
+    st.builds(Revolve, st.integers(1, 12)),
+    st.builds(
+        lambda K, k: Double(K, min(k, K)),
+        st.integers(1, 400),
+        st.integers(1, 60),
+    ),
+    st.builds(Double, st.none(), st.none()),
+    st.builds(
+        TwoLevel,
+        st.integers(1, 8),
+        st.floats(0, 20),
+        st.floats(0, 20),
+        st.just(1.0),
+        st.just(2.0),
+        st.one_of(st.none(), st.integers(1, 300)),
+    ),
+)
+
+
+@settings(max_examples=250, deadline=None)
+@given(T=st.integers(1, 5000), plan=PLAN_STRATEGY, S=st.integers(1, 50), A=st.integers(1, 50))
+def test_every_schedule_validates_and_closed_forms_are_exact(
+    T: int, plan: plans.Plan, S: int, A: int
+) -> None:
+    fitted = plan.for_length(T)
+    costs = CostModel(forward=1.0, backward=2.0, write=3.0, read=1.5)
+    simulated = simulate(fitted.schedule(T), state_bytes=S, step_bytes=A, costs=costs)
+    assert simulated.backward_steps == T
+    assert simulated.forward_steps >= T
+    closed = fitted.cost(T, state_bytes=S, step_bytes=A, costs=costs)
+    assert closed == simulated
+    if isinstance(fitted, Revolve):
+        assert simulated.peak_bytes <= (fitted.slots + 1) * S + A
+        assert simulated.forward_steps == T + plans.advances(T, fitted.slots)
+    if isinstance(fitted, Uniform):
+        assert fitted.interval is not None
+        n = math.ceil(T / fitted.interval)
+        assert simulated.peak_bytes <= n * S + fitted.interval * A
+    if isinstance(fitted, Double):
+        assert fitted.remote_interval is not None and fitted.local_interval is not None
+        K, k = fitted.remote_interval, fitted.local_interval
+        assert simulated.peak_bytes <= 2 * S + math.ceil(K / k) * S + k * A
+        assert simulated.forward_steps <= 3 * T
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    T=st.integers(1, 3000),
+    S=st.integers(1, 64),
+    A=st.integers(1, 64),
+    fraction=st.floats(0.0, 1.2),
+    remote=st.booleans(),
+)
+def test_choose_never_exceeds_the_budget(
+    T: int, S: int, A: int, fraction: float, remote: bool
+) -> None:
+    bptt = S + T * A
+    budget = int(fraction * bptt)
+    try:
+        plan = plans.choose(T, S, A, budget, remote=remote)
+    except BudgetTooSmall as error:
+        assert budget < plans.minimum_budget(T, S, A)
+        assert error.minimum_bytes == plans.minimum_budget(T, S, A)
+        assert str(plans.minimum_budget(T, S, A)) in str(error)
+        return
+    cost = plan.cost(T, state_bytes=S, step_bytes=A)
+    assert cost.peak_bytes <= budget
+    assert simulate(plan.schedule(T), state_bytes=S, step_bytes=A).peak_bytes <= budget
+    assert remote or not plan.uses_remote
+    if budget >= bptt:
+        assert isinstance(plan, BPTT)
+
+
+def test_choose_prefers_faster_plans_and_reports_alternatives() -> None:
+    ranked = plans.rank(1000, 1, 1, 1001 // 20, costs=CostModel(write=4, read=4))
+    assert ranked, "something fits at 5% of BPTT"
+    times = [c.cost.time for c in ranked]
+    assert times == sorted(times)
+    assert all(c.cost.peak_bytes <= 50 for c in ranked)
+    assert {type(c.plan) for c in ranked} >= {Revolve, Double}
+    assert plans.choose(1000, 1, 1, 50, remote=False) == Revolve(48)
+
+
+def test_budget_too_small_names_the_minimum() -> None:
+    with pytest.raises(BudgetTooSmall, match=r"smallest budget that fits is 3072 bytes"):
+        plans.choose(1000, 1024, 1024, "2KiB")
+
+
+def test_two_level_exact_matches_brute_force_and_periodic_is_close() -> None:
+    costs = CostModel(forward=1.0, backward=2.0, write=3.0, read=3.0)
+    for slots in (1, 2, 3):
+        plan = TwoLevel(slots, write_cost=3.0, read_cost=3.0)
+        for T in range(1, 41):
+            best = _brute_force_two_level(T, slots, 6.0)
+            assert plan.cost(T, costs=costs).time - 2.0 * T == pytest.approx(best), (T, slots)
+    for slots, transfer in ((2, 4.0), (3, 10.0), (5, 30.0)):
+        exact = TwoLevel(slots, transfer / 2, transfer / 2)
+        periodic = TwoLevel(slots, transfer / 2, transfer / 2, remote_interval=exact.period())
+        model = CostModel(1.0, 2.0, transfer / 2, transfer / 2)
+        ratio = periodic.cost(600, costs=model).time / exact.cost(600, costs=model).time
+        assert 1.0 <= ratio <= 1.045, (slots, transfer, ratio)
+
+
+def _brute_force_two_level(T: int, slots: int, transfer: float) -> float:
+    """Forward-unit time of the best segmentation, by a plain O(T^2) dynamic program."""
+
+    def middle(length: int) -> float:
+        return 2 * length + plans.advances(length, slots) + transfer
+
+    prefix = [0.0] + [math.inf] * T
+    for end in range(1, T + 1):
+        prefix[end] = min(prefix[end - length] + middle(length) for length in range(1, end + 1))
+    return min(prefix[T - last] + last + plans.advances(last, slots) for last in range(1, T + 1))
+
+
+def test_two_level_uses_the_periodic_form_beyond_the_exact_limit() -> None:
+    plan = TwoLevel(4, write_cost=5.0, read_cost=5.0)
+    lengths = plan.segments(EXACT_LIMIT + 1000)
+    assert set(lengths[:-1]) == {plan.period()}
+    assert sum(lengths) == EXACT_LIMIT + 1000
+
+
+def test_kukreja_asynchronous_period() -> None:
+    plan = TwoLevel.asynchronous(4, write_cost=7.5, forward_cost=2.0)
+    assert plan.remote_interval == 4
+    # Per-step overhead is constant in T: factors at T, 10T and 100T agree within 2%.
+    factors = [plan.cost(T).forward_steps / T for T in (100, 1000, 10_000)]
+    assert max(factors) - min(factors) < 0.02 * min(factors)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Uniform(0),
+        lambda: Uniform(-3),
+        lambda: Uniform(2.5),  # type: ignore[arg-type]
+        lambda: Revolve(0),
+        lambda: Revolve("4"),  # type: ignore[arg-type]
+        lambda: Double(0, 1),
+        lambda: Double(10, 20),
+        lambda: TwoLevel(0),
+        lambda: TwoLevel(2, write_cost=-1),
+        lambda: TwoLevel(2, remote_interval=0),
+        lambda: BPTT().schedule(0),
+        lambda: Revolve(3).schedule(-1),
+        lambda: Uniform(3).schedule(2.0),  # type: ignore[arg-type]
+        lambda: Uniform(30).schedule(10),
+        lambda: Double(30, 5).schedule(10),
+        lambda: plans.choose(10, 1, 1, "lots"),
+        lambda: plans.choose(10, 0, 1, 100),
+    ],
+)
+def test_bad_arguments_raise_value_error(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_interval_longer_than_sequence_is_clamped_by_for_length() -> None:
+    assert Uniform(30).for_length(10) == Uniform(10)
+    assert Double(30, 40 // 2).for_length(10) == Double(10, 10)
+    cost = simulate(Uniform(30).for_length(10).schedule(10))
+    assert cost.forward_steps == 10
+
+
+@pytest.mark.parametrize(
+    ("actions", "message"),
+    [
+        ([Advance(0, 2), Tape(3, 4)], "starts from x_3"),
+        ([Tape(0, 2), Backprop(0, 2)], "must run all T=4 steps"),
+        ([Tape(0, 4), Backprop(0, 3)], "not the most recent tape"),
+        ([Tape(0, 2), Tape(2, 4), Backprop(0, 2)], "not the most recent tape"),
+        ([Store(0, "device"), Tape(0, 4), Backprop(0, 4), Load(1, "device")], "never stored"),
+        ([Tape(0, 4), Backprop(0, 4), Free(0, "device")], "not stored"),
+        ([Store(1, "device")], "not x_1"),
+        ([Tape(0, 4), Backprop(0, 4), Tape(0, 1)], "no current state"),
+        ([Store(0, "device"), Tape(0, 4), Backprop(0, 4)], "still stored"),
+        ([Advance(0, 4)], "before backpropagating to x_0"),
+        ([Advance(0, 5)], "0 <= start < stop <= T=4"),
+        ([Store(0, "tape")], "unknown tier"),  # type: ignore[arg-type]
+    ],
+)
+def test_broken_schedules_name_the_action(actions: list, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        simulate(make_schedule(4, actions))
+
+
+def test_schedule_phases() -> None:
+    schedule = Uniform(2).schedule(5)
+    assert all(not isinstance(a, (Backprop, Load)) for a in schedule.forward)
+    assert isinstance(schedule.backward[0], Backprop)
+    assert len(schedule.forward) + len(schedule.backward) == len(schedule)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 GiB", 3 * 2**29), ("4096", 4096), (7, 7)],
+)
+def test_parse_bytes(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "12 parsecs", "-1MiB", "MiB", True, 1.5, float("inf"), None])
+def test_parse_bytes_rejects_garbage(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(3 * 2**20) == "3.00 MiB"
+    assert format_bytes(12) == "12 B"

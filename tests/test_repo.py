@@ -1,0 +1,107 @@
+"""The repository's promises: README commands match CI, the CLI answers, the package layers."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```bash\n(.+?)\n```", text)
+
+
+def test_readme_has_the_two_quick_start_commands() -> None:
+    commands = _readme_commands()
+    assert len(commands) >= 2
+    assert 'pip install -e ".[all]"' in commands[0]
+    assert commands[1].endswith('pip install -e ".[all,dev]" && pytest')
+
+
+def test_ci_runs_the_readme_install_and_test_commands() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci
+    install, test = commands = _readme_commands()[1].split(" && ")[-2:]
+    assert install in ci.splitlines(), commands
+    assert test in ci.splitlines(), commands
+    assert "ruff check ." in ci and "ruff format --check ." in ci
+
+
+def test_cli_plan_prints_a_plan_and_fails_clearly_when_nothing_fits() -> None:
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spikeckpt",
+            "plan",
+            "--T",
+            "1000",
+            "--budget",
+            "64KiB",
+            "--state-bytes",
+            "1KiB",
+            "--step-bytes",
+            "1KiB",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "chosen:" in ok.stdout
+    small = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spikeckpt",
+            "plan",
+            "--T",
+            "1000",
+            "--budget",
+            "2KiB",
+            "--state-bytes",
+            "1KiB",
+            "--step-bytes",
+            "1KiB",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert small.returncode == 3
+    assert "smallest budget that fits is 3072 bytes" in small.stdout
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spikeckpt",
+            "plan",
+            "--T",
+            "10",
+            "--budget",
+            "lots",
+            "--state-bytes",
+            "1",
+            "--step-bytes",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "cannot parse 'lots'" in bad.stderr
+
+
+def test_plan_table_example_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan_table.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "T = 10,000 steps" in out and "Revolve" in out
