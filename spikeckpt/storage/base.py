@@ -70,3 +70,26 @@ class StateStore(Protocol):
     def close(self) -> None:
         """Release everything (files, threads, buffers). Idempotent; safe on errors."""
         ...
+
+
+def tensor_nbytes(tensor: Tensor) -> int:
+    """Bytes of ``tensor``'s elements (numel * element size; a view counts only its elements)."""
+    return tensor.numel() * tensor.element_size()
+
+
+class StoreBase:
+    """Bookkeeping shared by the tiers: open/closed state and clear errors for unknown keys."""
+
+    kind: str = ""
+    _closed: bool = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.kind} store is closed: make a new one")
+
+    def _unknown_key(self, key: int, keys: Sequence[int]) -> KeyError:
+        shown = sorted(keys)[:10]
+        more = ", ..." if len(keys) > 10 else ""
+        return KeyError(
+            f"no checkpoint {key} in the {self.kind} tier (it holds {len(keys)}: {shown}{more})"
+        )
