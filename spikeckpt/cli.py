@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ImportError as error:
-            optional_extra = error.name and not error.name.startswith("spikeckpt")
-            if optional_extra or error.name == module_name:
-                continue  # an optional extra (or the subcommand itself) is missing: skip it
+            missing = error.name or ""
+            optional_extra = not missing.startswith("spikeckpt")
+            if optional_extra or module_name == missing or module_name.startswith(missing + "."):
+                continue  # an optional extra (or the subcommand's module) is missing: skip it
             raise
         register: Callable[[argparse._SubParsersAction], None] = getattr(module, function_name)
         register(subparsers)

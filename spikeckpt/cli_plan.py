@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _sizes(args: argparse.Namespace) -> tuple[int, int]:
     if args.model:
-        from spikeckpt.engine.probe import lif_stack_sizes  # torch only when asked
+        from spikeckpt.models import lif_stack_sizes  # torch only when asked
 
         widths = [int(w) for w in args.model.split(",")]
         return lif_stack_sizes(widths, batch=args.batch)

@@ -1,0 +1,110 @@
+"""A reference spiking network in plain torch: a feed-forward stack of LIF layers.
+
+Used by ``spikeckpt plan --model``, the benchmarks and the tests as a framework-free workload
+whose step is a pure function, the shape ``spikeckpt.scan`` expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class FastSigmoidSpike(torch.autograd.Function):
+    """Heaviside spike forward, fast-sigmoid surrogate gradient ``1 / (1 + slope*|v|)^2``."""
+
+    slope = 25.0
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, v: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(v)
+        return (v > 0).to(v.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        (v,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad / (1.0 + FastSigmoidSpike.slope * v.abs()) ** 2
+
+
+def spike(v: Tensor) -> Tensor:
+    """Spikes ``(v > 0)`` as ``v``'s dtype, with a fast-sigmoid surrogate gradient."""
+    return FastSigmoidSpike.apply(v)  # type: ignore[no-any-return]
+
+
+class LIFStack(nn.Module):
+    """``Linear -> LIF`` blocks for layer widths ``(inputs, hidden..., outputs)``.
+
+    Each LIF layer: ``v = beta*v + W x - threshold*s_prev`` (reset by subtraction, detached as
+    in snnTorch), ``s = spike(v - threshold)``. The state is a tuple of per-layer
+    ``(membrane (B, n), spikes (B, n))`` pairs. ``beta`` is learnable per layer (sigmoid of a
+    parameter, so it stays in (0, 1)).
+
+    Args:
+        widths: layer sizes, at least two, e.g. ``(700, 256, 256, 20)``.
+        beta: initial decay per step.
+        threshold: firing threshold.
+    """
+
+    def __init__(self, widths: Sequence[int], beta: float = 0.9, threshold: float = 1.0) -> None:
+        super().__init__()
+        if len(widths) < 2 or any(int(w) < 1 for w in widths):
+            raise ValueError(f"widths must list at least two sizes >= 1, got {list(widths)}")
+        self.widths = [int(w) for w in widths]
+        self.synapses = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(self.widths[:-1], self.widths[1:], strict=True)
+        )
+        logit = torch.logit(torch.tensor(beta))
+        self.beta_logits = nn.Parameter(logit.repeat(len(self.synapses)))
+        self.threshold = threshold
+
+    def initial_state(
+        self, batch: int, *, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[tuple[Tensor, Tensor], ...]:
+        """Zero membranes and spikes, ``(B, n)`` per layer."""
+        dtype = dtype or self.synapses[0].weight.dtype
+        device = device or self.synapses[0].weight.device
+        return tuple(
+            (torch.zeros(batch, n, device=device, dtype=dtype),) * 2 for n in self.widths[1:]
+        )
+
+    def step(
+        self, state: tuple[tuple[Tensor, Tensor], ...], x_t: Tensor
+    ) -> tuple[tuple[tuple[Tensor, Tensor], ...], Tensor]:
+        """One time step: ``x_t`` ``(B, inputs)`` -> output spikes ``(B, outputs)``. Pure."""
+        betas = torch.sigmoid(self.beta_logits)
+        new_state = []
+        h = x_t
+        for layer, (synapse, (v, s)) in enumerate(zip(self.synapses, state, strict=True)):
+            v = betas[layer] * v + synapse(h) - self.threshold * s.detach()
+            s = spike(v - self.threshold)
+            new_state.append((v, s))
+            h = s
+        return tuple(new_state), h
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Plain BPTT loop over ``x`` ``(T, B, inputs)`` -> output spikes ``(T, B, outputs)``."""
+        state = self.initial_state(x.shape[1], device=x.device, dtype=x.dtype)
+        outputs = []
+        for x_t in x:
+            state, y = self.step(state, x_t)
+            outputs.append(y)
+        return torch.stack(outputs)
+
+
+def spike_train(T: int, batch: int, channels: int, density: float, *, seed: int = 0) -> Tensor:
+    """A random binary spike train ``(T, batch, channels)`` float32 with the given density."""
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(T, batch, channels, generator=generator) < density).float()
+
+
+def lif_stack_sizes(widths: Sequence[int], *, batch: int) -> tuple[int, int]:
+    """Measured ``(S, A)`` in bytes of one :class:`LIFStack` step at ``batch`` (float32)."""
+    from spikeckpt.engine.probe import probe_step
+
+    model = LIFStack(widths)
+    state = model.initial_state(batch)
+    x_t = torch.zeros(batch, model.widths[0])
+    probe = probe_step(model.step, state, x_t, list(model.parameters()))
+    return probe.state_bytes, probe.step_bytes
