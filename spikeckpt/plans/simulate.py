@@ -60,11 +60,13 @@ class Cost:
         peak_device_states: most states on the device at once (checkpoints, prefetch buffers,
             working state).
         peak_taped_steps: most steps taped at once.
-        remote_writes, remote_reads: state transfers off and onto the device.
+        remote_writes: state transfers off the device.
+        remote_reads: state transfers onto the device.
         peak_remote_states: most states held in the remote tier at once.
         peak_bytes: peak of ``states * state_bytes + taped * step_bytes`` over the schedule.
         time: ``forward_steps*forward + backward_steps*backward + writes*write + reads*read``.
-        state_bytes, step_bytes: the ``S`` and ``A`` used for ``peak_bytes``.
+        state_bytes: the ``S`` used for ``peak_bytes``.
+        step_bytes: the ``A`` used for ``peak_bytes``.
     """
 
     T: int

@@ -40,9 +40,10 @@ class TwoLevel(Plan):
     Args:
         slots: device checkpoint slots used by Revolve inside a segment (the loaded remote
             state takes one).
-        write_cost, read_cost: time of one remote write / read, in the unit of
-            ``forward_cost``.
-        forward_cost, backward_cost: time of one step evaluation / backpropagation.
+        write_cost: time of one remote write, in the unit of ``forward_cost``.
+        read_cost: time of one remote read, in the unit of ``forward_cost``.
+        forward_cost: time of one step evaluation.
+        backward_cost: time of backpropagating one step.
         remote_interval: force a fixed segment length instead of the optimum.
     """
 

@@ -1,0 +1,312 @@
+"""Spike codecs: store exactly-binary tensors in 1 bit per element or as index lists.
+
+Codecs (``Packed.codec``):
+
+- ``"dense"``: the tensor itself (a detached reference, no copy). Anything that is not exactly
+  binary, and every dtype that cannot be packed, is stored this way.
+- ``"bitpack"``: 1 bit per element. Payload: ``(ceil(numel / 8),)`` uint8; element ``8*i + j``
+  (in row-major order) is bit ``j`` (least significant first) of byte ``i``.
+- ``"index"``: positions of the ones, 16 bits each. The flat tensor is cut into blocks of
+  65,536 elements; payload ``(n_ones,)`` int16 holds ``position_in_block - 32768`` (an exact
+  bijection of 0..65535 onto the int16 range), plus, when ``numel > 65536``, a
+  ``(n_blocks,)`` int32 count of ones per block. Cost ``2 * n_ones + 4 * n_blocks`` bytes. The
+  design's int32 fallback for rows of 65,536 elements or more is never needed: blocking keeps
+  every index at 16 bits, so index lists beat bit-packing up to a density of almost 1/16.
+
+``"auto"`` (the default) stores non-binary tensors dense and binary ones with whichever of
+``bitpack`` / ``index`` takes fewer bytes (bit-pack on ties).
+
+"Exactly binary" is bitwise: every element is ``0`` or ``1`` and, for floating dtypes, has a
+clear sign bit. ``-0.0`` compares equal to ``0`` but cannot survive 1 bit, so a tensor holding
+it is not binary and ``auto`` stores it dense. Round trips keep dtype, shape, device and every
+bit of every value; they do not keep strides (unpacked tensors are contiguous) or
+``requires_grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from spikeckpt.errors import NotBinaryError
+
+__all__ = ["CODECS", "Packed", "is_binary", "pack", "packable_dtype", "require_binary", "unpack"]
+
+CODECS = ("auto", "dense", "bitpack", "index")
+BLOCK = 65536
+"""Elements per index-list block: positions inside a block fit 16 bits."""
+
+# Integer dtype of the same size, to compare floats bit for bit.
+_BITS_VIEW: dict[torch.dtype, torch.dtype] = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+_INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_PREFIX = 256  # elements checked first, to reject non-binary tensors cheaply
+_ONE_BITS: dict[torch.dtype, int] = {}
+_SHIFTS: dict[torch.device, Tensor] = {}
+_TABLES: dict[torch.device, Tensor] = {}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A tensor in coded form.
+
+    Attributes:
+        codec: ``"dense"``, ``"bitpack"`` or ``"index"``.
+        shape: shape of the original tensor.
+        dtype: dtype of the original tensor.
+        device: device of the original tensor (``unpack`` returns it there by default).
+        payload: the stored tensors (see the module docstring for each codec's layout).
+    """
+
+    codec: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    payload: tuple[Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload (what this takes in memory or on disk, metadata aside)."""
+        return sum(p.numel() * p.element_size() for p in self.payload)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original tensor."""
+        return _numel(self.shape)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes the original tensor takes dense."""
+        return self.numel * _element_size(self.dtype)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Packed:
+        """Move the payload to ``device`` (``self.device``, where it unpacks to, is kept)."""
+        device = torch.device(device)
+        payload = tuple(p.to(device, non_blocking=non_blocking) for p in self.payload)
+        return dataclasses.replace(self, payload=payload)
+
+    def with_payload(self, payload: tuple[Tensor, ...]) -> Packed:
+        """The same description with another payload (same shapes and dtypes)."""
+        return dataclasses.replace(self, payload=tuple(payload))
+
+
+def packable_dtype(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be bit-packed (bool, integer and real floating dtypes)."""
+    return dtype == torch.bool or dtype in _BITS_VIEW or dtype in _INTEGER
+
+
+def is_binary(tensor: Tensor) -> bool:
+    """Whether every element of ``tensor`` is exactly ``0`` or ``1`` (bitwise; ``-0.0`` is not).
+
+    Always ``False`` for dtypes that cannot be packed (complex, quantized, ...) and for sparse
+    tensors; ``True`` for empty tensors of packable dtypes.
+    """
+    return _scan(tensor) is not None
+
+
+def require_binary(tensor: Tensor, name: str = "tensor") -> Tensor:
+    """Return ``tensor`` if it is exactly binary, else raise ``NotBinaryError`` saying why.
+
+    Args:
+        tensor: any shape, any dtype.
+        name: how the message calls the tensor (e.g. ``"inputs"``).
+    """
+    if _scan(tensor) is not None:
+        return tensor
+    raise NotBinaryError(_not_binary_message(tensor, name))
+
+
+def pack(tensor: Tensor, codec: str = "auto") -> Packed:
+    """Code ``tensor`` (any shape and device) with ``codec``; see the module docstring.
+
+    ``"bitpack"`` and ``"index"`` raise ``NotBinaryError`` on tensors that are not exactly
+    binary; ``"auto"`` stores those dense. Runs on the tensor's device, vectorised.
+    """
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}: use one of {', '.join(map(repr, CODECS))}")
+    tensor = tensor.detach()
+    if codec == "dense":
+        return _dense(tensor)
+    found = _scan(tensor)
+    if found is None:
+        if codec == "auto":
+            return _dense(tensor)
+        raise NotBinaryError(_not_binary_message(tensor, "tensor", codec=codec))
+    mask, n_ones = found
+    if codec == "auto":
+        codec = (
+            "index" if _index_nbytes(mask.numel(), n_ones) < _bitpack_nbytes(mask) else "bitpack"
+        )
+    payload = (_bitpack(mask),) if codec == "bitpack" else _index_encode(mask)
+    return Packed(codec, tensor.shape, tensor.dtype, tensor.device, payload)
+
+
+def unpack(packed: Packed, device: torch.device | str | None = None) -> Tensor:
+    """Rebuild the tensor on ``device`` (default: the device it was packed from).
+
+    Returns a new contiguous tensor for ``bitpack`` / ``index``; for ``dense`` the stored tensor
+    itself when it is already on ``device`` (do not modify it in place if you reuse ``packed``).
+    """
+    target = packed.device if device is None else torch.device(device)
+    if packed.codec == "dense":
+        return packed.payload[0].to(target)
+    payload = tuple(p.to(target) for p in packed.payload)
+    if packed.codec == "bitpack":
+        flat = _bitunpack(payload[0], packed.numel, packed.dtype)
+    elif packed.codec == "index":
+        flat = _index_decode(payload, packed.numel, packed.dtype)
+    else:
+        raise ValueError(f"unknown codec {packed.codec!r} in Packed: was it built by pack()?")
+    return flat.reshape(packed.shape)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _numel(shape: torch.Size | tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dense(tensor: Tensor) -> Packed:
+    return Packed("dense", tensor.shape, tensor.dtype, tensor.device, (tensor,))
+
+
+def _ones_mask(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """``(is_one, raw)``: bool mask of elements equal to 1 (bitwise) and a tensor whose nonzero
+    elements are exactly the non-zero elements of ``tensor`` (bitwise)."""
+    if tensor.dtype == torch.bool:
+        return tensor, tensor
+    view = _BITS_VIEW.get(tensor.dtype)
+    if view is None:
+        return tensor == 1, tensor
+    raw = tensor.view(view)
+    one = _ONE_BITS.get(tensor.dtype)
+    if one is None:
+        one = _ONE_BITS[tensor.dtype] = int(torch.ones((), dtype=tensor.dtype).view(view).item())
+    return raw == one, raw
+
+
+def _scan(tensor: Tensor) -> tuple[Tensor, int] | None:
+    """``(flat bool mask of ones, count of ones)`` if ``tensor`` is exactly binary, else None."""
+    if tensor.layout != torch.strided or not packable_dtype(tensor.dtype):
+        return None
+    tensor = tensor.detach()
+    if tensor.dtype != torch.bool and tensor.numel() > 16 * _PREFIX and tensor.is_contiguous():
+        head = tensor.view(-1)[:_PREFIX]
+        ones, raw = _ones_mask(head)
+        if int(torch.count_nonzero(ones)) != int(torch.count_nonzero(raw)):
+            return None
+    ones, raw = _ones_mask(tensor)
+    n_ones = int(torch.count_nonzero(ones))
+    if raw is not ones and n_ones != int(torch.count_nonzero(raw)):
+        return None
+    return ones.reshape(-1), n_ones
+
+
+def _bitpack_nbytes(mask: Tensor) -> int:
+    return (mask.numel() + 7) // 8
+
+
+def _index_nbytes(numel: int, n_ones: int) -> int:
+    blocks = 0 if numel <= BLOCK else (numel + BLOCK - 1) // BLOCK
+    return 2 * n_ones + 4 * blocks
+
+
+def _shifts(device: torch.device) -> Tensor:
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return shifts
+
+
+def _table(device: torch.device) -> Tensor:
+    """``(256,)`` int64 whose 8 bytes (memory order) are the 8 bits of the index, LSB first."""
+    table = _TABLES.get(device)
+    if table is None:
+        bytes_ = (torch.arange(256, dtype=torch.uint8).unsqueeze(1) >> torch.arange(8)) & 1
+        table = bytes_.to(torch.uint8).contiguous().view(torch.int64).reshape(256)
+        table = _TABLES[device] = table.to(device)
+    return table
+
+
+def _bitpack(mask: Tensor) -> Tensor:
+    """Flat bool ``(n,)`` -> uint8 ``(ceil(n / 8),)``, bit ``j`` of byte ``i`` = element 8i+j."""
+    u8 = mask.view(torch.uint8)
+    pad = (-u8.numel()) % 8
+    if pad:
+        u8 = torch.cat([u8, u8.new_zeros(pad)])
+    groups = u8.view(-1, 8)
+    return (groups << _shifts(groups.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _bitunpack(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """uint8 ``(ceil(numel / 8),)`` -> ``(numel,)`` of ``dtype`` holding 0 and 1."""
+    if sys.byteorder == "little":
+        bits = _table(packed.device)[packed.long()].view(torch.uint8)
+    else:  # pragma: no cover - big-endian machines
+        bits = ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).reshape(-1)
+    bits = bits[:numel]
+    return bits.view(torch.bool) if dtype == torch.bool else bits.to(dtype)
+
+
+def _index_encode(mask: Tensor) -> tuple[Tensor, ...]:
+    positions = torch.nonzero(mask).reshape(-1)  # int64, ascending
+    local = ((positions & (BLOCK - 1)) - BLOCK // 2).to(torch.int16)
+    if mask.numel() <= BLOCK:
+        return (local,)
+    n_blocks = (mask.numel() + BLOCK - 1) // BLOCK
+    counts = torch.bincount(positions >> 16, minlength=n_blocks).to(torch.int32)
+    return (local, counts)
+
+
+def _index_decode(payload: tuple[Tensor, ...], numel: int, dtype: torch.dtype) -> Tensor:
+    local = payload[0]
+    positions = local.long() + BLOCK // 2
+    if len(payload) > 1:
+        counts = payload[1].long()
+        starts = torch.arange(counts.numel(), device=local.device, dtype=torch.long) * BLOCK
+        positions += torch.repeat_interleave(starts, counts, output_size=local.numel())
+    out = torch.zeros(numel, dtype=dtype, device=local.device)
+    return out.index_fill_(0, positions, 1)
+
+
+def _not_binary_message(tensor: Tensor, name: str, codec: str | None = None) -> str:
+    what = f"{name} (shape {tuple(tensor.shape)}, dtype {tensor.dtype})"
+    use = f"codec {codec!r} needs" if codec else "spikes must be"
+    if tensor.layout != torch.strided:
+        return f"{what}: {use} a dense (strided) tensor, not {tensor.layout}; call .to_dense()."
+    if not packable_dtype(tensor.dtype):
+        return (
+            f"{what}: {use} exactly 0 or 1 in a bool, integer or real floating dtype, not "
+            f"{tensor.dtype}. Convert it, e.g. (x != 0).float(), or store it dense."
+        )
+    flat = tensor.detach().reshape(-1)
+    ones, raw = _ones_mask(flat)
+    bad = torch.nonzero((raw != 0) & ~ones).reshape(-1)
+    first = int(bad[0])
+    value = flat[first].item()
+    shown = "-0.0 (negative zero, which 1 bit cannot keep)" if value == 0 else repr(value)
+    fix = (
+        "add 0.0 (x + 0.0 turns -0.0 into 0.0)"
+        if value == 0
+        else "threshold it, e.g. (x > 0).to(x.dtype), or store it dense (codec='dense')"
+    )
+    return (
+        f"{what}: {use} exactly 0 or 1, but {bad.numel()} of {flat.numel()} elements are not; "
+        f"the first, at flat index {first}, is {shown}. Fix: {fix}."
+    )

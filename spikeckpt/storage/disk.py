@@ -1,0 +1,319 @@
+"""Disk tier: checkpoints packed into files in a private temporary folder, one I/O thread."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import torch
+from torch import Tensor
+
+from spikeckpt.errors import StorageError
+from spikeckpt.storage.base import Ledger, StoreBase
+from spikeckpt.storage.codecs import Packed, pack, unpack
+from spikeckpt.units import format_bytes
+
+__all__ = ["DiskStore"]
+
+
+@dataclass
+class _DiskItem:
+    packs: list[Packed]  # metadata only: payload=()
+    payload_counts: list[int]
+    nbytes: int
+    path: str
+
+
+class DiskStore(StoreBase):
+    """Writes packed tensors to files in a private temporary folder with one background thread.
+
+    ``put`` packs on the calling thread and returns; the write runs in the background.
+    ``prefetch`` reads ahead in the background; ``get`` waits for the read and unpacks on the
+    device; ``drop`` deletes the file. ``close`` (also run when the store is garbage collected
+    or at interpreter exit) stops the thread and deletes the folder. A write or read that fails
+    (full disk, unwritable folder) raises ``StorageError`` on the next ``put``/``get``/
+    ``prefetch``; the store then deletes its files and is closed.
+
+    Dense CPU tensors are written without a copy: do not modify them in place after ``put``.
+
+    Args:
+        device: where ``get`` returns tensors.
+        ledger: counts bytes under ``"disk"``.
+        directory: folder in which to make the store's own ``spikeckpt-*`` folder (created if
+            missing); default: the system temporary folder (``tempfile.gettempdir()``).
+
+    Attributes:
+        directory: the store's own folder (``str``); it is deleted by ``close``.
+    """
+
+    kind = "disk"
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        ledger: Ledger,
+        directory: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.ledger = ledger
+        parent = None if directory is None else os.fspath(directory)
+        try:
+            if parent is not None:
+                os.makedirs(parent, exist_ok=True)
+            self.directory: str = tempfile.mkdtemp(prefix="spikeckpt-", dir=parent)
+        except OSError as exc:
+            where = parent if parent is not None else tempfile.gettempdir()
+            raise _storage_error(exc, where, 0, "create a checkpoint folder in") from exc
+        self._items: dict[int, _DiskItem] = {}
+        self._writes: dict[int, Future[None]] = {}
+        self._reads: dict[int, Future[list[Tensor]]] = {}
+        self._error: StorageError | None = None
+        name = f"spikeckpt-disk-{uuid.uuid4().hex[:8]}"
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._finalizer = weakref.finalize(self, _cleanup, self._worker, self.directory, name)
+
+    def put(self, key: int, tensors: Sequence[Tensor]) -> None:
+        """Pack ``tensors`` and write them to ``<directory>/<key>.pt`` in the background.
+
+        The file exists (possibly still empty) when ``put`` returns.
+        """
+        self._check_usable()
+        self.drop(key)
+        packs = [pack(t).to("cpu") for t in tensors]
+        payload = [t for p in packs for t in p.payload]
+        nbytes = sum(p.nbytes for p in packs)
+        path = os.path.join(self.directory, f"{key}.pt")
+        item = _DiskItem(
+            [p.with_payload(()) for p in packs], [len(p.payload) for p in packs], nbytes, path
+        )
+        try:  # the file exists when put returns (written in the background)
+            open(path, "wb").close()
+        except OSError as exc:
+            self._fail(_storage_error(exc, self.directory, nbytes, "create a checkpoint file in"))
+            raise self._error from exc  # type: ignore[misc]
+        self._writes[key] = self._worker.submit(_write, path, payload, nbytes, self.directory)
+        self._items[key] = item
+        self.ledger.add(self.kind, nbytes)
+        self.ledger.moved(self.kind, written=nbytes)
+
+    def get(self, key: int) -> list[Tensor]:
+        """Wait for ``key``'s write and read (or prefetch), and unpack it on the device."""
+        self._check_usable()
+        item = self._items.get(key)
+        if item is None:
+            raise self._unknown_key(key, list(self._items))
+        future = self._reads.pop(key, None)
+        if future is None:
+            future = self._worker.submit(_read, item.path, item.nbytes, self.directory)
+        try:
+            write = self._writes.get(key)
+            if write is not None:
+                write.result()
+            payload = future.result()
+        except StorageError as exc:
+            self._fail(exc)
+            raise
+        self.ledger.moved(self.kind, read=item.nbytes)
+        out, start = [], 0
+        for meta, count in zip(item.packs, item.payload_counts, strict=True):
+            part = tuple(payload[start : start + count])
+            start += count
+            tensor = unpack(meta.with_payload(part), self.device)
+            if meta.codec == "dense" and tensor is part[0]:
+                tensor = tensor.clone()  # allocate on this thread (visible to MemoryMeter)
+            out.append(tensor)
+        return out
+
+    def prefetch(self, key: int) -> None:
+        """Start reading ``key`` in the background (after its write); ``get`` waits for it."""
+        self._check_usable()
+        item = self._items.get(key)
+        if item is None:
+            raise self._unknown_key(key, list(self._items))
+        if key not in self._reads:
+            self._reads[key] = self._worker.submit(_read, item.path, item.nbytes, self.directory)
+
+    def drop(self, key: int) -> None:
+        """Forget ``key`` and delete its file (in the background, after its write)."""
+        item = self._items.pop(key, None)
+        if item is None:
+            return
+        self.ledger.remove(self.kind, item.nbytes)
+        read = self._reads.pop(key, None)
+        if read is not None:
+            read.cancel()
+        write = self._writes.pop(key, None)
+        if write is not None and write.done() and write.exception() is not None:
+            self._remember(write)
+        if not self._closed:
+            self._worker.submit(_remove, item.path)
+
+    def close(self) -> None:
+        """Stop the thread (pending work is cancelled or waited for) and delete the folder.
+
+        Idempotent; never raises.
+        """
+        for item in self._items.values():
+            self.ledger.remove(self.kind, item.nbytes)
+        self._items.clear()
+        self._reads.clear()
+        self._writes.clear()
+        self._closed = True
+        self._finalizer()
+
+    def flush(self) -> None:
+        """Wait until every write and delete submitted so far is done; raise their errors."""
+        self._check_usable()
+        self._worker.submit(lambda: None).result()
+        self._check_usable()
+
+    def files(self) -> list[str]:
+        """Paths of the checkpoint files now in the store's folder (for tests and debugging)."""
+        try:
+            return sorted(os.path.join(self.directory, f) for f in os.listdir(self.directory))
+        except OSError:
+            return []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    # -- errors
+
+    def _check_usable(self) -> None:
+        if self._error is None:
+            for write in list(self._writes.values()):
+                if write.done() and write.exception() is not None:
+                    self._remember(write)
+                    break
+        if self._error is not None:
+            if not self._closed:
+                self.close()
+            raise self._error
+        self._check_open()
+
+    def _remember(self, write: Future[None]) -> None:
+        exc = write.exception()
+        if self._error is None:
+            self._error = (
+                exc if isinstance(exc, StorageError) else StorageError(f"disk tier: {exc}")
+            )
+
+    def _fail(self, exc: StorageError) -> None:
+        if self._error is None:
+            self._error = exc
+        self.close()
+
+
+def _cleanup(worker: ThreadPoolExecutor, directory: str, thread_prefix: str) -> None:
+    """Stop ``worker`` (cancel what has not started) and delete ``directory``."""
+    in_worker = threading.current_thread().name.startswith(thread_prefix)
+    worker.shutdown(wait=not in_worker, cancel_futures=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _write(path: str, payload: list[Tensor], nbytes: int, directory: str) -> None:
+    """Save ``payload`` to ``path`` (worker thread); errors become ``StorageError``."""
+    writer = None
+    try:
+        with open(path, "wb", buffering=0) as f:
+            writer = _WholeWriter(f)
+            _serialize(payload, writer)
+    except (OSError, RuntimeError) as exc:
+        _remove(path)
+        # torch.save reports a failed write as a RuntimeError: recover the OSError behind it.
+        cause = writer.error if writer is not None and writer.error is not None else exc
+        raise _storage_error(cause, directory, nbytes, "write a checkpoint file in") from exc
+
+
+class _WholeWriter:
+    """File wrapper whose ``write`` writes everything or raises the ``OSError`` (a raw file's
+    short write on a full disk would otherwise reach torch.save as an opaque RuntimeError)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                wrote = self._raw.write(view[done:])
+                if not wrote:
+                    raise OSError(errno.ENOSPC, "short write: no space left on device")
+                done += wrote
+        except OSError as exc:
+            self.error = exc
+            raise
+        return done
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+def _serialize(payload: list[Tensor], file: BinaryIO) -> None:
+    """Write ``payload`` to an open binary file (a seam for tests that simulate a full disk)."""
+    torch.save(payload, file)
+
+
+def _read(path: str, nbytes: int, directory: str) -> list[Tensor]:
+    """Load the payload list from ``path`` (worker thread)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise _storage_error(exc, directory, nbytes, "read a checkpoint file from") from exc
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "the folder is not writable (permission denied)",
+    errno.EPERM: "the folder is not writable (operation not permitted)",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.ENOENT: "the file or folder does not exist (was it deleted?)",
+}
+
+
+def _storage_error(exc: BaseException, directory: str, nbytes: int, action: str) -> StorageError:
+    """A ``StorageError`` that names the folder, the bytes needed and the fixes."""
+    code = getattr(exc, "errno", None)
+    try:
+        free_bytes: int | None = shutil.disk_usage(directory).free
+    except OSError:
+        free_bytes = None
+    if code in _REASONS:
+        reason = _REASONS[code]
+    elif free_bytes is not None and free_bytes < nbytes:
+        reason = "the disk is probably full"
+    else:
+        reason = "the operation failed"
+    free = f" {format_bytes(free_bytes)} are free there." if free_bytes is not None else ""
+    need = f" (needed: {format_bytes(nbytes)}, {nbytes} bytes)" if nbytes else ""
+    message = (
+        f"spikeckpt disk tier: could not {action} {directory!r}{need}: {reason} ({exc}).{free} "
+        "Fix: pass directory= a writable folder on a disk with room for the checkpoints, or "
+        "use storage='host' to keep them in RAM."
+    )
+    err = StorageError(code, message) if code is not None else StorageError(message)
+    err.directory = directory  # type: ignore[attr-defined]
+    err.needed_bytes = nbytes  # type: ignore[attr-defined]
+    return err

@@ -1,0 +1,317 @@
+"""Storage tiers (device, host, disk): round trips, ledger counts, files, cleanup, errors."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from spikeckpt.errors import StorageError
+from spikeckpt.storage import disk as disk_module
+from spikeckpt.storage.base import Ledger, StateStore
+from spikeckpt.storage.codecs import pack
+from spikeckpt.storage.tiers import DeviceStore, DiskStore, HostStore, make_store
+
+KINDS = ["device", "host", "disk"]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def state(seed: int = 0) -> list[torch.Tensor]:
+    """A mixed checkpoint: spikes (float, bool), membrane, counters, a view, empty and 0-d."""
+    gen = torch.Generator().manual_seed(seed)
+    spikes = (torch.rand(32, 700, generator=gen) < 0.05).float()
+    membrane = torch.randn(32, 256, generator=gen)
+    return [
+        spikes,
+        spikes.bool(),
+        membrane,
+        torch.arange(7),
+        membrane.t()[:5],
+        torch.empty(0, 3),
+        torch.tensor(-0.0),
+    ]
+
+
+def expected_bytes(kind: str, tensors: list[torch.Tensor]) -> int:
+    if kind == "device":
+        return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(pack(t).nbytes for t in tensors)
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        assert torch.equal(a, b)
+        if b.is_floating_point():
+            assert torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.fixture(params=KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
+    directory = tmp_path if request.param == "disk" else None
+    made = make_store(request.param, "cpu", Ledger(), directory=directory)
+    yield made
+    made.close()
+
+
+def test_put_get_prefetch_drop_close(store: StateStore) -> None:
+    assert isinstance(store, StateStore)
+    first, second = state(0), state(1)
+    store.put(0, first)
+    store.put(5, second)
+    store.prefetch(5)
+    assert_same(store.get(5), second)
+    assert_same(store.get(0), first)
+    assert_same(store.get(0), first)  # a key can be read again until dropped
+    store.drop(0)
+    store.drop(0)  # unknown keys: no-op
+    with pytest.raises(KeyError, match="no checkpoint 0 in the"):
+        store.get(0)
+    with pytest.raises(KeyError):
+        store.prefetch(0)
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(1, first)
+
+
+def test_ledger_counts_bytes_held_and_moved(store: StateStore) -> None:
+    ledger: Ledger = store.ledger  # type: ignore[attr-defined]
+    kind = store.kind
+    a, b = state(0), state(1)
+    na, nb = expected_bytes(kind, a), expected_bytes(kind, b)
+    store.put(0, a)
+    store.put(1, b)
+    assert ledger.current[kind] == ledger.peak[kind] == na + nb
+    store.put(1, b)  # replacing a key does not count it twice
+    assert ledger.current[kind] == na + nb
+    store.get(1)
+    store.drop(0)
+    assert ledger.current[kind] == nb and ledger.peak[kind] == na + nb
+    if kind == "device":
+        assert ledger.written.get(kind, 0) == ledger.read.get(kind, 0) == 0
+    else:
+        assert ledger.written[kind] == na + 2 * nb
+        assert ledger.read[kind] == nb
+    store.close()
+    assert ledger.current[kind] == 0
+
+
+def test_packed_tiers_hold_spikes_in_a_thirtieth_of_the_dense_bytes(store: StateStore) -> None:
+    spikes = (torch.rand(64, 32, 700) < 0.05).float()
+    store.put(0, [spikes])
+    held = store.ledger.current[store.kind]  # type: ignore[attr-defined]
+    dense = spikes.numel() * 4
+    assert held == dense if store.kind == "device" else held <= dense / 30
+    assert torch.equal(store.get(0)[0], spikes)
+
+
+def test_device_tier_keeps_references() -> None:
+    store = DeviceStore("cpu", Ledger())
+    x = torch.randn(3)
+    store.put(0, [x])
+    assert store.get(0)[0] is x
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_copying_tiers_do_not_share_memory_with_the_input(kind: str, tmp_path: Path) -> None:
+    store = make_store(kind, "cpu", Ledger(), directory=tmp_path if kind == "disk" else None)
+    x = torch.randn(100)
+    store.put(0, [x])
+    if kind == "disk":
+        store.flush()  # type: ignore[attr-defined]
+    x.add_(1.0)
+    assert not torch.equal(store.get(0)[0], x)
+    store.close()
+
+
+def test_make_store_errors() -> None:
+    with pytest.raises(ValueError, match="'device', 'host', 'disk'"):
+        make_store("gpu", "cpu", Ledger())
+    with pytest.raises(ValueError, match="only applies to storage='disk'"):
+        make_store("host", "cpu", Ledger(), directory="/tmp")
+    assert isinstance(make_store("host", "cpu", Ledger()), HostStore)
+
+
+# ---------------------------------------------------------------------------------- disk tier
+
+
+def test_disk_files_exist_after_put_and_go_after_drop_and_close(tmp_path: Path) -> None:
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    folder = Path(store.directory)
+    assert folder.parent == tmp_path and folder.name.startswith("spikeckpt-")
+    store.put(0, state(0))
+    store.put(1, state(1))
+    assert sorted(p.name for p in folder.iterdir()) == ["0.pt", "1.pt"]  # before the writes end
+    store.flush()
+    assert all(p.stat().st_size > 0 for p in folder.iterdir())
+    store.drop(0)
+    store.flush()
+    assert [p.name for p in folder.iterdir()] == ["1.pt"]
+    store.close()
+    assert not folder.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_prefetch_reads_ahead_in_the_background(tmp_path: Path) -> None:
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    checkpoints = {k: state(k) for k in range(4)}
+    for k, tensors in checkpoints.items():
+        store.put(k, tensors)
+    for k in reversed(range(4)):  # backward order, one ahead, dropping as it goes
+        if k > 0:
+            store.prefetch(k - 1)
+        assert_same(store.get(k), checkpoints[k])
+        store.drop(k)
+    store.flush()
+    assert store.files() == []
+    store.close()
+
+
+def test_disk_folder_removed_when_the_store_is_garbage_collected(tmp_path: Path) -> None:
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    folder = Path(store.directory)
+    store.put(0, state(0))
+    del store
+    gc.collect()
+    assert not folder.exists()
+
+
+def test_disk_default_folder_is_a_fresh_temporary_folder() -> None:
+    store = DiskStore("cpu", Ledger())
+    folder = Path(store.directory)
+    assert folder.is_dir() and folder.name.startswith("spikeckpt-")
+    store.close()
+    assert not folder.exists()
+
+
+def test_unwritable_directory_raises_storage_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError) as info:
+        DiskStore("cpu", Ledger(), directory=blocker / "checkpoints")
+    message = str(info.value)
+    assert str(blocker / "checkpoints") in message
+    assert "directory=" in message and "storage='host'" in message
+    assert isinstance(info.value, OSError)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can write anywhere"
+)
+def test_read_only_directory_raises_storage_error(tmp_path: Path) -> None:
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(StorageError, match="not writable"):
+            DiskStore("cpu", Ledger(), directory=tmp_path)
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_full_disk_raises_storage_error_on_the_next_call_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def full_after_one(payload: list[torch.Tensor], file: object) -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            file.write(b"partial")  # type: ignore[attr-defined]
+            raise OSError(errno.ENOSPC, "No space left on device")
+        torch.save(payload, file)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_module, "_serialize", full_after_one)
+    ledger = Ledger()
+    store = DiskStore("cpu", ledger, directory=tmp_path)
+    folder = Path(store.directory)
+    store.put(0, state(0))
+    store.put(1, state(1))  # fails in the background thread
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    with pytest.raises(StorageError) as info:
+        store.get(0)  # the next call surfaces it
+    error = info.value
+    assert error.errno == errno.ENOSPC
+    message = str(error)
+    assert "disk is full" in message and str(folder) in message
+    assert "needed:" in message and "storage='host'" in message
+    assert not folder.exists()  # the store removed its files and folder
+    assert ledger.current["disk"] == 0
+    with pytest.raises(StorageError):
+        store.put(2, state(2))  # and stays failed
+    store.close()
+
+
+def test_read_errors_raise_storage_error(tmp_path: Path) -> None:
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    store.put(0, state(0))
+    store.flush()
+    (Path(store.directory) / "0.pt").unlink()  # someone cleaned the temporary folder
+    with pytest.raises(StorageError, match="read a checkpoint file"):
+        store.get(0)
+    store.close()
+
+
+# ---------------------------------------------------------------------------------- CUDA paths
+
+
+@cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_round_trip(kind: str, tmp_path: Path) -> None:
+    device = torch.device("cuda")
+    store = make_store(kind, device, Ledger(), directory=tmp_path if kind == "disk" else None)
+    checkpoints = {k: [t.to(device) for t in state(k)] for k in range(3)}
+    for k, tensors in checkpoints.items():
+        store.put(k, tensors)
+    for k in reversed(range(3)):
+        if k > 0:
+            store.prefetch(k - 1)
+        got = store.get(k)
+        assert all(t.device.type == "cuda" for t in got)
+        assert_same(got, checkpoints[k])
+        store.drop(k)
+    store.close()
+
+
+@cuda
+def test_cuda_host_tier_reuses_pinned_buffers_and_overlaps() -> None:
+    store = HostStore("cuda", Ledger())
+    assert store.pin_memory
+    x = (torch.rand(256, 1024, device="cuda") < 0.3).float()
+    m = torch.randn(256, 1024, device="cuda")
+    for _ in range(3):  # same sizes every iteration: buffers allocated once
+        for k in range(4):
+            store.put(k, [x, m + k])
+        allocated = store.pinned_bytes
+        for k in reversed(range(4)):
+            if k > 0:
+                store.prefetch(k - 1)
+            got = store.get(k)
+            assert torch.equal(got[0], x) and torch.equal(got[1], m + k)
+            store.drop(k)
+    assert store.pinned_bytes == allocated
+    store.close()
+
+
+@cuda
+def test_cuda_host_tier_survives_freeing_the_source_right_after_put() -> None:
+    store = HostStore("cuda", Ledger())
+    expected = []
+    for k in range(8):
+        t = torch.randn(1 << 20, device="cuda")
+        expected.append(t.cpu())
+        store.put(k, [t * 1.0])  # the temporary is freed at once; the side copy must still see it
+        del t
+        torch.randn(1 << 22, device="cuda")  # reuse freed blocks on the main stream
+    for k in range(8):
+        assert torch.equal(store.get(k)[0].cpu(), expected[k])
+    store.close()
