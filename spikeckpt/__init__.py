@@ -31,11 +31,13 @@ _LAZY: dict[str, str] = {
     "wrap": "spikeckpt.wrap",
     "unwrap": "spikeckpt.wrap",
     "CheckpointedSequence": "spikeckpt.wrap",
+    "DataNotFoundError": "spikeckpt.data.errors",
 }
 
 __all__ = [
     "BudgetTooSmall",
     "CheckpointedSequence",
+    "DataNotFoundError",
     "MemoryMeter",
     "NotBinaryError",
     "ScanStats",

@@ -1,0 +1,62 @@
+"""SHD and N-MNIST for long-sequence training: tonic data modules and synthetic files.
+
+Needs the optional extras ``tonic`` (tonic, h5py) and, for the data modules, ``lightning``:
+``pip install "spikeckpt[tonic,lightning]"``. Names are loaded on first use, so
+``import spikeckpt.data`` and :class:`DataNotFoundError` need neither.
+
+Public names: :class:`SHDDataModule`, :class:`NMNISTDataModule` (Lightning data modules,
+batches ``(x (T, B, ...) float32, y (B,) int64)``), :func:`write_synthetic_shd`,
+:func:`write_synthetic_nmnist`, :func:`steps_for` and :class:`DataNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from spikeckpt.data.errors import DataNotFoundError
+
+_LAZY: dict[str, tuple[str, str]] = {
+    "SHDDataModule": ("spikeckpt.data.modules", "tonic,lightning"),
+    "NMNISTDataModule": ("spikeckpt.data.modules", "tonic,lightning"),
+    "write_synthetic_shd": ("spikeckpt.data.synthetic", "tonic"),
+    "write_synthetic_nmnist": ("spikeckpt.data.synthetic", "tonic"),
+    "steps_for": ("spikeckpt.data.frames", "tonic"),
+    "EventsToSpikes": ("spikeckpt.data.frames", "tonic"),
+    "pad_time_first": ("spikeckpt.data.frames", "tonic"),
+    "NMNIST": ("spikeckpt.data.datasets", "tonic"),
+    "open_dataset": ("spikeckpt.data.datasets", "tonic"),
+}
+
+__all__ = [
+    "DataNotFoundError",
+    "EventsToSpikes",
+    "NMNIST",
+    "NMNISTDataModule",
+    "SHDDataModule",
+    "open_dataset",
+    "pad_time_first",
+    "steps_for",
+    "write_synthetic_nmnist",
+    "write_synthetic_shd",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'spikeckpt.data' has no attribute {name!r}")
+    module, extras = _LAZY[name]
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"spikeckpt.data.{name} needs the optional package {err.name!r}: "
+            f'pip install "spikeckpt[{extras}]"',
+            name=err.name,
+        ) from err
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

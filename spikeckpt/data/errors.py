@@ -1,0 +1,13 @@
+"""Errors of the data layer. Pure Python: importing this module imports neither tonic nor torch."""
+
+from __future__ import annotations
+
+from spikeckpt.errors import SpikeckptError
+
+
+class DataNotFoundError(SpikeckptError, FileNotFoundError):
+    """A dataset's files are not where tonic looks for them and could not be downloaded.
+
+    The message names the folder tonic reads, the files it needs there, and how to write synthetic
+    files in the same format instead (``spikeckpt data synth`` or ``synthetic=True``).
+    """

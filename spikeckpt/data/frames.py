@@ -1,0 +1,142 @@
+"""Events -> fixed-step spike frames, time-first padded batches, seeded workers.
+
+Time convention: bin ``k`` holds the events with ``k * dt_us <= t < (k + 1) * dt_us``, counted from
+t = 0 (the start of the recording, not its first event). A recording whose last event is at
+``t_last`` gives ``T = floor(t_last / dt_us) + 1`` steps; with ``duration_us`` every recording
+gives ``T = ceil(duration_us / dt_us)`` steps (later events dropped, missing steps empty).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tonic.transforms import ToFrame
+
+
+def steps_for(duration_us: float, dt_us: float) -> int:
+    """Time steps ``T`` that ``duration_us`` microseconds give at ``dt_us`` per step (>= 1).
+
+    ``steps_for(1_000_000, 1000) == 1000``; SHD's ~1 s recordings at 0.1 ms give ~10,000.
+    """
+    if dt_us <= 0:
+        raise ValueError(f"dt_us must be > 0 microseconds, got {dt_us}")
+    if duration_us <= 0:
+        raise ValueError(f"duration_us must be > 0 microseconds, got {duration_us}")
+    return max(1, math.ceil(duration_us / dt_us))
+
+
+def steps_for_events(last_event_us: float, dt_us: float) -> int:
+    """Time steps of a recording whose last event is at ``last_event_us`` (variable-length mode)."""
+    return int(last_event_us // dt_us) + 1
+
+
+@dataclass(frozen=True)
+class EventsToSpikes:
+    """Tonic transform: structured events -> float32 spike frames, time first.
+
+    Uses tonic's ``ToFrame(time_window=dt_us, start_time=0, ...)`` and handles what it does not:
+    empty recordings (ToFrame returns a float64 array of another shape for them), a fixed length,
+    and binarisation.
+
+    Args:
+        sensor_size: tonic's ``(X, Y, P)``: ``(channels, 1, 1)`` for SHD, ``(34, 34, 2)`` N-MNIST.
+        dt_us: bin width (microseconds).
+        duration_us: if set, every sample gets ``T = ceil(duration_us / dt_us)`` steps.
+        binarize: clamp counts to 1 (spikes) instead of keeping counts per bin.
+        flatten: for 2-D sensors, return ``(T, P*Y*X)`` instead of ``(T, P, Y, X)``.
+
+    Returns (from ``__call__``): ``(T, X)`` for sensors without ``y`` (SHD, P must be 1),
+    ``(T, P, Y, X)`` or ``(T, P*Y*X)`` otherwise; float32.
+    """
+
+    sensor_size: tuple[int, int, int]
+    dt_us: float
+    duration_us: float | None = None
+    binarize: bool = True
+    flatten: bool = False
+
+    def __post_init__(self) -> None:
+        steps_for(self.dt_us if self.duration_us is None else self.duration_us, self.dt_us)
+
+    def frame_shape(self, has_y: bool) -> tuple[int, ...]:
+        """Shape of one time step's frame."""
+        x, y, p = self.sensor_size
+        if not has_y:
+            return (p * x,)
+        return (p * y * x,) if self.flatten else (p, y, x)
+
+    def __call__(self, events: np.ndarray) -> np.ndarray:
+        has_y = "y" in (events.dtype.names or ())
+        shape = self.frame_shape(has_y)
+        if len(events) == 0:
+            steps = 1 if self.duration_us is None else steps_for(self.duration_us, self.dt_us)
+            return np.zeros((steps, *shape), dtype=np.float32)
+        if self.duration_us is None:
+            last = float(events["t"].max())
+            steps, end = steps_for_events(last, self.dt_us), last + 1
+        else:
+            steps, end = steps_for(self.duration_us, self.dt_us), self.duration_us
+        to_frame = ToFrame(
+            sensor_size=self.sensor_size,
+            time_window=self.dt_us,
+            start_time=0,
+            end_time=end,
+            include_incomplete=True,
+        )
+        frames = to_frame(events)[:steps]  # int16 counts (T', P, X) or (T', P, Y, X)
+        frames = frames.reshape(len(frames), *shape)
+        if len(frames) < steps:  # guard against float rounding in tonic's slice count
+            pad = np.zeros((steps - len(frames), *shape), dtype=frames.dtype)
+            frames = np.concatenate([frames, pad])
+        if self.binarize:
+            frames = np.minimum(frames, 1)
+        return frames.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Apply transforms in order. Unlike ``tonic.transforms.Compose``, which stops at an empty
+    recording and returns the raw (empty) events, this always runs every step."""
+
+    steps: tuple[Callable[[Any], Any], ...]
+
+    def __call__(self, data: Any) -> Any:
+        for step in self.steps:
+            data = step(data)
+        return data
+
+
+def pad_time_first(
+    batch: Sequence[tuple[np.ndarray | torch.Tensor, int | np.integer | torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collate ``(frames (T_i, ...), label)`` pairs into ``(T_max, B, ...)`` float32 and ``(B,)``
+    int64, zero-padding the end of shorter samples. Same result as tonic's
+    ``PadTensors(batch_first=False)``, with the dtypes fixed."""
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    frames = [torch.as_tensor(np.asarray(x), dtype=torch.float32) for x, _ in batch]
+    shapes = {tuple(f.shape[1:]) for f in frames}
+    if len(shapes) != 1:
+        raise ValueError(f"samples in a batch have different frame shapes {sorted(shapes)}")
+    steps = max(len(f) for f in frames)
+    out = torch.zeros((steps, len(frames), *frames[0].shape[1:]), dtype=torch.float32)
+    for i, f in enumerate(frames):
+        out[: len(f), i] = f
+    labels = torch.tensor([int(y) for _, y in batch], dtype=torch.int64)
+    return out, labels
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: seed NumPy and ``random`` from the worker's torch seed.
+
+    Tonic's random transforms draw from NumPy's global RNG, which forked workers would share.
+    """
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)

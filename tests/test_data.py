@@ -1,0 +1,447 @@
+"""spikeckpt.data: synthetic files in the real formats -> stock tonic classes -> data modules."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+tonic = pytest.importorskip("tonic")
+h5py = pytest.importorskip("h5py")
+pytest.importorskip("lightning")
+
+from spikeckpt.data import (  # noqa: E402
+    DataNotFoundError,
+    NMNISTDataModule,
+    SHDDataModule,
+    steps_for,
+    write_synthetic_nmnist,
+    write_synthetic_shd,
+)
+from spikeckpt.data.cli import add_data_parser  # noqa: E402
+from spikeckpt.data.datasets import NMNIST  # noqa: E402
+from spikeckpt.data.frames import EventsToSpikes  # noqa: E402
+from spikeckpt.data.synthetic import MARKER, SHD_KEYS, encode_nmnist_events  # noqa: E402
+from spikeckpt.errors import SpikeckptError  # noqa: E402
+
+
+def _offline() -> bool:
+    try:
+        socket.getaddrinfo("zenkelab.org", 443)
+    except OSError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def shd_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("shd")
+    write_synthetic_shd(root, samples=40, test_samples=12, duration_s=0.5, include_empty=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def nmnist_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("nmnist")
+    write_synthetic_nmnist(root, samples=30, test_samples=10, include_empty=True)
+    return root
+
+
+def _raw_lengths(dataset, dt_us: float) -> list[int]:
+    """T of each raw tonic sample: floor(t_last / dt) + 1, 1 for an empty recording."""
+    out = []
+    for i in range(len(dataset)):
+        events, _ = dataset[i]
+        out.append(int(events["t"].max() // dt_us) + 1 if len(events) else 1)
+    return out
+
+
+# ------------------------------------------------------------------------------ import hygiene
+
+
+def test_import_spikeckpt_imports_no_optional_extra() -> None:
+    code = (
+        "import sys, spikeckpt, spikeckpt.data, spikeckpt.data.cli;"
+        "bad = [m for m in ('tonic', 'h5py', 'lightning') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- files and tonic
+
+
+def test_shd_file_has_the_public_layout(shd_root: Path) -> None:
+    loc = shd_root / "SHD"
+    for name in ("shd_train.h5", "shd_test.h5", "shd_train.h5.zip", "shd_test.h5.zip", MARKER):
+        assert (loc / name).is_file(), name
+    with h5py.File(loc / "shd_train.h5", "r") as f:
+        assert h5py.check_vlen_dtype(f["spikes/times"].dtype) == np.float16
+        assert h5py.check_vlen_dtype(f["spikes/units"].dtype) == np.uint16
+        assert f["labels"].dtype == np.uint16 and f["labels"].shape == (40,)
+        assert [k.decode() for k in f["extra/keys"][()]] == list(SHD_KEYS)
+        assert f["extra/speaker"].shape == (40,)
+        for field in ("gender", "age", "body_height"):
+            assert f"extra/meta_info/{field}" in f
+        times = f["spikes/times"][3]
+        assert np.all(np.diff(times) >= 0) and times.max() <= 0.5
+
+
+def test_stock_tonic_shd_reads_synthetic_with_class_bands(shd_root: Path) -> None:
+    ds = tonic.datasets.SHD(save_to=str(shd_root), train=True)
+    assert len(ds) == 40 and len(ds.classes) == 20
+    empty, _ = ds[0]
+    assert len(empty) == 0
+    for i in range(1, 10):
+        events, label = ds[i]
+        assert events.dtype.names == ("t", "x", "p")
+        assert events["t"].max() <= 500_000 and events["x"].max() < 700
+        assert 0 <= label < 20
+        assert abs(np.median(events["x"]) - (label + 0.5) * 35) < 10  # the class band
+
+
+def test_nmnist_encoding_round_trips_through_tonic_reader(tmp_path: Path) -> None:
+    x = np.array([0, 33, 5, 17])
+    y = np.array([0, 33, 20, 9])
+    t = np.array([0, 255, 70_000, 2**23 - 1])
+    p = np.array([0, 1, 1, 0])
+    path = tmp_path / "sample.bin"
+    path.write_bytes(encode_nmnist_events(x, y, t, p))
+    events = tonic.io.read_mnist_file(str(path), dtype=tonic.datasets.NMNIST.dtype)
+    for name, want in zip("xytp", (x, y, t, p), strict=True):
+        np.testing.assert_array_equal(events[name], want)
+
+
+def test_nmnist_subclass_trusts_small_synthetic_folder(nmnist_root: Path) -> None:
+    ds = NMNIST(save_to=str(nmnist_root), train=True)
+    assert type(ds).__name__ == "NMNIST" and isinstance(ds, tonic.datasets.NMNIST)
+    assert ds.location_on_system == str(nmnist_root / "NMNIST")
+    assert not tonic.datasets.NMNIST._check_exists(ds)  # stock tonic would download here
+    assert len(ds) == 30 and sorted(set(ds.targets)) == list(range(10))
+    events, label = ds[0]
+    assert len(events) == 0 and label == 0  # include_empty: 0/00000.bin is listed first
+    events, label = ds[5]
+    assert events["t"].max() < 300_000 and events["x"].max() < 34 and events["y"].max() < 34
+
+
+@pytest.mark.slow
+def test_stock_tonic_nmnist_reads_10000_synthetic_files(tmp_path: Path) -> None:
+    write_synthetic_nmnist(tmp_path, samples=10_000, test_samples=1, events_per_second=100)
+    ds = tonic.datasets.NMNIST(save_to=str(tmp_path), train=True)
+    assert len(ds) == 10_000
+    events, label = ds[123]
+    assert len(events) > 0 and 0 <= label < 10
+
+
+def test_writer_refuses_to_overwrite_real_data(tmp_path: Path) -> None:
+    (tmp_path / "SHD").mkdir()
+    (tmp_path / "SHD" / "shd_train.h5").write_bytes(b"real")
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        write_synthetic_shd(tmp_path, samples=4)
+
+
+def test_writer_is_deterministic(tmp_path: Path) -> None:
+    a = write_synthetic_shd(tmp_path / "a", samples=6, seed=3)
+    b = write_synthetic_shd(tmp_path / "b", samples=6, seed=3)
+    with h5py.File(a / "shd_train.h5") as fa, h5py.File(b / "shd_train.h5") as fb:
+        np.testing.assert_array_equal(fa["labels"][()], fb["labels"][()])
+        np.testing.assert_array_equal(fa["spikes/units"][2], fb["spikes/units"][2])
+
+
+# ------------------------------------------------------------------------------- framing
+
+
+def test_steps_for() -> None:
+    assert steps_for(1_000_000, 1000) == 1000
+    assert steps_for(1_000_000, 100) == 10_000
+    assert steps_for(300_000, 1000) == 300
+    assert steps_for(500, 1000) == 1
+    with pytest.raises(ValueError, match="dt_us"):
+        steps_for(1000, 0)
+
+
+def test_empty_recording_frames() -> None:
+    events = np.zeros(0, dtype=tonic.datasets.SHD.dtype)
+    stock = tonic.transforms.ToFrame(sensor_size=(700, 1, 1), time_window=1000)(events)
+    assert stock.shape == (1, 1, 700, 1) and stock.dtype == np.float64  # the tonic quirk
+    ours = EventsToSpikes((700, 1, 1), dt_us=1000)(events)
+    assert ours.shape == (1, 700) and ours.dtype == np.float32 and not ours.any()
+    fixed = EventsToSpikes((34, 34, 2), dt_us=1000, duration_us=50_000)(
+        np.zeros(0, dtype=tonic.datasets.NMNIST.dtype)
+    )
+    assert fixed.shape == (50, 2, 34, 34)
+
+
+# -------------------------------------------------------------------------- data modules
+
+
+@pytest.mark.parametrize("dt_us", [1000, 4000, 25_000])
+def test_shd_module_T_padding_labels_counts(shd_root: Path, dt_us: int) -> None:
+    dm = SHDDataModule(shd_root, dt_us=dt_us, batch_size=12, binarize=False, download=False)
+    dm.setup()
+    x, y = next(iter(dm.test_dataloader()))
+    raw = tonic.datasets.SHD(save_to=str(shd_root), train=False)
+    lengths = _raw_lengths(raw, dt_us)
+    assert x.shape == (max(lengths), 12, 700) and x.dtype == torch.float32
+    assert y.dtype == torch.int64 and y.tolist() == [int(raw[i][1]) for i in range(12)]
+    assert dm.T is None and max(lengths) <= math.ceil(500_000 / dt_us)
+    for i, length in enumerate(lengths):
+        assert not x[length:, i].any()  # zero padding after the sample's end
+        assert x[:, i].sum() == len(raw[i][0])  # every spike counted once
+        if i > 0:
+            assert x[length - 1, i].any()  # the last bin holds the last spike
+    assert not x[:, 0].any()  # the empty recording
+
+
+@pytest.mark.parametrize("dt_us", [1000, 10_000])
+def test_shd_module_fixed_duration_binarized_downsampled(shd_root: Path, dt_us: int) -> None:
+    dm = SHDDataModule(
+        shd_root, dt_us=dt_us, duration_us=300_000, channels=70, batch_size=8, download=False
+    )
+    dm.setup()
+    expected_steps = 300_000 // dt_us
+    assert (dm.T, dm.frame_shape) == (expected_steps, (70,))
+    for loader in (dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader()):
+        x, y = next(iter(loader))
+        assert x.shape[0] == dm.T and x.shape[2] == 70
+        assert set(x.unique().tolist()) <= {0.0, 1.0}
+        assert y.min() >= 0 and y.max() < 20
+
+
+def test_counts_exceed_one_without_binarize(shd_root: Path) -> None:
+    dm = SHDDataModule(shd_root, dt_us=50_000, channels=20, binarize=False, download=False)
+    dm.setup()
+    x, _ = next(iter(dm.test_dataloader()))
+    assert x.max() > 1
+
+
+def test_split_is_seeded_disjoint_and_complete(shd_root: Path) -> None:
+    def split(seed: int, fraction: float = 0.25) -> tuple[list[int], list[int]]:
+        dm = SHDDataModule(shd_root, val_fraction=fraction, seed=seed, download=False)
+        dm.setup()
+        return list(dm.train_set.indices), list(dm.val_set.indices)
+
+    train, val = split(0)
+    assert len(val) == 10 and sorted(train + val) == list(range(40))
+    assert split(0) == (train, val)
+    assert split(1)[1] != val
+    dm = SHDDataModule(shd_root, val_fraction=0.0, download=False)
+    dm.setup()
+    assert dm.val_dataloader() == [] and len(dm.train_set) == 40
+
+
+def test_two_workers_give_the_same_batches(shd_root: Path) -> None:
+    def batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dm = SHDDataModule(
+            shd_root, dt_us=10_000, batch_size=8, num_workers=workers, seed=5, download=False
+        )
+        dm.setup()
+        return list(dm.train_dataloader())
+
+    serial, parallel = batches(0), batches(2)
+    assert len(serial) == len(parallel) == 5
+    for (xa, ya), (xb, yb) in zip(serial, parallel, strict=True):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+def test_disk_cache_keyed_by_settings(shd_root: Path, tmp_path: Path) -> None:
+    def first(dt_us: int) -> torch.Tensor:
+        dm = SHDDataModule(shd_root, dt_us=dt_us, cache_dir=tmp_path, download=False)
+        dm.setup()
+        return next(iter(dm.test_dataloader()))[0]
+
+    a = first(5000)
+    assert torch.equal(first(5000), a)  # read back from the cache
+    b = first(10_000)
+    assert b.shape[0] < a.shape[0]
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert [f[:9] for f in folders] == ["shd-test-"] * 2 + ["shd-train"] * 2  # one per dt_us
+    assert len(list(tmp_path.glob("shd-test-*/*.hdf5"))) == 2 * 12
+
+
+def test_nmnist_module_shapes(nmnist_root: Path) -> None:
+    dm = NMNISTDataModule(nmnist_root, dt_us=1000, batch_size=10, download=False)
+    dm.setup()
+    x, y = next(iter(dm.test_dataloader()))
+    assert x.shape[1:] == (10, 2, 34, 34) and 270 <= x.shape[0] <= 300
+    assert x.dtype == torch.float32 and y.dtype == torch.int64
+    assert not x[:, 0].any() and y[0] == 0  # the empty recording
+    flat = NMNISTDataModule(nmnist_root, dt_us=2000, flatten=True, batch_size=4, download=False)
+    flat.setup()
+    xf, _ = next(iter(flat.train_dataloader()))
+    assert xf.shape[1:] == (4, 2312) and xf.shape[0] <= 150 and flat.frame_shape == (2312,)
+    first = NMNISTDataModule(nmnist_root, first_saccade_only=True, batch_size=10, download=False)
+    first.setup()
+    xs, _ = next(iter(first.test_dataloader()))
+    assert xs.shape[0] <= 100
+
+
+# --------------------------------------------------------------------------- missing data
+
+
+@pytest.mark.parametrize("module", [SHDDataModule, NMNISTDataModule])
+def test_missing_files_without_download(module: type, tmp_path: Path) -> None:
+    dm = module(tmp_path, download=False)
+    with pytest.raises(DataNotFoundError) as info:
+        dm.setup()
+    message = str(info.value)
+    assert str(dm.location) in message and "spikeckpt data synth" in message
+    assert "synthetic=True" in message
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, SpikeckptError)
+
+
+@pytest.mark.skipif(not _offline(), reason="online: tonic would download the real data set")
+@pytest.mark.parametrize("module", [SHDDataModule, NMNISTDataModule])
+def test_offline_download_failure_becomes_data_not_found(module: type, tmp_path: Path) -> None:
+    dm = module(tmp_path)  # the real tonic classes try to download and fail offline
+    with pytest.raises(DataNotFoundError, match="spikeckpt data synth") as info:
+        dm.setup()
+    assert "URLError" in str(info.value) and str(dm.location) in str(info.value)
+
+
+def test_missing_archive_placeholder_is_explained(tmp_path: Path) -> None:
+    write_synthetic_shd(tmp_path, samples=4)
+    (tmp_path / "SHD" / "shd_train.h5.zip").unlink()
+    with pytest.raises(DataNotFoundError, match="touch"):
+        SHDDataModule(tmp_path, download=False).setup()
+
+
+def test_synthetic_true_writes_and_uses_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dm = SHDDataModule(tmp_path, synthetic=True, synthetic_samples=20, dt_us=20_000)
+    with caplog.at_level(logging.WARNING, logger="spikeckpt.data"):
+        dm.prepare_data()
+        dm.setup()
+    assert "synthetic" in caplog.text and dm.is_synthetic
+    assert len(dm.train_set) + len(dm.val_set) == 20 and len(dm.test_set) == 5
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape[1:] == (18, 700)
+    nm = NMNISTDataModule(tmp_path, synthetic=True, synthetic_samples=10, batch_size=2)
+    nm.setup()
+    assert len(nm.test_set) == 2 and nm.is_synthetic
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+
+def test_cli_synth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="spikeckpt")
+    add_data_parser(parser.add_subparsers(dest="command"))
+    for dataset, folder in (("shd", "SHD"), ("nmnist", "NMNIST")):
+        args = parser.parse_args(
+            ["data", "synth", "--dataset", dataset, "--root", str(tmp_path), "--samples", "8"]
+        )
+        assert args.handler(args) == 0
+        assert str(tmp_path / folder) in capsys.readouterr().out
+    assert tonic.datasets.SHD(save_to=str(tmp_path), train=True).__len__() == 8
+    assert len(NMNIST(save_to=str(tmp_path), train=False)) == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["data", "synth", "--dataset", "mnist", "--root", str(tmp_path)])
+    (tmp_path / "real" / "SHD").mkdir(parents=True)
+    (tmp_path / "real" / "SHD" / "shd_test.h5").write_bytes(b"")
+    args = parser.parse_args(
+        ["data", "synth", "--dataset", "shd", "--root", str(tmp_path / "real")]
+    )
+    assert args.handler(args) == 1
+    assert "refusing" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ training
+
+
+EPOCHS = 2
+
+
+@pytest.mark.slow
+def test_snntorch_learns_synthetic_shd(tmp_path: Path) -> None:
+    snn = pytest.importorskip("snntorch")
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: 2 threads on a busy 2-core machine ran 30x slower
+    try:
+        accuracy = _train_and_test(snn, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert accuracy > 2.5 / 20, f"accuracy {accuracy:.2f} vs chance 0.05"
+
+
+def _train_and_test(snn: Any, tmp_path: Path) -> float:
+    """Train Linear-Leaky-Linear-Leaky on synthetic SHD; return the test accuracy."""
+    write_synthetic_shd(tmp_path, samples=200, test_samples=60, duration_s=0.5, seed=1)
+    dm = SHDDataModule(tmp_path, dt_us=10_000, channels=100, batch_size=20, download=False)
+    dm.setup()
+    fc1, fc2 = torch.nn.Linear(100, 64), torch.nn.Linear(64, 20)
+    lif1, lif2 = snn.Leaky(beta=0.9), snn.Leaky(beta=0.9)
+    params = [*fc1.parameters(), *fc2.parameters()]
+    opt = torch.optim.Adam(params, lr=5e-3)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        """(T, B, 100) spikes -> (B, 20) logits: output membrane averaged over time."""
+        mem1 = torch.zeros(x.shape[1], 64)
+        mem2 = torch.zeros(x.shape[1], 20)
+        total = torch.zeros(x.shape[1], 20)
+        for x_t in x:
+            spk1, mem1 = lif1(fc1(x_t), mem1)
+            _, mem2 = lif2(fc2(spk1), mem2)
+            total = total + mem2
+        return total / len(x)
+
+    for _ in range(EPOCHS):
+        for x, y in dm.train_dataloader():
+            loss = torch.nn.functional.cross_entropy(forward(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in dm.test_dataloader():
+            correct += int((forward(x).argmax(1) == y).sum())
+            total += len(y)
+    return correct / total
+
+
+@pytest.mark.slow
+def test_lightning_trainer_fits_on_shd_module(tmp_path: Path) -> None:
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(700, 20)
+
+        def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.fc(x.mean(0)), y)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.step(batch)
+
+        def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            # time-first batches: Lightning would take T for the batch size
+            self.log("val_loss", self.step(batch), batch_size=len(batch[1]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = SHDDataModule(tmp_path, synthetic=True, synthetic_samples=24, dt_us=20_000, batch_size=8)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), datamodule=dm)
+    assert trainer.state.finished and "val_loss" in trainer.callback_metrics
