@@ -74,7 +74,9 @@ def packed_saved_tensors(min_numel: int = 1024) -> Iterator[SavedStats]:
                 stats.stored_bytes += packed.nbytes
                 return packed
         stats.stored_bytes += nbytes
-        return tensor
+        # A detached alias (no copy): returning the tensor itself would tie a saved output to
+        # its own graph node in a reference cycle that only the garbage collector breaks.
+        return tensor.detach()
 
     def unpack_hook(saved: _Saved) -> Tensor:
         if isinstance(saved, Packed):

@@ -1,0 +1,246 @@
+"""Benchmark ``spikeckpt.scan`` against the ways users save memory today (a script, not a test).
+
+Network: 2 LIF layers (``inputs -> hidden -> hidden``, learnable decays, fast-sigmoid surrogate),
+batch 32, 700 Bernoulli input channels at 5% density, output spikes summed over time.
+Methods: plain BPTT loop; ``torch.utils.checkpoint`` per ``ceil(sqrt(T))``-step segment
+(``use_reentrant=False``); ``torch.autograd.graph.save_on_cpu``; ``scan`` with Uniform,
+Revolve (slots chosen to fit in the checkpoint baseline's modeled memory) and Double (disk).
+Peak bytes come from ``spikeckpt.MemoryMeter`` (one separate run: the meter slows ops down);
+times are the median of ``--repeats`` unmetered iterations (forward + backward). Ratios are to
+BPTT in the same run. ``max|dg|`` is the largest difference of any parameter gradient from
+BPTT's (0 means bitwise equal).
+
+    python benchmarks/bench_scan.py                 # T = 1000 and 4000
+    python benchmarks/bench_scan.py --T 300 --repeats 1 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import spikeckpt as sc
+from spikeckpt import plans as P
+from spikeckpt.engine.probe import probe_step
+
+
+class Spike(torch.autograd.Function):
+    """Heaviside forward, fast-sigmoid surrogate gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, v: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(v)
+        return (v > 0).to(v.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:  # type: ignore[override]
+        (v,) = ctx.saved_tensors
+        return g / (1 + 10 * v.abs()) ** 2
+
+
+class LIF2(nn.Module):
+    """``step((v1, v2), x_t) -> ((v1, v2), z2_t)``; ``x_t`` is ``(B, inputs)``, ``v`` ``(B, H)``."""
+
+    def __init__(self, n_in: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(n_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.d1 = nn.Parameter(torch.tensor(2.0))
+        self.d2 = nn.Parameter(torch.tensor(2.0))
+        with torch.no_grad():
+            self.fc1.weight.mul_(4.0)
+            self.fc2.weight.mul_(4.0)
+
+    def forward(self, state: tuple[Tensor, Tensor], x: Tensor) -> tuple[Any, Tensor]:
+        v1, v2 = state
+        v1 = torch.sigmoid(self.d1) * v1 + self.fc1(x)
+        z1 = Spike.apply(v1 - 1.0)
+        v1 = v1 - z1
+        v2 = torch.sigmoid(self.d2) * v2 + self.fc2(z1)
+        z2 = Spike.apply(v2 - 1.0)
+        v2 = v2 - z2
+        return (v1, v2), z2
+
+
+def _loss(count: Tensor) -> Tensor:
+    """Spike counts ``(B, H)`` -> a scalar."""
+    return (count / count.new_tensor(50.0) - 1.0).square().mean()
+
+
+def _loop(net: LIF2, x: Tensor, state: Any, a: int, b: int) -> tuple[Any, Tensor]:
+    count = None
+    for t in range(a, b):
+        state, z = net(state, x[t])
+        count = z if count is None else count + z
+    assert count is not None
+    return state, count
+
+
+def run_bptt(net: LIF2, x: Tensor, s0: Any) -> None:
+    _, count = _loop(net, x, s0, 0, x.shape[0])
+    _loss(count).backward()
+
+
+def run_checkpoint(net: LIF2, x: Tensor, s0: Any) -> None:
+    T = x.shape[0]
+    k = math.isqrt(T - 1) + 1
+
+    def segment(v1: Tensor, v2: Tensor, xs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        (v1, v2), count = _loop(net, xs, (v1, v2), 0, xs.shape[0])
+        return v1, v2, count
+
+    v1, v2 = s0
+    total = None
+    for a in range(0, T, k):
+        v1, v2, count = checkpoint(segment, v1, v2, x[a : a + k], use_reentrant=False)
+        total = count if total is None else total + count
+    assert total is not None
+    _loss(total).backward()
+
+
+def run_save_on_cpu(net: LIF2, x: Tensor, s0: Any) -> None:
+    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        _, count = _loop(net, x, s0, 0, x.shape[0])
+        loss = _loss(count)
+    loss.backward()
+
+
+def scan_runner(
+    plan: Any, storage: str, directory: str | None = None, pack_tape: bool = True
+) -> Callable[..., None]:
+    def run(net: LIF2, x: Tensor, s0: Any) -> None:
+        count, _, stats = sc.scan(
+            net, x, s0, plan=plan, storage=storage, readout="sum", stats=True,
+            directory=directory if storage == "disk" else None, pack_tape=pack_tape,
+        )  # fmt: skip
+        _loss(count).backward()
+        run.stats = stats  # type: ignore[attr-defined]
+
+    return run
+
+
+def _grads(net: nn.Module) -> list[Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
+
+
+def measure(fn: Callable[..., None], net: LIF2, x: Tensor, s0: Any, repeats: int) -> dict[str, Any]:
+    """Peak bytes (one metered run), median time of ``repeats`` runs, and the gradients."""
+    net.zero_grad(set_to_none=True)
+    fn(net, x, s0)  # warm-up (and the gradients we compare)
+    grads = _grads(net)
+    net.zero_grad(set_to_none=True)
+    with sc.MemoryMeter() as meter:
+        fn(net, x, s0)
+    times = []
+    for _ in range(repeats):
+        net.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        fn(net, x, s0)
+        times.append(time.perf_counter() - start)
+    stats = getattr(fn, "stats", None)
+    return {
+        "peak_bytes": meter.peak_bytes,
+        "time_s": statistics.median(times),
+        "grads": grads,
+        "evals_per_step": stats.recompute_factor if stats is not None else None,
+        "plan": stats.plan if stats is not None else None,
+    }
+
+
+def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    net = LIF2(args.inputs, args.hidden)
+    x = (torch.rand(T, args.batch, args.inputs) < args.density).float()
+    s0 = (torch.zeros(args.batch, args.hidden), torch.zeros(args.batch, args.hidden))
+    pack = args.pack_tape == "on"
+    probe = probe_step(net, s0, x[0], list(net.parameters()), pack=pack)
+    S, A = probe.state_bytes, probe.step_bytes
+    k = math.isqrt(T - 1) + 1
+    ckpt_bytes = math.ceil(T / k) * S + k * A  # checkpoint baseline, modeled
+    slots = max(1, min(T, (ckpt_bytes - A) // S - 1))
+    methods: list[tuple[str, Callable[..., None]]] = [
+        ("BPTT loop", run_bptt),
+        ("torch checkpoint sqrt(T)", run_checkpoint),
+        ("save_on_cpu", run_save_on_cpu),
+        ("scan Uniform", scan_runner(P.Uniform(), "host", pack_tape=pack)),
+        ("scan Revolve", scan_runner(P.Revolve(slots), "host", pack_tape=pack)),
+        (
+            "scan Double disk",
+            scan_runner(P.Double(state_bytes=S, step_bytes=A), "disk", folder, pack_tape=pack),
+        ),
+    ]
+    rows: list[dict[str, Any]] = []
+    for name, fn in methods:
+        if args.only and not any(o.lower() in name.lower() for o in args.only):
+            continue
+        result = measure(fn, net, x, s0, args.repeats)
+        rows.append({"T": T, "method": name, "S": S, "A": A, **result})
+        print(f"  T={T} {name}: {result['peak_bytes'] / 2**20:.1f} MiB, {result['time_s']:.2f} s")
+    base = next((r for r in rows if r["method"] == "BPTT loop"), rows[0])
+    for row in rows:
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        row["time_ratio"] = row["time_s"] / base["time_s"]
+        row["max_grad_diff"] = max(
+            (g - b).abs().max().item() for g, b in zip(row["grads"], base["grads"], strict=True)
+        )
+    for row in rows:
+        del row["grads"]
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'T':>5} | {'method':<24} | {'plan':<28} | {'peak MiB':>9} | {'peak/BPTT':>9} | "
+        f"{'time s':>7} | {'time/BPTT':>9} | {'evals/T':>7} | {'max|dg|':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        evals = f"{r['evals_per_step']:.2f}" if r["evals_per_step"] is not None else "-"
+        lines.append(
+            f"{r['T']:>5} | {r['method']:<24} | {(r['plan'] or '-')[:28]:<28} | "
+            f"{r['peak_bytes'] / 2**20:>9.1f} | {r['peak_ratio']:>9.4f} | {r['time_s']:>7.2f} | "
+            f"{r['time_ratio']:>9.2f} | {evals:>7} | {r['max_grad_diff']:>8.1e}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[1000, 4000])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--inputs", type=int, default=700)
+    parser.add_argument("--density", type=float, default=0.05)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--only", nargs="*", default=None, help="substrings of method names")
+    parser.add_argument(
+        "--pack-tape", choices=["on", "off"], default="off", help="scan(..., pack_tape=...)"
+    )
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-scan-") as folder:
+        for T in args.T:
+            rows += bench(T, args, folder)
+    print(table(rows))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,634 @@
+"""``spikeckpt.scan``: run a step function over time with a checkpointing plan and exact gradients.
+
+``scan`` wraps the whole time loop in one custom :class:`torch.autograd.Function`. Its forward
+runs the schedule's forward phase (untaped steps, stores, and the taped segments a plan keeps
+from the forward pass); its backward runs the backward phase (loads, recomputation,
+backpropagation of each taped segment with :func:`torch.autograd.grad`, carrying the state
+gradient and accumulating parameter and input gradients). See
+:mod:`spikeckpt.engine.executor` for the memory ledger convention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import torch
+from torch import Tensor, nn
+
+from spikeckpt.engine.executor import Executor, YGrad, open_store
+from spikeckpt.engine.probe import probe_step
+from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
+from spikeckpt.plans.schedule import Schedule
+from spikeckpt.plans.simulate import Cost, simulate
+from spikeckpt.storage.base import Ledger
+from spikeckpt.storage.codecs import require_binary
+
+__all__ = ["ScanStats", "scan"]
+
+Storage = Literal["device", "host", "disk"]
+ReadoutFn = Callable[[Any, Any, int], Any]
+Readout = Union[None, Literal["sum", "mean", "last"], ReadoutFn]  # noqa: UP007
+_READOUTS = (None, "sum", "mean", "last")
+_STORAGE = ("device", "host", "disk")
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+@dataclass
+class ScanStats:
+    """What one ``scan`` call did. Backward-phase fields fill in when backward runs.
+
+    Attributes:
+        plan: description of the plan (``"BPTT()"``, ``"Uniform(interval=50)"``, ...).
+        schedule: the schedule executed (``None`` on the no-grad path).
+        T: number of steps.
+        storage: the remote tier (``"host"``, ``"disk"`` or ``"device"``).
+        state_bytes: ``S``, bytes of the initial state's tensors.
+        tape_bytes_per_step: measured ``A``: bytes saved by autograd per taped step (mean).
+        forward_steps: step evaluations, forward pass and recomputation.
+        backward_steps: steps backpropagated (``T`` after backward).
+        predicted: the simulator's :class:`~spikeckpt.plans.simulate.Cost` of the schedule.
+        ledger: executor ledger: ``peak["device"]`` follows the simulator's convention,
+            remote tiers count states at their unpacked size.
+        storage_ledger: the tiers' own ledger (actual bytes held and moved, after codecs).
+        completed: whether backward ran to the end.
+    """
+
+    plan: str
+    schedule: Schedule | None
+    T: int
+    storage: str
+    state_bytes: int = 0
+    tape_bytes_per_step: float = 0.0
+    forward_steps: int = 0
+    backward_steps: int = 0
+    predicted: Cost | None = None
+    ledger: Ledger = field(default_factory=Ledger)
+    storage_ledger: Ledger = field(default_factory=Ledger)
+    completed: bool = False
+
+    @property
+    def recompute_factor(self) -> float:
+        """Step evaluations per time step (1.0 means no recomputation)."""
+        return self.forward_steps / self.T if self.T else 0.0
+
+    @property
+    def peak_bytes(self) -> dict[str, int]:
+        """Peak bytes per tier (ledger convention)."""
+        return dict(self.ledger.peak)
+
+    @property
+    def bytes_written(self) -> dict[str, int]:
+        """Bytes copied into each storage tier."""
+        return dict(self.storage_ledger.written)
+
+    @property
+    def bytes_read(self) -> dict[str, int]:
+        """Bytes copied out of each storage tier."""
+        return dict(self.storage_ledger.read)
+
+
+# ----------------------------------------------------------------------------- readouts
+
+
+class _Reducer:
+    """Builds the outputs from ``y_t`` in the forward pass; gives ``dL/dy_t`` in backward.
+
+    ``None``: stacked ``(T, ...)`` per output leaf. ``"sum"``: ``y_0 + y_1 + ...`` in time order.
+    ``"mean"``: that sum divided by ``T``. ``"last"``: ``y_{T-1}``.
+    """
+
+    def __init__(self, kind: str | None, T: int) -> None:
+        self.kind = kind
+        self.T = T
+        self.acc: list[Tensor] | None = None
+
+    def emit(self, t: int, ys: list[Tensor]) -> None:
+        kind, T = self.kind, self.T
+        if kind is None:
+            if self.acc is None:
+                self.acc = [y.new_empty((T, *y.shape)) for y in ys]
+            for buf, y in zip(self.acc, ys, strict=False):
+                buf[t].copy_(y)
+        elif kind in ("sum", "mean"):
+            self.acc = (
+                list(ys)
+                if self.acc is None
+                else [a + y for a, y in zip(self.acc, ys, strict=False)]
+            )
+        elif t == T - 1:
+            self.acc = list(ys)
+
+    def outputs(self) -> list[Tensor]:
+        acc, self.acc = self.acc or [], None
+        if self.kind == "mean":
+            return [a / self.T for a in acc]
+        return acc
+
+    def y_grad(self, grads: Sequence[Tensor | None]) -> YGrad:
+        kind, T = self.kind, self.T
+        none = [None] * len(grads)
+        if all(g is None for g in grads):
+            return lambda t: none
+        if kind is None:
+            return lambda t: [None if g is None else g[t] for g in grads]
+        if kind == "sum":
+            return lambda t: grads
+        if kind == "mean":
+            scaled = [None if g is None else g / T for g in grads]
+            return lambda t: scaled
+        return lambda t: grads if t == T - 1 else none
+
+
+# ----------------------------------------------------------------------------- step wrapper
+
+
+class _StepFn:
+    """The user's step on flat leaves: ``(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
+
+    With ``check`` it validates the returned structure, shapes and dtypes against ``x_0``. A
+    callable readout ``fold(acc, y_t, t)`` is carried as extra state leaves (``acc`` is ``None``
+    at ``t = 0``), so its gradient flows like the state's.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[Any, Any], Any],
+        state_def: TreeDef,
+        state0: list[Tensor],
+        in_def: TreeDef,
+        fold: ReadoutFn | None,
+        params: list[Tensor],
+    ) -> None:
+        self.step = step
+        self.state_def = state_def
+        self.meta = [(t.shape, t.dtype, t.device) for t in state0]
+        self.names = [f"state{n}" for n in state_def.names]
+        self.in_def = in_def
+        self.fold = fold
+        self.n = state_def.count
+        self.y_def: TreeDef | None = None
+        self.y_meta: list[tuple[torch.Size, torch.dtype]] = []
+        self.acc_def: TreeDef | None = None
+        self.params = params
+        self.scanned_closures = False
+
+    def _flat_y(self, t: int, y: Any, check: bool) -> list[Tensor]:
+        if y is None and (self.y_def is None or self.y_def.count == 0):
+            if self.y_def is None:
+                self.y_def = TreeDef("pytree", None, None, 0, [])
+            return []
+        if self.y_def is None:
+            leaves, self.y_def = tree_flatten(y)
+            for name, leaf in zip(self.y_def.names, leaves, strict=False):
+                if not isinstance(leaf, Tensor):
+                    raise TypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
+            self.y_meta = [(leaf.shape, leaf.dtype) for leaf in leaves]
+            return leaves
+        leaves = self.y_def.flatten(y) if y is not None else None
+        if leaves is None:
+            raise ValueError(
+                f"step {t} returned an output y with another structure than step 0 "
+                f"(expected {self.y_def.describe()})"
+            )
+        if check:
+            for name, leaf, (shape, dtype) in zip(
+                self.y_def.names, leaves, self.y_meta, strict=False
+            ):
+                if leaf.shape != shape or leaf.dtype != dtype:
+                    raise ValueError(
+                        f"step {t} returned output y{name} of shape {tuple(leaf.shape)} and "
+                        f"dtype {leaf.dtype}; step 0 gave {tuple(shape)}, {dtype}"
+                    )
+        return leaves
+
+    def __call__(
+        self, t: int, leaves: list[Tensor], xs: list[Tensor], check: bool
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        n = self.n
+        user = leaves[:n] if self.fold is not None else leaves
+        out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
+        if check and not (isinstance(out, tuple) and len(out) == 2):
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+            raise TypeError(f"step must return a 2-tuple (state, y_t); step {t} returned {got}")
+        new_state, y = out
+        new = self.state_def.flatten(new_state)
+        if new is None:
+            raise ValueError(
+                f"step {t} returned a state that is not {self.state_def.describe()} like the "
+                f"initial state (got {type(new_state).__name__}); the state structure must not "
+                "change between steps"
+            )
+        if check:
+            self._check_state(t, new)
+            if not self.scanned_closures and torch.is_grad_enabled():
+                self._warn_closures(user, xs, new)
+        ys = self._flat_y(t, y, check)
+        if self.fold is None:
+            return new, ys
+        acc = None if t == 0 else self.acc_def.unflatten(leaves[n:])  # type: ignore[union-attr]
+        acc = self.fold(acc, y, t)
+        if self.acc_def is None:
+            acc_leaves, self.acc_def = tree_flatten(acc)
+            if not all(isinstance(a, Tensor) for a in acc_leaves):
+                raise TypeError("a callable readout must return a tensor or a pytree of tensors")
+            return new + acc_leaves, []
+        acc_leaves = self.acc_def.flatten(acc)
+        if acc_leaves is None:
+            raise ValueError(f"the readout returned another structure at step {t}")
+        return new + acc_leaves, []
+
+    def _check_state(self, t: int, new: list[Any]) -> None:
+        for name, leaf, (shape, dtype, device) in zip(self.names, new, self.meta, strict=False):
+            if not isinstance(leaf, Tensor):
+                raise TypeError(f"step {t} returned {name} = {type(leaf).__name__}, not a tensor")
+            if leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
+                raise ValueError(
+                    f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
+                    f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
+                    "the state's shapes and dtypes must stay the same at every step"
+                )
+
+    def _warn_closures(self, user: list[Tensor], xs: list[Tensor], new: list[Tensor]) -> None:
+        """Warn once if the step uses leaf tensors requiring grad that are not in ``params``."""
+        if any(t.grad_fn is not None for t in user):
+            return  # only walk the graph of a step that starts from fresh leaves
+        self.scanned_closures = True
+        known = [*self.params, *user, *xs, *(x._base for x in xs if x._base is not None)]
+        stack = [t.grad_fn for t in new if t.grad_fn is not None]
+        # Node wrappers may be transient: keep them alive so their ids are not reused.
+        visited: list[Any] = []
+        seen: set[int] = set()
+        found: list[Tensor] = []
+        while stack and len(visited) < 20000:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            visited.append(node)
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)
+            if variable is not None and not any(variable is k for k in (*known, *found)):
+                found.append(variable)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        strangers = len(found)
+        if strangers:
+            warnings.warn(
+                f"scan: the step uses {strangers} tensor(s) requiring grad that are not in "
+                "`params`; they will get no gradient. Pass them with scan(..., params=[...]) "
+                "(by default only the parameters of an nn.Module step are used).",
+                stacklevel=6,
+            )
+
+
+# ----------------------------------------------------------------------------- the Function
+
+
+@dataclass
+class _Job:
+    """Everything the autograd Function needs, except tensors (passed to ``apply``)."""
+
+    fn: _StepFn
+    schedule: Schedule
+    reducer: _Reducer | None
+    n_state: int
+    n_inputs: int
+    n_params: int
+    storage: str
+    device: torch.device
+    directory: str | os.PathLike | None
+    cuda_devices: list[int]
+    stats: ScanStats
+    pack_tape: bool = False
+    executor: Executor | None = None
+    n_outputs: int = 0
+    autocast: list[tuple[str, bool, torch.dtype]] = field(default_factory=list)
+    autocast_cache: bool = True
+
+    def forward(self, needs: Sequence[bool], tensors: Sequence[Tensor]) -> list[Tensor]:
+        s, i = self.n_state, self.n_state + self.n_inputs
+        state, inputs, params = list(tensors[:s]), list(tensors[s:i]), list(tensors[i:])
+        self.autocast = [
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in dict.fromkeys((self.device.type, "cpu"))
+        ]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        store_ledger = self.stats.storage_ledger
+        stores = {"device": open_store("device", self.device, store_ledger)}
+        try:
+            stores["remote"] = open_store(self.storage, self.device, store_ledger, self.directory)
+            ex = Executor(
+                fn=self.fn,
+                inputs=inputs,
+                input_grad=list(needs[s:i]),
+                params=params,
+                device=self.device,
+                stores=stores,  # type: ignore[arg-type]
+                remote_kind=self.storage,
+                initial=state,
+                initial_grad=list(needs[:s]),
+                emit=self.reducer.emit if self.reducer is not None else None,
+                cuda_devices=self.cuda_devices,
+                pack_tape=self.pack_tape,
+                ledger=self.stats.ledger,
+            )
+            self.executor = ex
+            ex.run(self.schedule.forward)
+        except BaseException:
+            for store in stores.values():
+                store.close()
+            raise
+        assert ex.current is not None
+        outs = self.reducer.outputs() if self.reducer is not None else []
+        self.n_outputs = len(outs)
+        self._update_stats()
+        return [t.detach() for t in outs] + [t.detach() for t in ex.current]
+
+    def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        ex = self.executor
+        if ex is None or ex.closed:
+            raise RuntimeError(
+                "spikeckpt.scan: backward can run only once per forward (its checkpoints are "
+                "freed as it goes); run scan again for another backward"
+            )
+        n = self.n_outputs
+        y_grad = self.reducer.y_grad(grads[:n]) if self.reducer is not None else lambda t: ()
+        try:
+            ex.start_backward(grads[n:], y_grad)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices))
+                for kind, enabled, dtype in self.autocast:
+                    stack.enter_context(
+                        torch.autocast(kind, dtype, enabled, cache_enabled=self.autocast_cache)
+                    )
+                ex.run(self.schedule.backward)
+            self.stats.completed = True
+        finally:
+            self._update_stats()
+            ex.close()
+        return [*ex.grad_state, *ex.grad_inputs, *ex.grad_params]
+
+    def _update_stats(self) -> None:
+        ex = self.executor
+        if ex is None:
+            return
+        c = ex.counters
+        self.stats.forward_steps = c.forward_steps
+        self.stats.backward_steps = c.backward_steps
+        self.stats.tape_bytes_per_step = c.tape_bytes / c.taped_steps if c.taped_steps else 0.0
+
+
+class _ScanFunction(torch.autograd.Function):
+    """Inputs: (job, *initial state leaves, *input leaves, *params); outputs: (*ys, *state)."""
+
+    @staticmethod
+    def forward(ctx: Any, job: _Job, *tensors: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        outs = job.forward(ctx.needs_input_grad[1:], tensors)
+        ctx.job = job
+        assert job.executor is not None
+        # Free stores (disk files) when the graph is dropped without backward.
+        weakref.finalize(ctx, job.executor.close)
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, *ctx.job.backward(grads))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
+    """Time-first input leaves ``(T, ...)``, the per-step structure, and ``T``."""
+    if isinstance(inputs, Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("inputs must have a leading time dimension (T, ...); got a 0-d tensor")
+        if inputs.shape[0] == 0:
+            raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
+        return [inputs], TreeDef("tensor", None, None, 1, [""]), inputs.shape[0]
+    if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
+        if len(inputs) == 0:
+            raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
+        first, in_def = tree_flatten(inputs[0])
+        columns: list[list[Tensor]] = [[] for _ in first]
+        for t, item in enumerate(inputs):
+            leaves = in_def.flatten(item)
+            if leaves is None or not all(isinstance(x, Tensor) for x in leaves):
+                raise TypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
+            for column, leaf in zip(columns, leaves, strict=False):
+                column.append(leaf)
+        return [torch.stack(column) for column in columns], in_def, len(inputs)
+    raise TypeError(
+        f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
+        f"got {type(inputs).__name__}"
+    )
+
+
+def _default_params(step: Any, params: Any) -> list[Tensor]:
+    if params is None:
+        owner = step if isinstance(step, nn.Module) else getattr(step, "__self__", None)
+        params = owner.parameters() if isinstance(owner, nn.Module) else ()
+    unique: dict[int, Tensor] = {}
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params must be tensors, got {type(p).__name__}")
+        if p.requires_grad:
+            unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
+def _resolve_schedule(
+    plan: Any,
+    T: int,
+    probe: Callable[[], tuple[int, int]],
+    budget: int | str | None,
+    storage: str,
+) -> Schedule:
+    if isinstance(plan, Schedule):
+        if plan.T != T:
+            raise ValueError(f"the schedule is for T={plan.T} steps but the inputs have T={T}")
+        return plan
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(f"plan must be a plan object, a Schedule or 'auto', got {plan!r}")
+        if budget is None:
+            raise ValueError("plan='auto' needs a device memory budget: scan(..., budget='2GiB')")
+        from spikeckpt.plans import choose
+
+        S, A = probe()
+        plan = choose(T, S, max(A, 1), budget, remote=storage != "device")
+    if not hasattr(plan, "schedule"):
+        raise TypeError(f"plan must have a .schedule(T) method, got {type(plan).__name__}")
+    if hasattr(plan, "for_length"):
+        plan = plan.for_length(T)
+    return plan.schedule(T)
+
+
+def _plain_loop(
+    fn: _StepFn,
+    state: list[Tensor],
+    inputs: list[Tensor],
+    reducer: _Reducer | None,
+    T: int,
+    device: torch.device,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The no-grad path: a plain loop, no storage. Returns (readout outputs, final leaves)."""
+    leaves = state
+    for t in range(T):
+        xs = [leaf[t] if leaf.device == device else leaf[t].to(device) for leaf in inputs]
+        leaves, ys = fn(t, leaves, xs, True)
+        if reducer is not None:
+            reducer.emit(t, ys)
+    outs = reducer.outputs() if reducer is not None else []
+    return outs, leaves
+
+
+# ----------------------------------------------------------------------------- scan
+
+
+def scan(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    inputs: Tensor | Sequence[Any],
+    state: Any,
+    *,
+    plan: Any,
+    storage: Storage = "host",
+    readout: Readout = None,
+    params: Sequence[Tensor] | None = None,
+    stats: bool = False,
+    budget: int | str | None = None,
+    directory: str | os.PathLike | None = None,
+    pack_tape: bool = False,
+    spikes: bool = False,
+) -> Any:
+    """Run ``step`` over time with checkpointed memory; gradients equal the plain loop's.
+
+    Args:
+        step: pure ``step(state, x_t) -> (state, y_t)``; no hidden state, no in-place updates
+            of its arguments. Randomness inside it is replayed exactly on recomputation.
+        inputs: ``(T, ...)`` time-first tensor (``x_t = inputs[t]``), or a sequence of ``T``
+            per-step inputs (tensors or pytrees of tensors; they are stacked). May live on the
+            host while the state is on the device: each step's slice is moved.
+        state: initial state ``x_0``: a tensor, tuple, NamedTuple, dict or nested mix of tensors.
+            Integer/bool leaves are carried without gradient.
+        plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
+            ``"auto"`` (probes one step for ``S``/``A`` and calls ``plans.choose`` with
+            ``budget``).
+        storage: where ``"remote"`` checkpoints go: ``"host"`` (CPU RAM), ``"disk"`` (files in
+            a temporary folder under ``directory``) or ``"device"``.
+        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``:
+            reduced in the loop (O(1) memory); or ``fold(acc, y_t, t) -> acc`` (``acc`` is
+            ``None`` at ``t = 0``), which returns the last ``acc``.
+        params: tensors whose gradients scan computes. Default: ``step.parameters()`` when
+            ``step`` is an ``nn.Module`` or a bound method of one, else none. **Tensors the
+            step closes over are not seen unless passed here** (scan warns when it finds any).
+        stats: also return a :class:`ScanStats`.
+        budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``).
+        directory: parent folder for the disk tier's files (default: the system temp folder).
+        pack_tape: keep the exactly-binary tensors autograd saves in taped steps (spikes fed
+            to a Linear layer) bit-packed or as index lists; gradients are unchanged. Off by
+            default: scanning every saved tensor costs time (about +60% per step for a
+            2x256 LIF net on CPU); turn it on when the tape, not the time, is the limit.
+        spikes: the inputs must be spike trains (exactly 0 or 1); anything else raises
+            :class:`~spikeckpt.NotBinaryError` naming the value found.
+
+    Returns:
+        ``(ys, final_state)`` or ``(ys, final_state, stats)``; ``ys`` has the structure of
+        ``y_t`` with a leading ``T`` axis (``readout=None``) or the reduced value.
+    """
+    if storage not in _STORAGE:
+        raise ValueError(f"storage must be one of {_STORAGE}, got {storage!r}")
+    if not (readout in _READOUTS or callable(readout)):
+        raise ValueError(
+            f"readout must be None, 'sum', 'mean', 'last' or a callable, got {readout!r}"
+        )
+    in_leaves, in_def, T = _time_leaves(inputs)
+    state_leaves, state_def = tree_flatten(state)
+    names = [f"state{n}" for n in state_def.names]
+    for name, leaf in zip(names, state_leaves, strict=False):
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"every state leaf must be a tensor; {name} is {type(leaf).__name__}")
+    for leaf in in_leaves:
+        if leaf.shape[0] != T:
+            raise ValueError(f"all input leaves need the same T; got {leaf.shape[0]} and {T}")
+        if spikes:
+            require_binary(leaf, "scan inputs (spikes=True)")
+    param_list = _default_params(step, params)
+    device = next((t.device for t in (*state_leaves, *param_list, *in_leaves)), torch.device("cpu"))
+    fold = readout if callable(readout) else None
+    reducer = None if fold is not None else _Reducer(readout, T)  # type: ignore[arg-type]
+    fn = _StepFn(step, state_def, state_leaves, in_def, fold, param_list)
+    cuda = sorted(
+        {t.device.index or 0 for t in (*state_leaves, *in_leaves, *param_list) if t.is_cuda}
+    )
+    need_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (*state_leaves, *in_leaves, *param_list)
+    )
+
+    if not need_grad:
+        run_stats = ScanStats(plan="loop (no grad)", schedule=None, T=T, storage=storage)
+        run_stats.state_bytes = leaf_bytes(state_leaves)
+        with torch.no_grad():
+            outs, final = _plain_loop(fn, state_leaves, in_leaves, reducer, T, device)
+        run_stats.forward_steps = T
+        return _finish(outs + final, len(outs), fn, state_def, fold, run_stats if stats else None)
+
+    def probe() -> tuple[int, int]:
+        x0 = in_def.unflatten([leaf[0].to(device) for leaf in in_leaves])
+        result = probe_step(step, state, x0, param_list, pack=pack_tape)
+        return result.state_bytes, result.step_bytes
+
+    schedule = _resolve_schedule(plan, T, probe, budget, storage)
+    predicted = simulate(schedule)
+    run_stats = ScanStats(
+        plan=schedule.plan, schedule=schedule, T=T, storage=storage, predicted=predicted
+    )
+    run_stats.state_bytes = leaf_bytes(state_leaves)
+    job = _Job(
+        fn=fn,
+        schedule=schedule,
+        reducer=reducer,
+        n_state=len(state_leaves),
+        n_inputs=len(in_leaves),
+        n_params=len(param_list),
+        storage=storage,
+        device=device,
+        directory=directory,
+        cuda_devices=cuda,
+        stats=run_stats,
+        pack_tape=pack_tape,
+    )
+    outs = list(_ScanFunction.apply(job, *state_leaves, *in_leaves, *param_list))
+    return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats if stats else None)
+
+
+def _finish(
+    outs: list[Tensor],
+    n_out: int,
+    fn: _StepFn,
+    state_def: TreeDef,
+    fold: ReadoutFn | None,
+    run_stats: ScanStats | None,
+) -> Any:
+    ys_leaves, final = outs[:n_out], outs[n_out:]
+    n = state_def.count
+    final_state = state_def.unflatten(final[:n])
+    if fold is not None:
+        assert fn.acc_def is not None
+        ys = fn.acc_def.unflatten(final[n:])
+    else:
+        assert fn.y_def is not None
+        ys = (
+            None if fn.y_def.count == 0 and fn.y_def.spec is None else fn.y_def.unflatten(ys_leaves)
+        )
+    if run_stats is not None:
+        return ys, final_state, run_stats
+    return ys, final_state
