@@ -28,9 +28,9 @@ _LAZY: dict[str, str] = {
     "MemoryMeter": "spikeckpt.engine.meter",
     "pack": "spikeckpt.storage.codecs",
     "unpack": "spikeckpt.storage.codecs",
-    "wrap": "spikeckpt.wrap",
-    "unwrap": "spikeckpt.wrap",
-    "CheckpointedSequence": "spikeckpt.wrap",
+    "wrap": "spikeckpt.wrapping",
+    "unwrap": "spikeckpt.wrapping",
+    "CheckpointedSequence": "spikeckpt.wrapping",
     "DataNotFoundError": "spikeckpt.data.errors",
 }
 

@@ -1,0 +1,171 @@
+"""Norse adapters: cells, sequence modules, ``Lift`` and ``SequentialState``.
+
+- Cells (any ``SNNCell`` / ``SNNRecurrentCell``: ``LIFCell``, ``LIFRecurrentCell``,
+  ``LIFBoxCell``, ``LIFAdExCell``, ``LIFExCell``, ``LIFRefracCell``, ``LICell``, ``LSNNCell``,
+  ``IzhikevichCell``, ...) are called as in Norse's tutorials: ``z, state = cell(x_t, state)``.
+- Sequence modules (any ``SNN`` / ``SNNRecurrent``: ``LIF``, ``LIFRecurrent``, ``LI``, ...) are
+  stepped through their activation, as their own loop does:
+  ``activation(x[t], state, p, dt)`` (recurrent: ``activation(x[t], state, w_in, w_rec, p, dt)``).
+- ``Lift(m)`` steps ``m``; ``SequentialState`` becomes a stack (its state list is never passed
+  to Norse, so Norse cannot mutate it).
+
+The state at t=0 is Norse's own initial state (``module.initial_state``), detached and
+broadcast to the shapes and dtypes of the state after one step (Norse starts ``v`` as a 0-d
+``v_leak`` and the currents as float32; scan needs one shape and dtype per state leaf).
+
+Norse keeps neuron parameters in a plain NamedTuple ``module.p`` that ``.to()`` does not move;
+the adapter moves its tensors to the input's device (and to the module's floating dtype, or the
+input's when the module has no parameters) at call time, and adds any of them that require grad
+(``LIFParameters(tau_mem_inv=nn.Parameter(...))``) to the parameters scan differentiates.
+
+This module imports Norse; import it only when a Norse layer was found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from norse.torch.module.lift import Lift
+from norse.torch.module.sequential import SequentialState
+from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from spikeckpt.adapters.base import LayerAdapter, State, adapter_for, unsupported
+from spikeckpt.adapters.generic import StatefulAdapter, _state_argument, probe
+
+__all__ = ["NorseAdapter", "make_adapter", "move_params"]
+
+_SEQUENCE = (SNN, SNNRecurrent)
+_RECURRENT = (SNNRecurrentCell, SNNRecurrent)
+
+
+def _is_namedtuple(obj: object) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
+def move_params(p: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``p`` with its tensors on ``device`` (floating ones in ``dtype``); ``p`` itself if no
+    tensor needs to move."""
+    if isinstance(p, Tensor):
+        want = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        return p if p.device == device and p.dtype == want else p.to(device=device, dtype=want)
+    if _is_namedtuple(p) or type(p) is tuple:
+        fields = [move_params(f, device, dtype) for f in p]
+        if all(a is b for a, b in zip(fields, p, strict=True)):
+            return p
+        return type(p)(*fields) if _is_namedtuple(p) else tuple(fields)
+    return p
+
+
+def _tensors(p: Any) -> list[Tensor]:
+    if isinstance(p, Tensor):
+        return [p]
+    if isinstance(p, tuple):
+        return [t for f in p for t in _tensors(f)]
+    return []
+
+
+def _conform(init: Any, nxt: Any, module: nn.Module, path: str) -> Any:
+    """``init`` with each leaf broadcast to the shape and cast to the dtype of ``nxt``'s leaf."""
+    leaves, spec = pytree.tree_flatten(init)
+    nxt_leaves, nxt_spec = pytree.tree_flatten(nxt)
+    if spec != nxt_spec:
+        raise unsupported(module, path, "its state changes structure after one step")
+    out = []
+    for a, b in zip(leaves, nxt_leaves, strict=True):
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            a = a.detach()
+            if a.shape != b.shape:
+                a = a.expand(b.shape)
+            a = a.to(dtype=b.dtype, device=b.device).clone()
+        out.append(a)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _field(state: Any, name: str) -> Tensor | None:
+    """The first field called ``name`` in a (nested) NamedTuple state."""
+    if _is_namedtuple(state):
+        if name in state._fields:
+            return getattr(state, name)
+        for sub in state:
+            found = _field(sub, name)
+            if found is not None:
+                return found
+    return None
+
+
+class NorseAdapter(LayerAdapter):
+    """A Norse cell (``sequence=False``) or sequence module (``sequence=True``), one step."""
+
+    def __init__(self, module: nn.Module, path: str) -> None:
+        super().__init__(module, path)
+        self.sequence = isinstance(module, _SEQUENCE)
+        self.recurrent = isinstance(module, _RECURRENT)
+
+    def _dtype(self, x_t: Tensor) -> torch.dtype | None:
+        for t in self.module.parameters():
+            if t.is_floating_point():
+                return t.dtype
+        return x_t.dtype if x_t.is_floating_point() else None
+
+    def init_state(self, x_t: Tensor) -> State:
+        m = self.module
+        init = m.state_fallback(x_t.unsqueeze(0) if self.sequence else x_t)
+        after, _ = probe(self.step, init, x_t)
+        return _conform(init, after, m, self.path)
+
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+        m = self.module
+        p = move_params(m.p, x_t.device, self._dtype(x_t))
+        if self.sequence:
+            sparse = m.activation_sparse is not None and x_t.is_sparse
+            act = m.activation_sparse if sparse else m.activation
+            if self.recurrent:
+                z, s = act(x_t, state, m.input_weights, m.recurrent_weights, p, m.dt)
+            else:
+                z, s = act(x_t, state, p, m.dt)
+            return s, z
+        if p is m.p:
+            z, s = m(x_t, state)
+            return s, z
+        old, m.p = m.p, p
+        try:
+            z, s = m(x_t, state)
+        finally:
+            m.p = old
+        return s, z
+
+    def membrane(self, state: State) -> Tensor | None:
+        return _field(state, "v")
+
+    def extra_params(self) -> list[Tensor]:
+        return [t for t in _tensors(self.module.p) if t.requires_grad]
+
+
+def make_adapter(module: nn.Module, path: str, *, sequence_mode: bool = False) -> LayerAdapter:
+    """The adapter for a Norse layer, or raise :class:`UnsupportedLayerError`."""
+    from spikeckpt.adapters.sequential import StackAdapter
+
+    if isinstance(module, SequentialState):
+        return StackAdapter.from_sequential(module, path, sequence_mode=is_sequence_stack(module))
+    if isinstance(module, (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent)):
+        return NorseAdapter(module, path)
+    if isinstance(module, Lift):
+        sub = f"{path}.lifted_module" if path else "lifted_module"
+        return adapter_for(module.lifted_module, sub)
+    if _state_argument(module):
+        return StatefulAdapter(module, path)
+    raise unsupported(
+        module,
+        path,
+        "this Norse module has no per-step form (x, state) -> "
+        "(z, state); encoders and whole-sequence modules cannot be stepped",
+    )
+
+
+def is_sequence_stack(module: nn.Module) -> bool:
+    """Whether a ``SequentialState`` holds sequence modules (``LIF``, ``Lift``, ...): its plain
+    torch layers then see ``(T, B, ...)`` tensors and are stepped on ``x_t[None]``."""
+    return any(isinstance(c, (*_SEQUENCE, Lift)) for c in module.children())

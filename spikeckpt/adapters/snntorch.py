@@ -1,0 +1,233 @@
+"""snnTorch adapters: step neurons called in explicit-state form.
+
+Every supported neuron is called the way snnTorch's tutorials call it, one step at a time:
+
+- ``init_hidden=False``: ``spk, mem = lif(x_t, mem)`` (``Synaptic``: ``spk, syn, mem``, ...).
+- ``init_hidden=True``: the state attributes (``lif.mem``, ...) are set before the call and
+  read after it.
+
+After each step the adapter clears what snnTorch wrote on the module (``mem``, ``syn``, ``spk``,
+``reset``, ...) to empty tensors, so no state or autograd graph stays on the module or in the
+class-level list ``snntorch.SpikingNeuron.instances`` between steps or batches. The state at
+t=0 is zeros (what snnTorch builds itself from ``init_leaky()`` and friends).
+
+States are NamedTuples named after snnTorch's own variables, e.g. ``LeakyState(mem)``,
+``SynapticState(syn, mem)``, ``RLeakyState(spk, mem)``.
+
+This module imports snnTorch; import it only when a snnTorch layer was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import snntorch as snn
+import torch
+from torch import Tensor, nn
+
+from spikeckpt.adapters.base import LayerAdapter, State, unsupported
+from spikeckpt.adapters.generic import StatelessAdapter
+
+__all__ = [
+    "AlphaState",
+    "DeltaLeakyState",
+    "LeakyState",
+    "RLeakyState",
+    "RSynapticState",
+    "SnnTorchNeuronAdapter",
+    "SynapticState",
+    "make_adapter",
+]
+
+
+class LeakyState(NamedTuple):
+    """``Leaky`` / ``Lapicque``: membrane ``(B, ...)``."""
+
+    mem: Tensor
+
+
+class SynapticState(NamedTuple):
+    """``Synaptic`` / ``SLSTM`` / ``SConv2dLSTM``: synaptic current and membrane."""
+
+    syn: Tensor
+    mem: Tensor
+
+
+class AlphaState(NamedTuple):
+    """``Alpha``: excitatory and inhibitory synaptic currents and membrane."""
+
+    syn_exc: Tensor
+    syn_inh: Tensor
+    mem: Tensor
+
+
+class RLeakyState(NamedTuple):
+    """``RLeaky``: previous spikes (fed back through the recurrent weights) and membrane."""
+
+    spk: Tensor
+    mem: Tensor
+
+
+class RSynapticState(NamedTuple):
+    """``RSynaptic``: previous spikes, synaptic current and membrane."""
+
+    spk: Tensor
+    syn: Tensor
+    mem: Tensor
+
+
+class DeltaLeakyState(NamedTuple):
+    """``DeltaLeaky``: membrane and previous membrane."""
+
+    mem: Tensor
+    mem_prev: Tensor
+
+
+Init = Callable[[nn.Module, Tensor], tuple[Tensor, ...]]
+
+
+def _like_input(n: int) -> Init:
+    return lambda m, x: tuple(torch.zeros_like(x) for _ in range(n))
+
+
+def _slstm_init(m: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
+    z = x.new_zeros(x.shape[0], m.hidden_size)
+    return z, z.clone()
+
+
+def _sconv_init(m: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
+    z = x.new_zeros(x.shape[0], m.out_channels, x.shape[2], x.shape[3])
+    return z, z.clone()
+
+
+# Most specific classes first (DeltaLeaky subclasses Leaky).
+_SPECS: list[tuple[type, type, Init]] = [
+    (snn.DeltaLeaky, DeltaLeakyState, _like_input(2)),
+    (snn.RLeaky, RLeakyState, _like_input(2)),
+    (snn.RSynaptic, RSynapticState, _like_input(3)),
+    (snn.Leaky, LeakyState, _like_input(1)),
+    (snn.Lapicque, LeakyState, _like_input(1)),
+    (snn.Synaptic, SynapticState, _like_input(2)),
+    (snn.Alpha, AlphaState, _like_input(3)),
+    (snn.SLSTM, SynapticState, _slstm_init),
+    (snn.SConv2dLSTM, SynapticState, _sconv_init),
+]
+
+_SEQUENCE_ONLY = tuple(
+    getattr(snn, n)
+    for n in ("LeakyParallel", "StateLeaky", "LinearLeaky", "AssociativeLeaky")
+    if hasattr(snn, n)
+)
+
+# Attributes snnTorch writes during a call, besides the state fields.
+_SCRATCH = ("reset", "spk")
+
+
+class SnnTorchNeuronAdapter(LayerAdapter):
+    """One snnTorch step neuron (``init_hidden`` True or False)."""
+
+    def __init__(self, module: nn.Module, path: str, state_cls: type, init: Init) -> None:
+        super().__init__(module, path)
+        self.state_cls = state_cls
+        self.fields: tuple[str, ...] = state_cls._fields  # type: ignore[attr-defined]
+        self._init = init
+        self._packed = isinstance(module, snn.DeltaLeaky)  # state passed as one tuple
+        self._names = tuple(dict.fromkeys(self.fields + _SCRATCH))
+        self._spk_state = self.fields[0] == "spk"
+
+    def init_state(self, x_t: Tensor) -> State:
+        return self.state_cls(*self._init(self.module, x_t))
+
+    def coerce_state(self, state: State, x_t: Tensor) -> State:
+        if isinstance(state, Tensor):
+            state = (state,)
+        return self.state_cls(*state)
+
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+        m = self.module
+        try:
+            if m.init_hidden:
+                for name, value in zip(self.fields, state, strict=True):
+                    setattr(m, name, value)
+                out = m(x_t)
+                new = self.state_cls(*(getattr(m, name) for name in self.fields))
+                y = out[0] if isinstance(out, tuple) else out
+            elif self._packed:
+                y, s = m(x_t, tuple(state))
+                new = self.state_cls(*s)
+            else:
+                out = m(x_t, *state)
+                # RLeaky/RSynaptic return (spk, mem): the spikes are output and state
+                y = out[0]
+                new = self.state_cls(*(out if self._spk_state else out[1:]))
+        finally:
+            self._clear(x_t.device)
+        return new, y
+
+    def membrane(self, state: State) -> Tensor | None:
+        return state.mem
+
+    def cleanup(self) -> None:
+        mem = getattr(self.module, "mem", None)
+        self._clear(mem.device if isinstance(mem, Tensor) else torch.device("cpu"))
+
+    def _clear(self, device: torch.device) -> None:
+        """Replace what the call wrote on the module by empty values (no state, no graph)."""
+        m = self.module
+        for name in self._names:
+            if self._packed and name in self.fields:
+                empty: Any = None  # DeltaLeaky tests ``self.mem is None``
+            else:
+                empty = torch.zeros(0, device=device)
+            if name in m._buffers:
+                m._buffers[name] = empty
+            elif isinstance(m.__dict__.get(name), Tensor):
+                m.__dict__[name] = empty
+
+
+def _check_buffers(adapter: SnnTorchNeuronAdapter) -> None:
+    """Reject buffers that carry an autograd graph from construction (snnTorch 1.0.0's
+    ``Lapicque(learn_beta=True)`` computes ``C`` from ``beta`` once: a second backward fails)."""
+    m = adapter.module
+    for name, buf in m._buffers.items():
+        if name not in adapter._names and isinstance(buf, Tensor) and buf.grad_fn is not None:
+            raise unsupported(
+                m,
+                adapter.path,
+                f"its buffer {name!r} was computed from a parameter when the layer was built and "
+                "holds that graph (snnTorch bug, e.g. Lapicque(learn_beta=True)); gradients "
+                "through it can be taken only once, in any time loop",
+            )
+
+
+def make_adapter(module: nn.Module, path: str) -> LayerAdapter:
+    """The adapter for a snnTorch layer, or raise :class:`UnsupportedLayerError`."""
+    if _SEQUENCE_ONLY and isinstance(module, _SEQUENCE_ONLY):
+        raise unsupported(
+            module,
+            path,
+            "it takes the whole (T, B, C) sequence at once and has no per-step API or initial "
+            "state; use snn.Leaky (same dynamics, one step per call)",
+        )
+    if isinstance(module, snn.SLSTM) and module.input_size != module.hidden_size:
+        raise unsupported(
+            module,
+            path,
+            f"snnTorch's SLSTM drops the state it is given when input_size ({module.input_size})"
+            f" != hidden_size ({module.hidden_size}) (a snnTorch bug: it compares the state's "
+            "shape with the input's); put an nn.Linear(input_size, hidden_size) before an SLSTM "
+            "with equal sizes",
+        )
+    for cls, state_cls, init in _SPECS:
+        if isinstance(module, cls):
+            adapter = SnnTorchNeuronAdapter(module, path, state_cls, init)
+            _check_buffers(adapter)
+            return adapter
+    if isinstance(module, snn.GradedSpikes):
+        return StatelessAdapter(module, path)
+    if isinstance(module, nn.Sequential):
+        from spikeckpt.adapters.sequential import StackAdapter
+
+        return StackAdapter.from_sequential(module, path)
+    raise unsupported(module, path, "this snnTorch layer has no step adapter")

@@ -1,0 +1,317 @@
+"""``MemoryBudget``: a Lightning callback that plans every wrapped model to a device budget.
+
+>>> trainer = L.Trainer(callbacks=[MemoryBudget("2GiB", storage="host")])  # doctest: +SKIP
+
+Lifecycle (Lightning's conventions): arguments are checked in ``__init__``; ``setup`` finds
+the :class:`~spikeckpt.CheckpointedSequence` modules; ``on_fit_start`` turns the budget into
+bytes for activations (minus the safety margin and what the model, gradients and optimizer
+state take; the smallest over all ranks) and installs a :class:`~spikeckpt.planner.BudgetPlanner`
+on each wrapped model. The plans themselves are chosen at the first forward of each input
+shape, from a one-step probe, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.errors import BudgetTooSmall
+from spikeckpt.lightning.resources import free_device_bytes, model_bytes
+from spikeckpt.planner import BudgetPlanner, PlanChoice
+from spikeckpt.units import format_bytes, parse_bytes
+from spikeckpt.wrapping import CheckpointedSequence
+
+STORAGES = ("device", "host", "disk")
+_HOW_TO_WRAP = (
+    "wrap the spiking part of your LightningModule with spikeckpt.wrap, e.g.\n"
+    "    self.net = spikeckpt.wrap(nn.Sequential(nn.Linear(700, 256), snn.Leaky(beta=0.9), ...))\n"
+    "and call self.net(x) with x of shape (T, B, features) in training_step"
+)
+
+
+class MemoryBudget(Callback):
+    """Pick checkpoint plans for every wrapped model so training fits a device memory budget.
+
+    Args:
+        budget: device budget for the whole training step, bytes or a string like ``"2GiB"``.
+            When None, ``fraction`` of the device's free memory (CUDA ``mem_get_info``; on
+            CPU the available RAM) is used.
+        fraction: share of free device memory used when ``budget`` is None, in (0, 1].
+        storage: tier for remote checkpoints, ``"host"``, ``"disk"`` or ``"device"`` (no
+            off-device checkpoints); None keeps each wrapped model's own setting.
+        margin: safety share of the budget left unplanned (default 0.05).
+        remote: allow plans with off-device checkpoints (Double, TwoLevel).
+        max_retries: re-plans with a tighter budget after an out-of-memory error in a step.
+        retry_factor: budget multiplier at each re-plan.
+        measure_batches: how many training batches (from the start, and after each re-plan)
+            are measured with :class:`~spikeckpt.MemoryMeter` (slower while measuring).
+        verbose: print a summary on rank 0.
+
+    Attributes:
+        budget_bytes: the planned budget for activations across all wrapped models (bytes).
+        plans: wrapped module name -> the latest :class:`~spikeckpt.planner.PlanChoice`
+            (plan with intervals, ``modeled_peak_bytes``, ``time_factor``).
+        measured_peak_bytes: peak bytes of the last measured training step (MemoryMeter).
+        retries: re-plans done after out-of-memory errors.
+    """
+
+    def __init__(
+        self,
+        budget: int | str | None = None,
+        *,
+        fraction: float | None = None,
+        storage: str | None = None,
+        margin: float = 0.05,
+        remote: bool = True,
+        max_retries: int = 2,
+        retry_factor: float = 0.8,
+        measure_batches: int = 1,
+        verbose: bool = True,
+    ) -> None:
+        if budget is not None and fraction is not None:
+            raise ValueError("give either budget= or fraction=, not both")
+        self.budget = parse_bytes(budget) if budget is not None else None
+        if fraction is None and budget is None:
+            fraction = 0.8
+        if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+        self.fraction = fraction
+        if storage is not None and storage not in STORAGES:
+            raise ValueError(f"unknown storage {storage!r}: use one of {STORAGES} or None")
+        self.storage = storage
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+        self.margin = margin
+        self.remote = remote
+        if max_retries < 0 or not 0 < retry_factor < 1:
+            raise ValueError("max_retries must be >= 0 and retry_factor in (0, 1)")
+        self.max_retries = max_retries
+        self.retry_factor = retry_factor
+        self.measure_batches = measure_batches
+        self.verbose = verbose
+        self.modules: dict[str, CheckpointedSequence] = {}
+        self.planners: dict[str, BudgetPlanner] = {}
+        self.budget_bytes = 0
+        self.measured_peak_bytes: int | None = None
+        self.retries = 0
+        self._pending: dict[str, Any] = {}
+        self._to_measure = measure_batches
+        self._meter: MemoryMeter | None = None
+        self._restore: list[Callable[[], None]] = []
+        self._last_step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(budget=self.budget, fraction=self.fraction)
+
+    @property
+    def plans(self) -> dict[str, PlanChoice]:
+        """Wrapped module name -> latest plan choice (modules not yet run are absent)."""
+        return {n: p.last for n, p in self.planners.items() if p.last is not None}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.modules = {
+            name or "<root>": module
+            for name, module in pl_module.named_modules()
+            if isinstance(module, CheckpointedSequence)
+        }
+        if not self.modules:
+            raise MisconfigurationException(
+                f"MemoryBudget found no spikeckpt.CheckpointedSequence in "
+                f"{type(pl_module).__name__}: {_HOW_TO_WRAP}"
+            )
+        for module in self.modules.values():
+            if self.storage is not None:
+                module.storage = self.storage
+            module.scan_kwargs["stats"] = True
+        if stage == "fit":
+            self._install_retry(pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore.clear()
+        for module in self.modules.values():
+            module.planner = None
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self._meter = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = pl_module.device
+        total = self.budget
+        if total is None:
+            assert self.fraction is not None
+            total = int(self.fraction * free_device_bytes(device))
+        overhead = model_bytes(pl_module, trainer.optimizers)
+        usable = int(total * (1 - self.margin)) - overhead
+        if trainer.world_size > 1:
+            reduced = trainer.strategy.reduce(
+                torch.tensor(float(usable), dtype=torch.float64, device=device), reduce_op="min"
+            )
+            usable = int(reduced.item())
+        if usable <= 0:
+            raise BudgetTooSmall(
+                f"the budget of {format_bytes(total)} leaves nothing for activations: the model, "
+                f"gradients and optimizer state take {format_bytes(overhead)} and the margin "
+                f"{self.margin:.0%}; the budget must exceed "
+                f"{math.ceil(overhead / (1 - self.margin))} bytes",
+                budget_bytes=total,
+                minimum_bytes=math.ceil(overhead / (1 - self.margin)) + 1,
+            )
+        self.budget_bytes = usable
+        share = usable // len(self.modules)
+        for name, module in self.modules.items():
+            planner = BudgetPlanner(share, remote=self.remote)
+            if trainer.world_size > 1:
+                planner.reduce_max = _reduce_max(trainer, device)
+                planner.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
+            if name in self._pending:
+                planner.load_state_dict(self._pending[name])
+            module.planner = planner
+            self.planners[name] = planner
+        self._overhead = overhead
+        self._total = total
+        if self.verbose:
+            rank_zero_info(
+                f"MemoryBudget: {format_bytes(total)} budget, {format_bytes(overhead)} for the "
+                f"model, gradients and optimizer, {format_bytes(usable)} for activations of "
+                f"{len(self.modules)} wrapped module(s) ({', '.join(self.modules)})"
+            )
+
+    # -- measuring and logging ---------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._to_measure > 0 and self._meter is None:
+            self._meter = MemoryMeter(pl_module.device)
+            self._meter.__enter__()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        prefix = f"{type(self).__name__}.on_train_batch_end"
+        metrics: dict[str, float] = {}
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self.measured_peak_bytes = self._meter.peak_bytes
+            metrics[f"{prefix}/measured_peak_bytes"] = float(self._meter.peak_bytes)
+            self._meter = None
+            self._to_measure -= 1
+        for name, choice in self.plans.items():
+            if choice is None:
+                continue
+            key = f"{prefix}/{name}"
+            metrics[f"{key}.modeled_peak_bytes"] = float(choice.modeled_peak_bytes)
+            metrics[f"{key}.recompute_factor"] = float(choice.recompute_factor)
+            metrics[f"{key}.time_factor"] = float(choice.time_factor)
+            for attribute in ("interval", "slots", "remote_interval", "local_interval"):
+                value = getattr(choice.plan, attribute, None)
+                if isinstance(value, int):
+                    metrics[f"{key}.{attribute}"] = float(value)
+            stats = self.modules[name].last_stats
+            if stats is not None:
+                for tier, moved in stats.bytes_written.items():
+                    if tier != "device":
+                        metrics[f"{key}.bytes_to_{tier}"] = float(moved)
+        if metrics and trainer.logger is not None:
+            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+        if self.verbose and batch_idx == 0 and trainer.current_epoch == 0:
+            for name, choice in self.plans.items():
+                measured = (
+                    f", measured step peak {format_bytes(self.measured_peak_bytes)}"
+                    if self.measured_peak_bytes is not None
+                    else ""
+                )
+                rank_zero_info(f"MemoryBudget[{name}]: {choice.summary()}{measured}")
+
+    # -- resuming ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {name: planner.state_dict() for name, planner in self.planners.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = dict(state_dict)
+        for name, planner in self.planners.items():
+            if name in state_dict:
+                planner.load_state_dict(state_dict[name])
+
+    # -- out of memory: re-plan and retry -------------------------------------------------------
+    def _install_retry(self, pl_module: pl.LightningModule) -> None:
+        step = pl_module.training_step
+        backward = pl_module.backward
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            self._last_step_args = (args, kwargs)
+            attempt = 0
+            while True:
+                try:
+                    return step(*args, **kwargs)
+                except torch.OutOfMemoryError as error:
+                    self._replan(error, attempt)
+                    attempt += 1
+
+        def backward_with_retry(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            attempt = 0
+            while True:
+                try:
+                    return backward(loss, *args, **kwargs)
+                except torch.OutOfMemoryError as error:
+                    self._replan(error, attempt)
+                    attempt += 1
+                    step_args, step_kwargs = self._last_step_args
+                    output = step(*step_args, **step_kwargs)
+                    loss = output["loss"] if isinstance(output, dict) else output
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        pl_module.backward = backward_with_retry  # type: ignore[method-assign]
+
+        def undo() -> None:
+            for attribute in ("training_step", "backward"):
+                pl_module.__dict__.pop(attribute, None)
+
+        self._restore.append(undo)
+
+    def _replan(self, error: BaseException, attempt: int) -> None:
+        if attempt >= self.max_retries:
+            raise RuntimeError(
+                f"MemoryBudget: out of memory after {self.max_retries} re-plan(s); the planned "
+                f"budget is now {format_bytes(sum(p.budget_bytes for p in self.planners.values()))}. "
+                "Lower the batch size, shorten the sequences, use storage='disk' or a smaller "
+                "budget= that leaves room for what the model allocates outside the wrapped parts."
+            ) from error
+        self.retries += 1
+        for planner in self.planners.values():
+            planner.budget_bytes = int(planner.budget_bytes * self.retry_factor)
+            planner.choices.clear()
+        self._to_measure = max(self._to_measure, self.measure_batches)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        rank_zero_warn(
+            f"MemoryBudget: out of memory ({type(error).__name__}); re-planning with "
+            f"{self.retry_factor:.0%} of the budget and retrying the batch "
+            f"(retry {attempt + 1} of {self.max_retries})"
+        )
+
+
+def _reduce_max(trainer: pl.Trainer, device: torch.device) -> Callable[[int], int]:
+    def reduce(value: int) -> int:
+        tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+        return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
+
+    return reduce

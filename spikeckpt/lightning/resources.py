@@ -1,0 +1,74 @@
+"""What memory a training run has: free device memory and what the model already holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` in bytes: CUDA ``mem_get_info``, else the host's available RAM."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_host_bytes()
+
+
+def available_host_bytes() -> int:
+    """Available host RAM in bytes (``MemAvailable`` from /proc/meminfo, else sysconf)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def model_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> int:
+    """Bytes the model holds during training: parameters, buffers, their gradients and the
+    optimizer state (gradients are counted as one more copy of every trainable parameter,
+    since they exist after the first backward)."""
+    params = list(module.parameters())
+    total = _tensor_bytes(params) + _tensor_bytes(module.buffers())
+    total += _tensor_bytes(p for p in params if p.requires_grad)
+    for optimizer in optimizers:
+        state_tensors = [
+            value
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        if state_tensors:
+            total += _tensor_bytes(state_tensors)
+        else:  # state is created lazily at the first step: estimate it
+            trainable = [p for group in optimizer.param_groups for p in group["params"]]
+            total += _expected_state_copies(optimizer) * _tensor_bytes(trainable)
+    return total
+
+
+def _expected_state_copies(optimizer: torch.optim.Optimizer) -> int:
+    """Copies of the parameters an optimizer keeps (Adam-like 2, momentum SGD 1, else 1)."""
+    name = type(optimizer).__name__.lower()
+    if "adam" in name or "lamb" in name:
+        return 2
+    if name == "sgd" and not any(group.get("momentum", 0) for group in optimizer.param_groups):
+        return 0
+    return 1

@@ -1,0 +1,258 @@
+"""``spikeckpt.wrap`` (this module is ``spikeckpt.wrapping``): run a snnTorch / Norse / torch model's time loop through :func:`scan`.
+
+>>> seq = wrap(net, plan="auto", budget="2GiB")   # net: nn.Sequential of layers and neurons
+>>> spk = seq(x)                                   # x (T, B, ...) -> (T, B, ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from spikeckpt.adapters.base import LayerAdapter, State, adapter_for
+
+__all__ = ["CheckpointedSequence", "unwrap", "wrap"]
+
+Output = Literal["spikes", "mem", "both"]
+_OUTPUTS = ("spikes", "mem", "both")
+_INNER = "module"
+
+
+class CheckpointedSequence(nn.Module):
+    """A model whose time loop runs through :func:`spikeckpt.scan` (checkpointed memory,
+    exact gradients). Build it with :func:`wrap`.
+
+    ``forward(x, return_state=False, state=None)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
+    with ``batch_first``); returns the last layer's output per step, ``(T, B, ...)`` (or the
+    reduced value with a ``readout``), and with ``return_state`` also the final state.
+
+    Attributes:
+        module: the original model, registered as a submodule; ``state_dict()`` has exactly the
+            original model's keys, so checkpoints load into either.
+        adapter: the :class:`~spikeckpt.adapters.LayerAdapter` that steps it.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        adapter: LayerAdapter,
+        *,
+        plan: Any = "auto",
+        storage: str = "host",
+        readout: Any = None,
+        batch_first: bool = False,
+        budget: int | str | None = None,
+        output: Output = "spikes",
+        scan_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.adapter = adapter
+        self.plan = plan
+        self.storage = storage
+        self.readout = readout
+        self.batch_first = batch_first
+        self.budget = budget
+        self.output = output
+        self.scan_kwargs = dict(scan_kwargs or {})
+        self.last_stats: Any = None
+        #: Optional ``planner(seq, x, state) -> plan`` consulted at every forward instead of
+        #: ``plan`` (``x`` time first); :class:`~spikeckpt.planner.BudgetPlanner` is one.
+        self.planner: Callable[[CheckpointedSequence, Tensor, State], Any] | None = None
+        self._register_state_dict_hook(_strip_prefix)
+        self.register_load_state_dict_pre_hook(_add_prefix)
+        self.register_load_state_dict_post_hook(_strip_missing)
+
+    # -- the step scan runs ------------------------------------------------------------------
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
+        """One time step of the whole model: ``(state, x_t (B, ...)) -> (state, y_t)``."""
+        state, y = self.adapter.step(state, x_t)
+        if self.output == "spikes":
+            return state, y
+        mem = self.adapter.membrane(state)
+        return state, (mem if self.output == "mem" else (y, mem))
+
+    def initial_state(self, x_t: Tensor) -> State:
+        """The state at t=0 for one step's input ``x_t (B, ...)`` (zeros, or Norse's own)."""
+        return self.adapter.init_state(x_t)
+
+    def parameters_for_scan(self) -> list[Tensor]:
+        """The tensors scan differentiates: the model's parameters and any tensors the
+        framework keeps outside them (Norse's ``p``) that require grad."""
+        seen: dict[int, Tensor] = {}
+        for t in [*self.module.parameters(), *self.adapter.extra_params()]:
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def forward(self, x: Tensor, return_state: bool = False, state: State | None = None) -> Any:
+        """Run ``x`` ``(T, B, ...)`` (or ``(B, T, ...)``) through the model over time.
+
+        Args:
+            x: the input sequence.
+            return_state: also return the final state.
+            state: initial state (same structure as the returned one; for stacks a tuple or
+                list with ``None`` for layers that start fresh). Default: zeros / Norse's own.
+        """
+        from spikeckpt.engine.scan import scan
+
+        if x.dim() < 2:
+            raise ValueError(f"x must have a time and a batch axis, got shape {tuple(x.shape)}")
+        if self.batch_first:
+            x = x.transpose(0, 1)
+        self.adapter.check()
+        if state is None:
+            state = self.adapter.init_state(x[0])
+        else:
+            state = self.adapter.coerce_state(state, x[0])
+        plan, budget = self._plan_for(x)
+        if self.planner is not None:
+            plan = self.planner(self, x, state)
+        try:
+            result = scan(
+                self.step,
+                x,
+                state,
+                plan=plan,
+                storage=self.storage,
+                readout=self.readout,
+                params=self.parameters_for_scan(),
+                budget=budget,
+                **self.scan_kwargs,
+            )
+        finally:
+            self.adapter.cleanup()
+        if self.scan_kwargs.get("stats"):
+            ys, final, self.last_stats = result
+        else:
+            ys, final = result
+        if self.batch_first and self.readout is None:
+            ys = _tree_map(lambda y: y.transpose(0, 1), ys)
+        return (ys, final) if return_state else ys
+
+    def _plan_for(self, x: Tensor) -> tuple[Any, int | str | None]:
+        """``plan="auto"`` without a budget: 90% of the free CUDA memory on a GPU; on the CPU
+        (no allocator to ask) ``Uniform()``, checkpoints every ``ceil(sqrt(T))`` steps."""
+        if not (isinstance(self.plan, str) and self.plan == "auto" and self.budget is None):
+            return self.plan, self.budget
+        if x.is_cuda:
+            free, _ = torch.cuda.mem_get_info(x.device)
+            return "auto", int(free * 0.9)
+        from spikeckpt.plans import Uniform
+
+        return Uniform(), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"plan={self.plan!r}, storage={self.storage!r}, readout={self.readout!r}, "
+            f"output={self.output!r}, batch_first={self.batch_first}"
+        )
+
+
+def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
+    return torch.utils._pytree.tree_map(fn, tree)
+
+
+def _strip_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """state_dict hook: ``prefix + "module." + key`` -> ``prefix + key`` (and metadata)."""
+    inner = prefix + _INNER + "."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        own = prefix + _INNER
+        for key in [k for k in meta if k == own or k.startswith(own + ".")]:
+            new = prefix[:-1] if key == own else prefix + key[len(own) + 1 :]
+            meta[new] = meta.pop(key)
+
+
+def _add_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
+    """load_state_dict pre-hook: accept the original model's keys (and already prefixed ones)."""
+    inner = prefix + _INNER + "."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _strip_missing(module: nn.Module, incompatible: Any) -> None:
+    """Report missing/unexpected keys under the original model's names."""
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [
+            k.replace(_INNER + ".", "", 1) if k.startswith(_INNER + ".") else k for k in keys
+        ]
+
+
+def wrap(
+    model: nn.Module,
+    plan: Any = "auto",
+    storage: str = "host",
+    readout: Any = None,
+    batch_first: bool = False,
+    budget: int | str | None = None,
+    *,
+    output: Output = "spikes",
+    **scan_kwargs: Any,
+) -> CheckpointedSequence:
+    """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
+
+    Args:
+        model: an ``nn.Sequential`` of layers and neurons (snnTorch neurons, Norse cells),
+            a Norse ``SequentialState``, a single neuron / cell / Norse sequence module, or any
+            module with ``forward(x, state) -> (y, state)``.
+        plan: a plan (``spikeckpt.plans.Revolve(8)``, ...), a ``Schedule`` or ``"auto"``
+            (``plans.choose`` for ``budget``; without a budget: 90% of the free CUDA memory,
+            or ``Uniform()`` on the CPU).
+        storage: where remote checkpoints go: ``"host"``, ``"disk"`` or ``"device"``.
+        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"`` or
+            ``fold(acc, y_t, t)``; reduces inside the loop.
+        batch_first: inputs and outputs are ``(B, T, ...)``.
+        budget: device memory budget for ``plan="auto"`` (bytes or ``"2GiB"``).
+        output: per step, ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's
+            membrane potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
+        **scan_kwargs: passed on to :func:`spikeckpt.scan` (``stats=True`` keeps the last
+            :class:`~spikeckpt.ScanStats` in ``seq.last_stats``; ``directory``, ``pack_tape``).
+
+    Raises:
+        UnsupportedLayerError: a layer cannot be stepped; the message names it (its path in
+            the model) and lists what is supported.
+    """
+    if isinstance(model, CheckpointedSequence):
+        raise TypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
+    if output not in _OUTPUTS:
+        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    adapter = adapter_for(model, "")
+    adapter.cleanup()
+    if output != "spikes" and not _has_membrane(adapter):
+        raise ValueError(
+            f"output={output!r} needs the last layer to be a neuron with a membrane potential "
+            f"(got {adapter!r})"
+        )
+    return CheckpointedSequence(
+        model,
+        adapter,
+        plan=plan,
+        storage=storage,
+        readout=readout,
+        batch_first=batch_first,
+        budget=budget,
+        output=output,
+        scan_kwargs=scan_kwargs,
+    )
+
+
+def _has_membrane(adapter: LayerAdapter) -> bool:
+    from spikeckpt.adapters.sequential import StackAdapter
+
+    while isinstance(adapter, StackAdapter) and adapter.layers:
+        adapter = adapter.layers[-1]
+    return type(adapter).membrane is not LayerAdapter.membrane
+
+
+def unwrap(seq: nn.Module) -> nn.Module:
+    """The original model of a :class:`CheckpointedSequence` (``seq`` itself otherwise)."""
+    return seq.module if isinstance(seq, CheckpointedSequence) else seq

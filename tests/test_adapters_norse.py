@@ -1,0 +1,277 @@
+"""Norse cells and sequence modules wrapped by spikeckpt equal Norse's own time loop.
+
+Reference loop as in Norse's tutorials: ``state = None; z, state = cell(x[t], state)`` (sequence
+modules: ``z, state = lif(x)``). Outputs, final state and gradients must match under every plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import spikeckpt as sc
+from spikeckpt.plans import BPTT, Double, Revolve, TwoLevel, Uniform
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    nt = pytest.importorskip("norse.torch")
+from norse.torch.functional import izhikevich  # noqa: E402
+
+PLANS = [BPTT(), Uniform(3), Revolve(2), Double(6, 2), TwoLevel(2, remote_interval=4)]
+IN, N = 4, 5
+
+FEEDFORWARD: dict[str, Callable[[], nn.Module]] = {
+    "LIFCell": lambda: nt.LIFCell(),
+    "LIFBoxCell": lambda: nt.LIFBoxCell(),
+    "LIFAdExCell": lambda: nt.LIFAdExCell(),
+    "LIFExCell": lambda: nt.LIFExCell(),
+    "LIFRefracCell": lambda: nt.LIFRefracCell(),
+    "LIFAdExRefracCell": lambda: nt.LIFAdExRefracCell(),
+    "LICell": lambda: nt.LICell(),
+    "LIBoxCell": lambda: nt.LIBoxCell(),
+    "IAFCell": lambda: nt.IAFCell(),
+    "LSNNCell": lambda: nt.LSNNCell(),
+    "IzhikevichCell": lambda: nt.IzhikevichCell(izhikevich.tonic_spiking),
+}
+RECURRENT: dict[str, Callable[[], nn.Module]] = {
+    "LIFRecurrentCell": lambda: nt.LIFRecurrentCell(IN, N),
+    "LIFAdExRecurrentCell": lambda: nt.LIFAdExRecurrentCell(IN, N),
+    "LIFExRecurrentCell": lambda: nt.LIFExRecurrentCell(IN, N),
+    "LIFRefracRecurrentCell": lambda: nt.LIFRefracRecurrentCell(IN, N),
+    "LSNNRecurrentCell": lambda: nt.LSNNRecurrentCell(IN, N),
+    "LIFMCRecurrentCell": lambda: nt.LIFMCRecurrentCell(IN, N),
+}
+SEQUENCE: dict[str, Callable[[], nn.Module]] = {
+    "LIF": lambda: nt.LIF(),
+    "LI": lambda: nt.LI(),
+    "LIFAdEx": lambda: nt.LIFAdEx(),
+    "LSNN": lambda: nt.LSNN(),
+    "LIFRecurrent": lambda: nt.LIFRecurrent(IN, N),
+    "LIFRefracRecurrent": lambda: nt.LIFRefracRecurrent(IN, N),
+}
+
+
+def learnable_lif(kind: str) -> tuple[nn.Module, list[nn.Parameter]]:
+    """A cell whose NamedTuple parameters hold nn.Parameters (not registered by Norse)."""
+    tau = nn.Parameter(torch.full((N,), 150.0))
+    v_th = nn.Parameter(torch.full((N,), 0.4))
+    p = nt.LIFParameters(tau_mem_inv=tau, v_th=v_th)
+    cell = {
+        "LIFCell": lambda: nt.LIFCell(p),
+        "LIFRecurrentCell": lambda: nt.LIFRecurrentCell(IN, N, p),
+        "LICell": lambda: nt.LICell(nt.LIParameters(tau_mem_inv=tau)),
+    }[kind]()
+    return cell, ([tau] if kind == "LICell" else [tau, v_th])
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _loss(y: torch.Tensor, state: Any, w: torch.Tensor) -> torch.Tensor:
+    return (y * w).sum() + sum(t.float().sum() for t in _leaves(state) if t.is_floating_point())
+
+
+def compare(
+    model: nn.Module,
+    params: list[torch.Tensor],
+    run_ref: Callable[[torch.Tensor], Any],
+    x: torch.Tensor,
+    sub: Callable[[Any], Any] = lambda s: s,
+) -> None:
+    """``run_ref(x) -> (ys, final_state)``; ``sub`` picks the same state out of the wrapped one.
+    Gradients are compared for ``params`` and for the input ``x``."""
+    x = x.detach().requires_grad_(True)
+    params = [*params, x]
+    ref_y, ref_s = run_ref(x)
+    w = torch.randn(ref_y.shape[-1])
+    _loss(ref_y, ref_s, w).backward()
+    ref_g = _grads(params)
+    for plan in PLANS:
+        for p in params:
+            p.grad = None
+        y, s = sc.wrap(model, plan=plan)(x, return_state=True)
+        _loss(y, sub(s), w).backward()
+        torch.testing.assert_close(y, ref_y, rtol=0, atol=0, msg=f"outputs, {plan}")
+        for a, b in zip(_leaves(sub(s)), _leaves(ref_s), strict=True):
+            torch.testing.assert_close(a, b.expand_as(a).to(a.dtype), msg=f"state, {plan}")
+        for a, b in zip(_grads(params), ref_g, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"grads, {plan}")
+
+
+def cell_loop(lin: nn.Module | None, cell: nn.Module) -> Callable[[torch.Tensor], Any]:
+    def run(x: torch.Tensor) -> Any:
+        state, out = None, []
+        for t in range(x.shape[0]):
+            z, state = cell(lin(x[t]) if lin is not None else x[t], state)
+            out.append(z)
+        return torch.stack(out), state
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(FEEDFORWARD))
+@settings(max_examples=3, deadline=None)
+@given(T=st.integers(1, 9), B=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_feedforward_cell_equals_norse_loop(name: str, T: int, B: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    lin, cell = nn.Linear(IN, N), FEEDFORWARD[name]()
+    x = torch.rand(T, B, IN) * 4
+    compare(
+        nn.Sequential(lin, cell),
+        list(lin.parameters()),
+        cell_loop(lin, cell),
+        x,
+        sub=lambda s: s[1],
+    )
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+@settings(max_examples=3, deadline=None)
+@given(T=st.integers(1, 9), B=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_recurrent_cell_equals_norse_loop(name: str, T: int, B: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    cell = RECURRENT[name]()
+    x = torch.rand(T, B, IN) * 4
+    compare(cell, list(cell.parameters()), cell_loop(None, cell), x)
+
+
+@pytest.mark.parametrize("name", list(SEQUENCE))
+@settings(max_examples=3, deadline=None)
+@given(T=st.integers(1, 9), B=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_sequence_module_equals_its_own_loop(name: str, T: int, B: int, seed: int) -> None:
+    torch.manual_seed(seed)
+    module = SEQUENCE[name]()
+    x = torch.rand(T, B, IN if "Recurrent" in name else N) * 4
+    compare(module, list(module.parameters()), module, x)
+
+
+@pytest.mark.parametrize("kind", ["LIFCell", "LIFRecurrentCell", "LICell"])
+@settings(max_examples=3, deadline=None)
+@given(T=st.integers(1, 9), B=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_learnable_norse_parameters(kind: str, T: int, B: int, seed: int) -> None:
+    """nn.Parameters inside ``cell.p`` (unregistered) get exact gradients too."""
+    torch.manual_seed(seed)
+    cell, extra = learnable_lif(kind)
+    if kind == "LIFRecurrentCell":
+        x = torch.rand(T, B, IN) * 4
+        compare(cell, [*cell.parameters(), *extra], cell_loop(None, cell), x)
+    else:
+        lin = nn.Linear(IN, N)
+        x = torch.rand(T, B, IN) * 4
+        compare(
+            nn.Sequential(lin, cell),
+            [*lin.parameters(), *extra],
+            cell_loop(lin, cell),
+            x,
+            sub=lambda s: s[1],
+        )
+
+
+def test_sequential_state_with_cells_does_not_mutate_user_state() -> None:
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(IN, N), nt.LIFCell(), nn.Linear(N, 3), nt.LICell())
+    x = torch.rand(10, 2, IN) * 3
+
+    def run(x: torch.Tensor) -> Any:
+        state, out = None, []
+        for t in range(x.shape[0]):
+            z, state = model(x[t], state)
+            out.append(z)
+        return torch.stack(out), [s for s in state if s is not None]
+
+    compare(model, list(model.parameters()), run, x, sub=lambda s: [s[i] for i in (1, 3)])
+    # a Norse-style state list (None for stateless layers) is accepted and left untouched
+    seq = sc.wrap(model, plan=Revolve(2))
+    _, s0 = seq(x[:4], return_state=True)
+    given_list = [None, s0[1], None, s0[3]]
+    before = list(given_list)
+    y1, _ = seq(x[4:], return_state=True, state=given_list)
+    assert given_list == before
+    y_ref, _ = run(x)
+    torch.testing.assert_close(y1, y_ref[4:])
+
+
+def test_sequential_state_with_sequence_modules() -> None:
+    """Norse's docstring model: Lift(Conv2d), Flatten over (T, B, ...) tensors, LIFRecurrent."""
+    torch.manual_seed(0)
+    model = nt.SequentialState(
+        nt.Lift(nn.Conv2d(2, 3, 3)),
+        nn.Flatten(2),
+        nt.LIFRecurrent(3 * 4 * 4, N),
+        nt.LIF(),
+    )
+    x = torch.rand(8, 2, 2, 6, 6) * 2
+
+    def run(x: torch.Tensor) -> Any:
+        z, state = model(x)
+        return z, [s for s in state if s is not None]
+
+    compare(model, list(model.parameters()), run, x, sub=lambda s: [s[2], s[3]])
+
+
+def test_parameters_follow_dtype() -> None:
+    """``p`` is a plain NamedTuple that ``.double()`` does not convert; the adapter does."""
+    torch.manual_seed(0)
+    tau = nn.Parameter(torch.full((N,), 150.0))
+    model = nn.Sequential(nn.Linear(IN, N), nt.LIFCell(nt.LIFParameters(tau_mem_inv=tau)))
+    model.double()
+    x = torch.rand(12, 2, IN, dtype=torch.float64) * 4
+    y, s = sc.wrap(model, plan=Uniform(4))(x, return_state=True)
+    assert y.dtype == s[1].v.dtype == s[1].i.dtype == torch.float64
+    ref_y, _ = cell_loop(model[0], model[1])(x)
+    torch.testing.assert_close(y, ref_y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_parameters_follow_device() -> None:
+    """Norse's own loop fails on CUDA (``p`` stays on the CPU); the wrapped model runs there and
+    matches the CPU loop."""
+    torch.manual_seed(0)
+    tau = torch.linspace(100.0, 200.0, N)  # per-neuron: a CPU tensor in p cannot broadcast
+    cpu = nn.Sequential(nn.Linear(IN, N), nt.LIFCell(nt.LIFParameters(tau_mem_inv=tau)))
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.rand(12, 2, IN) * 4
+    ref_y, _ = cell_loop(cpu[0], cpu[1])(x)
+    ref_y.sum().backward()
+    y = sc.wrap(gpu, plan=Uniform(4))(x.cuda())
+    y.sum().backward()
+    assert y.is_cuda
+    torch.testing.assert_close(y.cpu(), ref_y)
+    for a, b in zip(gpu.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_norse_modules() -> None:
+    with pytest.raises(sc.UnsupportedLayerError, match=r"(?s)layer '1' .*PoissonEncoder"):
+        sc.wrap(nn.Sequential(nn.Linear(IN, N), nt.PoissonEncoder(10)))
+
+
+def test_training_loss_falls() -> None:
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(8, 16), nt.LIFCell(), nn.Linear(16, 2), nt.LICell())
+    seq = sc.wrap(model, plan=Double(10, 3), readout="last")
+    x = (torch.rand(30, 16, 8) < 0.3).float()
+    target = torch.tensor([1.0, -1.0]).expand(16, 2)
+    opt = torch.optim.Adam(seq.parameters(), lr=0.05)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = ((seq(x) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -1,0 +1,272 @@
+"""MemoryBudget with a real Lightning Trainer on CPU: plans, budgets, DDP, resume, re-planning."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+snn = pytest.importorskip("snntorch")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import spikeckpt  # noqa: E402
+from spikeckpt.engine.meter import MemoryMeter  # noqa: E402
+from spikeckpt.errors import BudgetTooSmall  # noqa: E402
+from spikeckpt.lightning import MemoryBudget  # noqa: E402
+from spikeckpt.lightning.resources import model_bytes  # noqa: E402
+from spikeckpt.planner import probe_model  # noqa: E402
+from spikeckpt.plans import BPTT  # noqa: E402
+
+FEATURES, HIDDEN, CLASSES, BATCH = 24, 48, 4, 8
+
+
+class SpikingClassifier(pl.LightningModule):
+    """Linear -> Leaky -> Linear -> Leaky, wrapped; loss on the spike count."""
+
+    def __init__(self, storage: str = "host") -> None:
+        super().__init__()
+        net = nn.Sequential(
+            nn.Linear(FEATURES, HIDDEN),
+            snn.Leaky(beta=0.9, learn_beta=True),
+            nn.Linear(HIDDEN, CLASSES),
+            snn.Leaky(beta=0.9),
+        )
+        self.net = spikeckpt.wrap(net, plan=BPTT(), storage=storage)
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        x, y = batch
+        spikes = self.net(x.transpose(0, 1))  # (B, T, F) -> (T, B, F)
+        loss = nn.functional.cross_entropy(spikes.sum(0), y)
+        self.log("loss", loss, batch_size=len(y))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _loader(T: int | list[int], batches: int = 2, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = T if isinstance(T, list) else [T] * batches
+    data = []
+    for length in lengths:
+        x = (torch.rand(BATCH, length, FEATURES, generator=generator) < 0.2).float()
+        y = torch.randint(0, CLASSES, (BATCH,), generator=generator)
+        data.append((x, y))
+    return DataLoader(data, batch_size=None, shuffle=False)
+
+
+def _trainer(callback: MemoryBudget, tmp_path: Path, **kwargs: object) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=[callback], **options)  # type: ignore[arg-type]
+
+
+def _needs(model: SpikingClassifier, T: int) -> tuple[int, int]:
+    """(activation bytes plain BPTT needs, fixed bytes of model + grads + Adam state)."""
+    x = torch.zeros(T, BATCH, FEATURES)
+    probe = probe_model(model.net, x, model.net.initial_state(x[0]), "host")
+    bptt = probe.state_bytes + T * probe.step_bytes + 2 * T * probe.output_bytes
+    optimizer = model.configure_optimizers()
+    return bptt, model_bytes(model, [optimizer])
+
+
+def test_budget_between_double_and_bptt_picks_checkpointing_and_fits(tmp_path: Path) -> None:
+    T = 300
+    model = SpikingClassifier()
+    bptt, fixed = _needs(model, T)
+    budget = fixed + bptt // 4
+    callback = MemoryBudget(budget, margin=0.0)
+    _trainer(callback, tmp_path).fit(model, _loader(T))
+    (choice,) = callback.plans.values()
+    assert not isinstance(choice.plan, BPTT)
+    assert choice.modeled_peak_bytes <= budget - fixed
+    assert callback.measured_peak_bytes is not None
+    assert callback.measured_peak_bytes <= budget, (callback.measured_peak_bytes, budget)
+    # The same step measured outside Lightning with the chosen plan also fits.
+    x, y = next(iter(_loader(T)))
+    model.net.plan = choice.plan
+    with MemoryMeter() as meter:
+        loss = nn.functional.cross_entropy(model.net(x.transpose(0, 1)).sum(0), y)
+        loss.backward()
+    assert meter.peak_bytes <= budget
+
+
+def test_budget_above_bptt_picks_bptt(tmp_path: Path) -> None:
+    T = 60
+    model = SpikingClassifier()
+    bptt, fixed = _needs(model, T)
+    callback = MemoryBudget(2 * (fixed + bptt))
+    _trainer(callback, tmp_path).fit(model, _loader(T))
+    assert isinstance(callback.plans["net"].plan, BPTT)
+
+
+def test_budget_below_minimum_raises_with_the_smallest_budget(tmp_path: Path) -> None:
+    T = 60
+    model = SpikingClassifier()
+    _, fixed = _needs(model, T)
+    callback = MemoryBudget(fixed + 64, margin=0.0)
+    with pytest.raises(BudgetTooSmall, match="smallest budget that fits is"):
+        _trainer(callback, tmp_path).fit(model, _loader(T))
+    with pytest.raises(BudgetTooSmall, match="leaves nothing for activations"):
+        _trainer(MemoryBudget(1024), tmp_path).fit(SpikingClassifier(), _loader(T))
+
+
+def test_variable_lengths_are_planned_per_length(tmp_path: Path) -> None:
+    model = SpikingClassifier()
+    bptt, fixed = _needs(model, 400)
+    callback = MemoryBudget(fixed + bptt // 5, margin=0.0)
+    _trainer(callback, tmp_path).fit(model, _loader([100, 400, 100, 400]))
+    planner = callback.planners["net"]
+    assert set(planner.choices) == {(100, BATCH), (400, BATCH)}
+    assert planner.probes == 2
+    assert planner.choices[(100, BATCH)].plan != planner.choices[(400, BATCH)].plan
+
+
+def test_resume_keeps_the_plans_without_probing(tmp_path: Path) -> None:
+    T = 200
+    model = SpikingClassifier()
+    bptt, fixed = _needs(model, T)
+    budget = fixed + bptt // 4
+    first = MemoryBudget(budget, margin=0.0)
+    trainer = _trainer(first, tmp_path, enable_checkpointing=True)
+    trainer.fit(model, _loader(T))
+    checkpoint = next((tmp_path / "checkpoints").glob("*.ckpt"))
+    resumed = MemoryBudget(budget, margin=0.0)
+    _trainer(resumed, tmp_path, max_epochs=2).fit(
+        SpikingClassifier(), _loader(T), ckpt_path=str(checkpoint)
+    )
+    assert resumed.planners["net"].probes == 0
+    assert resumed.plans["net"].plan == first.plans["net"].plan
+
+
+def test_out_of_memory_replans_and_retries(tmp_path: Path) -> None:
+    class FlakyOnce(SpikingClassifier):
+        failures = {"step": 1, "backward": 1}
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if self.failures["step"]:
+                self.failures["step"] -= 1
+                raise torch.OutOfMemoryError("injected: CUDA out of memory in forward")
+            return super().training_step(batch, batch_idx)
+
+        def backward(self, loss, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if self.failures["backward"]:
+                self.failures["backward"] -= 1
+                raise torch.OutOfMemoryError("injected: CUDA out of memory in backward")
+            return super().backward(loss, *args, **kwargs)
+
+    T = 120
+    model = FlakyOnce()
+    bptt, fixed = _needs(model, T)
+    callback = MemoryBudget(fixed + bptt // 3, margin=0.0, max_retries=2)
+    _trainer(callback, tmp_path).fit(model, _loader(T))
+    assert callback.retries == 2
+    assert callback.planners["net"].budget_bytes == int(int((bptt // 3) * 0.8) * 0.8)
+
+    class AlwaysOut(SpikingClassifier):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            raise torch.OutOfMemoryError("injected")
+
+    with pytest.raises(RuntimeError, match="out of memory after 1 re-plan"):
+        _trainer(MemoryBudget(fixed + bptt, max_retries=1), tmp_path).fit(AlwaysOut(), _loader(T))
+
+
+def test_setup_without_wrapped_model_explains_how_to_wrap(tmp_path: Path) -> None:
+    class Plain(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = DataLoader(TensorDataset(torch.zeros(4, 4)), batch_size=2)
+    with pytest.raises(MisconfigurationException, match="spikeckpt.wrap"):
+        _trainer(MemoryBudget("1GiB"), tmp_path).fit(Plain(), loader)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"budget": "lots"}, "cannot parse"),
+        ({"fraction": 0.0}, r"fraction must be in \(0, 1\]"),
+        ({"fraction": 1.5}, r"fraction must be in \(0, 1\]"),
+        ({"storage": "tape"}, "unknown storage"),
+        ({"budget": "1GiB", "fraction": 0.5}, "not both"),
+        ({"margin": 1.0}, "margin"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MemoryBudget(**kwargs)  # type: ignore[arg-type]
+
+
+DDP_SCRIPT = """
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, {tests!r})
+from test_lightning import SpikingClassifier, _loader  # noqa: E402
+from spikeckpt.lightning import MemoryBudget  # noqa: E402
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    out = Path({out!r})
+    callback = MemoryBudget({budget}, margin=0.0)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback], default_root_dir=str(out),
+    )
+    model = SpikingClassifier()
+    trainer.fit(model, _loader(160, batches=2, seed=trainer.global_rank))
+    choice = callback.plans["net"]
+    (out / f"rank{{trainer.global_rank}}.txt").write_text(
+        f"{{choice.plan!r}} {{choice.T}} {{choice.batch}} {{callback.budget_bytes}}"
+    )
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_two_processes_agree_on_the_plan(tmp_path: Path) -> None:
+    model = SpikingClassifier()
+    bptt, fixed = _needs(model, 160)
+    script = tmp_path / "train_ddp.py"
+    tests = str(Path(__file__).resolve().parent)
+    script.write_text(
+        textwrap.dedent(DDP_SCRIPT).format(tests=tests, out=str(tmp_path), budget=fixed + bptt // 4)
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plans = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert plans[0] == plans[1]
+    assert "BPTT" not in plans[0]

@@ -1,0 +1,127 @@
+"""``spikeckpt.wrap``: the CheckpointedSequence module around snnTorch / Norse models."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import spikeckpt as sc
+from spikeckpt.plans import Double, Revolve, Uniform
+
+snn = pytest.importorskip("snntorch")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    nt = pytest.importorskip("norse.torch")
+
+
+def snn_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8),
+        snn.Leaky(beta=0.9, learn_beta=True),
+        nn.Linear(8, 3),
+        snn.Synaptic(alpha=0.8, beta=0.9, init_hidden=True),
+    )
+
+
+def norse_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nt.SequentialState(
+        nn.Linear(6, 8), nt.LIFRecurrentCell(8, 8), nn.Linear(8, 3), nt.LICell()
+    )
+
+
+@pytest.mark.parametrize("make", [snn_net, norse_net], ids=["snntorch", "norse"])
+def test_state_dict_round_trips_with_the_unwrapped_model(make) -> None:
+    model = make()
+    seq = sc.wrap(model, plan=Uniform(4))
+    assert list(seq.state_dict()) == list(model.state_dict())
+    assert sc.unwrap(seq) is model and seq.module is model
+    other = make()
+    for p in other.parameters():
+        nn.init.normal_(p)
+    # wrapper -> unwrapped, unwrapped -> wrapper, strict both ways
+    other.load_state_dict(seq.state_dict())
+    for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
+    wrapped_other = sc.wrap(make(), plan=Uniform(4))
+    wrapped_other.load_state_dict(other.state_dict())
+    x = torch.rand(7, 2, 6)
+    torch.testing.assert_close(wrapped_other(x), seq(x))
+    # keys as a parent module sees them
+    parent = nn.ModuleDict({"net": seq})
+    assert list(parent.state_dict()) == [f"net.{k}" for k in model.state_dict()]
+    parent.load_state_dict(parent.state_dict())
+    missing = sc.wrap(make()).load_state_dict({}, strict=False)
+    assert sorted(missing.missing_keys) == sorted(model.state_dict())  # unprefixed names
+
+
+def test_batch_first_output_modes_and_readouts() -> None:
+    model = snn_net()
+    x = torch.rand(9, 2, 6) * 2
+    ref = sc.wrap(model, plan=Uniform(3))(x)
+    bf = sc.wrap(model, plan=Uniform(3), batch_first=True)(x.transpose(0, 1))
+    torch.testing.assert_close(bf, ref.transpose(0, 1))
+    spk, mem = sc.wrap(model, plan=Revolve(2), output="both")(x)
+    torch.testing.assert_close(spk, ref)
+    torch.testing.assert_close(sc.wrap(model, plan=Revolve(2), output="mem")(x), mem)
+    assert mem.shape == spk.shape == (9, 2, 3)
+    torch.testing.assert_close(sc.wrap(model, readout="sum", plan=Uniform(3))(x), ref.sum(0))
+    with pytest.raises(ValueError, match="output"):
+        sc.wrap(nn.Sequential(snn.Leaky(beta=0.5), nn.Linear(3, 3)), output="mem")
+    with pytest.raises(ValueError, match="output must be"):
+        sc.wrap(model, output="voltage")
+
+
+def test_state_continues_across_chunks() -> None:
+    """Truncated-BPTT style: two chunks with the returned state equal one long run."""
+    for model in (snn_net(), norse_net()):
+        x = torch.rand(12, 2, 6) * 2
+        seq = sc.wrap(model, plan=Revolve(2))
+        full, s_full = seq(x, return_state=True)
+        a, s = seq(x[:5], return_state=True)
+        b, s2 = seq(x[5:], return_state=True, state=s)
+        torch.testing.assert_close(torch.cat([a, b]), full)
+        for u, v in zip(
+            torch.utils._pytree.tree_leaves(s2),
+            torch.utils._pytree.tree_leaves(s_full),
+            strict=True,
+        ):
+            torch.testing.assert_close(u, v)
+
+
+def test_plans_auto_disk_stats_and_no_grad(tmp_path: Path) -> None:
+    model = snn_net()
+    x = torch.rand(20, 2, 6) * 2
+    ref = sc.wrap(model, plan=Uniform(5))(x)
+    auto = sc.wrap(model)(x)  # "auto" with no budget: Uniform() on the CPU
+    torch.testing.assert_close(auto, ref)
+    torch.testing.assert_close(sc.wrap(model, plan="auto", budget="1MiB")(x), ref)
+    seq = sc.wrap(model, plan=Double(8, 2), storage="disk", directory=tmp_path, stats=True)
+    y = seq(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, ref)
+    assert seq.last_stats.completed and seq.last_stats.T == 20
+    assert not list(tmp_path.rglob("*.*"))
+    with torch.no_grad():
+        torch.testing.assert_close(sc.wrap(model, plan=Revolve(2))(x), ref)
+
+
+def test_wrapper_trains_moves_and_errors() -> None:
+    model = snn_net()
+    seq = sc.wrap(model, plan=Uniform(3))
+    assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
+    # snnTorch's surrogates return float32 spikes whatever the dtype ((x > 0).float()), so a
+    # float64 snnTorch stack fails in snnTorch itself; check the membrane instead.
+    mem_seq = sc.wrap(nn.Sequential(nn.Linear(6, 3), snn.Leaky(beta=0.5)), output="mem")
+    mem_seq.double()
+    assert mem_seq(torch.rand(4, 2, 6, dtype=torch.float64)).dtype == torch.float64
+    with pytest.raises(TypeError, match="already wrapped"):
+        sc.wrap(seq)
+    with pytest.raises(ValueError, match="time and a batch"):
+        seq(torch.rand(5, dtype=torch.float64))
+    assert "plan=Uniform" in repr(seq)
