@@ -11,8 +11,10 @@ from collections.abc import Callable, Sequence
 #: handler. They are imported only when present, so a missing optional extra never breaks
 #: the other subcommands.
 _SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("spikeckpt.cli_demo", "add_parser"),
     ("spikeckpt.cli_plan", "add_parser"),
     ("spikeckpt.data.cli", "add_data_parser"),
+    ("spikeckpt.cli_bench", "add_parser"),
 )
 
 

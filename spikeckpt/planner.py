@@ -154,7 +154,8 @@ def probe_model(seq: CheckpointedSequence, x: Tensor, state: Any, storage: str) 
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):
-            sizes = probe_step(seq.step, state, x_t, params, pack=True)
+            pack = bool(seq.scan_kwargs.get("pack_tape", False))
+            sizes = probe_step(seq.step, state, x_t, params, pack=pack)
             leaves, treedef = tree_flatten(state)
             with torch.no_grad():
                 forward = _median_seconds(lambda: seq.step(state, x_t))

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryMeter"]
 
@@ -198,11 +197,19 @@ class _StorageTracker(TorchDispatchMode):
 
 
 def _input_pointers(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set[int]:
-    """Data pointers of the storages of every tensor among an op's arguments."""
-    leaves, _ = tree_flatten((args, kwargs or {}))
-    pointers = set()
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
-            with contextlib.suppress(RuntimeError, NotImplementedError):
-                pointers.add(leaf.untyped_storage().data_ptr())
+    """Data pointers of the storages of every tensor among an op's arguments.
+
+    Walks tuples and lists directly (ops take tensors at most one list deep); a generic pytree
+    flatten here cost as much as the rest of the tracker together.
+    """
+    pointers: set[int] = set()
+    pending: list[Any] = [*args, *(kwargs.values() if kwargs else ())]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            if value.layout == torch.strided:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    pointers.add(value.untyped_storage().data_ptr())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
     return pointers

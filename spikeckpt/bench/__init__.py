@@ -1,0 +1,1 @@
+"""Benchmarks of spikeckpt strategies: ``spikeckpt bench`` and the paper-claim reproductions."""
