@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import has_torch_function
 
 from spikeckpt.engine.probe import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes
@@ -60,6 +61,99 @@ class RngState:
         torch.set_rng_state(self.cpu)
         for device, state in self.cuda:
             torch.cuda.set_rng_state(state, device)
+
+    def same_as(self, other: RngState) -> bool:
+        """Whether both captures hold the same generator states (nothing drew in between)."""
+        if len(self.cuda) != len(other.cuda) or not torch.equal(self.cpu, other.cpu):
+            return False
+        return all(
+            d == e and torch.equal(a, b)
+            for (d, a), (e, b) in zip(self.cuda, other.cuda, strict=True)
+        )
+
+
+class _FeedGrads(torch.autograd.Function):
+    """Feeds the parameter gradients accumulated so far into a segment's backward pass.
+
+    ``_FeedGrads.apply(box, *params)`` returns a dummy scalar; backpropagating it (with any
+    gradient) makes autograd take ``box.pop()`` (one tensor per parameter) as the first
+    contribution to each parameter's gradient, before the segment's own contributions arrive
+    (its node is the newest, so the engine runs it first). The sum then runs in the same order
+    as one backward pass over the whole loop: bitwise-equal gradients.
+
+    Unlike feeding them through ``p.view_as(p)`` outputs, the tensors are handed over: once
+    ``backward`` returns, autograd holds the only reference, so it adds the segment's
+    contributions into them in place (no fresh parameter-sized buffer per segment, which on
+    CPU costs page faults and a strided add: about 0.3 ms per segment for a 2x256 LIF net). The
+    engine still adds out of place whenever anything else references the tensor, so this never
+    changes a tensor someone else can see.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, box: list[tuple[Tensor, ...]], *params: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.box = box
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grads = ctx.box.pop()
+        ctx.box = None
+        return (None, *grads)
+
+
+# ----------------------------------------------------------------------------- grad
+
+
+def _engine_grad() -> Callable[..., tuple[Tensor | None, ...]] | None:
+    """``torch.autograd.grad`` minus its Python front end, if this torch has the engine call.
+
+    ``torch.autograd.grad`` re-checks every output/gradient pair in Python (``_make_grads``:
+    about 30 us per output on CPU) before calling the engine, which checks them again in C++
+    (shape, dtype, device of each root gradient). With thousands of small segments (Revolve
+    tapes single steps) that front end is ~0.1 ms per backpropagation. Returns ``None`` (use
+    ``torch.autograd.grad``) when the private entry point is missing or behaves differently.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:  # pragma: no cover - older or newer torch
+        return None
+
+    def grad(
+        outputs: Sequence[Tensor], inputs: Sequence[Tensor], grads: Sequence[Tensor]
+    ) -> tuple[Tensor | None, ...]:
+        # (outputs, grads, keep_graph, create_graph, inputs, allow_unreachable, accumulate)
+        return run(tuple(outputs), tuple(grads), False, False, tuple(inputs), True, False)
+
+    try:  # check it on a tiny graph, once
+        with torch.enable_grad():
+            x = torch.ones(2, requires_grad=True)
+            unused = torch.ones(1, requires_grad=True)
+            y = x * 3.0
+            got = grad([y], [x, unused], [torch.full((2,), 2.0)])
+        if len(got) != 2 or got[1] is not None or not torch.equal(got[0], torch.full((2,), 6.0)):
+            return None  # pragma: no cover
+    except Exception:  # noqa: BLE001 - any surprise: use the public API  # pragma: no cover
+        return None
+    return grad
+
+
+_ENGINE_GRAD: list[Callable[..., tuple[Tensor | None, ...]] | None] = []  # checked on first use
+
+
+def _grad(
+    outputs: list[Tensor], inputs: list[Tensor], grads: list[Tensor]
+) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, allow_unused=True)``, without retain."""
+    if not _ENGINE_GRAD:
+        _ENGINE_GRAD.append(_engine_grad())
+    engine = _ENGINE_GRAD[0]
+    if (
+        engine is not None
+        and not has_torch_function(outputs)
+        and not has_torch_function(inputs)
+        and not has_torch_function(grads)
+    ):
+        return engine(outputs, inputs, grads)
+    return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
 # ----------------------------------------------------------------------------- stores
@@ -227,22 +321,38 @@ class Executor:
         self.y_grad: YGrad | None = None
         self._lock = threading.Lock()
         self.counters.state_bytes = leaf_bytes(self.initial)
+        # Running byte totals behind _account (the ledger is updated after every action).
+        self._held_bytes = {"device": 0, "remote": 0}
+        self._prefetched_bytes = 0
+        self._tape_bytes = 0
+        self._current_bytes = self.counters.state_bytes
+        # RNG replay: `None` until the forward phase ends, then whether any step drew from the
+        # global generators (see end_forward).
+        self.rng_used: bool | None = None
+        self._rng_start = RngState.capture(self.cuda_devices)
+        # Per-step input slices: views made once (indexing a (T, ...) tensor per step costs
+        # more than the list lookup); leaves off the compute device are sliced and moved.
+        self._x_views: list[Sequence[Tensor] | None] = [
+            leaf.unbind(0) if leaf.device == self.device else None for leaf in self.inputs
+        ]
+        self._x_local = all(views is not None for views in self._x_views)
+        self._saved: SavedBytes | None = None
+        self.ledger.add("device", 0)
         self._account()
 
     # -- bookkeeping -----------------------------------------------------------------
 
     def _account(self) -> None:
         """Set ``ledger["device"]`` to the simulator's formula for the present moment."""
-        now = sum(self.held["device"].values()) + sum(self.prefetched.values())
+        now = self._held_bytes["device"] + self._prefetched_bytes + self._tape_bytes
         if self.remote_kind == "device":
-            now += sum(self.held["remote"].values())
+            now += self._held_bytes["remote"]
         if self.current is not None and not self.stored_here:
-            now += leaf_bytes(self.current)
-        now += sum(tape.nbytes for tape in self.tapes)
+            now += self._current_bytes
         delta, self.device_bytes = now - self.device_bytes, now
-        if delta >= 0:
+        if delta > 0:
             self.ledger.add("device", delta)
-        else:
+        elif delta < 0:
             self.ledger.remove("device", -delta)
 
     def close(self) -> None:
@@ -254,6 +364,7 @@ class Executor:
         self.tapes.clear()
         self.current = None
         self.initial = []
+        self._x_views = []
         errors: list[BaseException] = []
         for store in self.stores.values():
             try:
@@ -267,6 +378,7 @@ class Executor:
 
     def run(self, actions: Sequence[Action]) -> None:
         """Execute ``actions`` in order."""
+        account = self._account
         for action in actions:
             kind = type(action)
             if kind is Advance or kind is Tape:
@@ -283,31 +395,53 @@ class Executor:
                 self._prefetch(action.index)  # type: ignore[union-attr]
             else:  # pragma: no cover - simulate() rejects these first
                 raise TypeError(f"unknown action {action!r}")
-            self._account()
+            account()
+
+    def end_forward(self) -> None:
+        """Call after the forward phase: decide whether RNG states need replaying.
+
+        Checkpoints remember the generator states (CPU and ``cuda_devices``) so that
+        recomputation draws the same random numbers. When the generators are exactly where
+        they were before the forward phase, no step drew from them: every step is then
+        deterministic given its state and input, the recomputed steps (the same steps on the
+        same states) draw nothing either, and the backward phase neither captures nor restores
+        RNG states (one capture per stored checkpoint and one restore per load saved). The
+        forward phase evaluates every step once, so a step that draws only at some ``t`` is
+        still seen. (The backward phase runs inside ``fork_rng``, so skipping restores never
+        changes the generators the caller sees.)
+        """
+        if self.rng_used is None:
+            self.rng_used = not RngState.capture(self.cuda_devices).same_as(self._rng_start)
+            if not self.rng_used:
+                self.rng.clear()
 
     def _x(self, t: int) -> list[Tensor]:
+        if self._x_local:
+            return [views[t] for views in self._x_views]  # type: ignore[index]
         out = []
-        for leaf in self.inputs:
-            x = leaf[t]
-            if x.device != self.device:
-                x = x.to(self.device, non_blocking=True)
-            out.append(x)
+        for leaf, views in zip(self.inputs, self._x_views, strict=True):
+            if views is not None:
+                out.append(views[t])
+            else:
+                out.append(leaf[t].to(self.device, non_blocking=True))
         return out
 
     def _steps(self, a: int, b: int, *, taped: bool) -> None:
         assert self.current is not None and self.index == a
         leaves = self.current
         fn, emit, check = self.fn, self.emit if self.in_forward else None, self.check
+        x = self._x
         if not taped:
             with torch.no_grad():
                 for t in range(a, b):
-                    leaves, ys = fn(t, leaves, self._x(t), check)
+                    leaves, ys = fn(t, leaves, x(t), check)
                     if emit is not None:
                         emit(t, ys)
         else:
+            initial_grad = self.initial_grad
             first = [
-                x.detach().requires_grad_(is_float(x) and (a > 0 or self.initial_grad[i]))
-                for i, x in enumerate(leaves)
+                leaf.detach().requires_grad_(is_float(leaf) and (a > 0 or initial_grad[i]))
+                for i, leaf in enumerate(leaves)
             ]
             segs: list[Tensor | None] = []
             for leaf, need in zip(self.inputs, self.input_grad, strict=False):
@@ -315,39 +449,53 @@ class Executor:
                     segs.append(leaf[a:b].detach().to(self.device).requires_grad_())
                 else:
                     segs.append(None)
+            plain = not any(seg is not None for seg in segs)
+            if self._saved is None:  # one counter (and hook pair) for the whole run
+                self._saved = SavedBytes(exclude=self.params, pack=self.pack_tape)
+            counter = self._saved
+            before = counter.bytes
             leaves, tape_ys = first, []
-            with (
-                torch.enable_grad(),
-                SavedBytes(exclude=self.params, pack=self.pack_tape) as counter,
-            ):
-                plain = any(seg is None for seg in segs)
+            with torch.enable_grad(), counter:
                 for t in range(a, b):
-                    moved = self._x(t) if plain else segs
-                    xs = [
-                        seg[t - a] if seg is not None else x  # type: ignore[index]
-                        for seg, x in zip(segs, moved, strict=False)
-                    ]
+                    if plain:
+                        xs = x(t)
+                    else:
+                        xs = [
+                            seg[t - a] if seg is not None else xt  # type: ignore[index]
+                            for seg, xt in zip(segs, x(t), strict=False)
+                        ]
                     leaves, ys = fn(t, leaves, xs, check)
                     tape_ys.append(ys)
                     if emit is not None:
                         emit(t, [y.detach() for y in ys])
-            self.tapes.append(_Tape(a, b, first, leaves, tape_ys, segs, counter.bytes))
+            nbytes = counter.bytes - before
+            self.tapes.append(_Tape(a, b, first, leaves, tape_ys, segs, nbytes))
+            self._tape_bytes += nbytes
             self.counters.taped_steps += b - a
-            self.counters.tape_bytes += counter.bytes
+            self.counters.tape_bytes += nbytes
         self.counters.forward_steps += b - a
+        if leaves is not self.current:
+            self._current_bytes = leaf_bytes(leaves)
         self.current, self.index, self.stored_here = leaves, b, False
+
+    def _hold(self, tier: str, i: int, size: int) -> None:
+        held = self.held[tier]
+        self._held_bytes[tier] += size - held.get(i, 0)
+        held[i] = size
 
     def _store(self, i: int, tier: str) -> None:
         assert self.current is not None and self.index == i
-        self.stores[tier].put(i, [x.detach() for x in self.current])
-        size = self.held[tier][i] = leaf_bytes(self.current)
+        detached = [x.detach() for x in self.current]
+        self.stores[tier].put(i, detached)
+        size = self._current_bytes
+        self._hold(tier, i, size)
         if tier == "remote":
             self._remote_count(size, written=size)
-        if i not in self.rng:
+        if self.rng_used is not False and i not in self.rng:
             self.rng[i] = RngState.capture(self.cuda_devices)
         if tier == "device":
             self.stored_here = True
-            self.current = [x.detach() for x in self.current]
+            self.current = detached
 
     def _remote_count(self, held: int, *, written: int = 0, read: int = 0) -> None:
         """Count remote bytes under the remote tier's name (device-held ones in _account)."""
@@ -360,16 +508,24 @@ class Executor:
         self.ledger.moved(kind, written=written, read=read)
 
     def _load(self, i: int, tier: str) -> None:
-        self.current = self.stores[tier].get(i)
+        current = self.stores[tier].get(i)
+        self.current = current
+        self._current_bytes = leaf_bytes(current)
         self.index = i
         self.stored_here = tier == "device"
-        if tier == "remote" and self.prefetched.pop(i, None) is None:
-            self._remote_count(0, read=self.held["remote"][i])
-        self.rng[i].restore()
+        if tier == "remote":
+            size = self.prefetched.pop(i, None)
+            if size is None:
+                self._remote_count(0, read=self.held["remote"][i])
+            else:
+                self._prefetched_bytes -= size
+        if self.rng_used is not False:
+            self.rng[i].restore()
 
     def _free(self, i: int, tier: str) -> None:
         self.stores[tier].drop(i)
         size = self.held[tier].pop(i)
+        self._held_bytes[tier] -= size
         if tier == "remote":
             self._remote_count(-size)
         if tier == "device" and self.index == i:
@@ -379,13 +535,16 @@ class Executor:
 
     def _prefetch(self, i: int) -> None:
         self.stores["remote"].prefetch(i)
-        size = self.prefetched[i] = self.held["remote"][i]
+        size = self.held["remote"][i]
+        self._prefetched_bytes += size - self.prefetched.get(i, 0)
+        self.prefetched[i] = size
         self._remote_count(0, read=size)
 
     # -- backward ------------------------------------------------------------------
 
     def start_backward(self, grad_final: Sequence[Tensor | None], y_grad: YGrad) -> None:
         """Enter the backward phase with ``dL/dx_T`` and a function giving ``dL/dy_t``."""
+        self.end_forward()
         self.in_forward = False
         self.check = False
         self.grad_state = list(grad_final)
@@ -395,11 +554,13 @@ class Executor:
         if self.in_forward:  # the first Backprop ends the forward phase (simulate's rule)
             raise RuntimeError("Backprop reached during the forward phase")
         tape = self.tapes.pop()
+        self._tape_bytes -= tape.nbytes
         assert (tape.start, tape.stop) == (a, b) and self.y_grad is not None
+        y_grad = self.y_grad
         outs: list[Tensor] = []
         grads: list[Tensor] = []
-        for t in range(a, b):
-            for y, g in zip(tape.ys[t - a], self.y_grad(t), strict=False):
+        for t, ys in enumerate(tape.ys, a):
+            for y, g in zip(ys, y_grad(t), strict=False):
                 if g is not None and y.requires_grad:
                     outs.append(y)
                     grads.append(g)
@@ -407,33 +568,40 @@ class Executor:
             if g is not None and x.requires_grad:
                 outs.append(x)
                 grads.append(g)
-        wrt_state = [i for i, x in enumerate(tape.first) if x.requires_grad]
+        first, params = tape.first, self.params
+        wrt_state = [i for i, x in enumerate(first) if x.requires_grad]
         wrt_inputs = [j for j, seg in enumerate(tape.inputs) if seg is not None]
-        inputs = [tape.first[i] for i in wrt_state] + self.params
+        inputs = [first[i] for i in wrt_state] + params
         inputs += [tape.inputs[j] for j in wrt_inputs]  # type: ignore[misc]
-        new_state: list[Tensor | None] = [None] * len(tape.first)
+        new_state: list[Tensor | None] = [None] * len(first)
         if outs and inputs:
+            n, m = len(wrt_state), len(params)
             with torch.enable_grad():
                 # Feed the gradient accumulated so far into each parameter first, so the sum
                 # runs in the same order as one backward pass over the whole loop (bitwise).
-                for p, acc in zip(self.params, self.grad_params, strict=False):
-                    if acc is not None:
-                        outs.append(p.view_as(p))
-                        grads.append(acc)
-                found = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
-            n = len(wrt_state)
+                fed = [k for k, acc in enumerate(self.grad_params) if acc is not None]
+                if fed:
+                    box = [tuple(self.grad_params[k] for k in fed)]  # type: ignore[misc]
+                    for k in fed:  # hand the tensors over: autograd adds into them in place
+                        self.grad_params[k] = None
+                    outs.append(_FeedGrads.apply(box, *(params[k] for k in fed)))
+                    grads.append(outs[-1].new_zeros(()))
+                    del box
+                found = _grad(outs, inputs, grads)
+            del outs, grads
             for i, g in zip(wrt_state, found[:n], strict=False):
                 new_state[i] = g
-            for k, g in enumerate(found[n : n + len(self.params)]):
+            for k, g in enumerate(found[n : n + m]):
                 if g is not None:
                     self.grad_params[k] = g
-            for j, g in zip(wrt_inputs, found[n + len(self.params) :], strict=False):
+            for j, g in zip(wrt_inputs, found[n + m :], strict=False):
                 if g is None:
                     continue
                 buf = self.grad_inputs[j]
                 if buf is None:
                     buf = self.grad_inputs[j] = torch.zeros_like(self.inputs[j])
                 buf[a:b] = g.to(buf.device)
+            del found
         del tape
         self.grad_state = new_state
         self.counters.backward_steps += b - a
