@@ -18,6 +18,8 @@ __all__ = ["CheckpointedSequence", "unwrap", "wrap"]
 
 Output = Literal["spikes", "mem", "both"]
 _OUTPUTS = ("spikes", "mem", "both")
+Granularity = Literal["stack", "layer", "auto"]
+_GRANULARITIES = ("stack", "layer", "auto")
 _INNER = "module"
 
 
@@ -47,6 +49,8 @@ class CheckpointedSequence(nn.Module):
         budget: int | str | None = None,
         output: Output = "spikes",
         scan_kwargs: dict[str, Any] | None = None,
+        granularity: Granularity = "stack",
+        chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -59,6 +63,12 @@ class CheckpointedSequence(nn.Module):
         self.output = output
         self.scan_kwargs = dict(scan_kwargs or {})
         self.last_stats: Any = None
+        # -- layer-wise granularity (spikeckpt.engine.layerwise) ---------------------------
+        #: "stack", "layer" or "auto" (see :func:`wrap`); ``chunk``: layer-wise chunk length
+        #: (None: the plan's interval, else ceil(sqrt(T))).
+        self.granularity = _check_granularity(granularity)
+        self.chunk = chunk
+        self._blocks: Any = _split_or_raise(adapter) if granularity == "layer" else None
         #: Optional ``planner(seq, x, state) -> plan`` consulted at every forward instead of
         #: ``plan`` (``x`` time first); :class:`~spikeckpt.planner.BudgetPlanner` is one.
         self.planner: Callable[[CheckpointedSequence, Tensor, State], Any] | None = None
@@ -110,6 +120,8 @@ class CheckpointedSequence(nn.Module):
         plan, budget = self._plan_for(x)
         if self.planner is not None:
             plan = self.planner(self, x, state)
+        if self._use_layerwise(x):
+            return self._forward_layerwise(x, state, plan, return_state)
         try:
             result = scan(
                 self.step,
@@ -132,6 +144,69 @@ class CheckpointedSequence(nn.Module):
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
         return (ys, final) if return_state else ys
 
+    # -- layer-wise granularity ---------------------------------------------------------------
+    def _use_layerwise(self, x: Tensor) -> bool:
+        """``"layer"``: always; ``"auto"``: when the model splits into feed-forward blocks, the
+        readout is not callable and the input ``x`` is exactly binary (0/1 spikes)."""
+        if self.granularity == "stack":
+            return False
+        if self.granularity == "layer":
+            return True
+        if callable(self.readout) or not isinstance(x, Tensor):
+            return False
+        if self._blocks is None:
+            from spikeckpt.adapters.sequential import split_blocks
+            from spikeckpt.errors import UnsupportedLayerError
+
+            try:
+                self._blocks = split_blocks(self.adapter)
+            except UnsupportedLayerError:
+                self._blocks = False
+        if self._blocks is False:
+            return False
+        from spikeckpt.storage.codecs import is_binary
+
+        return is_binary(x)
+
+    def _forward_layerwise(self, x: Tensor, state: State, plan: Any, return_state: bool) -> Any:
+        from spikeckpt.engine.layerwise import layerwise_scan
+
+        if callable(self.readout):
+            raise ValueError(
+                "granularity='layer' supports readout None, 'sum', 'mean' or 'last'; a callable "
+                "readout needs granularity='stack'"
+            )
+        blocks = self._blocks
+        if blocks is None or blocks is False:
+            blocks = self._blocks = _split_or_raise(self.adapter)
+        stacked = blocks[0].index is not None
+        states = [state[b.index] if stacked else state for b in blocks]
+        try:
+            ys, finals, self.last_stats = layerwise_scan(
+                blocks,
+                x,
+                states,
+                chunk=self.chunk if self.chunk is not None else plan,
+                storage=self.storage,
+                readout=self.readout,
+                output=self.output,
+                params=self.parameters_for_scan(),
+                directory=self.scan_kwargs.get("directory"),
+                stats=True,
+            )
+        finally:
+            self.adapter.cleanup()
+        if stacked:
+            final = list(state)
+            for b, s in zip(blocks, finals, strict=True):
+                final[b.index] = s
+            final_state: Any = tuple(final)
+        else:
+            final_state = finals[0]
+        if self.batch_first and self.readout is None:
+            ys = _tree_map(lambda y: y.transpose(0, 1), ys)
+        return (ys, final_state) if return_state else ys
+
     def _plan_for(self, x: Tensor) -> tuple[Any, int | str | None]:
         """``plan="auto"`` without a budget: 90% of the free CUDA memory on a GPU; on the CPU
         (no allocator to ask) ``Uniform()``, checkpoints every ``ceil(sqrt(T))`` steps."""
@@ -147,8 +222,22 @@ class CheckpointedSequence(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"plan={self.plan!r}, storage={self.storage!r}, readout={self.readout!r}, "
-            f"output={self.output!r}, batch_first={self.batch_first}"
+            f"output={self.output!r}, batch_first={self.batch_first}, "
+            f"granularity={self.granularity!r}"
         )
+
+
+def _check_granularity(granularity: str) -> str:
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+    return granularity
+
+
+def _split_or_raise(adapter: LayerAdapter) -> Any:
+    """The model's feed-forward blocks, or ``UnsupportedLayerError`` saying why it has none."""
+    from spikeckpt.adapters.sequential import split_blocks
+
+    return split_blocks(adapter)
 
 
 def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
@@ -196,6 +285,8 @@ def wrap(
     budget: int | str | None = None,
     *,
     output: Output = "spikes",
+    granularity: Granularity = "stack",
+    chunk: int | None = None,
     **scan_kwargs: Any,
 ) -> CheckpointedSequence:
     """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
@@ -214,6 +305,18 @@ def wrap(
         budget: device memory budget for ``plan="auto"`` (bytes or ``"2GiB"``).
         output: per step, ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's
             membrane potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
+        granularity: ``"stack"`` (default: the whole model is one step of :func:`scan`; any
+            recurrence), ``"layer"`` (layer-wise, :mod:`spikeckpt.engine.layerwise`: each
+            block's input spike train stored packed in ``storage``, blocks recomputed one at a
+            time per time chunk; the model must be a flat ``nn.Sequential`` of blocks, stateless
+            synapse layers then one neuron, else ``UnsupportedLayerError`` says why) or
+            ``"auto"`` (layer-wise when the model splits into such blocks, the readout is not
+            callable and the input is exactly binary; stack otherwise). With layer-wise,
+            ``seq.last_stats`` is always a :class:`~spikeckpt.engine.layerwise.LayerwiseStats`
+            (spike density per block, bytes the codecs saved); ``storage="device"`` keeps
+            the trains unpacked on the device.
+        chunk: layer-wise only: time steps per chunk (default: the plan's interval, e.g.
+            ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``).
         **scan_kwargs: passed on to :func:`spikeckpt.scan` (``stats=True`` keeps the last
             :class:`~spikeckpt.ScanStats` in ``seq.last_stats``; ``directory``, ``pack_tape``).
 
@@ -242,6 +345,8 @@ def wrap(
         budget=budget,
         output=output,
         scan_kwargs=scan_kwargs,
+        granularity=granularity,
+        chunk=chunk,
     )
 
 

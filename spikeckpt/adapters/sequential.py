@@ -8,6 +8,7 @@ output (spikes for a neuron layer).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from spikeckpt.adapters.base import LayerAdapter, Registration, State, adapter_for, unsupported
 from spikeckpt.adapters.generic import StatelessAdapter, TimeLiftedAdapter, probe
 
-__all__ = ["StackAdapter"]
+__all__ = ["Block", "StackAdapter", "split_blocks"]
 
 
 class StackAdapter(LayerAdapter):
@@ -89,6 +90,78 @@ class StackAdapter(LayerAdapter):
     def cleanup(self) -> None:
         for layer in self.layers:
             layer.cleanup()
+
+
+# ---------------------------------------------------------------------- layer-wise blocks
+# (used by the layer-wise granularity, spikeckpt.engine.layerwise)
+
+
+@dataclass
+class Block:
+    """One block of a feed-forward stack: stateless synapse layers, then one stateful neuron.
+
+    Attributes:
+        synapses: adapters of the stateless layers (Linear, Conv, Flatten, Dropout, ...) that
+            map the block's input to the neuron's input, in order.
+        neuron: the adapter of the stateful layer (recurrence inside it is fine).
+        index: position of the neuron in the stack's layers (its state is ``state[index]``),
+            ``None`` when the model is a single neuron (its state is the whole state).
+        synapse_indices: positions of the synapse layers in the stack's layers.
+    """
+
+    synapses: list[LayerAdapter]
+    neuron: LayerAdapter
+    index: int | None
+    synapse_indices: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.neuron.path or "<root>"
+
+
+def split_blocks(adapter: LayerAdapter) -> list[Block]:
+    """Split a wrapped model into feed-forward blocks (stateless layers, then one stateful
+    layer), or raise :class:`~spikeckpt.errors.UnsupportedLayerError` (also a ``TypeError``)
+    saying why the model is not a feed-forward stack of such blocks.
+
+    Accepted: a flat ``nn.Sequential`` / Norse ``SequentialState`` whose layers are stateless
+    layers and neurons, ending with a neuron; or a single neuron. Not accepted: nested stacks,
+    stacks ending with stateless layers, stacks with no neuron, layers whose recurrence spans
+    more than one layer (not expressible in a Sequential anyway).
+    """
+    why = "layer-wise granularity needs a feed-forward stack of blocks (synapse layers such as "
+    why += "Linear/Conv/Flatten/Dropout, then one neuron); "
+    if not isinstance(adapter, StackAdapter):
+        if not adapter.stateful:
+            raise unsupported(adapter.module, adapter.path, why + "this layer has no state")
+        return [Block([], adapter, None, [])]
+    blocks: list[Block] = []
+    pending: list[LayerAdapter] = []
+    pending_idx: list[int] = []
+    for i, layer in enumerate(adapter.layers):
+        if isinstance(layer, StackAdapter):
+            raise unsupported(
+                layer.module,
+                layer.path,
+                why + "it is a nested stack; flatten it into one nn.Sequential",
+            )
+        if layer.stateful:
+            blocks.append(Block(pending, layer, i, pending_idx))
+            pending, pending_idx = [], []
+        else:
+            pending.append(layer)
+            pending_idx.append(i)
+    if not blocks:
+        raise unsupported(adapter.module, adapter.path, why + "the stack has no stateful layer")
+    if pending:
+        names = ", ".join(repr(p.path) for p in pending)
+        raise unsupported(
+            adapter.module,
+            adapter.path,
+            why + f"the stack ends with stateless layers after its last neuron ({names}); "
+            "end it with a neuron (apply the readout layers outside the wrapped model)",
+        )
+    return blocks
 
 
 def _is_sequential(m: nn.Module) -> bool:

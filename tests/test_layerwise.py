@@ -1,0 +1,314 @@
+"""Layer-wise granularity (``spikeckpt.engine.layerwise``, ``wrap(..., granularity="layer")``):
+outputs and gradients against the plain time loop, packed spike storage, stats, errors, cleanup."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import spikeckpt as sc
+from spikeckpt.adapters.base import adapter_for
+from spikeckpt.adapters.sequential import split_blocks
+from spikeckpt.engine.layerwise import LayerwiseStats, chunk_for, layerwise_scan
+from spikeckpt.errors import UnsupportedLayerError
+from spikeckpt.plans import Double, Uniform
+
+snn = pytest.importorskip("snntorch")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FutureWarning)
+    nt = pytest.importorskip("norse.torch")
+
+N_IN = 10
+
+
+def _neuron(kind: str, i: int, n: int) -> nn.Module:
+    if kind == "leaky":
+        return snn.Leaky(beta=0.9 - 0.05 * i, learn_beta=i % 2 == 0)
+    if kind == "synaptic":
+        return snn.Synaptic(alpha=0.8, beta=0.9, init_hidden=i % 2 == 1)
+    if kind == "lif":
+        return nt.LIFCell()
+    if kind == "lifrec":  # recurrence inside the block
+        return nt.LIFRecurrentCell(n, n)
+    raise AssertionError(kind)
+
+
+def make_net(kinds: list[str], seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    width = N_IN
+    for i, kind in enumerate(kinds):
+        out = 7 - i
+        lin = nn.Linear(width, out)
+        # enough drive for spikes in every block, without saturating
+        lo, hi = (-0.5, 0.8) if kind in ("leaky", "synaptic") else (-2.0, 6.0)
+        nn.init.uniform_(lin.weight, lo, hi)
+        layers += [lin, _neuron(kind, i, out)]
+        width = out
+    return nn.Sequential(*layers)
+
+
+def spikes(T: int, B: int, n: int, density: float, seed: int = 1) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if density in (0.0, 1.0):
+        return torch.full((T, B, n), density)
+    return (torch.rand(T, B, n, generator=g) < density).float()
+
+
+def plain_loop(model: nn.Module, x: Tensor, state: Any = None) -> tuple[Tensor, Tensor, Any]:
+    """The reference: every layer stepped in order at every step, taped by autograd."""
+    adapter = adapter_for(model)
+    s = adapter.init_state(x[0]) if state is None else state
+    ys, mems = [], []
+    for t in range(x.shape[0]):
+        s, y = adapter.step(s, x[t])
+        ys.append(y)
+        mems.append(adapter.membrane(s))
+    adapter.cleanup()
+    return torch.stack(ys), torch.stack(mems), s
+
+
+def loss_of(ys: Tensor) -> Tensor:
+    w = torch.linspace(0.5, 1.5, ys.shape[0]).reshape(-1, *([1] * (ys.dim() - 1)))
+    return (ys * w).sum()
+
+
+def close(a: Tensor | None, b: Tensor | None) -> None:
+    if a is None or b is None:
+        assert (a is None or not a.any()) and (b is None or not b.any())
+        return
+    scale = max(1.0, float(b.detach().abs().max()))
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+FRAMEWORKS = {
+    "snntorch": ["leaky", "synaptic"],
+    "norse": ["lif", "lifrec"],
+}
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    framework=st.sampled_from(sorted(FRAMEWORKS)),
+    n_blocks=st.integers(1, 4),
+    pick=st.lists(st.integers(0, 1), min_size=4, max_size=4),
+    T=st.sampled_from([1, 5, 7, 9]),
+    chunk=st.sampled_from([1, 2, 3, 50]),
+    storage=st.sampled_from(["host", "disk"]),
+    density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    x_grad=st.booleans(),
+)
+def test_layerwise_matches_the_plain_loop(
+    framework: str,
+    n_blocks: int,
+    pick: list[int],
+    T: int,
+    chunk: int,
+    storage: str,
+    density: float,
+    x_grad: bool,
+    tmp_path: Path,
+) -> None:
+    kinds = [FRAMEWORKS[framework][p] for p in pick[:n_blocks]]
+    model = make_net(kinds)
+    x = spikes(T, 3, N_IN, density)
+    params = list(model.parameters())
+
+    xr = x.clone().requires_grad_(x_grad)
+    ys_ref, _, _ = plain_loop(model, xr)
+    wrt = params + ([xr] if x_grad else [])
+    g_ref = torch.autograd.grad(loss_of(ys_ref), wrt, allow_unused=True)
+
+    where = {"directory": tmp_path} if storage == "disk" else {}
+    seq = sc.wrap(model, granularity="layer", chunk=chunk, storage=storage, **where)
+    xl = x.clone().requires_grad_(x_grad)
+    ys = seq(xl)
+    assert isinstance(seq.last_stats, LayerwiseStats)
+    assert seq.last_stats.chunk == min(chunk, T)
+    close(ys, ys_ref)
+    g = torch.autograd.grad(loss_of(ys), params + ([xl] if x_grad else []), allow_unused=True)
+    for a, b in zip(g, g_ref, strict=True):
+        close(a, b)
+    assert seq.last_stats.completed
+    assert seq.last_stats.storage_ledger.current.get(storage, 0) == 0
+    assert seq.last_stats.blocks[0].density == pytest.approx(float(x.mean()))
+    assert not list(tmp_path.iterdir())  # disk files removed after backward
+
+
+@pytest.mark.parametrize("readout", [None, "sum", "mean", "last"])
+@pytest.mark.parametrize("output", ["spikes", "mem", "both"])
+def test_readouts_outputs_and_state_gradients(readout: str | None, output: str) -> None:
+    model = make_net(["leaky", "synaptic", "leaky"])
+    T = 7
+    x = spikes(T, 2, N_IN, 0.5)
+    adapter = adapter_for(model)
+    blocks = split_blocks(adapter)
+    init = adapter.init_state(x[0])
+    leaf = init[1].mem.clone().uniform_(0, 0.5).requires_grad_()
+    states = [init[1]._replace(mem=leaf), init[3], init[5]]
+
+    full = list(init)
+    full[1] = states[0]
+    spk, mem, final = plain_loop(model, x, tuple(full))
+    per = {"spikes": spk, "mem": mem, "both": (spk, mem)}[output]
+
+    def reduce(y: Tensor) -> Tensor:
+        if readout is None:
+            return y
+        if readout == "last":
+            return y[-1]
+        return y.sum(0) / (T if readout == "mean" else 1)
+
+    def loss(y: Any, fin: Any) -> Tensor:
+        ys = y if isinstance(y, tuple) else (y,)
+        return sum((loss_of(v) for v in ys), torch.zeros(())) + fin.mem.square().sum()
+
+    ref = tuple(reduce(v) for v in per) if output == "both" else reduce(per)
+    params = list(model.parameters())
+    g_ref = torch.autograd.grad(loss(ref, final[-1]), [leaf, *params], allow_unused=True)
+
+    ys, finals = layerwise_scan(blocks, x, states, chunk=3, readout=readout, output=output)
+    if output == "both":
+        for a, b in zip(ys, ref, strict=True):
+            close(a, b)
+    else:
+        close(ys, ref)
+    close(finals[-1].mem, final[-1].mem)
+    g = torch.autograd.grad(loss(ys, finals[-1]), [leaf, *params], allow_unused=True)
+    for a, b in zip(g, g_ref, strict=True):
+        close(a, b)
+
+
+def test_packed_spike_store_is_at_most_a_thirtieth_of_dense_at_5_percent() -> None:
+    n, T, B = 256, 40, 16
+    lin = nn.Linear(n, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(3 * torch.eye(n))  # block 0 passes its input spikes on unchanged
+    model = nn.Sequential(lin, snn.Leaky(beta=0.0), nn.Linear(n, 4), snn.Leaky(beta=0.9))
+    x = spikes(T, B, n, 0.05)
+    for storage in ("host", "disk"):
+        seq = sc.wrap(model, granularity="layer", chunk=8, storage=storage)
+        ys = seq(x)
+        st_ = seq.last_stats.blocks[1]
+        assert st_.density == pytest.approx(float(x.mean()))
+        assert st_.dense_bytes == T * B * n * 4
+        assert 0 < st_.stored_bytes <= st_.dense_bytes / 30
+        assert st_.saved_bytes == st_.dense_bytes - st_.stored_bytes
+        assert set(st_.codecs) <= {"index", "bitpack"}
+        ys.sum().backward()
+
+
+def test_dropout_replays_exactly() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(N_IN, 8), nn.Dropout(0.3), snn.Leaky(beta=0.9))
+    model.train()
+    x = spikes(9, 2, N_IN, 0.5)
+    torch.manual_seed(11)
+    seq = sc.wrap(model, granularity="layer", chunk=4)
+    ys = seq(x)
+    g = torch.autograd.grad(loss_of(ys), list(model.parameters()))
+    # reference: the same chunk-batched computation taped by autograd, same RNG stream
+    torch.manual_seed(11)
+    lin, drop, leaky = model
+    mem = torch.zeros(2, 8)
+    outs = []
+    for t0 in range(0, 9, 4):
+        xc = x[t0 : t0 + 4]
+        z = drop(lin(xc.reshape(-1, N_IN))).reshape(xc.shape[0], 2, 8)
+        for t in range(xc.shape[0]):
+            s, mem = leaky(z[t], mem)
+            outs.append(s)
+    ref = torch.stack(outs)
+    g_ref = torch.autograd.grad(loss_of(ref), list(model.parameters()))
+    torch.testing.assert_close(ys, ref)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunk_from_plans() -> None:
+    assert chunk_for(Uniform(4), 10) == 4
+    assert chunk_for(Double(remote_interval=6, local_interval=3), 10) == 3
+    assert chunk_for(None, 10) == 4 and chunk_for("auto", 100) == 10
+    assert chunk_for(50, 7) == 7
+    model = make_net(["leaky"])
+    seq = sc.wrap(model, plan=Uniform(3), granularity="layer")
+    seq(spikes(8, 2, N_IN, 0.5))
+    assert seq.last_stats.chunk == 3 and seq.last_stats.n_chunks == 3
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (lambda: nn.Sequential(nn.Linear(4, 4), nn.Sequential(snn.Leaky(beta=0.9))), "nested"),
+        (lambda: nn.Sequential(nn.Linear(4, 4), snn.Leaky(beta=0.9), nn.Linear(4, 2)), "ends"),
+        (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "no stateful"),
+        (lambda: nn.Linear(4, 4), "no state"),
+    ],
+)
+def test_non_block_models_asked_for_layer_raise(model: Any, why: str) -> None:
+    with pytest.raises(UnsupportedLayerError, match="feed-forward") as err:
+        sc.wrap(model(), granularity="layer")
+    assert why in str(err.value)
+    sc.wrap(model(), granularity="auto")  # auto falls back to stack
+    sc.wrap(model(), granularity="stack")
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="granularity"):
+        sc.wrap(make_net(["leaky"]), granularity="block")  # type: ignore[arg-type]
+    seq = sc.wrap(make_net(["leaky"]), granularity="layer", readout=lambda a, y, t: y)
+    with pytest.raises(ValueError, match="callable readout"):
+        seq(spikes(4, 2, N_IN, 0.5))
+
+
+def test_auto_picks_layer_for_binary_input_and_stack_otherwise() -> None:
+    seq = sc.wrap(make_net(["leaky", "leaky"]), granularity="auto", stats=True)
+    x = spikes(6, 2, N_IN, 0.3)
+    seq(x)
+    assert isinstance(seq.last_stats, LayerwiseStats)
+    seq(x + 0.5)  # not binary: stack granularity
+    assert not isinstance(seq.last_stats, LayerwiseStats)
+
+
+def test_batch_first_and_return_state_match_stack_mode() -> None:
+    model = make_net(["lif", "lifrec"])
+    x = spikes(2, 6, N_IN, 0.4).transpose(0, 1).contiguous()  # (B, T, N) with batch_first
+    stack = sc.wrap(model, batch_first=True)
+    layer = sc.wrap(model, batch_first=True, granularity="layer", chunk=4)
+    ys_s, st_s = stack(x, return_state=True)
+    ys_l, st_l = layer(x, return_state=True)
+    close(ys_l, ys_s)
+    assert len(st_l) == len(st_s) and st_l[0] == () and st_l[2] == ()
+    close(st_l[3].v, st_s[3].v)
+
+
+def test_disk_files_go_when_outputs_are_dropped_and_second_backward_fails(
+    tmp_path: Path,
+) -> None:
+    model = make_net(["leaky", "leaky"])
+    x = spikes(9, 2, N_IN, 0.5)
+    seq = sc.wrap(model, granularity="layer", chunk=2, storage="disk", directory=tmp_path)
+    ys = seq(x)
+    assert list(tmp_path.iterdir())  # the store's folder exists while the graph lives
+    del ys
+    gc.collect()
+    assert not list(tmp_path.iterdir())
+    ys = seq(x)
+    ys.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        ys.sum().backward()
+    with torch.no_grad():  # no graph: nothing stored at all
+        seq(x)
+    assert not list(tmp_path.iterdir())
