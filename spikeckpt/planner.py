@@ -256,8 +256,16 @@ class BudgetPlanner:
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
         key = (T, batch)
+        missing = key not in self.choices
+        if self.reduce_max is not None:
+            # Planning broadcasts rank 0's probe, so every rank must plan together: when any
+            # rank lacks a plan (a new shape, or a re-plan after running out of memory), all
+            # re-plan, on the smallest budget of all ranks.
+            missing = bool(self.reduce_max(int(missing)))
+            if missing:
+                self.budget_bytes = -self.reduce_max(-self.budget_bytes)
         choice = self.choices.get(key)
-        if choice is None:
+        if missing or choice is None:
             choice = self._plan(seq, x, state, T, batch)
             self.choices[key] = choice
         self.last = choice

@@ -40,8 +40,9 @@ class MemoryMeter:
             or any other device uses the tensor-storage tracker for tensors on that device
             (``None`` means the CPU).
 
-    Attributes (bytes, relative to the block's entry):
-        peak_bytes: most memory held at once by tensors allocated inside the block. Readable
+    Attributes:
+        peak_bytes: most memory (bytes, relative to the block's entry) held at once by
+            tensors allocated inside the block. Readable
             inside the block too (the peak so far).
         current_bytes: memory still held at exit by tensors allocated inside the block (CUDA:
             allocated at exit minus allocated at entry; may be negative if the block freed

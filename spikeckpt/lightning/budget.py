@@ -108,6 +108,8 @@ class MemoryBudget(Callback):
         self._meter: MemoryMeter | None = None
         self._restore: list[Callable[[], None]] = []
         self._last_step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
+        self._world_size = 1
+        self._collectives_this_batch = 0
 
     @property
     def state_key(self) -> str:
@@ -174,7 +176,7 @@ class MemoryBudget(Callback):
         for name, module in self.modules.items():
             planner = BudgetPlanner(share, remote=self.remote)
             if trainer.world_size > 1:
-                planner.reduce_max = _reduce_max(trainer, device)
+                planner.reduce_max = self._counting(_reduce_max(trainer, device))
                 planner.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
             if name in self._pending:
                 planner.load_state_dict(self._pending[name])
@@ -182,6 +184,7 @@ class MemoryBudget(Callback):
             self.planners[name] = planner
         self._overhead = overhead
         self._total = total
+        self._world_size = trainer.world_size
         if self.verbose:
             rank_zero_info(
                 f"MemoryBudget: {format_bytes(total)} budget, {format_bytes(overhead)} for the "
@@ -193,6 +196,7 @@ class MemoryBudget(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._collectives_this_batch = 0
         if self._to_measure > 0 and self._meter is None:
             self._meter = MemoryMeter(pl_module.device)
             self._meter.__enter__()
@@ -294,6 +298,13 @@ class MemoryBudget(Callback):
                 "Lower the batch size, shorten the sequences, use storage='disk' or a smaller "
                 "budget= that leaves room for what the model allocates outside the wrapped parts."
             ) from error
+        if self._world_size > 1 and self._collectives_this_batch > 0:
+            raise RuntimeError(
+                "MemoryBudget: out of memory on this rank after all ranks planned this batch "
+                "together; the other ranks have gone on to the gradient all-reduce, so the batch "
+                "cannot be retried in lockstep. Under DDP give a budget= (or fraction=) well "
+                "inside the smallest device instead of relying on re-plans."
+            ) from error
         self.retries += 1
         for planner in self.planners.values():
             planner.budget_bytes = int(planner.budget_bytes * self.retry_factor)
@@ -307,6 +318,15 @@ class MemoryBudget(Callback):
             f"{self.retry_factor:.0%} of the budget and retrying the batch "
             f"(retry {attempt + 1} of {self.max_retries})"
         )
+
+    def _counting(self, reduce: Callable[[int], int]) -> Callable[[int], int]:
+        """Wrap a cross-rank reduction so the callback knows a collective ran this batch."""
+
+        def counted(value: int) -> int:
+            self._collectives_this_batch += 1
+            return reduce(value)
+
+        return counted
 
 
 def _reduce_max(trainer: pl.Trainer, device: torch.device) -> Callable[[int], int]:

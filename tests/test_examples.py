@@ -1,0 +1,67 @@
+"""Every script in examples/ runs end to end on synthetic data in under a minute."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+TIMEOUT_S = 60
+
+# What each example must print (a new example needs an entry here).
+EXPECTED: dict[str, list[str]] = {
+    "custom_step.py": ["scan peak:", "Revolve(slots=16)", "max |grad diff| vs the plain loop: 0"],
+    "disk_tier.py": [
+        "checkpoint files in spikeckpt-",
+        "after backward: 0 files or folders left",
+        "Double(remote_interval=100, local_interval=10)",
+        "completed: True",
+    ],
+    "lightning_shd.py": [
+        "SHD (synthetic files): T=100",
+        "callback.plans['net']",
+        "T=100, B=16: Uniform(",
+        "measured peak of the first training step:",
+    ],
+    "norse_wrap.py": ["max gradient difference"],
+    "plan_table.py": ["T = 10,000 steps", "Revolve"],
+    "snntorch_wrap.py": ["max gradient difference"],
+}
+NEEDS = {
+    "lightning_shd.py": ("lightning", "snntorch", "tonic"),
+    "norse_wrap.py": ("norse",),
+    "snntorch_wrap.py": ("snntorch",),
+}
+
+
+def test_every_example_is_listed() -> None:
+    assert sorted(EXPECTED) == [path.name for path in EXAMPLES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
+def test_example_runs(script: Path, tmp_path: Path) -> None:
+    for module in NEEDS.get(script.name, ()):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module}")
+    # One thread: the examples are small, and two threads per process on a busy 2-core CI
+    # machine run several times slower than one.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for text in EXPECTED[script.name]:
+        assert text in result.stdout, (text, result.stdout)
