@@ -12,6 +12,16 @@ BPTT's (0 means bitwise equal).
 
     python benchmarks/bench_scan.py                 # T = 1000 and 4000
     python benchmarks/bench_scan.py --T 300 --repeats 1 --json out.json
+
+``--layerwise``: the layer-wise granularity instead (issue 5's benchmark). Network: a 3-block
+``700-512-512-20`` :class:`spikeckpt.models.LIFStack` as ``nn.Sequential(Linear, LIFNeuron,
+...)``, batch 32, 5% input density, output spikes summed over time. Methods: the plain loop
+(BPTT); ``spikeckpt.wrap(..., granularity="stack")`` with the memory-optimal ``Double`` plan
+(``S``, ``A`` measured); ``granularity="layer"`` with chunks of ``ceil(sqrt(T))`` steps and of
+``--chunk`` steps. Off-device tier: ``--storage`` (default ``disk``: on a CPU-only machine the
+host RAM *is* the measured device, so the host tier saves nothing there).
+
+    python benchmarks/bench_scan.py --layerwise --T 2000 8000
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -198,6 +209,99 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]
     return rows
 
 
+def _wrapped_runner(seq: nn.Module, **wrap_kwargs: Any) -> Callable[..., None]:
+    """A runner for ``spikeckpt.wrap(seq, readout="sum", **wrap_kwargs)``."""
+
+    def run(net: nn.Module, x: Tensor, s0: Any) -> None:
+        wrapped = sc.wrap(seq, readout="sum", **wrap_kwargs)
+        try:
+            _loss(wrapped(x)).backward()
+            stats = wrapped.last_stats
+            run.stats = _LayerStats(stats) if stats is not None else None  # type: ignore[attr-defined]
+        finally:
+            sc.unwrap(wrapped)
+
+    return run
+
+
+class _LayerStats:
+    """The two fields :func:`measure` reads, from a ``ScanStats`` or ``LayerwiseStats``."""
+
+    def __init__(self, stats: Any) -> None:
+        if hasattr(stats, "recompute_factor"):  # ScanStats (stack granularity)
+            self.recompute_factor, self.plan = stats.recompute_factor, str(stats.plan)
+        else:  # LayerwiseStats: neuron steps per block and time step
+            self.recompute_factor = stats.forward_steps / (stats.T * len(stats.blocks))
+            self.plan = f"layer-wise chunk {stats.chunk}"
+
+
+def bench_layerwise(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]:
+    """Issue 5's comparison: BPTT loop, stack-mode Double and layer-wise on one network."""
+    from spikeckpt.models import LIFStack
+
+    torch.manual_seed(0)
+    model = LIFStack([args.inputs, *([args.hidden] * (args.blocks - 1)), args.outputs])
+    with torch.no_grad():
+        for synapse in model.synapses:
+            synapse.weight.mul_(4.0)
+    seq = model.as_sequential()
+    x = (torch.rand(T, args.batch, args.inputs) < args.density).float()
+    s0 = model.initial_state(args.batch)
+    probe = probe_step(model.step, s0, x[0], list(model.parameters()), pack=True)
+    S, A = probe.state_bytes, probe.step_bytes
+    storage = args.storage
+    directory = {"directory": folder} if storage == "disk" else {}
+
+    def run_loop(net: nn.Module, x: Tensor, s0: Any) -> None:
+        _, count = _loop(model.step, x, s0, 0, x.shape[0])  # type: ignore[arg-type]
+        _loss(count).backward()
+
+    sqrt_chunk = math.isqrt(T - 1) + 1
+    chunks = dict.fromkeys([sqrt_chunk, min(args.chunk, T)])
+    methods: list[tuple[str, Callable[..., None]]] = [
+        ("BPTT loop", run_loop),
+        (
+            f"stack Double {storage}",
+            _wrapped_runner(
+                seq,
+                plan=P.Double(state_bytes=S, step_bytes=A),
+                storage=storage,
+                stats=True,
+                **directory,
+            ),
+        ),
+    ]
+    for k in chunks:
+        methods.append(
+            (
+                f"layer-wise {storage} k={k}",
+                _wrapped_runner(
+                    seq, plan=P.Uniform(k), storage=storage, granularity="layer", **directory
+                ),
+            )
+        )
+    rows: list[dict[str, Any]] = []
+    for name, fn in methods:
+        if args.only and not any(o.lower() in name.lower() for o in args.only):
+            continue
+        result = measure(fn, model, x, s0, args.repeats)  # type: ignore[arg-type]
+        rows.append({"T": T, "method": name, "S": S, "A": A, **result})
+        print(f"  T={T} {name}: {result['peak_bytes'] / 2**20:.1f} MiB, {result['time_s']:.2f} s")
+    base = next((r for r in rows if r["method"] == "BPTT loop"), rows[0])
+    double = next((r for r in rows if r["method"].startswith("stack Double")), base)
+    for row in rows:
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        row["time_ratio"] = row["time_s"] / base["time_s"]
+        row["peak_vs_double"] = row["peak_bytes"] / double["peak_bytes"]
+        row["time_vs_double"] = row["time_s"] / double["time_s"]
+        row["max_grad_diff"] = max(
+            (g - b).abs().max().item() for g, b in zip(row["grads"], base["grads"], strict=True)
+        )
+    for row in rows:
+        del row["grads"]
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'T':>5} | {'method':<24} | {'plan':<28} | {'peak MiB':>9} | {'peak/BPTT':>9} | "
@@ -210,7 +314,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['T']:>5} | {r['method']:<24} | {(r['plan'] or '-')[:28]:<28} | "
             f"{r['peak_bytes'] / 2**20:>9.1f} | {r['peak_ratio']:>9.4f} | {r['time_s']:>7.2f} | "
             f"{r['time_ratio']:>9.2f} | {evals:>7} | {r['max_grad_diff']:>8.1e}"
+            + (
+                f" | {r['peak_vs_double']:>9.4f} | {r['time_vs_double']:>9.2f}"
+                if "peak_vs_double" in r
+                else ""
+            )
         )
+    if any("peak_vs_double" in r for r in rows):
+        lines[0] += f" | {'peak/Dbl':>9} | {'time/Dbl':>9}"
     return "\n".join(lines)
 
 
@@ -228,13 +339,24 @@ def main(argv: list[str] | None = None) -> None:
         "--pack-tape", choices=["on", "off"], default="off", help="scan(..., pack_tape=...)"
     )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument(
+        "--layerwise", action="store_true", help="BPTT vs stack Double vs layer-wise (issue 5)"
+    )
+    parser.add_argument("--blocks", type=int, default=3, help="--layerwise: LIF blocks")
+    parser.add_argument("--outputs", type=int, default=20, help="--layerwise: output neurons")
+    parser.add_argument("--chunk", type=int, default=200, help="--layerwise: a second chunk")
+    parser.add_argument(
+        "--storage", choices=["host", "disk"], default="disk", help="--layerwise: tier"
+    )
     args = parser.parse_args(argv)
+    if args.layerwise and args.hidden == 256 and "--hidden" not in (argv or sys.argv):
+        args.hidden = 512
     if args.threads:
         torch.set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-scan-") as folder:
         for T in args.T:
-            rows += bench(T, args, folder)
+            rows += (bench_layerwise if args.layerwise else bench)(T, args, folder)
     print(table(rows))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     if args.json:

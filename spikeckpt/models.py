@@ -7,6 +7,7 @@ whose step is a pure function, the shape ``spikeckpt.scan`` expects.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +84,19 @@ class LIFStack(nn.Module):
             h = s
         return tuple(new_state), h
 
+    def as_sequential(self) -> nn.Sequential:
+        """The same network as ``nn.Sequential(Linear, LIFNeuron, Linear, LIFNeuron, ...)``.
+
+        The layers share this module's parameters (the ``Linear`` modules themselves and
+        ``beta_logits``), so gradients of either form land in the same tensors. The sequential
+        form is what :func:`spikeckpt.wrap` splits into blocks for the layer-wise granularity;
+        its plain loop computes bitwise what :meth:`step` computes.
+        """
+        layers: list[nn.Module] = []
+        for index, synapse in enumerate(self.synapses):
+            layers += [synapse, LIFNeuron(self.beta_logits, index, self.threshold)]
+        return nn.Sequential(*layers)
+
     def forward(self, x: Tensor) -> Tensor:
         """Plain BPTT loop over ``x`` ``(T, B, inputs)`` -> output spikes ``(T, B, outputs)``."""
         state = self.initial_state(x.shape[1], device=x.device, dtype=x.dtype)
@@ -91,6 +105,32 @@ class LIFStack(nn.Module):
             state, y = self.step(state, x_t)
             outputs.append(y)
         return torch.stack(outputs)
+
+
+class LIFNeuron(nn.Module):
+    """One LIF layer of :class:`LIFStack` as a neuron module: ``forward(x, state) -> (s, state)``.
+
+    ``x`` is the synaptic input ``(B, n)``; ``state`` is ``(membrane (B, n), spikes (B, n))``
+    (zeros from :meth:`initial_state`). The decay is ``sigmoid(beta_logits[index])``; the
+    parameter is shared with the :class:`LIFStack` it came from.
+    """
+
+    def __init__(self, beta_logits: nn.Parameter, index: int, threshold: float = 1.0) -> None:
+        super().__init__()
+        self.beta_logits = beta_logits
+        self.index = index
+        self.threshold = threshold
+
+    def initial_state(self, x_t: Tensor) -> tuple[Tensor, Tensor]:
+        """Zero membrane and spikes shaped like the synaptic input ``x_t`` ``(B, n)``."""
+        return torch.zeros_like(x_t), torch.zeros_like(x_t)
+
+    def forward(self, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Any]:
+        v, s = state
+        beta = torch.sigmoid(self.beta_logits)[self.index]
+        v = beta * v + x - self.threshold * s.detach()
+        s = spike(v - self.threshold)
+        return s, (v, s)
 
 
 def spike_train(T: int, batch: int, channels: int, density: float, *, seed: int = 0) -> Tensor:

@@ -19,6 +19,11 @@ __all__ = ["CheckpointedSequence", "unwrap", "wrap"]
 Output = Literal["spikes", "mem", "both"]
 _OUTPUTS = ("spikes", "mem", "both")
 Granularity = Literal["stack", "layer", "auto"]
+
+#: ``granularity="auto"`` accepts a layer-wise modeled time this much above the stack plan's:
+#: the model counts ``2T`` step evaluations against e.g. ``Uniform``'s ``2T - k`` (it keeps its
+#: last segment taped) but not the layer-wise batched synapse op, which measured faster.
+_LAYERWISE_TIME_TOLERANCE = 0.05
 _GRANULARITIES = ("stack", "layer", "auto")
 _INNER = "module"
 
@@ -69,6 +74,8 @@ class CheckpointedSequence(nn.Module):
         self.granularity = _check_granularity(granularity)
         self.chunk = chunk
         self._blocks: Any = _split_or_raise(adapter) if granularity == "layer" else None
+        #: granularity="auto": per (T, B), the layer-wise chunk chosen, or None for stack
+        self._auto_chunks: dict[tuple[int, int], int | None] = {}
         #: Optional ``planner(seq, x, state) -> plan`` consulted at every forward instead of
         #: ``plan`` (``x`` time first); :class:`~spikeckpt.planner.BudgetPlanner` is one.
         self.planner: Callable[[CheckpointedSequence, Tensor, State], Any] | None = None
@@ -120,7 +127,7 @@ class CheckpointedSequence(nn.Module):
         plan, budget = self._plan_for(x)
         if self.planner is not None:
             plan = self.planner(self, x, state)
-        if self._use_layerwise(x):
+        if self._use_layerwise(x) and self._layerwise_pays(x, state, plan, budget):
             return self._forward_layerwise(x, state, plan, return_state)
         try:
             result = scan(
@@ -146,8 +153,9 @@ class CheckpointedSequence(nn.Module):
 
     # -- layer-wise granularity ---------------------------------------------------------------
     def _use_layerwise(self, x: Tensor) -> bool:
-        """``"layer"``: always; ``"auto"``: when the model splits into feed-forward blocks, the
-        readout is not callable and the input ``x`` is exactly binary (0/1 spikes)."""
+        """Whether layer-wise can run: ``"layer"``: always; ``"auto"``: when the model splits
+        into feed-forward blocks, the readout is not callable and the input ``x`` is exactly
+        binary (0/1 spikes); then :meth:`_layerwise_pays` decides."""
         if self.granularity == "stack":
             return False
         if self.granularity == "layer":
@@ -168,6 +176,65 @@ class CheckpointedSequence(nn.Module):
 
         return is_binary(x)
 
+    def _layerwise_pays(self, x: Tensor, state: State, plan: Any, budget: Any) -> bool:
+        """``granularity="auto"``: whether the layer-wise cost model beats the stack plan.
+
+        Both are modeled with the sizes of one probed step per block
+        (:func:`~spikeckpt.engine.layerwise.block_sizes`): layer-wise is used when its modeled
+        device peak fits (the budget, else the stack plan's own modeled peak) and its modeled
+        time is at most ``_LAYERWISE_TIME_TOLERANCE`` above the stack plan's. With a budget and
+        no ``chunk``, the chunk is the largest up to the plan's that fits. Cached per ``(T, B)``.
+        """
+        if self.granularity != "auto":
+            return True
+        key = (int(x.shape[0]), int(x.shape[1]))
+        if key not in self._auto_chunks:
+            self._auto_chunks[key] = self._model_granularity(x, state, plan, budget)
+        return self._auto_chunks[key] is not None
+
+    def _model_granularity(self, x: Tensor, state: State, plan: Any, budget: Any) -> int | None:
+        """The layer-wise chunk length when layer-wise pays, else ``None`` (stack)."""
+        from spikeckpt import plans
+        from spikeckpt.engine.layerwise import block_sizes, chunk_for
+        from spikeckpt.plans.layerwise import fitting_chunk, layerwise_cost
+        from spikeckpt.units import parse_bytes
+
+        blocks = self._blocks
+        stacked = blocks[0].index is not None
+        states = [state[b.index] if stacked else state for b in blocks]
+        try:
+            sizes = block_sizes(blocks, x[0], states)
+        finally:
+            self.adapter.cleanup()
+        T = int(x.shape[0])
+        S = sum(b.state_bytes for b in sizes)
+        A = max(1, sum(b.step_bytes for b in sizes))
+        remote = self.storage != "device"
+        chunk = self.chunk if self.chunk is not None else chunk_for(plan, T)
+        limit = parse_bytes(budget) if budget is not None else None
+        if limit is not None and self.chunk is None:
+            chunk = fitting_chunk(T, sizes, limit, chunk, remote=remote) or chunk
+        layer = layerwise_cost(T, chunk, sizes, remote=remote)
+        if isinstance(plan, str):  # "auto" with a budget
+            try:
+                plan = plans.choose(T, S, A, limit if limit is not None else 0, remote=remote)
+            except plans.BudgetTooSmall:
+                fits = limit is not None and layer.peak_bytes <= limit
+                return layer.chunk if fits else None
+        if not isinstance(plan, plans.Plan):  # a hand-written schedule: run it as written
+            return None
+        stack = plan.cost(T, state_bytes=S, step_bytes=A)
+        fits = layer.peak_bytes <= (limit if limit is not None else stack.peak_bytes)
+        close_in_time = layer.time <= stack.time * (1 + _LAYERWISE_TIME_TOLERANCE)
+        return layer.chunk if fits and close_in_time else None
+
+    def _layer_chunk(self, x: Tensor, plan: Any) -> Any:
+        """``chunk=`` if given, else the one ``"auto"`` chose for this shape, else the plan."""
+        if self.chunk is not None:
+            return self.chunk
+        auto = self._auto_chunks.get((int(x.shape[0]), int(x.shape[1])))
+        return auto if auto is not None else plan
+
     def _forward_layerwise(self, x: Tensor, state: State, plan: Any, return_state: bool) -> Any:
         from spikeckpt.engine.layerwise import layerwise_scan
 
@@ -186,7 +253,7 @@ class CheckpointedSequence(nn.Module):
                 blocks,
                 x,
                 states,
-                chunk=self.chunk if self.chunk is not None else plan,
+                chunk=self._layer_chunk(x, plan),
                 storage=self.storage,
                 readout=self.readout,
                 output=self.output,
@@ -310,8 +377,12 @@ def wrap(
             block's input spike train stored packed in ``storage``, blocks recomputed one at a
             time per time chunk; the model must be a flat ``nn.Sequential`` of blocks, stateless
             synapse layers then one neuron, else ``UnsupportedLayerError`` says why) or
-            ``"auto"`` (layer-wise when the model splits into such blocks, the readout is not
-            callable and the input is exactly binary; stack otherwise). With layer-wise,
+            ``"auto"`` (when the model splits into such blocks, the readout is not callable
+            and the input is exactly binary, one step per block is probed and
+            :func:`spikeckpt.plans.layerwise.layerwise_cost` models the layer-wise run; it is
+            used when its modeled device peak fits the budget, or the stack plan's own modeled
+            peak without one, and its modeled time is at most 5% above the stack plan's; stack
+            otherwise; decided once per ``(T, B)``). With layer-wise,
             ``seq.last_stats`` is always a :class:`~spikeckpt.engine.layerwise.LayerwiseStats`
             (spike density per block, bytes the codecs saved); ``storage="device"`` keeps
             the trains unpacked on the device.

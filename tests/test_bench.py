@@ -44,7 +44,7 @@ def test_table_lists_every_available_strategy(quick_run: tuple[Path, str]) -> No
         if name == "twolevel-async":
             continue  # Kukreja's scheme runs only when asked for
         assert STRATEGIES[name].label in table, name
-    assert "layer-wise" in table and "not available" in table
+    assert "layer-wise host" in table and "layer-wise disk" in table
 
 
 def test_gradients_match_bptt_to_round_off(quick_run: tuple[Path, str]) -> None:

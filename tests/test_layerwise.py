@@ -17,9 +17,10 @@ from torch import Tensor, nn
 import spikeckpt as sc
 from spikeckpt.adapters.base import adapter_for
 from spikeckpt.adapters.sequential import split_blocks
-from spikeckpt.engine.layerwise import LayerwiseStats, chunk_for, layerwise_scan
-from spikeckpt.errors import UnsupportedLayerError
-from spikeckpt.plans import Double, Uniform
+from spikeckpt.engine.layerwise import LayerwiseStats, block_sizes, chunk_for, layerwise_scan
+from spikeckpt.errors import BudgetTooSmall, UnsupportedLayerError
+from spikeckpt.plans import Double, Revolve, Uniform
+from spikeckpt.plans.layerwise import layerwise_cost
 
 snn = pytest.importorskip("snntorch")
 with warnings.catch_warnings():
@@ -273,13 +274,63 @@ def test_bad_arguments() -> None:
         seq(spikes(4, 2, N_IN, 0.5))
 
 
+def _three_blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(100, 64), snn.Leaky(beta=0.9), nn.Linear(64, 64), snn.Leaky(beta=0.9),
+        nn.Linear(64, 10), snn.Leaky(beta=0.9),
+    )  # fmt: skip
+    with torch.no_grad():
+        for layer in net[::2]:
+            layer.weight.mul_(3.0)
+    return net
+
+
 def test_auto_picks_layer_for_binary_input_and_stack_otherwise() -> None:
-    seq = sc.wrap(make_net(["leaky", "leaky"]), granularity="auto", stats=True)
-    x = spikes(6, 2, N_IN, 0.3)
+    net = _three_blocks()
+    x = spikes(200, 8, 100, 0.1)
+    seq = sc.wrap(net, granularity="auto", stats=True)  # CPU default: Uniform(ceil(sqrt(T)))
     seq(x)
     assert isinstance(seq.last_stats, LayerwiseStats)
+    assert seq.last_stats.chunk == 15
     seq(x + 0.5)  # not binary: stack granularity
     assert not isinstance(seq.last_stats, LayerwiseStats)
+
+
+def test_auto_keeps_the_stack_when_its_plan_models_less_memory() -> None:
+    # Revolve(2) keeps two states and one taped step; layer-wise tapes a 15-step chunk
+    seq = sc.wrap(_three_blocks(), plan=Revolve(2), granularity="auto", stats=True)
+    seq(spikes(200, 8, 100, 0.1))
+    assert not isinstance(seq.last_stats, LayerwiseStats)
+    assert seq._auto_chunks == {(200, 8): None}
+
+
+def test_auto_with_a_budget_takes_the_largest_chunk_that_fits() -> None:
+    # 100 kB: layer-wise runs chunks of 5 steps (modeled 87.6 kB; 6 steps would be 103 kB),
+    # 2T evaluations, against the stack's Double(5, 5) with a similar modeled time
+    x = spikes(200, 8, 100, 0.1)
+    seq = sc.wrap(_three_blocks(), plan="auto", budget=100_000, granularity="auto", storage="disk")
+    loss_of(seq(x)).backward()
+    stats = seq.last_stats
+    assert isinstance(stats, LayerwiseStats) and stats.chunk == 5
+    assert stats.forward_steps == 2 * 200 * 3
+    with pytest.raises(BudgetTooSmall):  # neither fits
+        sc.wrap(_three_blocks(), plan="auto", budget=20_000, granularity="auto")(x)
+
+
+@pytest.mark.parametrize("chunk", [5, 15, 40])
+def test_modeled_layerwise_peak_is_close_to_the_measured_one(chunk: int) -> None:
+    net = _three_blocks()
+    x = spikes(200, 8, 100, 0.1)
+    seq = sc.wrap(net, granularity="layer", chunk=chunk, storage="disk", readout="sum")
+    state = seq.adapter.init_state(x[0])
+    sizes = block_sizes(seq._blocks, x[0], [state[b.index] for b in seq._blocks])
+    assert [s.density for s in sizes][0] == pytest.approx(0.1, abs=0.05)
+    modeled = layerwise_cost(200, chunk, sizes).peak_bytes
+    with sc.MemoryMeter() as meter:
+        seq(x).sum().backward()
+    grads = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert 0.7 <= (meter.peak_bytes - grads) / modeled <= 1.3
 
 
 def test_batch_first_and_return_state_match_stack_mode() -> None:

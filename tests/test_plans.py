@@ -327,3 +327,50 @@ def test_parse_bytes_rejects_garbage(bad: object) -> None:
 def test_format_bytes() -> None:
     assert format_bytes(3 * 2**20) == "3.00 MiB"
     assert format_bytes(12) == "12 B"
+
+
+# ----------------------------------------------------------------------------- layer-wise model
+
+
+def test_packed_bytes_picks_the_smaller_codec() -> None:
+    dense = 32 * 700 * 4  # one SHD step at batch 32, float32
+    assert plans.packed_bytes(dense, None) == dense
+    assert plans.packed_bytes(dense, 0.5) == 32 * 700 // 8  # bit-packed
+    assert plans.packed_bytes(dense, 0.05) == 2 * math.ceil(0.05 * 32 * 700)  # index list
+    assert plans.packed_bytes(dense, 0.05) * 30 <= dense
+    with pytest.raises(ValueError, match="density"):
+        plans.packed_bytes(dense, 1.5)
+
+
+def test_layerwise_cost_follows_its_formula() -> None:
+    blocks = [
+        plans.BlockSizes(state_bytes=10, step_bytes=100, input_bytes=40, output_bytes=20),
+        plans.BlockSizes(state_bytes=6, step_bytes=50, input_bytes=20, output_bytes=8, density=0.0),
+    ]
+    cost = plans.layerwise_cost(100, 10, blocks)
+    assert (cost.chunk, cost.n_chunks, cost.forward_steps) == (10, 10, 200)
+    assert cost.peak_bytes == 2 * 16 + 10 * (100 + 2 * 40 + 20)
+    # block 1's input is the caller's; block 2's all-zero train packs to 0 index bytes
+    assert cost.remote_bytes == 100 * 0 + 9 * 16
+    local = plans.layerwise_cost(100, 10, blocks, remote=False)
+    assert local.peak_bytes == cost.peak_bytes + 9 * 16 and local.remote_bytes == 0
+    assert cost.time == 100 * (2 * 1.0 + 2.0) and cost.time_factor(plans.CostModel()) == 4 / 3
+    assert plans.layerwise_cost(5, 50, blocks).chunk == 5  # clipped to T
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        plans.layerwise_cost(5, 0, blocks)
+    with pytest.raises(ValueError, match="at least one block"):
+        plans.layerwise_cost(5, 1, [])
+
+
+@settings(max_examples=50, deadline=None)
+@given(T=st.integers(1, 500), budget=st.integers(0, 50_000), preferred=st.integers(1, 600))
+def test_fitting_chunk_is_the_largest_that_fits(T: int, budget: int, preferred: int) -> None:
+    blocks = [plans.BlockSizes(64, 300, 80, 40, 0.1), plans.BlockSizes(32, 200, 40, 10, 0.2)]
+    k = plans.fitting_chunk(T, blocks, budget, preferred)
+    if k is None:
+        assert plans.layerwise_cost(T, 1, blocks).peak_bytes > budget
+        return
+    assert 1 <= k <= min(preferred, T)
+    assert plans.layerwise_cost(T, k, blocks).peak_bytes <= budget
+    if k < min(preferred, T):
+        assert plans.layerwise_cost(T, k + 1, blocks).peak_bytes > budget

@@ -186,7 +186,8 @@ def measure(
     row.fits = True
     row.plan = outcome.plan
     row.peak_bytes = meter.peak_bytes + param_bytes(model)
-    row.evals_per_step = calls[0] / ctx.T
+    # layer-wise runs its blocks, not model.step: it reports its own step count
+    row.evals_per_step = (calls[0] or outcome.forward_steps or 0) / ctx.T
     row.bytes_off_device = outcome.bytes_off_device
     row.note = strategy.note
     if reference is not None:

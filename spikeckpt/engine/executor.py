@@ -456,13 +456,16 @@ class Executor:
             before = counter.bytes
             leaves, tape_ys = first, []
             with torch.enable_grad(), counter:
+                # per-step views through one unbind (taped): indexing seg[t] per step would make
+                # each step's backward allocate and fill a zero gradient of the whole segment
+                seg_steps = [seg.unbind(0) if seg is not None else None for seg in segs]
                 for t in range(a, b):
                     if plain:
                         xs = x(t)
                     else:
                         xs = [
-                            seg[t - a] if seg is not None else xt  # type: ignore[index]
-                            for seg, xt in zip(segs, x(t), strict=False)
+                            steps[t - a] if steps is not None else xt
+                            for steps, xt in zip(seg_steps, x(t), strict=False)
                         ]
                     leaves, ys = fn(t, leaves, xs, check)
                     tape_ys.append(ys)

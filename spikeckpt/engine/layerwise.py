@@ -58,10 +58,14 @@ from torch.utils import _pytree as pytree
 from spikeckpt.adapters.base import LayerAdapter
 from spikeckpt.adapters.generic import StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.sequential import Block
+from spikeckpt.engine.probe import SavedBytes
+from spikeckpt.engine.tree import is_float, leaf_bytes
+from spikeckpt.plans.layerwise import BlockSizes
 from spikeckpt.storage.base import Ledger
+from spikeckpt.storage.codecs import is_binary
 from spikeckpt.storage.tiers import make_store
 
-__all__ = ["BlockStats", "LayerwiseStats", "chunk_for", "layerwise_scan"]
+__all__ = ["BlockStats", "LayerwiseStats", "block_sizes", "chunk_for", "layerwise_scan"]
 
 _READOUTS = (None, "sum", "mean", "last")
 _OUTPUTS = ("spikes", "mem", "both")
@@ -179,6 +183,36 @@ class LayerwiseStats:
 # ----------------------------------------------------------------------------- helpers
 
 
+def block_sizes(blocks: Sequence[Block], x_t: Tensor, states: Sequence[Any]) -> list[BlockSizes]:
+    """Measure each block for :func:`spikeckpt.plans.layerwise.layerwise_cost` with one taped
+    step from ``states`` on the input step ``x_t`` ``(B, ...)``: its state bytes, the bytes
+    autograd keeps (``A_b``; parameters excluded), its input and output bytes per step and the
+    density of its input when that is binary. Changes nothing (RNG forked, no gradients)."""
+    params = [
+        t for b in blocks for layer in (*b.synapses, b.neuron) for t in layer.module.parameters()
+    ]
+    sizes: list[BlockSizes] = []
+    h = x_t.detach()
+    devices = sorted({h.device.index or 0} if h.device.type == "cuda" else set())
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        for block, state in zip(blocks, states, strict=True):
+            leaves, spec = pytree.tree_flatten(state)
+            leaves = [t.detach().requires_grad_(is_float(t)) for t in leaves]
+            with SavedBytes(exclude=params) as counter:
+                z = h
+                for layer in block.synapses:
+                    z = layer.step((), z)[1]
+                _, y = block.neuron.step(pytree.tree_unflatten(leaves, spec), z)
+            density = float(h.float().mean()) if is_binary(h) else None
+            sizes.append(
+                BlockSizes(leaf_bytes(leaves), counter.bytes, _nbytes(h), _nbytes(y), density)
+            )
+            h = y.detach()
+    for block in blocks:
+        block.neuron.cleanup()
+    return sizes
+
+
 def chunk_for(plan: Any, T: int) -> int:
     """The chunk length for ``plan``: an int is itself; a plan with ``interval``
     (``Uniform(k)``) or ``local_interval`` (``Double``) uses it; otherwise (None, ``"auto"``,
@@ -220,7 +254,7 @@ def _synapse(block: Block, x: Tensor) -> Tensor:
             _, y = inner.step((), x.reshape(k * b, *x.shape[2:]))
             x = y.reshape(k, b, *y.shape[1:])
         else:
-            x = torch.stack([layer.step((), x[t])[1] for t in range(k)])
+            x = torch.stack([layer.step((), x_t)[1] for x_t in x.unbind(0)])
     return x
 
 
@@ -320,8 +354,10 @@ class _Job:
         spikes: list[Tensor] = []
         mems: list[Tensor] = []
         want_mem = top and self.output != "spikes"
-        for t in range(z.shape[0]):
-            state, y = block.neuron.step(state, z[t])
+        # unbind, not z[t]: the backward of one select per step would allocate and fill a
+        # zero (k, B, ...) gradient each time, O(k^2) in the chunk length; unbind's is one stack
+        for z_t in z.unbind(0):
+            state, y = block.neuron.step(state, z_t)
             spikes.append(y)
             if want_mem:
                 mem = block.neuron.membrane(state)

@@ -15,6 +15,13 @@ from spikeckpt.plans.binomial import advances, beta, reps
 from spikeckpt.plans.bptt import BPTT
 from spikeckpt.plans.choose import Candidate, choose, minimum_budget, rank
 from spikeckpt.plans.double import Double
+from spikeckpt.plans.layerwise import (
+    BlockSizes,
+    LayerwiseCost,
+    fitting_chunk,
+    layerwise_cost,
+    packed_bytes,
+)
 from spikeckpt.plans.revolve import Revolve
 from spikeckpt.plans.schedule import (
     Action,
@@ -38,6 +45,11 @@ __all__ = [
     "Action",
     "Advance",
     "Backprop",
+    "BlockSizes",
+    "LayerwiseCost",
+    "fitting_chunk",
+    "layerwise_cost",
+    "packed_bytes",
     "BudgetTooSmall",
     "Candidate",
     "Cost",

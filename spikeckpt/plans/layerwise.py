@@ -1,0 +1,155 @@
+"""The cost model of the layer-wise granularity, next to the stack plans' (pure Python).
+
+Layer-wise checkpointing (:func:`spikeckpt.engine.layerwise.layerwise_scan`) runs a
+feed-forward stack of blocks in time chunks of ``chunk`` steps. The forward pass stores each
+block's input spike train (packed) and its state at every chunk start; the backward pass
+recomputes one block over one chunk at a time, top-down, chunks in reverse. Per block ``b``
+(all sizes in bytes, for the whole batch):
+
+- ``S_b`` its state, ``A_b`` what autograd keeps for one taped step of it (synapse and
+  neuron), ``I_b`` one step of its input dense, ``O_b`` one step of its output dense;
+- ``rho_b`` the density of its input spikes (``None``: not binary, stored dense).
+
+Modeled peak on the device (``remote=True``: trains and states in host RAM or on disk)::
+
+    sum_b 2 S_b                                 current states and their gradients
+    + max_b chunk * (A_b + 2 I_b + O_b)         one block's tape over a chunk, its unpacked
+                                                input chunk, the input gradient it hands down
+                                                and the output gradient it receives
+
+With ``remote=False`` the packed trains and the chunk states stay on the device too and are
+added. Off-device bytes: ``sum_b T * packed(I_b, rho_b) + n_chunks * S_b``. Step evaluations:
+every block runs each step twice (forward, recomputation), the same ``2T`` as
+``Uniform``; the time model is ``T * (2 * forward + backward)`` plus the copies, in the units
+of :class:`~spikeckpt.plans.CostModel` (the stack's step times are used as the sum over blocks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spikeckpt.plans.simulate import CostModel
+
+__all__ = ["BlockSizes", "LayerwiseCost", "fitting_chunk", "layerwise_cost", "packed_bytes"]
+
+#: elements per index-list block (16-bit positions), as in :mod:`spikeckpt.storage.codecs`
+_INDEX_BLOCK = 65536
+
+
+def packed_bytes(dense_bytes: int, density: float | None, element_size: int = 4) -> int:
+    """Bytes of a spike tensor of ``dense_bytes`` (``element_size`` bytes per element) stored
+    with the ``auto`` codec at ``density`` (``None``: not binary, stored dense)."""
+    if density is None:
+        return dense_bytes
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be in [0, 1] or None, got {density!r}")
+    numel = dense_bytes // element_size
+    bitpack = (numel + 7) // 8
+    blocks = 0 if numel <= _INDEX_BLOCK else -(-numel // _INDEX_BLOCK)
+    index = 2 * math.ceil(density * numel) + 4 * blocks
+    return min(bitpack, index)
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Measured sizes of one block at the batch being planned (bytes).
+
+    Attributes:
+        state_bytes: ``S_b``, the block's state.
+        step_bytes: ``A_b``, bytes autograd keeps for one taped step of the block.
+        input_bytes: ``I_b``, one step of the block's input, dense.
+        output_bytes: ``O_b``, one step of the block's output, dense.
+        density: fraction of ones in the block's input, or ``None`` when it is not binary.
+    """
+
+    state_bytes: int
+    step_bytes: int
+    input_bytes: int
+    output_bytes: int
+    density: float | None = None
+
+
+@dataclass(frozen=True)
+class LayerwiseCost:
+    """Modeled cost of a layer-wise run.
+
+    Attributes:
+        T: steps. chunk: steps per chunk. n_chunks: ``ceil(T / chunk)``.
+        peak_bytes: modeled peak device bytes (see the module docstring).
+        remote_bytes: bytes stored off the device (packed trains and chunk states); 0 when
+            ``remote=False``.
+        forward_steps: step evaluations of the whole stack (``2T``).
+        time: modeled time in the :class:`CostModel`'s units.
+    """
+
+    T: int
+    chunk: int
+    n_chunks: int
+    peak_bytes: int
+    remote_bytes: int
+    forward_steps: int
+    time: float
+
+    def time_factor(self, costs: CostModel) -> float:
+        """Modeled time relative to BPTT's ``T * (forward + backward)``."""
+        return self.time / (self.T * (costs.forward + costs.backward))
+
+
+def layerwise_cost(
+    T: int,
+    chunk: int,
+    blocks: Sequence[BlockSizes],
+    *,
+    remote: bool = True,
+    costs: CostModel | None = None,
+) -> LayerwiseCost:
+    """Model a layer-wise run of ``blocks`` over ``T`` steps in chunks of ``chunk`` steps.
+
+    ``costs.write`` / ``costs.read`` are the times to copy one whole stack state; the packed
+    trains are charged in proportion to their bytes.
+    """
+    if T < 1 or chunk < 1:
+        raise ValueError(f"need T >= 1 and chunk >= 1, got T={T}, chunk={chunk}")
+    if not blocks:
+        raise ValueError("need at least one block")
+    costs = costs or CostModel()
+    k = min(chunk, T)
+    n_chunks = -(-T // k)
+    states = sum(b.state_bytes for b in blocks)
+    working = max(k * (b.step_bytes + 2 * b.input_bytes + b.output_bytes) for b in blocks)
+    trains = sum(T * packed_bytes(b.input_bytes, b.density) for b in blocks[1:])
+    # the first block's input is the caller's tensor: referenced, never copied
+    stored = trains + (n_chunks - 1) * states
+    peak = 2 * states + working + (0 if remote else stored)
+    time = T * (2 * costs.forward + costs.backward)
+    if remote and states > 0:
+        per_byte = (costs.write + costs.read) / states
+        time += per_byte * stored
+    return LayerwiseCost(
+        T=T,
+        chunk=k,
+        n_chunks=n_chunks,
+        peak_bytes=peak,
+        remote_bytes=stored if remote else 0,
+        forward_steps=2 * T,
+        time=time,
+    )
+
+
+def fitting_chunk(
+    T: int, blocks: Sequence[BlockSizes], budget_bytes: int, preferred: int, *, remote: bool = True
+) -> int | None:
+    """The largest chunk length ``<= preferred`` whose modeled peak fits ``budget_bytes``, or
+    ``None`` when not even chunks of one step fit."""
+    lo, hi = 1, max(1, min(preferred, T))
+    if layerwise_cost(T, lo, blocks, remote=remote).peak_bytes > budget_bytes:
+        return None
+    while lo < hi:  # the modeled peak grows with the chunk: bisect
+        mid = (lo + hi + 1) // 2
+        if layerwise_cost(T, mid, blocks, remote=remote).peak_bytes <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
