@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -190,17 +189,38 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]
             scan_runner(P.Double(state_bytes=S, step_bytes=A), "disk", folder, pack_tape=pack),
         ),
     ]
+    return run_methods(methods, net, x, s0, args, {"T": T, "S": S, "A": A})
+
+
+def run_methods(
+    methods: list[tuple[str, Callable[..., None]]],
+    net: nn.Module,
+    x: Tensor,
+    s0: Any,
+    args: argparse.Namespace,
+    fields: dict[str, Any],
+    second: str | None = None,
+) -> list[dict[str, Any]]:
+    """Measure each method (those ``--only`` keeps); add ratios to the BPTT loop's row and,
+    with ``second``, to the first row whose method starts with it (``*_vs_double``)."""
     rows: list[dict[str, Any]] = []
     for name, fn in methods:
         if args.only and not any(o.lower() in name.lower() for o in args.only):
             continue
-        result = measure(fn, net, x, s0, args.repeats)
-        rows.append({"T": T, "method": name, "S": S, "A": A, **result})
-        print(f"  T={T} {name}: {result['peak_bytes'] / 2**20:.1f} MiB, {result['time_s']:.2f} s")
+        result = measure(fn, net, x, s0, args.repeats)  # type: ignore[arg-type]
+        rows.append({**fields, "method": name, **result})
+        print(
+            f"  T={fields['T']} {name}: {result['peak_bytes'] / 2**20:.1f} MiB, "
+            f"{result['time_s']:.2f} s"
+        )
     base = next((r for r in rows if r["method"] == "BPTT loop"), rows[0])
+    other = next((r for r in rows if second and r["method"].startswith(second)), None)
     for row in rows:
         row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
         row["time_ratio"] = row["time_s"] / base["time_s"]
+        if other is not None:
+            row["peak_vs_double"] = row["peak_bytes"] / other["peak_bytes"]
+            row["time_vs_double"] = row["time_s"] / other["time_s"]
         row["max_grad_diff"] = max(
             (g - b).abs().max().item() for g, b in zip(row["grads"], base["grads"], strict=True)
         )
@@ -280,26 +300,7 @@ def bench_layerwise(T: int, args: argparse.Namespace, folder: str) -> list[dict[
                 ),
             )
         )
-    rows: list[dict[str, Any]] = []
-    for name, fn in methods:
-        if args.only and not any(o.lower() in name.lower() for o in args.only):
-            continue
-        result = measure(fn, model, x, s0, args.repeats)  # type: ignore[arg-type]
-        rows.append({"T": T, "method": name, "S": S, "A": A, **result})
-        print(f"  T={T} {name}: {result['peak_bytes'] / 2**20:.1f} MiB, {result['time_s']:.2f} s")
-    base = next((r for r in rows if r["method"] == "BPTT loop"), rows[0])
-    double = next((r for r in rows if r["method"].startswith("stack Double")), base)
-    for row in rows:
-        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
-        row["time_ratio"] = row["time_s"] / base["time_s"]
-        row["peak_vs_double"] = row["peak_bytes"] / double["peak_bytes"]
-        row["time_vs_double"] = row["time_s"] / double["time_s"]
-        row["max_grad_diff"] = max(
-            (g - b).abs().max().item() for g, b in zip(row["grads"], base["grads"], strict=True)
-        )
-    for row in rows:
-        del row["grads"]
-    return rows
+    return run_methods(methods, model, x, s0, args, {"T": T, "S": S, "A": A}, second="stack Double")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -329,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--T", type=int, nargs="+", default=[1000, 4000])
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="hidden width (default 256; --layerwise 512)"
+    )
     parser.add_argument("--inputs", type=int, default=700)
     parser.add_argument("--density", type=float, default=0.05)
     parser.add_argument("--repeats", type=int, default=3)
@@ -349,8 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         "--storage", choices=["host", "disk"], default="disk", help="--layerwise: tier"
     )
     args = parser.parse_args(argv)
-    if args.layerwise and args.hidden == 256 and "--hidden" not in (argv or sys.argv):
-        args.hidden = 512
+    if args.hidden is None:
+        args.hidden = 512 if args.layerwise else 256
     if args.threads:
         torch.set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []

@@ -200,10 +200,8 @@ class CheckpointedSequence(nn.Module):
         from spikeckpt.units import parse_bytes
 
         blocks = self._blocks
-        stacked = blocks[0].index is not None
-        states = [state[b.index] if stacked else state for b in blocks]
         try:
-            sizes = block_sizes(blocks, x[0], states)
+            sizes = block_sizes(blocks, x[0], _block_states(blocks, state))
         finally:
             self.adapter.cleanup()
         T = int(x.shape[0])
@@ -246,13 +244,11 @@ class CheckpointedSequence(nn.Module):
         blocks = self._blocks
         if blocks is None or blocks is False:
             blocks = self._blocks = _split_or_raise(self.adapter)
-        stacked = blocks[0].index is not None
-        states = [state[b.index] if stacked else state for b in blocks]
         try:
             ys, finals, self.last_stats = layerwise_scan(
                 blocks,
                 x,
-                states,
+                _block_states(blocks, state),
                 chunk=self._layer_chunk(x, plan),
                 storage=self.storage,
                 readout=self.readout,
@@ -263,7 +259,7 @@ class CheckpointedSequence(nn.Module):
             )
         finally:
             self.adapter.cleanup()
-        if stacked:
+        if blocks[0].index is not None:  # a stack: put each block's state at its layer
             final = list(state)
             for b, s in zip(blocks, finals, strict=True):
                 final[b.index] = s
@@ -292,6 +288,14 @@ class CheckpointedSequence(nn.Module):
             f"output={self.output!r}, batch_first={self.batch_first}, "
             f"granularity={self.granularity!r}"
         )
+
+
+def _block_states(blocks: Any, state: State) -> list[State]:
+    """Each block's state: ``state[neuron index]`` for a stack, the whole state for a single
+    neuron (its block has no index)."""
+    if blocks[0].index is None:
+        return [state]
+    return [state[b.index] for b in blocks]
 
 
 def _check_granularity(granularity: str) -> str:

@@ -193,23 +193,23 @@ def block_sizes(blocks: Sequence[Block], x_t: Tensor, states: Sequence[Any]) -> 
     ]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
-    devices = sorted({h.device.index or 0} if h.device.type == "cuda" else set())
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        for block, state in zip(blocks, states, strict=True):
-            leaves, spec = pytree.tree_flatten(state)
-            leaves = [t.detach().requires_grad_(is_float(t)) for t in leaves]
-            with SavedBytes(exclude=params) as counter:
-                z = h
-                for layer in block.synapses:
-                    z = layer.step((), z)[1]
-                _, y = block.neuron.step(pytree.tree_unflatten(leaves, spec), z)
-            density = float(h.float().mean()) if is_binary(h) else None
-            sizes.append(
-                BlockSizes(leaf_bytes(leaves), counter.bytes, _nbytes(h), _nbytes(y), density)
-            )
-            h = y.detach()
-    for block in blocks:
-        block.neuron.cleanup()
+    devices = [h.device.index or 0] if h.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for block, state in zip(blocks, states, strict=True):
+                leaves, spec = pytree.tree_flatten(state)
+                leaves = [t.detach().requires_grad_(is_float(t)) for t in leaves]
+                with SavedBytes(exclude=params) as counter:
+                    z = _synapse(block, h.unsqueeze(0))[0]  # the run's own (chunk) synapse op
+                    _, y = block.neuron.step(pytree.tree_unflatten(leaves, spec), z)
+                density = float(h.float().mean()) if is_binary(h) else None
+                sizes.append(
+                    BlockSizes(leaf_bytes(leaves), counter.bytes, _nbytes(h), _nbytes(y), density)
+                )
+                h = y.detach()
+    finally:
+        for block in blocks:
+            block.neuron.cleanup()
     return sizes
 
 
