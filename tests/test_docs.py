@@ -8,6 +8,7 @@ that is not meant to run here.
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ PAGES = [
 def test_python_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = BLOCK.findall(page.read_text())
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # snippets' temp folders land here
     namespace: dict[str, object] = {"__name__": "__docs__"}
     for number, block in enumerate(blocks, 1):
         code = compile(block, f"{page.name}:block{number}", "exec")

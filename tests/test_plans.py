@@ -118,6 +118,7 @@ PLAN_STRATEGY = st.one_of(
     st.builds(Uniform, st.integers(1, 300)),
     st.builds(Uniform, st.none()),
     st.builds(Revolve, st.integers(1, 12)),
+    st.builds(Revolve, st.integers(1, 12), st.integers(1, 80)),
     st.builds(
         lambda K, k: Double(K, min(k, K)),
         st.integers(1, 400),
@@ -142,15 +143,22 @@ def test_every_schedule_validates_and_closed_forms_are_exact(
     T: int, plan: plans.Plan, S: int, A: int
 ) -> None:
     fitted = plan.for_length(T)
-    costs = CostModel(forward=1.0, backward=2.0, write=3.0, read=1.5)
+    costs = CostModel(forward=1.0, backward=2.0, write=3.0, read=1.5, segment=0.7)
     simulated = simulate(fitted.schedule(T), state_bytes=S, step_bytes=A, costs=costs)
     assert simulated.backward_steps == T
     assert simulated.forward_steps >= T
     closed = fitted.cost(T, state_bytes=S, step_bytes=A, costs=costs)
     assert closed == simulated
     if isinstance(fitted, Revolve):
-        assert simulated.peak_bytes <= (fitted.slots + 1) * S + A
-        assert simulated.forward_steps == T + plans.advances(T, fitted.slots)
+        k = fitted.tape
+        n = math.ceil(T / k)
+        assert simulated.peak_bytes <= (fitted.slots + 1) * S + k * A
+        assert simulated.backprops == n
+        # every unit is evaluated n + t(n, s) times in all; only the last unit is short
+        last = T - (n - 1) * k
+        assert simulated.forward_steps == (n - 1 + plans.advances(n, fitted.slots)) * k + last
+        if k == 1:
+            assert simulated.forward_steps == T + plans.advances(T, fitted.slots)
     if isinstance(fitted, Uniform):
         assert fitted.interval is not None
         n = math.ceil(T / fitted.interval)
@@ -169,14 +177,15 @@ def test_every_schedule_validates_and_closed_forms_are_exact(
     A=st.integers(1, 64),
     fraction=st.floats(0.0, 1.2),
     remote=st.booleans(),
+    segment=st.sampled_from([0.0, 1.0, 8.0]),
 )
 def test_choose_never_exceeds_the_budget(
-    T: int, S: int, A: int, fraction: float, remote: bool
+    T: int, S: int, A: int, fraction: float, remote: bool, segment: float
 ) -> None:
     bptt = S + T * A
     budget = int(fraction * bptt)
     try:
-        plan = plans.choose(T, S, A, budget, remote=remote)
+        plan = plans.choose(T, S, A, budget, remote=remote, costs=CostModel(segment=segment))
     except BudgetTooSmall as error:
         assert budget < plans.minimum_budget(T, S, A)
         assert error.minimum_bytes == plans.minimum_budget(T, S, A)
@@ -198,6 +207,25 @@ def test_choose_prefers_faster_plans_and_reports_alternatives() -> None:
     assert all(c.cost.peak_bytes <= 50 for c in ranked)
     assert {type(c.plan) for c in ranked} >= {Revolve, Double}
     assert plans.choose(1000, 1, 1, 50, remote=False) == Revolve(48)
+
+
+def test_revolve_with_a_call_overhead_tapes_several_steps_and_is_modeled_faster() -> None:
+    # A CPU-like model: one autograd call costs about one step evaluation.
+    costs = CostModel(forward=1.0, backward=2.0, segment=1.0)
+    T, S, A = 4000, 64, 160
+    budget = 64 * S + 64 * A  # what torch.utils.checkpoint per sqrt(T) segment keeps
+    ranked = plans.rank(T, S, A, budget, remote=False, costs=costs)
+    revolve = next(c for c in ranked if isinstance(c.plan, Revolve))
+    assert isinstance(revolve.plan, Revolve) and revolve.plan.tape > 1
+    assert revolve.cost.peak_bytes <= budget
+    single = Revolve((budget - A) // S - 1)
+    single_cost = single.cost(T, state_bytes=S, step_bytes=A, costs=costs)
+    assert single_cost.peak_bytes <= budget
+    assert revolve.cost.time < single_cost.time
+    assert revolve.cost.backprops < single_cost.backprops == T
+    # without the overhead the classic single-step schedule is kept
+    plain = plans.rank(T, S, A, budget, remote=False)
+    assert next(c.plan for c in plain if isinstance(c.plan, Revolve)) == single
 
 
 def test_budget_too_small_names_the_minimum() -> None:

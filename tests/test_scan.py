@@ -135,7 +135,7 @@ def make_plan(kind: str, T: int, a: int, b: int) -> Any:
     if kind == "uniform":
         return P.Uniform(a)
     if kind == "revolve":
-        return P.Revolve(b)
+        return P.Revolve(b, tape=1 + a % 4)
     if kind == "double":
         return P.Double(a + b, b)
     return P.TwoLevel(b)
@@ -254,8 +254,8 @@ class FixedBytes(nn.Module):
 @pytest.mark.parametrize("storage", ["host", "disk"])
 @pytest.mark.parametrize(
     "plan",
-    [P.BPTT(), P.Uniform(7), P.Revolve(3), P.Double(12, 4), P.TwoLevel(3)],
-    ids=lambda p: type(p).__name__,
+    [P.BPTT(), P.Uniform(7), P.Revolve(3), P.Revolve(3, 4), P.Double(12, 4), P.TwoLevel(3)],
+    ids=repr,
 )
 def test_ledger_peak_equals_simulator(plan: Any, storage: str) -> None:
     T = 41

@@ -98,6 +98,7 @@ def make_cost(
     T: int,
     *,
     forward_steps: int,
+    backprops: int,
     peak_states: int,
     peak_taped: int,
     peak_units: tuple[tuple[int, int], ...],
@@ -110,11 +111,17 @@ def make_cost(
 
     ``peak_units`` lists the (states, taped) pairs that can be the peak moment; the peak bytes
     is the largest ``states * S + taped * A`` among them. ``remote`` is the number of remote
-    writes, equal to the number of remote reads and to the peak remote states.
+    writes, equal to the number of remote reads and to the peak remote states. ``backprops``
+    is the number of taped segments (``Backprop`` actions).
     """
     costs = costs or CostModel()
     peak_bytes = max(states * state_bytes + taped * step_bytes for states, taped in peak_units)
-    time = forward_steps * costs.forward + T * costs.backward + remote * (costs.write + costs.read)
+    time = (
+        forward_steps * costs.forward
+        + T * costs.backward
+        + remote * (costs.write + costs.read)
+        + backprops * costs.segment
+    )
     return Cost(
         T=T,
         forward_steps=forward_steps,
@@ -128,4 +135,5 @@ def make_cost(
         time=time,
         state_bytes=state_bytes,
         step_bytes=step_bytes,
+        backprops=backprops,
     )

@@ -25,6 +25,7 @@ class BPTT(Plan):
         return make_cost(
             T,
             forward_steps=T,
+            backprops=1,
             peak_states=1,
             peak_taped=T,
             peak_units=((1, T),),

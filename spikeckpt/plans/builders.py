@@ -31,28 +31,40 @@ def sweep(start: int, stop: int, interval: int) -> tuple[list[Action], list[Acti
     return forward, backward
 
 
-def reverse(start: int, stop: int, slots: int, out: list[Action]) -> None:
+def reverse(start: int, stop: int, slots: int, out: list[Action], *, unit: int = 1) -> None:
     """Append Griewank's binomial reversal of ``[start, stop)`` to ``out``.
+
+    The reversal works on units of ``unit`` steps (the last unit may be shorter): checkpoints
+    sit on unit boundaries and each unit is taped and backpropagated as one segment. With
+    ``unit=1`` this is the classic single-step Revolve.
 
     Precondition: the current state is ``x_start`` and it is stored on the device in one of
     the ``slots`` slots; it stays stored (the caller frees it). Uses at most ``slots`` device
-    checkpoints and exactly ``advances(stop - start, slots)`` untaped evaluations.
+    checkpoints and exactly ``advances(units, slots)`` untaped unit evaluations, where
+    ``units = ceil((stop - start) / unit)``.
     """
-    while True:
-        length = stop - start
-        if length == 1:
-            out += [Tape(start, stop), Backprop(start, stop)]
-            return
-        if slots == 1:
-            for end in range(stop, start, -1):
-                if end != stop:
-                    out.append(Load(start, "device"))
-                if end - 1 > start:
-                    out.append(Advance(start, end - 1))
-                out += [Tape(end - 1, end), Backprop(end - 1, end)]
-            return
-        middle = start + split(length, slots)
-        out += [Advance(start, middle), Store(middle, "device")]
-        reverse(middle, stop, slots - 1, out)
-        out += [Free(middle, "device"), Load(start, "device")]
-        stop = middle
+
+    def at(i: int) -> int:  # the step where unit i starts
+        return min(start + i * unit, stop)
+
+    def units(lo: int, hi: int, slots: int) -> None:
+        while True:
+            length = hi - lo
+            if length == 1:
+                out.extend([Tape(at(lo), at(hi)), Backprop(at(lo), at(hi))])
+                return
+            if slots == 1:
+                for end in range(hi, lo, -1):
+                    if end != hi:
+                        out.append(Load(at(lo), "device"))
+                    if end - 1 > lo:
+                        out.append(Advance(at(lo), at(end - 1)))
+                    out.extend([Tape(at(end - 1), at(end)), Backprop(at(end - 1), at(end))])
+                return
+            middle = lo + split(length, slots)
+            out.extend([Advance(at(lo), at(middle)), Store(at(middle), "device")])
+            units(middle, hi, slots - 1)
+            out.extend([Free(at(middle), "device"), Load(at(lo), "device")])
+            hi = middle
+
+    units(0, -(-(stop - start) // unit), slots)

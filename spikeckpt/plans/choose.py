@@ -49,11 +49,18 @@ def _uniform(T: int, S: int, A: int, budget: int, costs: CostModel) -> list[Cand
 
 
 def _revolve(T: int, S: int, A: int, budget: int, costs: CostModel) -> list[Candidate]:
-    slots = min(T, (budget - A) // S - 1)
-    if slots < 1:
-        return []
-    plan = Revolve(slots)
-    return [Candidate(plan, plan.cost(T, state_bytes=S, step_bytes=A, costs=costs))]
+    """The fastest Revolve that fits: for each tape length on a grid, the most slots."""
+    best: Candidate | None = None
+    for tape in _grid(T) if costs.segment > 0 else [1]:
+        n = -(-T // tape)
+        slots = min(n, (budget - tape * A) // S - 1)
+        if slots < 1:
+            break  # longer tapes only take more memory
+        plan = Revolve(slots, tape)
+        cost = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
+        if cost.peak_bytes <= budget and (best is None or cost.time < best.cost.time):
+            best = Candidate(plan, cost)
+    return [best] if best else []
 
 
 def _double(T: int, S: int, A: int, budget: int, costs: CostModel) -> list[Candidate]:
@@ -134,7 +141,8 @@ def choose(
 ) -> Plan:
     """The plan with the least modeled time whose modeled device peak fits the budget.
 
-    Considers BPTT, Uniform (best interval), Revolve (most slots that fit) and, when
+    Considers BPTT, Uniform (best interval), Revolve (most slots that fit; with a
+    ``costs.segment`` overhead also the best tape length) and, when
     ``remote`` is allowed, Double (best intervals) and TwoLevel. See :func:`rank`.
 
     Raises:

@@ -124,6 +124,7 @@ class Double(Plan):
         if last_subs >= 2:
             units.append((last_subs + prefetch_last, k))
         forward_steps = T + (last_length - last_tail)
+        backprops = last_subs
         if segments > 1:
             full_subs = _ceil_div(K, k)
             full_tail = K - (full_subs - 1) * k
@@ -132,9 +133,11 @@ class Double(Plan):
             if full_subs >= 2:
                 units.append((full_subs + prefetch_full, k))
             forward_steps += (segments - 1) * (2 * K - full_tail)
+            backprops += (segments - 1) * full_subs
         return make_cost(
             T,
             forward_steps=forward_steps,
+            backprops=backprops,
             peak_states=max(states for states, _ in units),
             peak_taped=max(taped for _, taped in units),
             peak_units=tuple(units),

@@ -123,7 +123,7 @@ def layerwise_cost(
     # the first block's input is the caller's tensor: referenced, never copied
     stored = trains + (n_chunks - 1) * states
     peak = 2 * states + working + (0 if remote else stored)
-    time = T * (2 * costs.forward + costs.backward)
+    time = T * (2 * costs.forward + costs.backward) + n_chunks * len(blocks) * costs.segment
     if remote and states > 0:
         per_byte = (costs.write + costs.read) / states
         time += per_byte * stored

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spikeckpt.plans.base import Plan, check_count, check_length, make_cost
+from spikeckpt.plans.base import Plan, check_count, check_length, check_within, make_cost
 from spikeckpt.plans.binomial import advances
 from spikeckpt.plans.builders import reverse
 from spikeckpt.plans.schedule import Action, Free, Schedule, Store
@@ -12,26 +12,48 @@ from spikeckpt.plans.simulate import Cost, CostModel
 class Revolve(Plan):
     """Binomial checkpointing: the fewest evaluations for a given number of device slots.
 
-    ``x_0`` takes one of the ``slots``. The forward pass runs steps ``0 .. T-2`` untaped and
-    keeps the last step taped, so a schedule costs exactly ``T + t(T, slots)`` step
-    evaluations (``t`` from :func:`spikeckpt.plans.binomial.advances`). Device memory:
-    ``(min(slots, T) + 1) * S + A`` (the slots plus the working state, one taped step).
+    ``x_0`` takes one of the ``slots``. The reversal works on units of ``tape`` steps (the
+    last unit may be shorter): checkpoints sit on unit boundaries and each unit is taped and
+    backpropagated as one segment. ``tape=1`` is Griewank's classic schedule; a longer tape
+    trades device memory for fewer backward calls, which is what a CPU (or any device where
+    one autograd call costs about a step) needs. With ``n = ceil(T / tape)`` units the
+    forward pass runs units ``0 .. n-2`` untaped and keeps the last unit taped, so a schedule
+    costs exactly ``n + t(n, slots)`` unit evaluations (``t`` from
+    :func:`spikeckpt.plans.binomial.advances`), every one a full unit but the last. Device
+    memory: at most ``(min(slots, n) + 1) * S + tape * A`` (the slots plus the working
+    state, one taped unit).
 
     Args:
         slots: ``s >= 1``, device checkpoint slots.
+        tape: ``>= 1``, steps per taped unit (default 1).
+
+    Example:
+        >>> Revolve(50).cost(1000).forward_steps
+        2948
+        >>> Revolve(50, tape=4).cost(1000).backprops
+        250
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, tape: int = 1) -> None:
         self.slots = check_count("slots", slots)
+        self.tape = check_count("tape", tape)
+
+    def __repr__(self) -> str:
+        if self.tape == 1:
+            return f"Revolve(slots={self.slots})"
+        return f"Revolve(slots={self.slots}, tape={self.tape})"
 
     def for_length(self, T: int) -> Revolve:
         check_length(T)
+        if self.tape > T:
+            return Revolve(self.slots, T)
         return self
 
     def schedule(self, T: int) -> Schedule:
         T = check_length(T)
+        check_within("tape", self.tape, T)
         actions: list[Action] = [Store(0, "device")]
-        reverse(0, T, self.slots, actions)
+        reverse(0, T, self.slots, actions, unit=self.tape)
         actions.append(Free(0, "device"))
         return Schedule(T, tuple(actions), plan=repr(self))
 
@@ -39,13 +61,20 @@ class Revolve(Plan):
         self, T: int, *, state_bytes: int = 1, step_bytes: int = 1, costs: CostModel | None = None
     ) -> Cost:
         T = check_length(T)
-        states = min(self.slots, T) + 1
+        k = min(self.tape, T)
+        n = -(-T // k)
+        last = T - (n - 1) * k
+        states = min(self.slots, n) + 1
+        units = [(states, last)]
+        if n >= 2:  # a full unit is taped with one state fewer when every unit start fits
+            units.append((states if self.slots < n else n, k))
         return make_cost(
             T,
-            forward_steps=T + advances(T, self.slots),
+            forward_steps=(n - 1 + advances(n, self.slots)) * k + last,
+            backprops=n,
             peak_states=states,
-            peak_taped=1,
-            peak_units=((states, 1),),
+            peak_taped=k,
+            peak_units=tuple(units),
             remote=0,
             state_bytes=state_bytes,
             step_bytes=step_bytes,

@@ -35,15 +35,19 @@ class CostModel:
         backward: backpropagating one taped step (``c_b``).
         write: one remote write (device -> host/disk) of a state.
         read: one remote read (host/disk -> device) of a state.
+        segment: the fixed cost of one ``Backprop`` action (one autograd call over a taped
+            segment), whatever the segment's length. 0 by default; on a CPU it is about one
+            step evaluation, which is what makes single-step tapes (plain Revolve) slow.
     """
 
     forward: float = 1.0
     backward: float = 2.0
     write: float = 0.0
     read: float = 0.0
+    segment: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "write", "read"):
+        for name in ("forward", "backward", "write", "read", "segment"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"CostModel.{name} must be a non-negative number, got {value!r}")
@@ -64,9 +68,11 @@ class Cost:
         remote_reads: state transfers onto the device.
         peak_remote_states: most states held in the remote tier at once.
         peak_bytes: peak of ``states * state_bytes + taped * step_bytes`` over the schedule.
-        time: ``forward_steps*forward + backward_steps*backward + writes*write + reads*read``.
+        time: ``forward_steps*forward + backward_steps*backward + writes*write + reads*read
+            + backprops*segment``.
         state_bytes: the ``S`` used for ``peak_bytes``.
         step_bytes: the ``A`` used for ``peak_bytes``.
+        backprops: ``Backprop`` actions (autograd calls), one per taped segment.
     """
 
     T: int
@@ -81,6 +87,7 @@ class Cost:
     time: float
     state_bytes: int = 1
     step_bytes: int = 1
+    backprops: int = 0
 
     @property
     def recompute_factor(self) -> float:
@@ -106,6 +113,7 @@ class _Machine:
     in_forward: bool = True
     forward_steps: int = 0
     backward_steps: int = 0
+    backprops: int = 0
     writes: int = 0
     reads: int = 0
     peak_states: int = 0
@@ -211,6 +219,7 @@ def _backprop(m: _Machine, position: int, action: Backprop) -> None:
     m.tapes.pop()
     m.taped -= b - a
     m.backward_steps += b - a
+    m.backprops += 1
     m.grad_at = a
     m.current, m.current_stored = None, False
 
@@ -281,6 +290,7 @@ def simulate(
         + m.backward_steps * costs.backward
         + m.writes * costs.write
         + m.reads * costs.read
+        + m.backprops * costs.segment
     )
     return Cost(
         T=T,
@@ -295,4 +305,5 @@ def simulate(
         time=time,
         state_bytes=state_bytes,
         step_bytes=step_bytes,
+        backprops=m.backprops,
     )

@@ -179,6 +179,7 @@ class TwoLevel(Plan):
         return make_cost(
             T,
             forward_steps=forward_steps,
+            backprops=T,
             peak_states=max(states for states, _ in units),
             peak_taped=1,
             peak_units=tuple(units),

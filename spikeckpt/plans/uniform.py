@@ -48,6 +48,7 @@ class Uniform(Plan):
         return make_cost(
             T,
             forward_steps=2 * T - last,
+            backprops=n,
             peak_states=n,
             peak_taped=taped,
             peak_units=((n, taped),),
