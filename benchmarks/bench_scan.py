@@ -3,8 +3,13 @@
 Network: 2 LIF layers (``inputs -> hidden -> hidden``, learnable decays, fast-sigmoid surrogate),
 batch 32, 700 Bernoulli input channels at 5% density, output spikes summed over time.
 Methods: plain BPTT loop; ``torch.utils.checkpoint`` per ``ceil(sqrt(T))``-step segment
-(``use_reentrant=False``); ``torch.autograd.graph.save_on_cpu``; ``scan`` with Uniform,
-Revolve (slots chosen to fit in the checkpoint baseline's modeled memory) and Double (disk).
+(``use_reentrant=False``); ``torch.autograd.graph.save_on_cpu``; ``scan`` with Uniform
+(``ceil(sqrt(T))``); classic single-step Revolve (``tape=1``, slots chosen to fit in the
+checkpoint baseline's modeled memory); the memory-optimal Double (disk); and the planner's
+fastest Revolve and Double (disk) within 3/4 of the checkpoint baseline's modeled memory
+(``plans.rank`` with the step's measured forward, backward, disk copy and per-backward-call
+times, :func:`spikeckpt.planner.step_costs`), so that a binomial or two-level schedule, not a
+uniform one, is what fits.
 Peak bytes come from ``spikeckpt.MemoryMeter`` (one separate run: the meter slows ops down);
 times are the median of ``--repeats`` unmetered iterations (forward + backward). Ratios are to
 BPTT in the same run. ``max|dg|`` is the largest difference of any parameter gradient from
@@ -42,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 import spikeckpt as sc
 from spikeckpt import plans as P
 from spikeckpt.engine.probe import probe_step
+from spikeckpt.planner import step_costs
 
 
 class Spike(torch.autograd.Function):
@@ -167,29 +173,61 @@ def measure(fn: Callable[..., None], net: LIF2, x: Tensor, s0: Any, repeats: int
     }
 
 
+def planned(
+    T: int, S: int, A: int, budget: int, costs: P.CostModel, family: type[P.Plan]
+) -> P.Plan:
+    """The planner's best member of ``family`` within ``budget`` bytes (``plans.rank``)."""
+    ranked = P.rank(T, S, A, budget, remote=family is P.Double, costs=costs)
+    found = next((c.plan for c in ranked if isinstance(c.plan, family)), None)
+    if found is None:
+        raise SystemExit(f"no {family.__name__} plan fits {budget} bytes at T={T}")
+    return found
+
+
 def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     net = LIF2(args.inputs, args.hidden)
     x = (torch.rand(T, args.batch, args.inputs) < args.density).float()
     s0 = (torch.zeros(args.batch, args.hidden), torch.zeros(args.batch, args.hidden))
     pack = args.pack_tape == "on"
-    probe = probe_step(net, s0, x[0], list(net.parameters()), pack=pack)
+    params = list(net.parameters())
+    probe = probe_step(net, s0, x[0], params, pack=pack)
     S, A = probe.state_bytes, probe.step_bytes
     k = math.isqrt(T - 1) + 1
     ckpt_bytes = math.ceil(T / k) * S + k * A  # checkpoint baseline, modeled
     slots = max(1, min(T, (ckpt_bytes - A) // S - 1))
+    # Measured operation times, in units of one forward step, for the planned rows.
+    measured = step_costs(net, s0, x, params, "disk")
+    costs = P.CostModel(
+        forward=1.0,
+        backward=measured.backward / measured.forward,
+        write=measured.write / measured.forward,
+        read=measured.read / measured.forward,
+        segment=measured.segment / measured.forward,
+    )
+    budget = ckpt_bytes * 3 // 4
+    revolve = planned(T, S, A, budget, costs, P.Revolve)
+    double = planned(T, S, A, budget, costs, P.Double)
     methods: list[tuple[str, Callable[..., None]]] = [
         ("BPTT loop", run_bptt),
         ("torch checkpoint sqrt(T)", run_checkpoint),
         ("save_on_cpu", run_save_on_cpu),
         ("scan Uniform", scan_runner(P.Uniform(), "host", pack_tape=pack)),
-        ("scan Revolve", scan_runner(P.Revolve(slots), "host", pack_tape=pack)),
+        ("scan Revolve tape=1", scan_runner(P.Revolve(slots), "host", pack_tape=pack)),
+        ("scan Revolve planned", scan_runner(revolve, "host", pack_tape=pack)),
         (
-            "scan Double disk",
+            "scan Double disk min-mem",
             scan_runner(P.Double(state_bytes=S, step_bytes=A), "disk", folder, pack_tape=pack),
         ),
+        ("scan Double disk planned", scan_runner(double, "disk", folder, pack_tape=pack)),
     ]
-    return run_methods(methods, net, x, s0, args, {"T": T, "S": S, "A": A})
+    print(
+        f"T={T}: S={S} B, A={A} B; costs in forward steps: backward {costs.backward:.2f}, "
+        f"write {costs.write:.2f}, read {costs.read:.2f}, per backward call {costs.segment:.2f}; "
+        f"planned within {budget / 2**20:.1f} MiB: {revolve!r}, {double!r}"
+    )
+    fields = {"T": T, "S": S, "A": A, "segment_steps": costs.segment}
+    return run_methods(methods, net, x, s0, args, fields)
 
 
 def run_methods(

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         meta["costs_in_forward_steps"] = vars(costs)
         console.print(
             f"measured costs (unit: one forward step): backward {costs.backward}, "
-            f"disk write {costs.write}, disk read {costs.read}"
+            f"disk write {costs.write}, disk read {costs.read}, "
+            f"per backward call {costs.segment}"
         )
         if args.max_length is not None or args.max_width is not None:
             return _search(args, strategies, workload, costs, folder, device, console, meta)

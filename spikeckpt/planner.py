@@ -52,6 +52,9 @@ class Probe:
         backward_seconds: backpropagating one taped step.
         write_seconds: storing one state in the remote tier.
         read_seconds: loading one state back from the remote tier.
+        segment_seconds: the fixed cost of one backward call over a taped segment, whatever
+            its length (a few steps taped and backpropagated one by one, minus the same steps
+            in one call, per extra call). It makes the planner prefer multi-step tapes.
     """
 
     batch: int
@@ -63,6 +66,7 @@ class Probe:
     backward_seconds: float
     write_seconds: float
     read_seconds: float
+    segment_seconds: float = 0.0
 
     def scaled(self, batch: int) -> Probe:
         """The same probe for another batch size (bytes scale linearly with the batch)."""
@@ -87,6 +91,7 @@ class Probe:
             backward=self.backward_seconds,
             write=self.write_seconds,
             read=self.read_seconds,
+            segment=self.segment_seconds,
         )
 
 
@@ -156,13 +161,10 @@ def probe_model(seq: CheckpointedSequence, x: Tensor, state: Any, storage: str) 
         with torch.random.fork_rng(devices=devices):
             pack = bool(seq.scan_kwargs.get("pack_tape", False))
             sizes = probe_step(seq.step, state, x_t, params, pack=pack)
-            leaves, treedef = tree_flatten(state)
             with torch.no_grad():
-                forward = _median_seconds(lambda: seq.step(state, x_t))
                 _, y = seq.step(state, x_t)
             output_bytes = leaf_bytes(tree_flatten(y)[0])
-            backward = _backward_seconds(seq, leaves, treedef, x_t, params)
-        write, read = _copy_seconds(leaves, storage, x.device)
+            costs = step_costs(seq.step, state, x, params, storage)
     finally:
         seq.adapter.cleanup()
     density = None
@@ -174,22 +176,66 @@ def probe_model(seq: CheckpointedSequence, x: Tensor, state: Any, storage: str) 
         step_bytes=max(1, sizes.step_bytes),
         output_bytes=output_bytes,
         input_density=density,
-        forward_seconds=forward,
-        backward_seconds=backward,
-        write_seconds=write,
-        read_seconds=read,
+        forward_seconds=costs.forward,
+        backward_seconds=costs.backward,
+        write_seconds=costs.write,
+        read_seconds=costs.read,
+        segment_seconds=costs.segment,
     )
 
 
+def step_costs(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    xs: Tensor,
+    params: list[Tensor],
+    storage: str = "device",
+) -> CostModel:
+    """Measure a step's operation times (seconds) as a :class:`~spikeckpt.plans.CostModel`.
+
+    Args:
+        step: ``step(state, x_t) -> (state, y_t)``.
+        state: the state to start from (not changed).
+        xs: ``(n, B, ...)`` inputs; the first step times forward and backward, up to
+            :data:`SEGMENT_PROBE_STEPS` steps time the per-call overhead
+            (:func:`segment_seconds`).
+        params: the parameters the step uses (their ``.grad`` is not touched).
+        storage: tier whose copy time is measured (``"device"``: no copies).
+
+    Example:
+        >>> import torch, spikeckpt
+        >>> from spikeckpt.models import LIFStack
+        >>> net = LIFStack((20, 32, 5))
+        >>> xs = torch.rand(4, 8, 20)
+        >>> from spikeckpt.planner import step_costs
+        >>> costs = step_costs(net.step, net.initial_state(8), xs,
+        ...                    list(net.parameters()), "host")
+        >>> costs.forward > 0 and costs.backward > 0
+        True
+    """
+    x_t = xs[0]
+    leaves, treedef = tree_flatten(state)
+    with torch.no_grad():
+        forward = _median_seconds(lambda: step(state, x_t))
+    backward = _backward_seconds(step, leaves, treedef, x_t, params)
+    segment = segment_seconds(step, state, xs[:SEGMENT_PROBE_STEPS], params)
+    write, read = _copy_seconds(leaves, storage, x_t.device)
+    return CostModel(forward=forward, backward=backward, write=write, read=read, segment=segment)
+
+
 def _backward_seconds(
-    seq: CheckpointedSequence, leaves: list[Tensor], treedef: Any, x_t: Tensor, params: list[Tensor]
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    leaves: list[Tensor],
+    treedef: Any,
+    x_t: Tensor,
+    params: list[Tensor],
 ) -> float:
     inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves]
     wrt = [t for t in inputs if t.requires_grad] + [p for p in params if p.requires_grad]
 
     def once() -> None:
         with torch.enable_grad():
-            new_state, y = seq.step(treedef.unflatten(inputs), x_t)
+            new_state, y = step(treedef.unflatten(inputs), x_t)
             outs = [t for t in tree_flatten((new_state, y))[0] if t.requires_grad]
             if outs and wrt:
                 torch.autograd.grad(
@@ -201,8 +247,74 @@ def _backward_seconds(
     once()
     total = time.perf_counter() - start
     with torch.no_grad():
-        forward = _median_seconds(lambda: seq.step(treedef.unflatten(inputs), x_t), repeats=1)
+        forward = _median_seconds(lambda: step(treedef.unflatten(inputs), x_t), repeats=1)
     return max(total - forward, 1e-9)
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else a + b
+
+
+#: Steps :func:`segment_seconds` runs (taped in one call, then one call per step).
+SEGMENT_PROBE_STEPS = 16
+
+
+def segment_seconds(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    xs: Tensor,
+    params: list[Tensor],
+    repeats: int = 3,
+) -> float:
+    """Seconds one backward call costs beyond the steps it backpropagates.
+
+    Runs the ``n = len(xs)`` steps of ``xs`` ``(n, B, ...)`` taped and backpropagates them in
+    one ``torch.autograd.grad`` call, then tapes and backpropagates each step on its own (as a
+    schedule of single-step tapes does: one call per step, parameter gradients summed between
+    calls). Returns ``(t_single - t_one) / (n - 1)`` (median of ``repeats``), at least 0; 0
+    when ``n < 2``. Gradients go to fresh tensors: ``.grad`` is untouched.
+    """
+    n = int(xs.shape[0])
+    if n < 2:
+        return 0.0
+    leaves, treedef = tree_flatten(state)
+    wrt_params = [p for p in params if p.requires_grad]
+
+    def run(a: int, b: int, start: list[Tensor]) -> tuple[list[Tensor], list[Tensor | None]]:
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in start]
+        with torch.enable_grad():
+            current: Any = treedef.unflatten(inputs)
+            outs: list[Tensor] = []
+            for t in range(a, b):
+                current, y = step(current, xs[t])
+                outs += [v for v in tree_flatten(y)[0] if v.requires_grad]
+            last = tree_flatten(current)[0]
+            outs += [v for v in last if v.requires_grad]
+            wrt = [v for v in inputs if v.requires_grad] + wrt_params
+            if not outs or not wrt:
+                return [v.detach() for v in last], []
+            found = torch.autograd.grad(
+                outs, wrt, [torch.ones_like(v) for v in outs], allow_unused=True
+            )
+        return [v.detach() for v in last], list(found)
+
+    def one_call() -> None:
+        run(0, n, leaves)
+
+    def per_step() -> None:
+        current, total = leaves, None
+        for t in range(n):
+            current, found = run(t, t + 1, current)
+            grads = found[len(found) - len(wrt_params) :] if wrt_params else []
+            # parameter gradients add up between calls, as in the executor
+            total = (
+                grads if total is None else [_add(s, g) for s, g in zip(total, grads, strict=True)]
+            )
+
+    one_call(), per_step()  # warm-up
+    single = _median_seconds(per_step, repeats)
+    joint = _median_seconds(one_call, repeats)
+    return max(0.0, (single - joint) / (n - 1))
 
 
 def _copy_seconds(leaves: list[Tensor], storage: str, device: torch.device) -> tuple[float, float]:

@@ -1,7 +1,12 @@
 """``spikeckpt.wrap`` (this module is ``spikeckpt.wrapping``): run a snnTorch / Norse / torch model's time loop through :func:`scan`.
 
->>> seq = wrap(net, plan="auto", budget="2GiB")   # net: nn.Sequential of layers and neurons
->>> spk = seq(x)                                   # x (T, B, ...) -> (T, B, ...)
+>>> import torch
+>>> from spikeckpt.models import LIFStack
+>>> net = LIFStack((20, 32, 5)).as_sequential()   # nn.Sequential of layers and neurons
+>>> seq = wrap(net, plan="auto", budget="2GiB")
+>>> x = torch.rand(100, 8, 20).lt(0.1).float()     # (T, B, inputs) spikes
+>>> seq(x).shape                                   # (T, B, outputs)
+torch.Size([100, 8, 5])
 """
 
 from __future__ import annotations

@@ -220,8 +220,10 @@ def calibrate(workload: Workload, directory: str, *, steps: int = 64) -> plans.C
     ``forward``: 1. ``backward``: (BPTT step time - untaped forward time) per step.
     ``write``: the blocking part of one state's disk write (``put``: packing and hand-off to the
     tier's I/O thread, which writes in the background); ``read``: one ``get`` without prefetch
-    (the executor prefetches, so this is an upper bound).
+    (the executor prefetches, so this is an upper bound). ``segment``: the fixed cost of one
+    backward call (:func:`spikeckpt.planner.segment_seconds`).
     """
+    from spikeckpt.planner import SEGMENT_PROBE_STEPS, segment_seconds
     from spikeckpt.storage.base import Ledger
     from spikeckpt.storage.tiers import make_store
 
@@ -272,9 +274,13 @@ def calibrate(workload: Workload, directory: str, *, steps: int = 64) -> plans.C
     finally:
         store.close()
     backward = max(c_fb - c_f, 0.1 * c_f) / c_f
+    params = [p for p in model.parameters() if p.requires_grad]
+    segment = segment_seconds(model.step, state, x[:SEGMENT_PROBE_STEPS], params)
+    model.zero_grad(set_to_none=True)
     return plans.CostModel(
         forward=1.0,
         backward=round(backward, 3),
         write=round(statistics.median(writes) / c_f, 3),
         read=round(statistics.median(reads) / c_f, 3),
+        segment=round(segment / c_f, 3),
     )

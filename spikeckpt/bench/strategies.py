@@ -260,7 +260,9 @@ def pick_plan(family: str, ctx: Context, storage: str | None) -> plans.Plan | No
         "twolevel": plans.TwoLevel,
     }
     remote = storage is not None
-    costs = ctx.costs if remote else plans.CostModel(ctx.costs.forward, ctx.costs.backward)
+    costs = ctx.costs
+    if not remote:  # no remote tier: transfers do not happen
+        costs = plans.CostModel(costs.forward, costs.backward, segment=costs.segment)
     if family == "twolevel":
         # rank() gives TwoLevel the most slots that fit; fewer slots are often faster to run
         # (fewer device states to shuffle): try a few and keep the fastest modeled one.
