@@ -9,7 +9,7 @@ checkpoint baseline's modeled memory); the memory-optimal Double (disk); and the
 fastest Revolve and Double (disk) within 3/4 of the checkpoint baseline's modeled memory
 (``plans.rank`` with the step's measured forward, backward, disk copy and per-backward-call
 times, :func:`spikeckpt.planner.step_costs`), so that a binomial or two-level schedule, not a
-uniform one, is what fits.
+uniform one, is what fits (``--plan-budget`` sets another budget).
 Peak bytes come from ``spikeckpt.MemoryMeter`` (one separate run: the meter slows ops down);
 times are the median of ``--repeats`` unmetered iterations (forward + backward). Ratios are to
 BPTT in the same run. ``max|dg|`` is the largest difference of any parameter gradient from
@@ -205,7 +205,7 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]
         read=measured.read / measured.forward,
         segment=measured.segment / measured.forward,
     )
-    budget = ckpt_bytes * 3 // 4
+    budget = sc.parse_bytes(args.plan_budget) if args.plan_budget else ckpt_bytes * 3 // 4
     revolve = planned(T, S, A, budget, costs, P.Revolve)
     double = planned(T, S, A, budget, costs, P.Double)
     methods: list[tuple[str, Callable[..., None]]] = [
@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", default=None, help="substrings of method names")
     parser.add_argument(
         "--pack-tape", choices=["on", "off"], default="off", help="scan(..., pack_tape=...)"
+    )
+    parser.add_argument(
+        "--plan-budget",
+        default=None,
+        help="modeled budget of the planned rows, e.g. 6MiB (default: 3/4 of checkpoint's)",
     )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument(

@@ -251,6 +251,34 @@ def test_full_disk_raises_storage_error_on_the_next_call_and_cleans_up(
     store.close()
 
 
+def test_disk_forgets_finished_writes_but_not_failed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every store call checks for failed writes; that check must not scan all writes so far
+    # (it made a 4000-step TwoLevel run quadratic): finished writes are forgotten.
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    for k in range(200):
+        store.put(k, state(k))
+    store.flush()
+    assert store._writes == {} and store._failed == []
+    store.close()
+
+    def fail(payload: list[torch.Tensor], file: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "_serialize", fail)
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    store.put(0, state(0))
+    store.drop(0)  # dropped before anyone looked: the failure is still reported
+    deadline = time.monotonic() + 10
+    while not store._failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(StorageError, match="disk is full"):
+        store.put(1, state(1))
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_read_errors_raise_storage_error(tmp_path: Path) -> None:
     store = DiskStore("cpu", Ledger(), directory=tmp_path)
     store.put(0, state(0))

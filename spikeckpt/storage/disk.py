@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import BinaryIO
 
 import torch
@@ -75,7 +76,12 @@ class DiskStore(StoreBase):
             where = parent if parent is not None else tempfile.gettempdir()
             raise _storage_error(exc, where, 0, "create a checkpoint folder in") from exc
         self._items: dict[int, _DiskItem] = {}
+        # Writes still running (a finished one removes itself) and writes that failed: both
+        # updated from the I/O thread under ``_lock``, so checking for errors costs O(1), not
+        # a scan of every write so far (which made long sequences quadratic).
         self._writes: dict[int, Future[None]] = {}
+        self._failed: list[Future[None]] = []
+        self._lock = threading.Lock()
         self._reads: dict[int, Future[list[Tensor]]] = {}
         self._error: StorageError | None = None
         name = f"spikeckpt-disk-{uuid.uuid4().hex[:8]}"
@@ -101,7 +107,10 @@ class DiskStore(StoreBase):
         except OSError as exc:
             self._fail(_storage_error(exc, self.directory, nbytes, "create a checkpoint file in"))
             raise self._error from exc  # type: ignore[misc]
-        self._writes[key] = self._worker.submit(_write, path, payload, nbytes, self.directory)
+        write = self._worker.submit(_write, path, payload, nbytes, self.directory)
+        with self._lock:
+            self._writes[key] = write
+        write.add_done_callback(partial(_settle, self._writes, self._failed, self._lock, key))
         self._items[key] = item
         self.ledger.add(self.kind, nbytes)
         self.ledger.moved(self.kind, written=nbytes)
@@ -116,7 +125,8 @@ class DiskStore(StoreBase):
         if future is None:
             future = self._worker.submit(_read, item.path, item.nbytes, self.directory)
         try:
-            write = self._writes.get(key)
+            with self._lock:
+                write = self._writes.get(key)
             if write is not None:
                 write.result()
             payload = future.result()
@@ -152,9 +162,8 @@ class DiskStore(StoreBase):
         read = self._reads.pop(key, None)
         if read is not None:
             read.cancel()
-        write = self._writes.pop(key, None)
-        if write is not None and write.done() and write.exception() is not None:
-            self._remember(write)
+        with self._lock:
+            self._writes.pop(key, None)
         if not self._closed:
             self._worker.submit(_remove, item.path)
 
@@ -167,7 +176,8 @@ class DiskStore(StoreBase):
             self.ledger.remove(self.kind, item.nbytes)
         self._items.clear()
         self._reads.clear()
-        self._writes.clear()
+        with self._lock:
+            self._writes.clear()
         self._closed = True
         self._finalizer()
 
@@ -193,11 +203,8 @@ class DiskStore(StoreBase):
     # -- errors
 
     def _check_usable(self) -> None:
-        if self._error is None:
-            for write in list(self._writes.values()):
-                if write.done() and write.exception() is not None:
-                    self._remember(write)
-                    break
+        if self._error is None and self._failed:
+            self._remember(self._failed[0])
         if self._error is not None:
             if not self._closed:
                 self.close()
@@ -215,6 +222,21 @@ class DiskStore(StoreBase):
         if self._error is None:
             self._error = exc
         self.close()
+
+
+def _settle(
+    writes: dict[int, Future[None]],
+    failed: list[Future[None]],
+    lock: threading.Lock,
+    key: int,
+    write: Future[None],
+) -> None:
+    """Done-callback of a write: forget it when it succeeded, remember it when it failed."""
+    with lock:
+        if not write.cancelled() and write.exception() is not None:
+            failed.append(write)
+        elif writes.get(key) is write:
+            del writes[key]
 
 
 def _cleanup(worker: ThreadPoolExecutor, directory: str, thread_prefix: str) -> None:
