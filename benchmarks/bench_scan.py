@@ -196,15 +196,7 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]
     k = math.isqrt(T - 1) + 1
     ckpt_bytes = math.ceil(T / k) * S + k * A  # checkpoint baseline, modeled
     slots = max(1, min(T, (ckpt_bytes - A) // S - 1))
-    # Measured operation times, in units of one forward step, for the planned rows.
-    measured = step_costs(net, s0, x, params, "disk")
-    costs = P.CostModel(
-        forward=1.0,
-        backward=measured.backward / measured.forward,
-        write=measured.write / measured.forward,
-        read=measured.read / measured.forward,
-        segment=measured.segment / measured.forward,
-    )
+    costs = step_costs(net, s0, x, params, "disk")  # measured seconds, for the planned rows
     budget = sc.parse_bytes(args.plan_budget) if args.plan_budget else ckpt_bytes * 3 // 4
     revolve = planned(T, S, A, budget, costs, P.Revolve)
     double = planned(T, S, A, budget, costs, P.Double)
@@ -221,12 +213,14 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[dict[str, Any]]
         ),
         ("scan Double disk planned", scan_runner(double, "disk", folder, pack_tape=pack)),
     ]
+    f = costs.forward
     print(
-        f"T={T}: S={S} B, A={A} B; costs in forward steps: backward {costs.backward:.2f}, "
-        f"write {costs.write:.2f}, read {costs.read:.2f}, per backward call {costs.segment:.2f}; "
+        f"T={T}: S={S} B, A={A} B; costs in forward steps: backward {costs.backward / f:.2f}, "
+        f"write {costs.write / f:.2f}, read {costs.read / f:.2f}, "
+        f"per backward call {costs.segment / f:.2f}; "
         f"planned within {budget / 2**20:.1f} MiB: {revolve!r}, {double!r}"
     )
-    fields = {"T": T, "S": S, "A": A, "segment_steps": costs.segment}
+    fields = {"T": T, "S": S, "A": A, "segment_steps": costs.segment / f}
     return run_methods(methods, net, x, s0, args, fields)
 
 

@@ -215,40 +215,51 @@ def step_costs(
     """
     x_t = xs[0]
     leaves, treedef = tree_flatten(state)
+    wrt_params = [p for p in params if p.requires_grad]
     with torch.no_grad():
         forward = _median_seconds(lambda: step(state, x_t))
-    backward = _backward_seconds(step, leaves, treedef, x_t, params)
+
+    def one_taped_step() -> None:
+        _taped_grad(step, treedef, xs, 0, 1, leaves, wrt_params)
+
+    one_taped_step()  # warm-up
+    backward = max(_median_seconds(one_taped_step) - forward, 1e-9)
     segment = segment_seconds(step, state, xs[:SEGMENT_PROBE_STEPS], params)
     write, read = _copy_seconds(leaves, storage, x_t.device)
     return CostModel(forward=forward, backward=backward, write=write, read=read, segment=segment)
 
 
-def _backward_seconds(
+def _taped_grad(
     step: Callable[[Any, Any], tuple[Any, Any]],
-    leaves: list[Tensor],
     treedef: Any,
-    x_t: Tensor,
-    params: list[Tensor],
-) -> float:
-    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves]
-    wrt = [t for t in inputs if t.requires_grad] + [p for p in params if p.requires_grad]
+    xs: Tensor,
+    a: int,
+    b: int,
+    start: list[Tensor],
+    wrt_params: list[Tensor],
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """Run steps ``a..b-1`` of ``xs`` taped from the state leaves ``start`` and take the
+    gradients of all outputs (ones) in one ``torch.autograd.grad`` call.
 
-    def once() -> None:
-        with torch.enable_grad():
-            new_state, y = step(treedef.unflatten(inputs), x_t)
-            outs = [t for t in tree_flatten((new_state, y))[0] if t.requires_grad]
-            if outs and wrt:
-                torch.autograd.grad(
-                    outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True
-                )
-
-    once()  # warm-up
-    start = time.perf_counter()
-    once()
-    total = time.perf_counter() - start
-    with torch.no_grad():
-        forward = _median_seconds(lambda: step(treedef.unflatten(inputs), x_t), repeats=1)
-    return max(total - forward, 1e-9)
+    Returns the final state leaves (detached) and the gradients for the state leaves that
+    require grad followed by ``wrt_params``.
+    """
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in start]
+    with torch.enable_grad():
+        current: Any = treedef.unflatten(inputs)
+        outs: list[Tensor] = []
+        for t in range(a, b):
+            current, y = step(current, xs[t])
+            outs += [v for v in tree_flatten(y)[0] if v.requires_grad]
+        last = tree_flatten(current)[0]
+        outs += [v for v in last if v.requires_grad]
+        wrt = [v for v in inputs if v.requires_grad] + wrt_params
+        if not outs or not wrt:
+            return [v.detach() for v in last], []
+        found = torch.autograd.grad(
+            outs, wrt, [torch.ones_like(v) for v in outs], allow_unused=True
+        )
+    return [v.detach() for v in last], list(found)
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -280,38 +291,21 @@ def segment_seconds(
     leaves, treedef = tree_flatten(state)
     wrt_params = [p for p in params if p.requires_grad]
 
-    def run(a: int, b: int, start: list[Tensor]) -> tuple[list[Tensor], list[Tensor | None]]:
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in start]
-        with torch.enable_grad():
-            current: Any = treedef.unflatten(inputs)
-            outs: list[Tensor] = []
-            for t in range(a, b):
-                current, y = step(current, xs[t])
-                outs += [v for v in tree_flatten(y)[0] if v.requires_grad]
-            last = tree_flatten(current)[0]
-            outs += [v for v in last if v.requires_grad]
-            wrt = [v for v in inputs if v.requires_grad] + wrt_params
-            if not outs or not wrt:
-                return [v.detach() for v in last], []
-            found = torch.autograd.grad(
-                outs, wrt, [torch.ones_like(v) for v in outs], allow_unused=True
-            )
-        return [v.detach() for v in last], list(found)
-
     def one_call() -> None:
-        run(0, n, leaves)
+        _taped_grad(step, treedef, xs, 0, n, leaves, wrt_params)
 
     def per_step() -> None:
         current, total = leaves, None
         for t in range(n):
-            current, found = run(t, t + 1, current)
+            current, found = _taped_grad(step, treedef, xs, t, t + 1, current, wrt_params)
             grads = found[len(found) - len(wrt_params) :] if wrt_params else []
             # parameter gradients add up between calls, as in the executor
             total = (
                 grads if total is None else [_add(s, g) for s, g in zip(total, grads, strict=True)]
             )
 
-    one_call(), per_step()  # warm-up
+    one_call()  # warm-up
+    per_step()
     single = _median_seconds(per_step, repeats)
     joint = _median_seconds(one_call, repeats)
     return max(0.0, (single - joint) / (n - 1))
