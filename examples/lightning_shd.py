@@ -72,17 +72,21 @@ def main() -> None:
             synthetic=args.root is None,
             synthetic_samples=40,
             download=False,
+            packed=True,  # batches are packed spike trains: 1 bit per element or less
         )
         data.prepare_data()
         data.setup("fit")
         model = SHDClassifier(data.channels, hidden=32, classes=data.num_classes)
 
-        # A budget of a third of what plain BPTT needs for the activations, plus what the
-        # model, its gradients and Adam's state take. In practice: MemoryBudget("2GiB").
-        x, _ = next(iter(data.train_dataloader()))
-        probe = probe_model(model.net, x, model.net.initial_state(x[0]), "host")
+        # A budget of a third of what plain BPTT needs for the activations, plus what a step
+        # holds besides: the model, its gradients, Adam's two moments, the engine's gradient
+        # buffers, the packed input train and one step's working memory. In practice:
+        # MemoryBudget("2GiB"); a budget too small is refused naming the smallest that works.
+        x, _ = next(iter(data.train_dataloader()))  # a packed SpikeTrain (T, B, channels)
+        probe = probe_model(model.net, x, model.net.initial_state(x.step(0)), "host")
         bptt = probe.state_bytes + x.shape[0] * probe.step_bytes
-        fixed = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        fixed = 6 * params + x.nbytes + probe.work_bytes
         callback = MemoryBudget(fixed + bptt // 3, storage="host", verbose=False)
 
         trainer = pl.Trainer(

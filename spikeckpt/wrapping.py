@@ -22,10 +22,13 @@ from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.packed import as_input, is_packed, step_of
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.errors import UnsupportedLayerError
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
+from spikeckpt.plans.base import Plan
+from spikeckpt.plans.schedule import Schedule
 from spikeckpt.storage.tiers import check_storage
 from spikeckpt.units import format_bytes, parse_bytes
 
@@ -43,7 +46,7 @@ class CheckpointedSequence(nn.Module):
     gradients). Build it with :func:`wrap`.
 
     ``forward(x, return_state=False, state=None)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
-    with ``batch_first``); returns the last layer's output per step, ``(T, B, ...)`` (or the
+    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see :meth:`forward`); returns the last layer's output per step, ``(T, B, ...)`` (or the
     reduced value with a ``readout``), and with ``return_state`` also the final state.
 
     The module is plumbing: at each forward it asks its planner
@@ -124,6 +127,16 @@ class CheckpointedSequence(nn.Module):
             seen.setdefault(id(t), t)
         return list(seen.values())
 
+    def device_for(self, x: Any) -> Any:
+        """The device ``x``'s steps run on: a dense ``x``'s own; a packed train's steps are
+        unpacked on the model's device (its first parameter's or buffer's; else where the
+        train is)."""
+        if not is_packed(x):
+            return x.device
+        for t in (*self.module.parameters(), *self.module.buffers()):
+            return t.device
+        return x.device
+
     def cleanup(self) -> None:
         """Drop the state and graphs the framework left on the model's modules."""
         self.adapter.cleanup()
@@ -167,7 +180,14 @@ class CheckpointedSequence(nn.Module):
         """Run ``x`` ``(T, B, ...)`` (or ``(B, T, ...)``) through the model over time.
 
         Args:
-            x: the input sequence.
+            x: the input sequence: a tensor, or a packed spike train (a
+                :class:`~spikeckpt.storage.SpikeTrain`, or a ``torch.sparse_coo`` tensor with
+                0/1 values, packed with :func:`~spikeckpt.storage.as_spike_train`). A packed
+                train stays packed where it is (on the host, or on the device at 1 bit per
+                element) and is unpacked on the model's device one step (stack) or one chunk
+                (layer-wise) at a time; it gets no gradient. Packed trains are always time
+                first: with ``batch_first=True`` a packed train is refused (``ValueError``);
+                the outputs of a packed train are time first too.
             return_state: also return the final state. Models whose own call returns
                 ``(output, state)`` (Norse; ``adapter.returns_state``) always do, and take the
                 state as the second positional argument too: ``out, s = seq(x, s)``.
@@ -177,8 +197,16 @@ class CheckpointedSequence(nn.Module):
         if not isinstance(return_state, bool):  # Norse-style call: seq(x, state)
             state, return_state = return_state, True
         return_state = return_state or self.adapter.returns_state
-        if x.dim() < 2:
+        x = as_input(x)
+        packed = is_packed(x)
+        if len(x.shape) < 2:
             raise ValueError(f"x must have a time and a batch axis, got shape {tuple(x.shape)}")
+        if self.batch_first and packed:
+            raise ValueError(
+                f"batch_first=True takes a dense (B, T, ...) tensor; a packed spike train is "
+                f"always time first, (T, B, ...) = {tuple(x.shape)}: wrap with "
+                "batch_first=False for packed trains (pack the train time first)"
+            )
         if self.batch_first:
             x = x.transpose(0, 1)
         if x.shape[0] == 0:
@@ -188,10 +216,12 @@ class CheckpointedSequence(nn.Module):
                 "pass at least one step"
             )
         self.adapter.check()
+        x_0 = step_of(x, 0, self.device_for(x))
         if state is None:
-            state = self.adapter.init_state(x[0])
+            state = self.adapter.init_state(x_0)
         else:
-            state = self.adapter.coerce_state(state, x[0])
+            state = self.adapter.coerce_state(state, x_0)
+        del x_0
         planner = self.planner if self.planner is not None else self._own_planner()
         decision = planner.decide(self, x, state)
         self.last_decision = decision
@@ -263,6 +293,16 @@ class CheckpointedSequence(nn.Module):
             if peak is not None:
                 text += f" (measured peak {format_bytes(peak)})"
         return text
+
+
+def _check_plan(plan: Any) -> None:
+    """One rule for ``plan`` at wrap time: a plan object, a ``Schedule`` or ``"auto"``."""
+    if isinstance(plan, (Plan, Schedule)) or (isinstance(plan, str) and plan == "auto"):
+        return
+    raise ValueError(
+        f"plan must be a plan object (spikeckpt.plans.BPTT(), Uniform(10), Revolve(8), "
+        f"Double(), ...), a Schedule or 'auto', got {plan!r}"
+    )
 
 
 def _check_granularity(granularity: str) -> str:
@@ -364,6 +404,7 @@ def wrap(
         raise TypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
     if output not in _OUTPUTS:
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    _check_plan(plan)
     _check_granularity(granularity)
     check_storage(storage, scan_kwargs.get("directory"))
     if budget is not None:

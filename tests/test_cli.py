@@ -217,7 +217,7 @@ def test_demo_budget_too_small_exits_3_before_training(
             "--dt-us", "50000", "--budget", "1KiB", "--out", str(tmp_path / "o")]  # fmt: skip
     status, out, _ = _exit(argv, capsys)
     assert status == 3
-    assert "the budget must exceed" in out
+    assert "the smallest budget that fits is" in out
     assert "epoch 1/" not in out  # stopped before training
 
 

@@ -82,12 +82,17 @@ def _trainer(callback: MemoryBudget, tmp_path: Path, **kwargs: object) -> pl.Tra
 
 
 def _needs(model: SpikingClassifier, T: int) -> tuple[int, int]:
-    """(activation bytes plain BPTT needs, fixed bytes of model + grads + Adam state)."""
+    """(activation bytes plain BPTT needs, fixed bytes: model + grads + Adam state, and what
+    the planner counts for every step besides the plan: the dense input on the device, the
+    gradient buffers while segments add up, one step's working memory)."""
     x = torch.zeros(T, BATCH, FEATURES)
     probe = probe_model(model.net, x, model.net.initial_state(x[0]), "host")
     bptt = probe.state_bytes + T * probe.step_bytes + 2 * T * probe.output_bytes
     optimizer = model.configure_optimizers()
-    return bptt, model_bytes(model, [optimizer])
+    params = list(model.parameters())
+    gradients = sum(p.numel() * 4 for p in params) + max(p.numel() * 4 for p in params)
+    step = x.numel() * 4 + gradients + probe.work_bytes
+    return bptt, model_bytes(model, [optimizer]) + step
 
 
 def test_budget_between_double_and_bptt_picks_checkpointing_and_fits(tmp_path: Path) -> None:
@@ -205,7 +210,8 @@ def test_out_of_memory_replans_and_retries(tmp_path: Path) -> None:
     callback = MemoryBudget(fixed + bptt // 3, margin=0.0, max_retries=2)
     _trainer(callback, tmp_path).fit(model, _loader(T))
     assert callback.retries == 2
-    assert callback.planners["net"].budget_bytes == int(int((bptt // 3) * 0.8) * 0.8)
+    usable = fixed + bptt // 3 - model_bytes(model, [model.configure_optimizers()])
+    assert callback.planners["net"].budget_bytes == int(int(usable * 0.8) * 0.8)
 
     class AlwaysOut(SpikingClassifier):
         def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]

@@ -471,13 +471,23 @@ def measure_step(
     return StepMeasurement(plan_name(plan), meter.peak_bytes, min(times), diff), grads
 
 
-def budget_parts(model: Any, x: torch.Tensor) -> tuple[int, int]:
-    """``(fixed, bptt)``: bytes of the model, gradients and Adam; plain BPTT's activations."""
+def budget_parts(model: Any, x: Any) -> tuple[int, int]:
+    """``(fixed, bptt)`` in bytes: what a training step holds besides the activations (the
+    model, ``.grad``, Adam's two moments, the engine's gradient buffers, the input train as it
+    reaches the device, one step's working memory, stacked outputs); plain BPTT's activations.
+
+    ``x``: the batch's input, ``(T, B, ...)``, a dense tensor or a packed spike train."""
+    from spikeckpt.engine.packed import input_nbytes, step_of
     from spikeckpt.planning import probe_model
 
-    probe = probe_model(model.net, x, model.net.initial_state(x[0]), model.net.storage)
-    bptt = probe.state_bytes + x.shape[0] * probe.step_bytes
-    fixed = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    net = model.net
+    x_0 = step_of(x, 0, x.device)
+    probe = probe_model(net, x, net.initial_state(x_0), net.storage)
+    T = int(x.shape[0])
+    bptt = probe.state_bytes + T * probe.step_bytes
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    outputs = 2 * T * probe.output_bytes if net.readout is None else 0
+    fixed = 6 * params + input_nbytes(x) + probe.work_bytes + outputs
     return fixed, bptt
 
 
@@ -599,6 +609,7 @@ def _run(
         batch_size=batch_size,
         seed=0,
         download=False,
+        packed=True,  # the input train reaches the device packed (1 bit per element or less)
     )
     data.prepare_data()
     data.setup("fit")
@@ -619,7 +630,8 @@ def _run(
         budget_bytes = fixed + chosen_budget.resolve(bptt)
         how = (
             f"{chosen_budget} of plain BPTT's {format_bytes(bptt)} of activations, plus "
-            f"{format_bytes(fixed)} for the model, gradients and Adam"
+            f"{format_bytes(fixed)} for the model, gradients, Adam, the packed input and the "
+            "engine's buffers"
         )
     console.print(f"device budget for a training step: {format_bytes(budget_bytes)} ({how})")
 
@@ -645,9 +657,10 @@ def _run(
     choice = planner.choices[(T, B)]
     measured = callback.measured_peak_bytes
     console.print(
-        f"MemoryBudget: {format_bytes(callback.budget_bytes)} for activations (the budget less "
-        "the model, gradients, Adam and a 5% margin)"
+        f"MemoryBudget: {format_bytes(callback.budget_bytes)} for the wrapped model's steps (the "
+        "budget less the model, gradients, Adam and a 5% margin)"
     )
+    print_budget_table(callback, console)
     console.print(
         f"plan for T={T}, B={B}: {plan_name(choice.plan)}, modeled peak "
         f"{format_bytes(choice.modeled_peak_bytes)}, {choice.recompute_factor:.2f} "
@@ -688,6 +701,25 @@ def _run(
         "synthetic": source.synthetic,
         "data": source,
     }
+
+
+def print_budget_table(callback: Any, console: Console) -> None:
+    """A training step's memory: the budget, what the plan models, what was measured."""
+    from rich.table import Table
+
+    from spikeckpt.units import format_bytes
+
+    table = Table(title="memory of a training step (device)")
+    for column in ("budget", "modeled (plan)", "measured (first step)", "measured / budget"):
+        table.add_column(column, justify="right")
+    modeled, measured = callback.modeled_step_bytes, callback.measured_peak_bytes
+    table.add_row(
+        format_bytes(callback.total_bytes),
+        format_bytes(modeled) if modeled is not None else "-",
+        format_bytes(measured) if measured is not None else "-",
+        f"{measured / callback.total_bytes:.2f}" if measured is not None else "-",
+    )
+    console.print(table)
 
 
 def print_table(rows: list[StepMeasurement], console: Console, *, T: int, batch: int) -> None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine.grad import FeedGrads, grad
+from spikeckpt.engine.packed import is_packed, step_of
 from spikeckpt.engine.rng import RngState
 from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes
@@ -72,8 +73,10 @@ class Executor:
 
     Args:
         fn: the flat step ``fn(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
-        inputs: time-first input leaves, each ``(T, ...)``; may live off the compute device.
-        input_grad: which input leaves need a gradient.
+        inputs: time-first input leaves, each ``(T, ...)``; may live off the compute device. A
+            packed train (:mod:`spikeckpt.engine.packed`) is unpacked one step at a time on
+            the compute device (``x.step(t, device)``) and gets no gradient.
+        input_grad: which input leaves need a gradient (never a packed train).
         params: tensors (requiring grad) whose gradients are accumulated.
         device: the compute device.
         stores: ``{"device": store, "remote": store}``.
@@ -127,9 +130,11 @@ class Executor:
         self.rng_used: bool | None = None
         self._rng_start = RngState.capture(self.cuda_devices)
         # Per-step input slices: views made once (indexing a (T, ...) tensor per step costs
-        # more than the list lookup); leaves off the compute device are sliced and moved.
+        # more than the list lookup); leaves off the compute device are sliced and moved,
+        # packed trains unpacked one step at a time.
         self._x_views: list[Sequence[Tensor] | None] = [
-            leaf.unbind(0) if leaf.device == self.device else None for leaf in self.inputs
+            leaf.unbind(0) if not is_packed(leaf) and leaf.device == self.device else None
+            for leaf in self.inputs
         ]
         self._x_local = all(views is not None for views in self._x_views)
         self._saved: SavedBytes | None = None
@@ -219,7 +224,7 @@ class Executor:
             if views is not None:
                 out.append(views[t])
             else:
-                out.append(leaf[t].to(self.device, non_blocking=True))
+                out.append(step_of(leaf, t, self.device))
         return out
 
     def _steps(self, a: int, b: int, *, taped: bool) -> None:

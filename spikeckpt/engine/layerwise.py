@@ -54,6 +54,7 @@ from torch.utils import _pytree as pytree
 
 from spikeckpt.engine.function import Job, run_job
 from spikeckpt.engine.grad import grad
+from spikeckpt.engine.packed import as_input, chunk_of, is_packed
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats
@@ -176,7 +177,7 @@ class _LayerwiseJob(Job):
         self.entry_data: tuple[int, list[Tensor]] | None = None
         self.group = group
         self.rng: dict[tuple[int, int], RngState] = {}
-        self.x: Tensor | None = None
+        self.x: Any = None
         self.initial: list[list[Tensor]] = []
         self.closed = False
         self.n_outputs = 0
@@ -247,12 +248,12 @@ class _LayerwiseJob(Job):
         self.need_x, self.need_state = needs[0], list(needs[1 : 1 + nl])
         return self.run_forward(tensors[0], list(tensors[1 : 1 + nl]), True)
 
-    def run_forward(self, x: Tensor, leaves: list[Tensor], record: bool) -> list[Tensor]:
+    def run_forward(self, x: Any, leaves: list[Tensor], record: bool) -> list[Tensor]:
         """The forward pass; ``record``: keep what backward needs (else a plain no-grad run)."""
         nb = len(self.blocks)
         states = [[t.detach() for t in s] for s in _split(leaves, self.n_leaves)]
         if record:
-            self.x = x.detach()
+            self.x = x if is_packed(x) else x.detach()
             self.initial = [list(s) for s in states]
             self.store = make_store(
                 self.storage, self.device, self.stats.storage_ledger, self.directory
@@ -262,7 +263,7 @@ class _LayerwiseJob(Job):
             items: list[Tensor] = []  # the open entry's tensors
             entry, first = 0, 0  # the open entry and its first chunk
             for c, (t0, t1) in enumerate(self.bounds):
-                inp = x[t0:t1].detach()
+                inp = chunk_of(x, t0, t1, self.device).detach()
                 layout: list[tuple[Packed | None, int, int]] = []
                 offset = len(items)
                 for b in range(nb):
@@ -429,7 +430,7 @@ class _LayerwiseJob(Job):
         t0, t1 = self.bounds[c]
         top = b == len(self.blocks) - 1
         train, stored_state = self._stored(c, b)
-        inp = self.x[t0:t1] if b == 0 else train
+        inp = chunk_of(self.x, t0, t1, self.device) if b == 0 else train
         start = self.initial[b] if c == 0 else stored_state
         assert inp is not None and start is not None
         if all(g is None for g in (*g_out, *g_state)):
@@ -493,7 +494,10 @@ def layerwise_scan(
     Args:
         blocks: the blocks bottom-up (built by the adapters:
             :func:`spikeckpt.adapters.layered.layer_blocks`).
-        x: the input train, time first. Binary inputs are best; anything works.
+        x: the input train, time first. Binary inputs are best; anything works. A packed
+            train (a :class:`~spikeckpt.storage.SpikeTrain`, or a ``torch.sparse_coo`` train)
+            stays packed where it is (host or device) and is unpacked one chunk at a time on
+            the compute device (``x.chunk(a, b, device)``); it gets no gradient.
         states: one initial state per block (its neuron's state structure).
         chunk: steps per chunk: an int, a plan (``Uniform(k)`` -> ``k``, ``Double`` -> its
             local interval) or None / ``"auto"`` (``ceil(sqrt(T))``).
@@ -517,8 +521,10 @@ def layerwise_scan(
         )
     if output not in _OUTPUTS:
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
-    if not isinstance(x, Tensor) or x.dim() < 2:
-        raise ValueError("layer-wise granularity needs x as one (T, B, ...) tensor")
+    x = as_input(x)
+    packed = is_packed(x)
+    if not (packed or isinstance(x, Tensor)) or len(x.shape) < 2:
+        raise ValueError("layer-wise granularity needs x as one (T, B, ...) tensor or train")
     if len(states) != len(blocks) or not blocks:
         raise ValueError(f"need one state per block ({len(blocks)}), got {len(states)}")
     T = x.shape[0]
@@ -558,12 +564,14 @@ def layerwise_scan(
         storage=storage,
         directory=directory,
         stats=st,
-        device=x.device,
-        cuda=cuda_devices((x, *leaves, *params)),
+        device=next((t.device for t in (*leaves, *params)), x.device) if packed else x.device,
+        cuda=cuda_devices((*([] if packed else [x]), *leaves, *params)),
         group=group,
     )
+    if packed:
+        job.referenced = []  # a packed train is immutable: nothing to check in backward
     tensors = [x, *leaves, *params]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
         flat = run_job(job, tensors)
     else:
         with torch.no_grad():

@@ -10,6 +10,10 @@
   matched the profiler within 1% and slows ops down (about 1.6x); backward passes run by this
   thread are seen (the autograd engine carries the mode to the CPU backward).
 
+Tensors that exist before the block are not counted, unless passed to :meth:`MemoryMeter.track`
+inside it (a training step's parameters, gradients, optimizer state and input batch): they
+then count as held from that moment until they are freed.
+
 Not seen on the CPU: tensors made in other threads (e.g. DataLoader workers, a disk tier's
 I/O thread), tensors created without an op (``torch.load``, ``torch.from_numpy``), in-place
 growth of existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -63,6 +68,8 @@ class MemoryMeter:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self._tracker: _StorageTracker | None = None
         self._entry = 0
+        self._tracked = 0  # CUDA: bytes of tensors from before the block passed to track()
+        self._tracked_ptrs: set[int] = set()
         self._seen_peak = 0  # CUDA: allocator peak seen before inner meters reset it
         self._peak: int | None = None
         self._current: int | None = None
@@ -73,7 +80,8 @@ class MemoryMeter:
         if self._peak is not None:
             return self._peak
         if self._cuda:
-            return max(self._seen_peak, torch.cuda.max_memory_allocated(self.device)) - self._entry
+            peak = max(self._seen_peak, torch.cuda.max_memory_allocated(self.device))
+            return peak - self._entry + self._tracked
         return self._tracker.peak if self._tracker is not None else 0
 
     @property
@@ -82,8 +90,50 @@ class MemoryMeter:
         if self._current is not None:
             return self._current
         if self._cuda:
-            return torch.cuda.memory_allocated(self.device) - self._entry
+            return torch.cuda.memory_allocated(self.device) - self._entry + self._tracked
         return self._tracker.live if self._tracker is not None else 0
+
+    def track(self, tensors: Iterable[Any]) -> int:
+        """Count tensors that already existed at entry as held from now on.
+
+        Call it inside the block. Each distinct storage on the measured device is counted
+        once (views, tensors on other devices, non-tensors, sparse tensors and tensors the
+        meter already follows are skipped); ``peak_bytes`` and ``current_bytes`` include them
+        until they are freed. Use it to measure a whole training step: parameters,
+        gradients, optimizer state and the input batch are held before the step starts.
+        On CUDA pass only tensors from before the block (the allocator already counts what
+        the block allocates). Returns the bytes added.
+
+        >>> import torch
+        >>> weights = torch.zeros(1000)                # 4000 bytes, made before the block
+        >>> with MemoryMeter() as m:
+        ...     added = m.track([weights, weights[:10]])  # a view: the same storage
+        ...     scratch = torch.ones(250)              # 1000 bytes
+        >>> added, m.peak_bytes
+        (4000, 5000)
+        """
+        if self._peak is not None or (self._tracker is None and self not in _CUDA_ACTIVE):
+            raise RuntimeError("MemoryMeter.track is used inside the with-block")
+        if self._tracker is not None:
+            before = self._tracker.live
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    self._tracker._record(tensor, set())
+            return self._tracker.live - before
+        added = 0
+        seen = self._tracked_ptrs
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                continue
+            if tensor.device != self.device:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            added += storage.nbytes()
+        self._tracked += added
+        return added
 
     def __enter__(self) -> MemoryMeter:
         if self._tracker is not None or (self._cuda and self in _CUDA_ACTIVE):
@@ -97,6 +147,8 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._entry = torch.cuda.memory_allocated(self.device)
             self._seen_peak = 0
+            self._tracked = 0
+            self._tracked_ptrs = set()
             _CUDA_ACTIVE.append(self)
         else:
             self._tracker = _StorageTracker(self.device)

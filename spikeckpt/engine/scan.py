@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.function import Job, run_job
+from spikeckpt.engine.packed import as_input, drop_first, is_packed, step_of
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import Readout, ReadoutFn, Reducer, check_readout
 from spikeckpt.engine.rng import cuda_devices
@@ -258,6 +259,7 @@ class _Job(Job):
     def forward(self, needs: Sequence[bool], tensors: Sequence[Tensor]) -> list[Tensor]:
         s, i = self.n_state, self.n_state + self.n_inputs
         state, inputs, params = list(tensors[:s]), list(tensors[s:i]), list(tensors[i:])
+        self.referenced = [j for j in self.referenced if not is_packed(tensors[j])]
         store_ledger = self.stats.storage_ledger
         stores = {"device": make_store("device", self.device, store_ledger)}
         try:
@@ -328,6 +330,10 @@ class _Job(Job):
 
 def _time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
     """Time-first input leaves ``(T, ...)``, the per-step structure, and ``T``."""
+    if is_packed(inputs):  # a packed train: one leaf, unpacked step by step
+        if inputs.T == 0:
+            raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
+        return [inputs], TreeDef("tensor", None, None, 1, [""]), inputs.T
     if isinstance(inputs, Tensor):
         if inputs.dim() == 0:
             raise ValueError("inputs must have a leading time dimension (T, ...); got a 0-d tensor")
@@ -583,9 +589,8 @@ def _plan_key(
     func = getattr(step, "__func__", step)
     code = getattr(func, "__code__", None) or type(step)
     where = type(owner) if owner is not None else None
-    shapes = tuple(
-        (tuple(t.shape), t.dtype, t.device.type)
-        for t in (*leaves, *(leaf[0] for leaf in inputs), *params)
+    shapes = tuple((tuple(t.shape), t.dtype, t.device.type) for t in (*leaves, *params)) + tuple(
+        (tuple(leaf.shape[1:]), leaf.dtype, leaf.device.type) for leaf in inputs
     )
     return (code, where, shapes)
 
@@ -646,7 +651,7 @@ def _plain_loop(
     """The no-grad path: a plain loop, no storage. Returns (readout outputs, final leaves)."""
     leaves = state
     for t in range(T):
-        xs = [leaf[t] if leaf.device == device else leaf[t].to(device) for leaf in inputs]
+        xs = [step_of(leaf, t, device) for leaf in inputs]
         leaves, ys = fn(t, leaves, xs, True)
         if reducer is not None:
             reducer.emit(t, ys)
@@ -679,7 +684,12 @@ def scan(
             of its arguments. Randomness inside it is replayed exactly on recomputation.
         inputs: ``(T, ...)`` time-first tensor (``x_t = inputs[t]``), or a sequence of ``T``
             per-step inputs (tensors or pytrees of tensors; they are stacked). May live on the
-            host while the state is on the device: each step's slice is moved.
+            host while the state is on the device: each step's slice is moved. Or a packed
+            spike train: a :class:`~spikeckpt.storage.SpikeTrain` (or a ``torch.sparse_coo``
+            train, packed with :func:`~spikeckpt.storage.as_spike_train`), on the host or on
+            the device; each step is unpacked on the device when it runs (``x.step(t,
+            device)``), so the dense train never exists whole. A packed train gets no
+            gradient.
         state: initial state ``x_0``: a tensor, tuple, NamedTuple, dict or nested mix of tensors.
             Integer/bool leaves are carried without gradient. Initial states whose shape the
             first step sets are taken as they are: ``None`` leaves (Norse cells build their
@@ -722,6 +732,7 @@ def scan(
     """
     check_storage(storage, directory, probe=False)
     check_readout(readout)
+    inputs = as_input(inputs)
     in_leaves, in_def, T = _time_leaves(inputs)
     state_leaves, state_def = tree_flatten(state)
     if _unshaped(state_leaves) and _SHAPED.get() != id(state):
@@ -747,16 +758,17 @@ def scan(
     for leaf in in_leaves:
         if leaf.shape[0] != T:
             raise ValueError(f"all input leaves need the same T; got {leaf.shape[0]} and {T}")
-        if spikes:
+        if spikes and not is_packed(leaf):
             require_binary(leaf, "scan inputs (spikes=True)")
     param_list = _default_params(step, params)
     device = next((t.device for t in (*state_leaves, *param_list, *in_leaves)), torch.device("cpu"))
     fold = readout if callable(readout) else None
     reducer = None if fold is not None else Reducer(readout, T)  # type: ignore[arg-type]
     fn = _StepFn(step, state_def, state_leaves, in_def, fold, param_list)
-    cuda = cuda_devices((*state_leaves, *in_leaves, *param_list))
+    dense_inputs = [leaf for leaf in in_leaves if not is_packed(leaf)]
+    cuda = cuda_devices((*state_leaves, *dense_inputs, *param_list))
     need_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (*state_leaves, *in_leaves, *param_list)
+        t.requires_grad for t in (*state_leaves, *dense_inputs, *param_list)
     )
     fn.unseen_check = torch.is_grad_enabled() and not need_grad
 
@@ -769,9 +781,9 @@ def scan(
         return _finish(outs + final, len(outs), fn, state_def, fold, run_stats if stats else None)
 
     def measure() -> tuple[int, int]:
-        x0 = in_def.unflatten([leaf[0].to(device) for leaf in in_leaves])
+        x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
         # input slices on the device are views of the inputs: no memory of the tape's
-        local = [leaf for leaf in in_leaves if leaf.device == device]
+        local = [leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device]
         sizes = measure_step(step, state, x0, [*param_list, *local], pack=pack_tape)
         return sizes.state_bytes, sizes.step_bytes
 
@@ -844,19 +856,18 @@ def _scan_after_step0(
     device = next((t.device for t in (*leaves, *param_list, *in_leaves)), torch.device("cpu"))
     if kwargs.get("spikes"):
         for leaf in in_leaves:
-            require_binary(leaf, "scan inputs (spikes=True)")
+            if not is_packed(leaf):
+                require_binary(leaf, "scan inputs (spikes=True)")
     if isinstance(plan, Schedule) and plan.T == T:
         raise ValueError(
             f"the initial state has leaves that step 0 shapes (None, empty or 0-d), so step "
             f"0 runs before the checkpointed run, which has T-1={T - 1} steps: build the "
             "Schedule for T-1, or pass an initial state of full shape"
         )
-    x0 = in_def.unflatten(
-        [leaf[0] if leaf.device == device else leaf[0].to(device) for leaf in in_leaves]
-    )
+    x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
     state1, y0 = step(state, x0)
     step, state1, rebuild = _without_none_leaves(step, state1)
-    rest = inputs[1:]
+    rest = drop_first(inputs)
     run_stats: ScanStats | None = None
     tree_map = torch.utils._pytree.tree_map
     if readout is None or readout == "last":

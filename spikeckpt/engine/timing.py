@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.packed import step_of
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.tree import TreeDef, is_float
@@ -84,7 +85,7 @@ def measure_costs(
     """
     n = max(1, min(steps, int(inputs[0].shape[0]) if inputs else 1))
     xs = [
-        in_def.unflatten([leaf[t].to(device) for leaf in inputs]) if inputs else None
+        in_def.unflatten([step_of(leaf, t, device) for leaf in inputs]) if inputs else None
         for t in range(n)
     ]
     wrt_params = [p for p in params if p.requires_grad]

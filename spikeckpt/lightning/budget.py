@@ -4,10 +4,19 @@
 
 Lifecycle (Lightning's conventions): arguments are checked in ``__init__``; ``setup`` finds
 the :class:`~spikeckpt.CheckpointedSequence` modules; ``on_fit_start`` turns the budget into
-bytes for activations (minus the safety margin and what the model, gradients and optimizer
-state take; the smallest over all ranks) and installs a :class:`~spikeckpt.planning.BudgetPlanner`
-on each wrapped model. The plans themselves are chosen at the first forward of each input
-shape, from a one-step probe, identically on every rank.
+bytes for the wrapped models' steps (minus the safety margin and what the model, gradients and
+optimizer state take; the smallest over all ranks) and installs a
+:class:`~spikeckpt.planning.BudgetPlanner` on each wrapped model. The plans themselves are
+chosen at the first forward of each input shape, from a probe held under the budget,
+identically on every rank; each step's plan covers the input train on the device, the
+stacked outputs, the engine's gradient buffers and the activations
+(:class:`~spikeckpt.planning.StepBytes`).
+
+What the budget promises: every training step's device peak, the first included (parameters,
+gradients, optimizer state, the input batch while it is on the device, and everything the step
+allocates), stays within ``budget``. Measured steps (:class:`~spikeckpt.MemoryMeter`, with
+what the step holds at entry counted through ``MemoryMeter.track``) are checked against it:
+a step that comes out over makes the callback re-plan down by the overshoot.
 """
 
 from __future__ import annotations
@@ -24,8 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from spikeckpt.engine.meter import MemoryMeter
-from spikeckpt.errors import BudgetTooSmall
-from spikeckpt.lightning.resources import free_device_bytes, model_bytes
+from spikeckpt.lightning.resources import free_device_bytes, model_bytes, step_resident
 from spikeckpt.planning import BudgetPlanner, PlanChoice
 from spikeckpt.storage.base import TIER_KINDS
 from spikeckpt.units import format_bytes, parse_bytes
@@ -52,16 +60,29 @@ class MemoryBudget(Callback):
         remote: allow plans with off-device checkpoints (Double, TwoLevel).
         max_retries: re-plans with a tighter budget after an out-of-memory error in a step.
         retry_factor: budget multiplier at each re-plan.
-        measure_batches: how many training batches (from the start, and after each re-plan)
-            are measured with :class:`~spikeckpt.MemoryMeter` (slower while measuring).
+        measure_batches: how many training batches (from the start, and after each re-plan or
+            new input shape) are measured with :class:`~spikeckpt.MemoryMeter` and checked
+            against the budget (slower while measuring on the CPU).
         verbose: print a summary on rank 0.
 
+    On a CPU-only run the device *is* the host: the ``"host"`` tier's checkpoints and spike
+    trains count against the budget (plans keep no off-device checkpoints), while
+    ``storage="disk"`` keeps them off it. :attr:`tier_note` says which, and so does the log.
+
     Attributes:
-        budget_bytes: the planned budget for activations across all wrapped models (bytes).
+        total_bytes: the whole step's budget (bytes; ``budget``, or ``fraction`` of the free
+            memory).
+        overhead_bytes: what the model holds for training: parameters, buffers, gradients and
+            optimizer state (estimated before the first optimizer step).
+        budget_bytes: the budget for the wrapped models' steps beyond the model (bytes): the
+            total less the margin and ``overhead_bytes``.
         plans: wrapped module name -> the latest :class:`~spikeckpt.planning.PlanChoice`
-            (plan with intervals, ``modeled_peak_bytes``, ``time_factor``).
-        measured_peak_bytes: peak bytes of the last measured training step (MemoryMeter).
+            (plan with intervals, ``modeled_peak_bytes``, ``step``, ``time_factor``).
+        measured_peak_bytes: device peak of the last measured training step, everything
+            counted (MemoryMeter).
         retries: re-plans done after out-of-memory errors.
+        replans: re-plans done because a measured step came out over the budget.
+        tier_note: on a CPU run, which memory the storage tier is (None on a GPU).
     """
 
     def __init__(
@@ -101,8 +122,14 @@ class MemoryBudget(Callback):
         self.modules: dict[str, CheckpointedSequence] = {}
         self.planners: dict[str, BudgetPlanner] = {}
         self.budget_bytes = 0
+        self.total_bytes = 0
+        self.overhead_bytes = 0
         self.measured_peak_bytes: int | None = None
         self.retries = 0
+        self.replans = 0
+        self.tier_note: str | None = None
+        self._probes_at_start = 0
+        self._cut_bytes = 0  # per planner: taken off after measured steps came out over
         self._pending: dict[str, Any] = {}
         self._to_measure = measure_batches
         self._meter: MemoryMeter | None = None
@@ -119,6 +146,15 @@ class MemoryBudget(Callback):
     def plans(self) -> dict[str, PlanChoice]:
         """Wrapped module name -> latest plan choice (modules not yet run are absent)."""
         return {n: p.last for n, p in self.planners.items() if p.last is not None}
+
+    @property
+    def modeled_step_bytes(self) -> int | None:
+        """The whole step's planned device peak: the model's overhead plus every wrapped
+        model's planned step (None before every wrapped model has run)."""
+        plans = self.plans
+        if len(plans) < len(self.planners) or not plans:
+            return None
+        return self.overhead_bytes + sum(choice.step.total for choice in plans.values())
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -161,19 +197,35 @@ class MemoryBudget(Callback):
                 torch.tensor(float(usable), dtype=torch.float64, device=device), reduce_op="min"
             )
             usable = int(reduced.item())
-        if usable <= 0:
-            raise BudgetTooSmall(
-                f"the budget of {format_bytes(total)} leaves nothing for activations: the model, "
-                f"gradients and optimizer state take {format_bytes(overhead)} and the margin "
-                f"{self.margin:.0%}; the budget must exceed "
-                f"{math.ceil(overhead / (1 - self.margin))} bytes",
-                budget_bytes=total,
-                minimum_bytes=math.ceil(overhead / (1 - self.margin)) + 1,
-            )
+        # A budget that leaves nothing is refused by the planners at the first forward: only
+        # then is what a step needs known (the input, the outputs, the smallest plan), so the
+        # refusal can name a budget that works.
+        usable = max(usable, 0)
         self.budget_bytes = usable
-        share = usable // len(self.modules)
+        self.total_bytes = total
+        self.overhead_bytes = overhead
+        modules = len(self.modules)
+        share = usable // modules
+        margin = self.margin
+
+        def total_for(need: int) -> int:
+            """The budget whose share for one wrapped model is at least ``need`` bytes (and
+            what measured steps showed the plans miss)."""
+            need += self._cut_bytes
+            return math.ceil((overhead + modules * (need + 1) + 1) / (1 - margin)) + 1
+
+        context = (
+            f"; the model, its gradients and optimizer state take {format_bytes(overhead)}, "
+            f"the margin {margin:.0%}"
+        )
+        if modules > 1:
+            context += f", and {modules} wrapped models share the rest"
+        self.tier_note = _tier_note({m.storage for m in self.modules.values()}, device)
         for name, module in self.modules.items():
             planner = BudgetPlanner(share, remote=self.remote)
+            planner.total_for = total_for
+            planner.asked_bytes = total
+            planner.context = context
             if trainer.world_size > 1:
                 planner.reduce_max = self._counting(_reduce_max(trainer, device))
                 planner.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
@@ -185,18 +237,22 @@ class MemoryBudget(Callback):
         if self.verbose:
             rank_zero_info(
                 f"MemoryBudget: {format_bytes(total)} budget, {format_bytes(overhead)} for the "
-                f"model, gradients and optimizer, {format_bytes(usable)} for activations of "
+                f"model, gradients and optimizer, {format_bytes(usable)} for the steps of "
                 f"{len(self.modules)} wrapped module(s) ({', '.join(self.modules)})"
             )
+            if self.tier_note is not None:
+                rank_zero_info(f"MemoryBudget: {self.tier_note}")
 
     # -- measuring and logging ---------------------------------------------------------------
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._collectives_this_batch = 0
+        self._probes_at_start = sum(p.probes for p in self.planners.values())
         if self._to_measure > 0 and self._meter is None:
             self._meter = MemoryMeter(pl_module.device)
             self._meter.__enter__()
+            self._meter.track(step_resident(pl_module, trainer.optimizers, batch))
 
     def on_train_batch_end(
         self,
@@ -208,12 +264,22 @@ class MemoryBudget(Callback):
     ) -> None:
         prefix = f"{type(self).__name__}.on_train_batch_end"
         metrics: dict[str, float] = {}
+        measured = False
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self.measured_peak_bytes = self._meter.peak_bytes
             metrics[f"{prefix}/measured_peak_bytes"] = float(self._meter.peak_bytes)
             self._meter = None
             self._to_measure -= 1
+            measured = True
+        if sum(p.probes for p in self.planners.values()) > self._probes_at_start:
+            # a new shape was planned in this step: measure the next step too
+            self._to_measure = max(self._to_measure, 1 if measured else self.measure_batches)
+        if measured and self.measured_peak_bytes is not None:
+            self._check_measured(trainer, batch_idx, self.measured_peak_bytes)
+        modeled = self.modeled_step_bytes
+        if modeled is not None:
+            metrics[f"{prefix}/modeled_step_bytes"] = float(modeled)
         for name, choice in self.plans.items():
             key = f"{prefix}/{name}"
             metrics[f"{key}.modeled_peak_bytes"] = float(choice.modeled_peak_bytes)
@@ -233,7 +299,9 @@ class MemoryBudget(Callback):
         if self.verbose and batch_idx == 0 and trainer.current_epoch == 0:
             for name, choice in self.plans.items():
                 measured = (
-                    f", measured step peak {format_bytes(self.measured_peak_bytes)}"
+                    f"; whole step: budget {format_bytes(self.total_bytes)}, modeled "
+                    f"{format_bytes(modeled or 0)}, measured "
+                    f"{format_bytes(self.measured_peak_bytes)}"
                     if self.measured_peak_bytes is not None
                     else ""
                 )
@@ -318,6 +386,30 @@ class MemoryBudget(Callback):
             f"(retry {attempt + 1} of {self.max_retries})"
         )
 
+    def _check_measured(self, trainer: pl.Trainer, batch_idx: int, peak: int) -> None:
+        """Re-plan down when a measured step came out over the whole-step budget: each
+        planner's budget shrinks by its share of the overshoot (and 1% of the budget more),
+        its plans are dropped, and the next step is measured again."""
+        limit = self.total_bytes
+        if peak <= limit or not self.planners:
+            return
+        over = peak - limit + limit // 100
+        cut = -(-over // len(self.planners))
+        self._cut_bytes += cut
+        for planner in self.planners.values():
+            planner.budget_bytes = max(planner.budget_bytes - cut, 0)
+            planner.choices.clear()
+            if "came out over" not in planner.context:
+                planner.context += "; measured steps came out over the plans"
+        self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
+        self.replans += 1
+        self._to_measure = max(self._to_measure, self.measure_batches)
+        rank_zero_warn(
+            f"MemoryBudget: training step {batch_idx} measured {format_bytes(peak)}, over the "
+            f"{format_bytes(limit)} budget by {format_bytes(peak - limit)}; re-planning with "
+            f"{format_bytes(self.budget_bytes)} for the wrapped models' steps"
+        )
+
     def _counting(self, reduce: Callable[[int], int]) -> Callable[[int], int]:
         """Wrap a cross-rank reduction so the callback knows a collective ran this batch."""
 
@@ -334,3 +426,20 @@ def _reduce_max(trainer: pl.Trainer, device: torch.device) -> Callable[[int], in
         return int(trainer.strategy.reduce(tensor, reduce_op="max").item())
 
     return reduce
+
+
+def _tier_note(storages: set[str], device: torch.device) -> str | None:
+    """On a CPU-only run, which memory the storage tier is (None on a GPU)."""
+    if device.type != "cpu":
+        return None
+    notes = []
+    if "host" in storages:
+        notes.append(
+            "CPU run: the host tier is this device's memory, so checkpoints and spike trains "
+            "kept there count against the budget (storage='disk' keeps them off it)"
+        )
+    if "disk" in storages:
+        notes.append("CPU run: the remote tier is the disk: remote checkpoints are off the budget")
+    if "device" in storages:
+        notes.append("CPU run: storage='device' keeps every checkpoint in the budget")
+    return "; ".join(notes)

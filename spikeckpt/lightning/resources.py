@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from spikeckpt.storage.spiketrain import SpikeTrain
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -72,3 +75,32 @@ def _expected_state_copies(optimizer: torch.optim.Optimizer) -> int:
     if name == "sgd" and not any(group.get("momentum", 0) for group in optimizer.param_groups):
         return 0
     return 1
+
+
+def step_resident(
+    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = (), batch: Any = None
+) -> list[torch.Tensor]:
+    """The tensors a training step holds from before it starts: parameters, buffers, their
+    gradients, the optimizer state and the tensors of ``batch`` (a packed
+    :class:`~spikeckpt.storage.SpikeTrain` counts with its packed tensors). For
+    ``MemoryMeter.track``, which keeps only those on the measured device: a batch left on the
+    host of a GPU run is not counted."""
+    params = list(module.parameters())
+    tensors = [*params, *module.buffers(), *(p.grad for p in params if p.grad is not None)]
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors + batch_tensors(batch)
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in a batch (nested tuples, lists and dicts; a packed train's tensors)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, SpikeTrain):
+        return batch.tensors()
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in batch_tensors(item)]
+    if isinstance(batch, dict):
+        return [t for item in batch.values() for t in batch_tensors(item)]
+    return []

@@ -28,16 +28,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import torch
 from torch import Tensor
 
 from spikeckpt import plans
 from spikeckpt.engine.layerwise import LayerBlock, chunk_for
+from spikeckpt.engine.packed import input_nbytes, is_packed, step_of
 from spikeckpt.engine.phase import recompute_phase
-from spikeckpt.planning.probe import Probe, Probed, block_sizes, probe_model
+from spikeckpt.planning.probe import (
+    Probe,
+    Probed,
+    block_sizes,
+    compute_device,
+    layerwise_working_bytes,
+    probe_model,
+    scaled_sizes,
+    step_work_bytes,
+    trainable_bytes,
+)
 from spikeckpt.plans import Cost, CostModel, Plan, choose
+from spikeckpt.plans.choose import minimum_budget
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.layerwise import BlockSizes, LayerwiseCost, fitting_chunk, layerwise_cost
 from spikeckpt.storage.codecs import is_binary
@@ -50,6 +62,8 @@ __all__ = [
     "PlanChoice",
     "Planned",
     "Planner",
+    "StepBytes",
+    "host_is_device",
     "layer_or_stack",
 ]
 
@@ -66,8 +80,17 @@ class Planned(Probed, Protocol):
 
     storage: str
     readout: Any
+    output: str
     granularity: str
     chunk: int | None
+
+    def device_for(self, x: Any) -> Any:
+        """The device ``x``'s steps run on (a packed train's: the model's)."""
+        ...
+
+    def initial_state(self, x_t: Tensor) -> Any:
+        """The model's state at t=0 for one step's input ``x_t``."""
+        ...
 
     def layer_blocks(self, required: bool) -> list[LayerBlock] | None:
         """The model's layer-wise blocks; ``None`` when it does not split into them (or
@@ -80,6 +103,37 @@ class Planned(Probed, Protocol):
 
 
 @dataclass(frozen=True)
+class StepBytes:
+    """What one training step of a wrapped model holds on the device beyond the model
+    (parameters, ``.grad`` and optimizer state, which :class:`~spikeckpt.lightning.MemoryBudget`
+    counts once for all models), as planned, in bytes.
+
+    Attributes:
+        input: the input train the step reads while it is on the device (dense bytes, or a
+            packed train's packed bytes; 0 when it stays on the host of a GPU run).
+        outputs: the stacked per-step outputs and their gradient (``readout=None``).
+        gradients: gradient buffers the engine holds beyond ``.grad`` while it accumulates
+            the parameters' gradients over segments (stack: a segment's own gradients beside
+            the running sum, and one parameter's new sum, made out of place; one copy for
+            BPTT; layer-wise: two copies of its largest block's parameters, plus the fixed
+            bytes its probe measured).
+        activations: the plan's modeled device peak: checkpoints, tapes, states (layer-wise:
+            the measured working set of a chunk, the states, the stored trains when they are
+            device memory).
+    """
+
+    input: int = 0
+    outputs: int = 0
+    gradients: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """All of it: the step's planned peak beyond the model."""
+        return self.input + self.outputs + self.gradients + self.activations
+
+
+@dataclass(frozen=True)
 class PlanChoice:
     """A plan chosen for a budget, and why.
 
@@ -88,12 +142,15 @@ class PlanChoice:
             the stack plan with the same step evaluations).
         T: steps planned for.
         batch: batch size planned for.
-        budget_bytes: the device budget the plan had to fit (outputs already subtracted).
+        budget_bytes: the device budget the plan's activations had to fit (the planner's
+            budget less the input, the outputs and the gradient buffers of ``step``).
         probe: the measurements used.
         modeled: the modeled cost (counts, ``peak_bytes``, ``time`` in seconds): a
             :class:`~spikeckpt.plans.Cost`, or a :class:`~spikeckpt.plans.LayerwiseCost`.
         granularity: ``"stack"`` or ``"layer"``.
         chunk: layer-wise steps per chunk (None for the stack).
+        step: what a training step holds beyond the model, as planned (:class:`StepBytes`);
+            ``step.total`` is at most the planner's budget.
     """
 
     plan: Plan
@@ -104,11 +161,18 @@ class PlanChoice:
     modeled: Cost | LayerwiseCost
     granularity: str = "stack"
     chunk: int | None = None
+    step: StepBytes = StepBytes()
 
     @property
     def modeled_peak_bytes(self) -> int:
         """Modeled device peak of checkpoints and tapes (bytes)."""
         return self.modeled.peak_bytes
+
+    @property
+    def modeled_step_bytes(self) -> int:
+        """The step's planned device peak beyond the model: input, outputs, gradient buffers
+        and activations (``step.total``)."""
+        return self.step.total
 
     @property
     def time_factor(self) -> float:
@@ -125,11 +189,19 @@ class PlanChoice:
         return f"layer-wise(chunk={self.chunk})" if self.granularity == "layer" else repr(self.plan)
 
     def summary(self) -> str:
-        """One line: plan, modeled peak, time factor."""
+        """One line: plan, modeled peak, what else the step holds, time factor."""
+        step = self.step
+        extra = ""
+        if step.total > step.activations:
+            extra = (
+                f" (+ input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}, "
+                f"gradient buffers {format_bytes(step.gradients)})"
+            )
         return (
             f"{self.describe()} for T={self.T}, B={self.batch}: modeled peak "
-            f"{format_bytes(self.modeled_peak_bytes)} of {format_bytes(self.budget_bytes)}, "
-            f"{self.recompute_factor:.2f} evaluations/step, ~{self.time_factor:.2f}x BPTT time"
+            f"{format_bytes(self.modeled_peak_bytes)} of {format_bytes(self.budget_bytes)}"
+            f"{extra}, {self.recompute_factor:.2f} evaluations/step, "
+            f"~{self.time_factor:.2f}x BPTT time"
         )
 
 
@@ -162,20 +234,108 @@ class Decision:
 # ----------------------------------------------------------------------------- granularity
 
 
+def host_is_device(storage: str, device: torch.device | str) -> bool:
+    """Whether the ``storage`` tier is the compute device's own memory: the device tier, and
+    the host tier of a CPU run (the host *is* the device there: what it holds counts
+    against the budget; only the disk tier is off it)."""
+    return storage == "device" or (storage == "host" and torch.device(device).type == "cpu")
+
+
+class _Layered(NamedTuple):
+    """A model's layer-wise blocks, their sizes for planning and the measured fixed bytes."""
+
+    blocks: list[LayerBlock]
+    sizes: list[BlockSizes]
+    fixed: int = 0
+
+
 def _layerwise_candidate(
-    model: Planned, x: Tensor, state: Any, required: bool
-) -> tuple[list[LayerBlock], list[BlockSizes]] | None:
-    """The blocks and their measured sizes when layer-wise can run, else None."""
+    model: Planned,
+    x: Any,
+    state: Any,
+    required: bool,
+    *,
+    budgeted: bool = True,
+    max_bytes: int | None = None,
+) -> _Layered | None:
+    """The blocks and their sizes when layer-wise can run, else None.
+
+    ``budgeted=False``: the sizes :func:`block_sizes` measures (what a model's own
+    :class:`Planner` compares with the stack plan). ``budgeted=True`` (the
+    :class:`BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
+    the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
+    density of hidden spikes grows as the model trains, and index lists with it), dense with
+    the device tier (it stores them unpacked); each block's ``step_bytes`` is raised so that
+    the cost model's working set is the one
+    :func:`~spikeckpt.planning.probe.layerwise_working_bytes` measures (held under
+    ``max_bytes``), and its measured fixed part is ``fixed``.
+    """
     blocks = model.layer_blocks(required)
     if blocks is None:
         return None
-    return blocks, block_sizes(blocks, x[0], model.block_states(state))
+    device = compute_device(model, x)
+    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state))
+    if not budgeted:
+        return _Layered(blocks, sizes)
+    unpacked = model.storage == "device"
+    sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
+    slope, fixed = layerwise_working_bytes(
+        blocks,
+        x,
+        lambda x_t: model.block_states(model.initial_state(x_t)),
+        sizes,
+        device=device,
+        storage=model.storage,
+        readout=model.readout,
+        output=model.output,
+        stored_on_device=host_is_device(model.storage, device),
+        max_bytes=max_bytes,
+    )
+    sizes = [
+        replace(b, step_bytes=max(b.step_bytes, slope - 2 * b.input_bytes - b.output_bytes))
+        for b in sizes
+    ]
+    return _Layered(blocks, sizes, fixed)
 
 
-def _layerwise_may_pay(model: Planned, x: Tensor) -> bool:
+def _layerwise_may_pay(model: Planned, x: Any) -> bool:
     """``granularity="auto"`` considers layer-wise only for named readouts and binary inputs
     (its stored trains are packed to 1 bit per element only when they are spikes)."""
-    return not callable(model.readout) and is_binary(x)
+    return not callable(model.readout) and (is_packed(x) or is_binary(x))
+
+
+def _chunk_candidates(T: int, preferred: int) -> list[int]:
+    """Chunk lengths to try, ``1..min(preferred, T)``: all of them up to 4096, else a
+    geometric grid of about 2000."""
+    top = max(1, min(preferred, T))
+    if top <= 4096:
+        return list(range(1, top + 1))
+    return sorted({max(1, min(top, round(top ** (i / 2000)))) for i in range(2001)})
+
+
+def _fitting_chunk(
+    T: int, sizes: Sequence[BlockSizes], limit: int, preferred: int, *, remote: bool
+) -> int | None:
+    """The largest chunk ``<= preferred`` whose modeled layer-wise peak fits ``limit``, or
+    None. With the trains and chunk states off the device the peak grows with the chunk
+    (:func:`~spikeckpt.plans.layerwise.fitting_chunk` bisects); on the device the stored
+    chunk states shrink as the chunk grows, so the peak is not monotonic: chunks are tried
+    from the longest down."""
+    if remote:
+        return fitting_chunk(T, sizes, limit, preferred, remote=True)
+    for k in reversed(_chunk_candidates(T, preferred)):
+        if layerwise_cost(T, k, sizes, remote=False).peak_bytes <= limit:
+            return k
+    return None
+
+
+def _smallest_layerwise(T: int, sizes: Sequence[BlockSizes], *, remote: bool) -> int:
+    """The least modeled layer-wise peak over all chunk lengths."""
+    if remote:
+        return layerwise_cost(T, 1, sizes, remote=True).peak_bytes
+    return min(
+        layerwise_cost(T, k, sizes, remote=False).peak_bytes for k in _chunk_candidates(T, T)
+    )
 
 
 def layer_or_stack(
@@ -199,7 +359,7 @@ def layer_or_stack(
     A = max(1, sum(b.step_bytes for b in sizes))
     k = chunk if chunk is not None else chunk_for(plan, T)
     if limit is not None and chunk is None:
-        k = fitting_chunk(T, sizes, limit, k, remote=remote) or k
+        k = _fitting_chunk(T, sizes, limit, k, remote=remote) or k
     layer = layerwise_cost(T, k, sizes, remote=remote, costs=costs)
     if isinstance(plan, str):  # "auto" with a budget
         try:
@@ -247,12 +407,14 @@ class Planner:
         self.decisions: dict[ShapeKey, Decision] = {}
         self.filled: dict[tuple[Any, int, int], Plan] = {}
         self.chunks: dict[ShapeKey, int] = {}
+        self.budgeted: BudgetPlanner | None = None
 
-    def _plan_for(self, x: Tensor) -> tuple[Any, int | None]:
+    def _plan_for(self, model: Planned, x: Any) -> tuple[Any, int | None]:
         if not (isinstance(self.plan, str) and self.plan == "auto" and self.budget is None):
             return self.plan, self.budget
-        if x.is_cuda:
-            free, _ = torch.cuda.mem_get_info(x.device)
+        device = compute_device(model, x)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
             return "auto", int(free * 0.9)
         return plans.Uniform().for_length(int(x.shape[0])), None
 
@@ -300,9 +462,12 @@ class Planner:
             self.chunks[(T, B)] = chunk
         return self.chunks[(T, B)]
 
-    def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
-        """The :class:`Decision` for input ``x`` ``(T, B, ...)`` from ``state``."""
-        plan, budget = self._plan_for(x)
+    def decide(self, model: Planned, x: Any, state: Any) -> Decision:
+        """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
+        from ``state``."""
+        if isinstance(self.plan, str) and self.plan == "auto" and self.budget is not None:
+            return self._within_budget(model, x, state, self.budget)
+        plan, budget = self._plan_for(model, x)
         T = int(x.shape[0])
         if isinstance(plan, Plan):
             if needs_intervals(plan) and self.granularity != "layer":
@@ -326,16 +491,32 @@ class Planner:
             self.decisions[key] = self._auto(model, x, state, plan, budget)
         return self.decisions[key]
 
-    def _auto(
-        self, model: Planned, x: Tensor, state: Any, plan: Any, budget: int | None
-    ) -> Decision:
-        found = _layerwise_candidate(model, x, state, required=False)
+    def _within_budget(self, model: Planned, x: Any, state: Any, budget: int) -> Decision:
+        """``plan="auto"`` with a budget: the step model :class:`MemoryBudget` plans with
+        (:class:`BudgetPlanner`: input on the device, outputs, gradient buffers, activations),
+        plus the parameters' ``.grad`` that the first backward creates, all within ``budget``.
+        A refusal names the budget that works when passed back to ``wrap``."""
+        if self.budgeted is None:
+            params = [p for p in model.parameters_for_scan() if p.requires_grad]
+            grads = trainable_bytes(params)
+            planner = BudgetPlanner(max(budget - grads, 0), remote=model.storage != "device")
+            planner.total_for = lambda need: need + grads
+            planner.asked_bytes = budget
+            planner.context = f"; the parameters' .grad take {format_bytes(grads)} more"
+            self.budgeted = planner
+        decision = self.budgeted.decide(model, x, state)
+        if decision.granularity == "layer":
+            self.decisions[(int(x.shape[0]), int(x.shape[1]))] = decision
+        return decision
+
+    def _auto(self, model: Planned, x: Any, state: Any, plan: Any, budget: int | None) -> Decision:
+        found = _layerwise_candidate(model, x, state, False, budgeted=False)
         if found is None:
             return Decision("stack", plan, budget=budget)
         T = int(x.shape[0])
         chunk = layer_or_stack(
             T,
-            found[1],
+            found.sizes,
             plan,
             limit=budget,
             remote=model.storage != "device",
@@ -349,19 +530,25 @@ class Planner:
 class BudgetPlanner:
     """Choose and cache a plan per input shape so a wrapped model fits ``budget`` bytes.
 
-    The first time it sees an input shape it probes the model for one step
-    (:func:`~spikeckpt.planning.probe.probe_model`), picks the plan with the least modeled time
-    that fits with :func:`spikeckpt.plans.choose` (and, for a model wrapped with
-    ``granularity="layer"`` or ``"auto"``, the layer-wise chunk the same way as
-    :class:`Planner`), and caches it for that shape.
+    The first time it sees an input shape it probes the model
+    (:func:`~spikeckpt.planning.probe.probe_model`, held under the budget; for a model wrapped
+    with ``granularity="layer"`` or ``"auto"`` also the layer-wise working set,
+    :func:`~spikeckpt.planning.probe.layerwise_working_bytes`), models what a training step
+    holds (:class:`StepBytes`: the input train while it is on the device, the stacked
+    outputs and their gradient, the engine's gradient buffers, the plan's activations),
+    picks the plan with the least modeled time whose step fits with
+    :func:`spikeckpt.plans.choose` (layer-wise: the largest chunk that fits), and caches it
+    for that shape. When the storage tier is the device's own memory (the device tier; the
+    host tier on a CPU run), stored checkpoints and trains count as activations and no plan
+    with off-device checkpoints is chosen.
 
     Across processes (DDP) the planner agrees with the other ranks through two functions set by
     the caller: ``reduce_max`` (the planned ``T`` and batch are the largest over the ranks) and
     ``broadcast`` (rank 0's measurements are used), so every rank chooses the same plan.
 
     Args:
-        budget: device bytes (int or a string like ``"2GiB"``) for this model's activations:
-            checkpoints, tapes and the stacked outputs.
+        budget: device bytes (int or a string like ``"2GiB"``) for what this model's step
+            holds beyond the model itself (:class:`StepBytes`).
         remote: allow plans with off-device checkpoints (needs ``storage`` host or disk).
         costs: fixed operation times; None measures them with the probe.
 
@@ -371,6 +558,11 @@ class BudgetPlanner:
         reduce_max: set by a distributed caller: ``int -> int`` max over ranks.
         broadcast: set by a distributed caller: ``obj -> rank 0's obj``.
         last: the latest :class:`PlanChoice`.
+        total_for: set by a caller that counts budgets otherwise (``MemoryBudget``: with the
+            model and a margin): ``bytes this planner needs -> the budget to ask for``; a
+            refusal names that budget.
+        asked_bytes: the caller's budget, for messages (None: ``budget_bytes``).
+        context: appended to a refusal's account of what a step needs.
     """
 
     def __init__(
@@ -384,6 +576,9 @@ class BudgetPlanner:
         self.reduce_max: Callable[[int], int] | None = None
         self.broadcast: Callable[[Any], Any] | None = None
         self.last: PlanChoice | None = None
+        self.total_for: Callable[[int], int] | None = None
+        self.asked_bytes: int | None = None
+        self.context = ""
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
         """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
@@ -406,47 +601,121 @@ class BudgetPlanner:
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
 
-    def _plan(self, model: Planned, x: Tensor, state: Any, T: int, batch: int) -> PlanChoice:
-        probe = probe_model(model, x, state, model.storage)
+    def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
+        """Probe the model and choose, so that the step's planned peak (:class:`StepBytes`:
+        input, outputs, gradient buffers, activations) fits :attr:`budget_bytes`."""
+        device = compute_device(model, x)
+        on_device = host_is_device(model.storage, device)
+        remote = self.remote and not on_device
+        x_bytes = input_nbytes(x) if x.device == device else 0
+        params = [p for p in model.parameters_for_scan() if p.requires_grad]
+        grads = trainable_bytes(params)
+        largest_param = max((p.numel() * p.element_size() for p in params), default=0)
+        room = max(self.budget_bytes - x_bytes, 0)  # what the probes may hold at once
+        probe = probe_model(model, x, state, model.storage, max_bytes=room)
         layered = None
         if model.granularity == "layer" or (
             model.granularity == "auto" and _layerwise_may_pay(model, x)
         ):
-            layered = _layerwise_candidate(model, x, state, model.granularity == "layer")
+            layered = _layerwise_candidate(
+                model, x, state, model.granularity == "layer", max_bytes=room
+            )
         self.probes += 1
-        sizes = layered[1] if layered is not None else None
+        sizes = layered.sizes if layered is not None else None
+        layer_grads = 0
+        if layered is not None:  # the running sums of block gradients, and what was measured
+            largest = max(trainable_bytes(b.params) for b in layered.blocks)
+            layer_grads = 2 * largest + layered.fixed
         if self.broadcast is not None:
-            probe, sizes = self.broadcast((probe, sizes))
-        probe = probe.scaled(batch)
+            probe, sizes, layer_grads = self.broadcast((probe, sizes, layer_grads))
         if sizes is not None:
-            sizes = [_scaled(b, batch, int(x.shape[1])) for b in sizes]
+            sizes = [scaled_sizes(b, batch, probe.batch) for b in sizes]
+        probe = probe.scaled(batch)
         costs = self.costs or probe.costs()
         outputs = 2 * T * probe.output_bytes if model.readout is None else 0
-        budget = max(self.budget_bytes - outputs, 0)
-        remote = self.remote and model.storage != "device"
-        S, A = probe.state_bytes, probe.step_bytes
-        if sizes is not None and model.granularity == "layer":
-            preferred = model.chunk if model.chunk is not None else T
-            chunk = fitting_chunk(T, sizes, budget, preferred, remote=remote)
-            if chunk is None:
-                smallest = layerwise_cost(T, 1, sizes, remote=remote).peak_bytes + outputs
-                raise plans.BudgetTooSmall(
-                    f"layer-wise: not even chunks of one step fit {format_bytes(budget)} for "
-                    f"T={T}, B={batch}; the smallest budget that fits is "
-                    f"{format_bytes(smallest)} ({smallest} bytes)",
-                    budget_bytes=self.budget_bytes,
-                    minimum_bytes=smallest,
-                )
-            return self._layer_choice(T, batch, budget, probe, sizes, chunk, remote, costs)
-        plan = choose(T, S, A, budget, remote=remote, costs=costs).for_length(T)
-        if sizes is not None:  # granularity="auto"
-            chunk = layer_or_stack(
-                T, sizes, plan, limit=budget, remote=remote, chunk=model.chunk, costs=costs
-            )
+        base = StepBytes(input=x_bytes, outputs=outputs)
+        S, A, work = probe.state_bytes, probe.step_bytes, probe.work_bytes
+        preferred = model.chunk if model.chunk is not None else T
+        # the stack: its plan's peak, one step's working memory, and while the engine sums
+        # the parameters' gradients over segments, a segment's own gradients beside the
+        # running sum, and one parameter's new sum when it is made out of place
+        stack_step = replace(base, gradients=grads + largest_param)
+        stack_budget = self.budget_bytes - stack_step.total
+        stack: PlanChoice | None = None
+        if model.granularity != "layer":
+            try:
+                plan = choose(T, S, A, max(stack_budget - work, 0), remote=remote, costs=costs)
+            except plans.BudgetTooSmall:
+                pass
+            else:
+                plan = plan.for_length(T)
+                modeled = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
+                activations = replace(stack_step, activations=modeled.peak_bytes + work)
+                if isinstance(plan, plans.BPTT):  # one backward call: no running sum
+                    activations = replace(activations, gradients=grads)
+                stack = PlanChoice(plan, T, batch, stack_budget, probe, modeled, step=activations)
+        # layer-wise: the largest chunk whose modeled (calibrated) peak fits
+        layer: PlanChoice | None = None
+        layer_step = replace(base, gradients=layer_grads)
+        layer_budget = self.budget_bytes - layer_step.total
+        if sizes is not None:
+            chunk = _fitting_chunk(T, sizes, layer_budget, preferred, remote=not on_device)
             if chunk is not None:
-                return self._layer_choice(T, batch, budget, probe, sizes, chunk, remote, costs)
-        modeled = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
-        return PlanChoice(plan, T, batch, budget, probe, modeled)
+                layer = self._layer_choice(
+                    T, batch, layer_budget, probe, sizes, chunk, on_device, costs, layer_step
+                )
+        if layer is not None and (
+            stack is None
+            or layer.modeled.time <= stack.modeled.time * (1 + LAYERWISE_TIME_TOLERANCE)
+        ):
+            return layer
+        if stack is not None:
+            return stack
+        # Nothing fits: name the smallest budget that does. The probes were held under this
+        # budget; what they measure only grows with room (more chunk lengths, the parameters'
+        # gradients), so the minimum is measured without the cap: passed back, the capped
+        # probes of that run measure at most as much, and a plan fits.
+        needs = []
+        if model.granularity != "layer":
+            if probe.work_capped:
+                local = int(x.shape[1])  # this rank's batch; A is planned for ``batch``
+                a_local = -(-A * local // batch)
+                work = -(-step_work_bytes(model, x, state, a_local) * batch // local)
+            needs.append((stack_step, minimum_budget(T, S, A) + work))
+        if sizes is not None:
+            full = _layerwise_candidate(model, x, state, True)
+            if full is not None:
+                sizes = [scaled_sizes(b, batch, int(x.shape[1])) for b in full.sizes]
+                largest = max(trainable_bytes(b.params) for b in full.blocks)
+                layer_step = replace(base, gradients=2 * largest + full.fixed)
+            needs.append((layer_step, _smallest_layerwise(T, sizes, remote=not on_device)))
+        step, smallest = min(needs, key=lambda need: need[0].total + need[1])
+        what = "layer-wise, " if model.granularity == "layer" else ""
+        self._refuse(f"{what}T={T}, B={batch}", step, smallest)
+
+    def _refuse(self, what: str, step: StepBytes, smallest: int) -> NoReturn:
+        """Raise :class:`~spikeckpt.BudgetTooSmall` naming a budget that works when passed
+        back: the step's input, outputs and gradient buffers plus the smallest plan's
+        activations, as the caller counts budgets (:attr:`total_for`)."""
+        need = step.total + smallest
+        minimum = self.total_for(need) if self.total_for is not None else need
+        asked = self.asked_bytes if self.asked_bytes is not None else self.budget_bytes
+        parts = (
+            f"input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}, "
+            f"gradient buffers {format_bytes(step.gradients)}, smallest plan "
+            f"{format_bytes(smallest)}"
+        )
+        if self.budget_bytes <= step.total:
+            head = f"the budget of {format_bytes(asked)} leaves nothing for activations"
+        else:
+            head = f"no checkpointing plan fits the budget of {format_bytes(asked)}"
+        raise plans.BudgetTooSmall(
+            f"{head} for {what}: a step needs {format_bytes(need)} beyond the model ({parts})"
+            f"{self.context}; the smallest budget that fits is {format_bytes(minimum)} "
+            f"({minimum} bytes)",
+            budget_bytes=asked,
+            minimum_bytes=minimum,
+        )
 
     @staticmethod
     def _layer_choice(
@@ -456,12 +725,23 @@ class BudgetPlanner:
         probe: Probe,
         sizes: Sequence[BlockSizes],
         chunk: int,
-        remote: bool,
+        on_device: bool,
         costs: CostModel,
+        step: StepBytes,
     ) -> PlanChoice:
-        modeled = layerwise_cost(T, chunk, sizes, remote=remote, costs=costs)
+        modeled = layerwise_cost(T, chunk, sizes, remote=not on_device, costs=costs)
         plan = plans.Uniform(modeled.chunk).for_length(T)
-        return PlanChoice(plan, T, batch, budget, probe, modeled, "layer", modeled.chunk)
+        return PlanChoice(
+            plan,
+            T,
+            batch,
+            budget,
+            probe,
+            modeled,
+            "layer",
+            modeled.chunk,
+            replace(step, activations=modeled.peak_bytes),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Budget and chosen plans per shape, as plain dicts, lists and numbers (loadable with
@@ -480,23 +760,6 @@ class BudgetPlanner:
             self.choices[(choice.T, choice.batch)] = choice
 
 
-def _scaled(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
-    """Block sizes measured at batch ``probed``, for ``batch`` (bytes scale with the batch)."""
-    if batch == probed:
-        return sizes
-
-    def scale(n: int) -> int:
-        return -(-n * batch // probed)
-
-    return replace(
-        sizes,
-        state_bytes=scale(sizes.state_bytes),
-        step_bytes=scale(sizes.step_bytes),
-        input_bytes=scale(sizes.input_bytes),
-        output_bytes=scale(sizes.output_bytes),
-    )
-
-
 def _choice_to_dict(choice: PlanChoice) -> dict[str, Any]:
     plan_args = {k: v for k, v in vars(choice.plan).items() if not k.startswith("_")}
     return {
@@ -508,6 +771,7 @@ def _choice_to_dict(choice: PlanChoice) -> dict[str, Any]:
         "modeled": asdict(choice.modeled),
         "granularity": choice.granularity,
         "chunk": choice.chunk,
+        "step": asdict(choice.step),
     }
 
 
@@ -524,4 +788,5 @@ def _choice_from_dict(item: dict[str, Any]) -> PlanChoice:
         modeled=modeled_class(**item["modeled"]),
         granularity=granularity,
         chunk=item.get("chunk"),
+        step=StepBytes(**item.get("step", {})),
     )

@@ -9,6 +9,7 @@ accumulated, the RNG is forked, the framework's hidden state is cleaned up.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,25 +20,33 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from spikeckpt.engine.layerwise import LayerBlock
+from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.engine.packed import chunk_of, is_packed, step_of
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import SavedBytes, measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans import CostModel
-from spikeckpt.plans.layerwise import BlockSizes
+from spikeckpt.plans.layerwise import BlockSizes, layerwise_cost
 from spikeckpt.storage.base import Ledger
 from spikeckpt.storage.codecs import is_binary
 from spikeckpt.storage.tiers import make_store
 
 __all__ = [
+    "LAYERWISE_PROBE_CHUNKS",
     "SEGMENT_PROBE_STEPS",
     "Probe",
     "Probed",
     "block_sizes",
+    "compute_device",
+    "layerwise_working_bytes",
     "probe_model",
+    "scaled_sizes",
     "segment_seconds",
     "step_costs",
+    "step_work_bytes",
+    "trainable_bytes",
 ]
 
 
@@ -51,6 +60,24 @@ class Probed(Protocol):
     def parameters_for_scan(self) -> list[Tensor]: ...
 
     def cleanup(self) -> None: ...
+
+
+def compute_device(seq: Any, x: Any) -> torch.device:
+    """Where ``x``'s steps run: ``seq.device_for(x)`` when ``seq`` has it (a wrapped model:
+    a packed train runs on the model's device), else ``x``'s device."""
+    device_for = getattr(seq, "device_for", None)
+    if device_for is not None:
+        return torch.device(device_for(x))
+    return x.device
+
+
+def trainable_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the distinct tensors among ``tensors`` that require grad (one gradient each)."""
+    seen: dict[int, Tensor] = {}
+    for t in tensors:
+        if t.requires_grad:
+            seen.setdefault(id(t), t)
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 @dataclass(frozen=True)
@@ -70,6 +97,13 @@ class Probe:
         segment_seconds: the fixed cost of one backward call over a taped segment, whatever
             its length (a few steps taped and backpropagated one by one, minus the same steps
             in one call, per extra call). It makes the planner prefer multi-step tapes.
+        work_bytes: what running one step holds on the device beyond the plan's states and
+            tapes: the larger of one untaped step's peak (its new state, output and
+            temporaries) and one taped step's backward beyond its tape and the parameters'
+            gradients (measured with :class:`~spikeckpt.MemoryMeter`).
+        work_capped: ``work_bytes`` was measured without the parameters' gradients (the
+            probe's ``max_bytes`` had no room for them); :func:`step_work_bytes` measures it
+            with them.
     """
 
     batch: int
@@ -82,6 +116,8 @@ class Probe:
     write_seconds: float
     read_seconds: float
     segment_seconds: float = 0.0
+    work_bytes: int = 0
+    work_capped: bool = False
 
     def scaled(self, batch: int) -> Probe:
         """The same probe for another batch size (bytes scale linearly with the batch)."""
@@ -97,6 +133,7 @@ class Probe:
             state_bytes=scale(self.state_bytes),
             step_bytes=scale(self.step_bytes),
             output_bytes=scale(self.output_bytes),
+            work_bytes=scale(self.work_bytes),
         )
 
     def costs(self) -> CostModel:
@@ -119,26 +156,53 @@ def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def probe_model(seq: Probed, x: Tensor, state: Any, storage: str) -> Probe:
+def probe_model(
+    seq: Probed, x: Any, state: Any, storage: str, *, max_bytes: int | None = None
+) -> Probe:
     """Measure one step of ``seq`` on the first step of ``x`` ``(T, B, ...)`` from ``state``.
 
+    ``x`` may be a packed spike train (its first steps are unpacked on the compute device).
     Changes nothing: gradients are taken with ``torch.autograd.grad`` (no ``.grad`` is
     touched), the RNG is forked, and the framework's per-module state is cleaned up.
+
+    ``max_bytes``: device bytes the probe may hold at once (None: no limit). The probe first
+    tapes one step (``S + A``); the timing runs then tape at most as many steps (up to
+    :data:`SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
+    ``2S + 3G + n * (A + output + input step)`` (``segment_seconds`` sums per-step gradients:
+    a running sum, the new gradients and their sum). When not even two steps fit that way
+    the per-call overhead is taken as 0; when not even one step with ``G`` fits, the backward
+    is timed without the parameters' gradients.
     """
     params = seq.parameters_for_scan()
-    x_t = x[0]
+    device = compute_device(seq, x)
+    x_t = step_of(x, 0, device)
+    T = int(x.shape[0])
     try:
-        with torch.random.fork_rng(devices=cuda_devices([x])), recompute_phase():
+        with torch.random.fork_rng(devices=cuda_devices([x_t])), recompute_phase():
             pack = bool(seq.scan_kwargs.get("pack_tape", False))
             sizes = measure_step(seq.step, state, x_t, params, pack=pack)
             with torch.no_grad():
                 _, y = seq.step(state, x_t)
             output_bytes = leaf_bytes(tree_flatten(y)[0])
-            costs = step_costs(seq.step, state, x, params, storage)
+            del y
+            steps, timed_params = min(SEGMENT_PROBE_STEPS, T), params
+            if max_bytes is not None:
+                per_step = max(1, sizes.step_bytes) + output_bytes + _nbytes(x_t)
+                room = max_bytes - 2 * sizes.state_bytes
+                grads = trainable_bytes(params)
+                if room - 3 * grads >= 2 * per_step:
+                    steps = min(steps, (room - 3 * grads) // per_step)
+                else:
+                    steps = 1  # no per-call overhead measured
+                    if room - grads < per_step:
+                        timed_params = []  # the backward timed without parameter gradients
+            xs = x_t.unsqueeze(0) if steps == 1 else chunk_of(x, 0, steps, device)
+            costs = step_costs(seq.step, state, xs, timed_params, storage)
+            work = _work_bytes(seq.step, state, xs, timed_params, sizes.step_bytes, device)
     finally:
         seq.cleanup()
     density = None
-    if x_t.is_floating_point() and x_t.numel() and is_binary(x_t):
+    if x_t.is_floating_point() and x_t.numel() and (is_packed(x) or is_binary(x_t)):
         density = float(x_t.mean())
     return Probe(
         batch=int(x.shape[1]),
@@ -151,7 +215,44 @@ def probe_model(seq: Probed, x: Tensor, state: Any, storage: str) -> Probe:
         write_seconds=costs.write,
         read_seconds=costs.read,
         segment_seconds=costs.segment,
+        work_bytes=work,
+        work_capped=len(timed_params) < len(params),
     )
+
+
+def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
+    """:attr:`Probe.work_bytes` with the parameters' gradients, whatever the budget (one
+    untaped step and one taped step with its backward; ``step_bytes`` is ``A``)."""
+    device = compute_device(seq, x)
+    x_t = step_of(x, 0, device)
+    try:
+        with torch.random.fork_rng(devices=cuda_devices([x_t])):
+            params = seq.parameters_for_scan()
+            return _work_bytes(seq.step, state, x_t.unsqueeze(0), params, step_bytes, device)
+    finally:
+        seq.cleanup()
+
+
+def _work_bytes(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    xs: Tensor,
+    params: list[Tensor],
+    step_bytes: int,
+    device: torch.device,
+) -> int:
+    """:attr:`Probe.work_bytes`: one untaped step's peak, and one taped step's backward peak
+    beyond its tape and the parameters' gradients; the larger."""
+    leaves, treedef = tree_flatten(state)
+    with torch.no_grad(), MemoryMeter(device) as untaped:
+        out = step(state, xs[0])
+        del out
+    wrt_params = [p for p in params if p.requires_grad]
+    with MemoryMeter(device) as taped:
+        found = _taped_grad(step, treedef, xs, 0, 1, leaves, wrt_params)
+        del found
+    backward = taped.peak_bytes - step_bytes - trainable_bytes(wrt_params)
+    return max(untaped.peak_bytes, backward, 0)
 
 
 def step_costs(
@@ -333,3 +434,137 @@ def block_sizes(
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
+    """Block sizes measured at batch ``probed``, for ``batch`` (bytes scale with the batch)."""
+    if batch == probed:
+        return sizes
+
+    def scale(n: int) -> int:
+        return -(-n * batch // probed)
+
+    return replace(
+        sizes,
+        state_bytes=scale(sizes.state_bytes),
+        step_bytes=scale(sizes.step_bytes),
+        input_bytes=scale(sizes.input_bytes),
+        output_bytes=scale(sizes.output_bytes),
+    )
+
+
+#: Chunk lengths :func:`layerwise_working_bytes` runs (each over two chunks, at batch 1).
+LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
+
+
+def _working(sizes: Sequence[BlockSizes]) -> int:
+    """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``."""
+    return max(b.step_bytes + 2 * b.input_bytes + b.output_bytes for b in sizes)
+
+
+def layerwise_working_bytes(
+    blocks: Sequence[LayerBlock],
+    x: Any,
+    states_for: Callable[[Tensor], list[Any]],
+    sizes: Sequence[BlockSizes],
+    *,
+    device: torch.device,
+    storage: str,
+    readout: Any,
+    output: str,
+    stored_on_device: bool,
+    max_bytes: int | None = None,
+) -> tuple[int, int]:
+    """Measure a layer-wise run's working set: ``(bytes per chunk step, fixed bytes)`` for
+    the whole batch of ``x``.
+
+    The working set is what a run holds besides its block states and stored trains: one
+    block's recomputed chunk, its tape, the gradients handed between blocks. The cost model
+    of :func:`~spikeckpt.plans.layerwise.layerwise_cost` counts it as ``chunk * max_b (A_b +
+    2 I_b + O_b)`` from one step's saved tensors; what the engine really allocates (the
+    chunk's synaptic input, the stacked spikes, their gradients) is more. This runs the
+    engine's own layer-wise forward and backward on the first steps of **one sample** of
+    ``x`` (batch 1: the probe takes ``1/B`` of the batch's memory) at the chunk lengths of
+    :data:`LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``; longer ones only while ``max_bytes``
+    allows them at three times the cost model's bytes per step), two chunks each, under
+    :class:`~spikeckpt.MemoryMeter`, and subtracts the modeled states and stored trains.
+    The peak is piecewise linear in the chunk (short chunks peak elsewhere than long ones),
+    so each pair of neighbouring lengths gives a line, and the result bounds them all: the
+    steepest slope (at least the cost model's) and the largest intercept (at least 0), both
+    scaled to the batch (one length alone: the cost model's slope through it). Measuring
+    more lengths never lowers the estimate, so a budget's refusal, measured with every
+    length, names a budget that the capped probe of that budget finds enough. The parameters do not require grad during the
+    probe (their gradient buffers are planned apart, they do not scale with the batch); the
+    input does, so the first block is measured like the others (a little more than it
+    holds). Changes nothing: RNG forked, ``requires_grad`` restored, no ``.grad`` touched.
+
+    Args:
+        blocks: the model's layer-wise blocks.
+        x: the input ``(T, B, ...)`` (dense or packed).
+        states_for: ``x_t (1, ...) -> one initial state per block`` at batch 1.
+        sizes: :func:`block_sizes` at the batch of ``x``.
+        device: the compute device (``MemoryMeter`` measures it).
+        storage: the tier the run stores its trains in (``"disk"`` is probed as ``"host"``).
+        readout, output: the run's readout and output.
+        stored_on_device: whether the stored trains are device memory (the device tier, or
+            the host tier on a CPU run).
+        max_bytes: device bytes the probe may hold (None: no limit).
+    """
+    T, batch = int(x.shape[0]), int(x.shape[1])
+    one = [scaled_sizes(b, 1, batch) for b in sizes]
+    work = _working(one)
+    longest = max(1, T // 2)
+    if max_bytes is not None:
+        longest = max(1, min(longest, max_bytes // (3 * max(work, 1))))
+    chunks = sorted({k for k in LAYERWISE_PROBE_CHUNKS if k <= longest} or {1})
+    n = min(T, 2 * chunks[-1])
+    if is_packed(x):  # one step at a time: never the whole batch's chunk dense
+        x1 = torch.stack([x.step(t, device)[:1] for t in range(n)])
+    else:
+        x1 = chunk_of(x, 0, n, device)[:, :1].detach().clone()
+    params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
+    residuals: list[tuple[int, int]] = []
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        with torch.random.fork_rng(devices=cuda_devices([x1])):
+            for k in chunks:
+                n = min(T, 2 * k)
+                xs = x1[:n].detach().requires_grad_(x1.is_floating_point())
+                states = states_for(xs[0].detach())
+                with MemoryMeter(device) as meter:
+                    ys, _ = layerwise_scan(
+                        blocks,
+                        xs,
+                        states,
+                        chunk=k,
+                        storage="host" if storage == "disk" else storage,
+                        readout=readout,
+                        output=output,
+                        params=[],
+                    )
+                    outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
+                    if outs and xs.requires_grad:
+                        found = torch.autograd.grad(
+                            outs, [xs], [torch.ones_like(y) for y in outs], allow_unused=True
+                        )
+                        del found
+                    del ys, outs
+                modeled = layerwise_cost(n, k, one, remote=not stored_on_device).peak_bytes
+                residuals.append((k, meter.peak_bytes - (modeled - k * work)))
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+        for block in blocks:
+            block.cleanup()
+    # One length: the cost model's slope through it. More: every neighbouring pair's line.
+    # Either way, measuring more lengths (more room) never lowers the estimate at any chunk.
+    slope, intercept = float(work), 0.0
+    if len(residuals) == 1:
+        ((k, r),) = residuals
+        intercept = max(0.0, r - work * k)
+    for (ka, ra), (kb, rb) in zip(residuals, residuals[1:], strict=False):
+        line = (rb - ra) / (kb - ka)
+        slope = max(slope, line)
+        intercept = max(intercept, ra - line * ka)
+    return math.ceil(slope * batch), math.ceil(intercept * batch)

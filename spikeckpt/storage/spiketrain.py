@@ -217,6 +217,11 @@ class SpikeTrain:
             total += self._offsets.numel() * self._offsets.element_size()
         return total
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors that hold the packed train: the payload, and the index codec's
+        offsets (always on the CPU). For counting memory (``MemoryMeter.track``)."""
+        return [self._data] if self._offsets is None else [self._data, self._offsets]
+
     @property
     def payload_nbytes(self) -> int:
         """Bytes of the payload alone (what ``.to(device)`` moves; index offsets stay on CPU)."""

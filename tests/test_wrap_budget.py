@@ -1,0 +1,91 @@
+"""``wrap(..., plan="auto", budget=...)`` keeps a forward and backward within the budget.
+
+The budget covers what the wrapped model's training step holds beyond its parameters: the
+input train while it is on the device, the outputs, the activations and checkpoints, the
+engine's gradient buffers and the parameters' ``.grad``. Measured with
+:class:`~spikeckpt.MemoryMeter` (the input counted through ``track``), for stack, layer and
+auto granularity, an FC and a conv model, at the smallest budget a refusal names (passed
+back), at 1.5 times that, and at an ample budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import spikeckpt
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.storage import SpikeTrain
+
+snn = pytest.importorskip("snntorch")
+
+
+def _fc() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(100, 256), snn.Leaky(beta=0.9), nn.Linear(256, 10), snn.Leaky(beta=0.9)
+    )
+
+
+def _conv() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 8, 3, padding=1),
+        snn.Leaky(beta=0.9),
+        nn.Flatten(),
+        nn.Linear(8 * 12 * 12, 10),
+        snn.Leaky(beta=0.9),
+    )
+
+
+CASES = {"fc": (_fc, (100, 8, 100)), "conv": (_conv, (30, 4, 2, 12, 12))}
+
+
+def _input(shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.rand(shape, generator=generator) < 0.1).float()
+
+
+def _peak(net: nn.Module, x: Any, budget: int, granularity: str) -> int:
+    """Peak bytes of one forward and backward of the wrapped ``net``, input included."""
+    seq = spikeckpt.wrap(net, budget=budget, granularity=granularity, storage="disk")
+    net.zero_grad(set_to_none=True)
+    with MemoryMeter() as meter:
+        meter.track(x.tensors() if isinstance(x, SpikeTrain) else [x])
+        out = seq(x)
+        (out * torch.arange(1, out.shape[-1] + 1)).sum().backward()
+        del out
+    return meter.peak_bytes
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("granularity", ["stack", "layer", "auto"])
+def test_wrap_budget_is_kept_from_the_smallest_to_ample(name: str, granularity: str) -> None:
+    make, shape = CASES[name]
+    torch.manual_seed(0)
+    net = make()
+    x = _input(shape)
+    with pytest.raises(spikeckpt.BudgetTooSmall, match="smallest budget that fits") as info:
+        _peak(net, x, 4096, granularity)
+    smallest = info.value.minimum_bytes
+    assert smallest > 4096 and info.value.budget_bytes == 4096
+    for budget in (smallest, smallest * 3 // 2, 64 << 20):
+        peak = _peak(net, x, budget, granularity)
+        assert peak <= budget, (budget, peak)
+
+
+def test_a_packed_input_counts_its_packed_bytes_only() -> None:
+    """The same budget that refuses nothing for a packed train: its smallest budget is below
+    the dense train's, by about the dense input's bytes."""
+    torch.manual_seed(0)
+    net = _fc()
+    x = _input((400, 8, 100))
+    smallest = {}
+    for form, inp in (("dense", x), ("packed", SpikeTrain.from_dense(x))):
+        with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+            _peak(net, inp, 4096, "stack")
+        smallest[form] = info.value.minimum_bytes
+        assert _peak(net, inp, smallest[form], "stack") <= smallest[form]
+    dense_bytes = x.numel() * x.element_size()
+    assert smallest["dense"] - smallest["packed"] >= dense_bytes * 0.9
