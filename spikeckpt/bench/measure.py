@@ -60,6 +60,8 @@ class Measurement:
     plan: str
     fits: bool
     peak_bytes: int | None = None
+    budget_bytes: int | None = None
+    modeled_bytes: int | None = None
     time_s: float | None = None
     time_per_step_s: float | None = None
     evals_per_step: float | None = None
@@ -186,6 +188,13 @@ def measure(
     row.fits = True
     row.plan = outcome.plan
     row.peak_bytes = meter.peak_bytes + param_bytes(model)
+    # budget and modeled peak as whole steps, like the measured peak: plus the parameters
+    # and their gradients (what the plan budget leaves out)
+    fixed = 2 * param_bytes(model)
+    if outcome.budget_bytes is not None:
+        row.budget_bytes = outcome.budget_bytes + fixed
+    if outcome.modeled_bytes is not None:
+        row.modeled_bytes = outcome.modeled_bytes + fixed
     # layer-wise runs its blocks, not model.step: it reports its own step count
     row.evals_per_step = (calls[0] or outcome.forward_steps or 0) / ctx.T
     row.bytes_off_device = outcome.bytes_off_device

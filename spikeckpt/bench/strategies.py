@@ -141,11 +141,15 @@ class Outcome:
         plan: the plan run (``repr``), or a description of the loop.
         bytes_off_device: bytes copied into the remote tier (host RAM or disk).
         forward_steps: step evaluations reported by ``scan`` (``None`` for other loops).
+        modeled_bytes: the plan's modeled device peak of states and tapes (``scan`` only).
+        budget_bytes: the plan budget the plan was chosen for (planned strategies only).
     """
 
     plan: str
     bytes_off_device: int | None = None
     forward_steps: int | None = None
+    modeled_bytes: int | None = None
+    budget_bytes: int | None = None
 
 
 Runner = Callable[[Context, Callable[[Any, Tensor], Any]], Outcome]
@@ -297,7 +301,11 @@ def _scan(ctx: Context, step: Callable[[Any, Tensor], Any], plan: Any, storage: 
     )
     loss_of_rate(rate).backward()
     moved = sum(v for k, v in stats.bytes_written.items() if k in ("host", "disk"))
-    return Outcome(stats.plan, moved, stats.forward_steps)
+    modeled = None
+    if isinstance(plan, plans.Plan):  # its modeled device peak for the measured S and A
+        modeled = plan.cost(ctx.T, state_bytes=ctx.state_bytes, step_bytes=ctx.step_bytes)
+        modeled = modeled.peak_bytes
+    return Outcome(stats.plan, moved, stats.forward_steps, modeled)
 
 
 class NoPlanFits(ValueError):
@@ -309,7 +317,9 @@ def _family(family: str, storage: str | None) -> Runner:
         plan = pick_plan(family, ctx, storage)
         if plan is None:
             raise NoPlanFits(f"no {family} plan fits {ctx.plan_budget} bytes at T={ctx.T}")
-        return _scan(ctx, step, plan, storage or "device")
+        outcome = _scan(ctx, step, plan, storage or "device")
+        outcome.budget_bytes = ctx.plan_budget
+        return outcome
 
     return run
 
