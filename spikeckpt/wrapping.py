@@ -46,8 +46,9 @@ class CheckpointedSequence(nn.Module):
     gradients). Build it with :func:`wrap`.
 
     ``forward(x, return_state=False, state=None)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
-    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see :meth:`forward`); returns the last layer's output per step, ``(T, B, ...)`` (or the
-    reduced value with a ``readout``), and with ``return_state`` also the final state.
+    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see :meth:`forward`);
+    returns the last layer's output per step, ``(T, B, ...)`` (or the reduced value with a
+    ``readout``), and with ``return_state`` also the final state.
 
     The module is plumbing: at each forward it asks its planner
     (:class:`~spikeckpt.planning.Planner` from its own ``plan``, ``budget``, ``granularity``

@@ -190,6 +190,10 @@ def test_choose_never_exceeds_the_budget(
         assert budget < plans.minimum_budget(T, S, A)
         assert error.minimum_bytes == plans.minimum_budget(T, S, A)
         assert str(plans.minimum_budget(T, S, A)) in str(error)
+        # the budget the refusal names works when passed back
+        costs = CostModel(segment=segment)
+        smallest = plans.choose(T, S, A, error.minimum_bytes, remote=remote, costs=costs)
+        assert smallest.cost(T, state_bytes=S, step_bytes=A).peak_bytes <= error.minimum_bytes
         return
     cost = plan.cost(T, state_bytes=S, step_bytes=A)
     assert cost.peak_bytes <= budget

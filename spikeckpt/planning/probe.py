@@ -493,10 +493,10 @@ def layerwise_working_bytes(
     steepest slope (at least the cost model's) and the largest intercept (at least 0), both
     scaled to the batch (one length alone: the cost model's slope through it). Measuring
     more lengths never lowers the estimate, so a budget's refusal, measured with every
-    length, names a budget that the capped probe of that budget finds enough. The parameters do not require grad during the
-    probe (their gradient buffers are planned apart, they do not scale with the batch); the
-    input does, so the first block is measured like the others (a little more than it
-    holds). Changes nothing: RNG forked, ``requires_grad`` restored, no ``.grad`` touched.
+    length, names a budget that the capped probe of that budget finds enough. The
+    parameters do not require grad during the probe (their gradient buffers are planned
+    apart, they do not scale with the batch); the input does, so the first block is measured
+    like the others (a little more than it holds). Changes nothing: RNG forked, ``requires_grad`` restored, no ``.grad`` touched.
 
     Args:
         blocks: the model's layer-wise blocks.
