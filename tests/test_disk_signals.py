@@ -67,6 +67,8 @@ def _start(code: str, folder: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # the child's own Ctrl-C handling, whatever this process inherited or was left with
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

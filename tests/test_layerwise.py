@@ -308,17 +308,26 @@ def test_auto_keeps_the_stack_when_its_plan_models_less_memory() -> None:
     assert seq._auto_chunks == {(200, 8): None}
 
 
-def test_auto_with_a_budget_takes_the_largest_chunk_that_fits() -> None:
-    # 100 kB: layer-wise runs chunks of 5 steps (modeled 87.6 kB; 6 steps would be 103 kB),
-    # 2T evaluations, against the stack's Double(5, 5) with a similar modeled time
+def test_auto_with_a_budget_keeps_to_it_and_runs_layerwise_where_only_it_fits() -> None:
+    # 20 kB fits neither; the refusal's smallest budget (the dense input, outputs, gradient
+    # buffers and .grad counted) fits layer-wise chunks of one step only: 2T evaluations per
+    # block; at twice that budget a stack plan is modeled faster
     x = spikes(200, 8, 100, 0.1)
-    seq = sc.wrap(_three_blocks(), plan="auto", budget=100_000, granularity="auto", storage="disk")
-    loss_of(seq(x)).backward()
-    stats = seq.last_stats
-    assert isinstance(stats, LayerwiseStats) and stats.chunk == 5
-    assert stats.forward_steps == 2 * 200 * 3
-    with pytest.raises(BudgetTooSmall):  # neither fits
-        sc.wrap(_three_blocks(), plan="auto", budget=20_000, granularity="auto")(x)
+    with pytest.raises(BudgetTooSmall) as info:
+        sc.wrap(_three_blocks(), plan="auto", budget=20_000, granularity="auto", storage="disk")(x)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, 2 * smallest):
+        seq = sc.wrap(
+            _three_blocks(), plan="auto", budget=budget, granularity="auto", storage="disk"
+        )
+        with sc.MemoryMeter() as meter:
+            meter.track([x])
+            loss_of(seq(x)).backward()
+        assert meter.peak_bytes <= budget
+        stats = seq.last_stats
+        if budget == smallest:
+            assert isinstance(stats, LayerwiseStats) and stats.chunk == 1
+            assert stats.forward_steps == 2 * 200 * 3
 
 
 @pytest.mark.parametrize("chunk", [5, 15, 40])

@@ -203,10 +203,11 @@ def test_auto_budget_holds_the_gradients() -> None:
 def test_layer_granularity_with_a_budget_takes_the_largest_chunk_that_fits() -> None:
     net = _snn_net()
     x = spike_train(120, 4, 30, 0.2)
-    small = sc.wrap(net, plan="auto", budget=60_000, granularity="layer", storage="disk")
-    large = sc.wrap(net, plan="auto", budget=200_000, granularity="layer", storage="disk")
+    with pytest.raises(sc.BudgetTooSmall) as info:
+        sc.wrap(net, plan="auto", budget=1_000, granularity="layer")(x)
+    smallest = info.value.minimum_bytes
+    small = sc.wrap(net, plan="auto", budget=smallest, granularity="layer", storage="disk")
+    large = sc.wrap(net, plan="auto", budget=4 * smallest, granularity="layer", storage="disk")
     small(x).sum().backward()
     large(x).sum().backward()
     assert 1 <= small.last_stats.chunk < large.last_stats.chunk <= 120
-    with pytest.raises(sc.BudgetTooSmall):
-        sc.wrap(net, plan="auto", budget=1_000, granularity="layer")(x)

@@ -226,7 +226,7 @@ def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
     device = compute_device(seq, x)
     x_t = step_of(x, 0, device)
     try:
-        with torch.random.fork_rng(devices=cuda_devices([x_t])):
+        with torch.random.fork_rng(devices=cuda_devices([x_t])), recompute_phase():
             params = seq.parameters_for_scan()
             return _work_bytes(seq.step, state, x_t.unsqueeze(0), params, step_bytes, device)
     finally:
@@ -453,8 +453,11 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
     )
 
 
-#: Chunk lengths :func:`layerwise_working_bytes` runs (each over two chunks, at batch 1).
+#: Chunk lengths :func:`layerwise_working_bytes` runs (each over two chunks).
 LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
+#: Samples of the batch :func:`layerwise_working_bytes` runs: two, so BatchNorm in training
+#: mode has more than one value per channel (one when the batch is 1).
+PROBE_SAMPLES = 2
 
 
 def _working(sizes: Sequence[BlockSizes]) -> int:
@@ -483,8 +486,8 @@ def layerwise_working_bytes(
     of :func:`~spikeckpt.plans.layerwise.layerwise_cost` counts it as ``chunk * max_b (A_b +
     2 I_b + O_b)`` from one step's saved tensors; what the engine really allocates (the
     chunk's synaptic input, the stacked spikes, their gradients) is more. This runs the
-    engine's own layer-wise forward and backward on the first steps of **one sample** of
-    ``x`` (batch 1: the probe takes ``1/B`` of the batch's memory) at the chunk lengths of
+    engine's own layer-wise forward and backward on the first steps of **two samples** of
+    ``x`` (:data:`PROBE_SAMPLES`: the probe takes ``2/B`` of the batch's memory) at the chunk lengths of
     :data:`LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``; longer ones only while ``max_bytes``
     allows them at three times the cost model's bytes per step), two chunks each, under
     :class:`~spikeckpt.MemoryMeter`, and subtracts the modeled states and stored trains.
@@ -501,7 +504,7 @@ def layerwise_working_bytes(
     Args:
         blocks: the model's layer-wise blocks.
         x: the input ``(T, B, ...)`` (dense or packed).
-        states_for: ``x_t (1, ...) -> one initial state per block`` at batch 1.
+        states_for: ``x_t (b, ...) -> one initial state per block`` at ``x_t``'s batch.
         sizes: :func:`block_sizes` at the batch of ``x``.
         device: the compute device (``MemoryMeter`` measures it).
         storage: the tier the run stores its trains in (``"disk"`` is probed as ``"host"``).
@@ -511,7 +514,8 @@ def layerwise_working_bytes(
         max_bytes: device bytes the probe may hold (None: no limit).
     """
     T, batch = int(x.shape[0]), int(x.shape[1])
-    one = [scaled_sizes(b, 1, batch) for b in sizes]
+    few = min(batch, PROBE_SAMPLES)
+    one = [scaled_sizes(b, few, batch) for b in sizes]
     work = _working(one)
     longest = max(1, T // 2)
     if max_bytes is not None:
@@ -519,15 +523,16 @@ def layerwise_working_bytes(
     chunks = sorted({k for k in LAYERWISE_PROBE_CHUNKS if k <= longest} or {1})
     n = min(T, 2 * chunks[-1])
     if is_packed(x):  # one step at a time: never the whole batch's chunk dense
-        x1 = torch.stack([x.step(t, device)[:1] for t in range(n)])
+        x1 = torch.stack([x.step(t, device)[:few] for t in range(n)])
     else:
-        x1 = chunk_of(x, 0, n, device)[:, :1].detach().clone()
+        x1 = chunk_of(x, 0, n, device)[:, :few].detach().clone()
     params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
     residuals: list[tuple[int, int]] = []
     try:
         for p in params:
             p.requires_grad_(False)
-        with torch.random.fork_rng(devices=cuda_devices([x1])):
+        # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
+        with torch.random.fork_rng(devices=cuda_devices([x1])), recompute_phase():
             for k in chunks:
                 n = min(T, 2 * k)
                 xs = x1[:n].detach().requires_grad_(x1.is_floating_point())
@@ -567,4 +572,4 @@ def layerwise_working_bytes(
         line = (rb - ra) / (kb - ka)
         slope = max(slope, line)
         intercept = max(intercept, ra - line * ka)
-    return math.ceil(slope * batch), math.ceil(intercept * batch)
+    return math.ceil(slope * batch / few), math.ceil(intercept * batch / few)
