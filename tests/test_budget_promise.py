@@ -239,22 +239,31 @@ def run_case(
     torch.manual_seed(0)
     model = _Classifier(case.net(), granularity, case.optimizer)
     callback = MemoryBudget(budget, verbose=False)
+    return _fit(model, callback, root, max_epochs=1, train_dataloaders=case.loader(batches))
+
+
+def _fit(
+    model: _Classifier, callback: MemoryBudget, root: Path, **options: Any
+) -> tuple[list[StepRecord], MemoryBudget]:
+    """``Trainer.fit`` on the CPU/GPU under ``callback`` with :class:`StepPeaks` recording;
+    ``options``: ``max_epochs``/``max_steps`` for the trainer, the rest for ``fit``."""
     recorder = StepPeaks(callback)
     model.recorder = recorder
+    limits = {k: options.pop(k) for k in ("max_epochs", "max_steps") if k in options}
     trainer = pl.Trainer(
         accelerator="auto",
         devices=1,
-        max_epochs=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
         callbacks=[recorder, callback],
+        **limits,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(model, case.loader(batches))
+        trainer.fit(model, **options)
     return recorder.records, callback
 
 
@@ -385,24 +394,10 @@ def test_shd_at_T_10000_B_64_trains_on_a_packed_input_within_the_budget(tmp_path
         tmp_path, dt_us=100, duration_us=1_000_000, batch_size=64, packed=True, val_fraction=0
     )
     model = _SHDClassifier("stack")
-    budget = MemoryBudget("12MiB", verbose=False)
-    recorder = StepPeaks(budget)
-    model.recorder = recorder
-    trainer = pl.Trainer(
-        accelerator="auto",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[recorder, budget],
+    records, _ = _fit(
+        model, MemoryBudget("12MiB", verbose=False), tmp_path, max_steps=1, datamodule=data
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, datamodule=data)
-    (record,) = recorder.records
+    (record,) = records
     (packed, dense, numel) = model.inputs[0]
     assert numel == 10_000 * 64 * 700 and dense == 4 * numel
     assert 8 * packed <= numel  # at most 1 bit per element on the device
