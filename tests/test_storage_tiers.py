@@ -343,3 +343,28 @@ def test_cuda_host_tier_survives_freeing_the_source_right_after_put() -> None:
     for k in range(8):
         assert torch.equal(store.get(k)[0].cpu(), expected[k])
     store.close()
+
+
+def test_disk_raw_files_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
+    # checkpoint files hold the payload's raw bytes (dtypes and shapes stay in memory); any
+    # payload that cannot be written raw (a sparse tensor) goes through torch.save instead
+    tensors = [
+        torch.randn(3, 5)[:, ::2],  # not contiguous
+        torch.tensor(2.5),  # 0-d
+        torch.empty(0, 4),
+        torch.randint(-5, 5, (7,), dtype=torch.int16),
+        torch.randn(9).to(torch.bfloat16),
+        torch.rand(13) > 0.5,
+        torch.randn(4, dtype=torch.complex64),
+        torch.randn(5, dtype=torch.float64),
+    ]
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    store.put(0, tensors)
+    store.put(1, [torch.randn(4, 4).to_sparse()])
+    store.flush()
+    for got, want in zip(store.get(0), tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    (sparse,) = store.get(1)
+    assert sparse.is_sparse
+    store.close()

@@ -57,7 +57,7 @@ from spikeckpt.engine.grad import grad
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats
-from spikeckpt.storage.codecs import Packed, is_binary, pack, unpack
+from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
 __all__ = ["GROUP_SHARE", "LayerBlock", "chunk_for", "layerwise_scan"]
@@ -309,11 +309,13 @@ class _LayerwiseJob(Job):
         the first block (the caller's ``x``, referenced) and without ``record``, the tensor
         itself on the device tier, else its ``Packed`` form (the ``auto`` codec)."""
         st = self.stats.blocks[b]
-        st.ones += int(torch.count_nonzero(inp))
+        # one pass over the train: the binary test, the count of ones and the mask to pack
+        found = binary_mask(inp)
+        st.ones += found[1] if found is not None else int(torch.count_nonzero(inp))
         st.elements += inp.numel()
         st.dense_bytes += _nbytes(inp)
-        if st.binary:
-            st.binary = is_binary(inp)
+        if found is None:
+            st.binary = False
         if b == 0 or not record:
             if b == 0:
                 st.codecs["reference"] = st.codecs.get("reference", 0) + 1
@@ -322,7 +324,7 @@ class _LayerwiseJob(Job):
         if self.store.kind == "device":
             stored, nbytes, codec = inp, _nbytes(inp), "device"
         else:
-            stored = pack(inp)
+            stored = pack(inp, found=found)
             nbytes, codec = stored.nbytes, stored.codec
         st.stored_bytes += nbytes
         st.codecs[codec] = st.codecs.get(codec, 0) + 1
