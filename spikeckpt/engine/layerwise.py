@@ -88,6 +88,10 @@ class LayerBlock:
         cleanup: drops whatever the framework left on its modules (called after each run).
         bind: optional ``() -> step``, called once per (chunk, block) run: a step equal to
             ``step`` (bitwise) with the framework's per-call work taken out of the loop.
+        sparse_synapse: optional ``synapse`` for inputs that need no gradient, cheaper on
+            sparse inputs (equal to ``synapse`` up to float round-off). The engine uses it for
+            the first block when ``x`` needs no gradient, in the forward pass and in the
+            recomputation alike (so both compute the same values).
     """
 
     name: str
@@ -98,6 +102,7 @@ class LayerBlock:
     params: list[Tensor]
     cleanup: Callable[[], None]
     bind: Callable[[], Callable[[State, Tensor], tuple[State, Tensor]]] | None = None
+    sparse_synapse: Callable[[Tensor], Tensor] | None = None
 
 
 def chunk_for(plan: Any, T: int) -> int:
@@ -214,7 +219,10 @@ class _LayerwiseJob(Job):
         """``(outputs, final state leaves)``; outputs: ``[spikes (k, B, ...)]`` below the top,
         the emitted outputs (spikes / mem / both, each ``(k, B, ...)``) at the top."""
         block = self.blocks[b]
-        z = block.synapse(inp)
+        if b == 0 and not self.need_x and block.sparse_synapse is not None:
+            z = block.sparse_synapse(inp)
+        else:
+            z = block.synapse(inp)
         state = pytree.tree_unflatten(leaves, self.state_defs[b])
         spikes: list[Tensor] = []
         mems: list[Tensor] = []
