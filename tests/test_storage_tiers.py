@@ -143,7 +143,7 @@ def test_make_store_errors() -> None:
 # ---------------------------------------------------------------------------------- disk tier
 
 
-def test_disk_files_exist_after_put_and_go_after_drop_and_close(tmp_path: Path) -> None:
+def test_disk_files_exist_after_put_are_reused_after_drop_and_go_at_close(tmp_path: Path) -> None:
     store = DiskStore("cpu", Ledger(), directory=tmp_path)
     folder = Path(store.directory)
     assert folder.parent == tmp_path and folder.name.startswith("spikeckpt-")
@@ -154,7 +154,13 @@ def test_disk_files_exist_after_put_and_go_after_drop_and_close(tmp_path: Path) 
     assert all(p.stat().st_size > 0 for p in folder.iterdir())
     store.drop(0)
     store.flush()
-    assert [p.name for p in folder.iterdir()] == ["1.pt"]
+    # the dropped checkpoint's file is kept as a spare for the next put to overwrite
+    assert sorted(p.name for p in folder.iterdir()) == [".spare-0", "1.pt"]
+    assert [Path(f).name for f in store.files()] == ["1.pt"]
+    store.put(2, state(2))  # reuses the spare: no new file
+    store.flush()
+    assert sorted(p.name for p in folder.iterdir()) == ["1.pt", "2.pt"]
+    assert_same(store.get(2), state(2))
     store.close()
     assert not folder.exists()
     assert list(tmp_path.iterdir()) == []

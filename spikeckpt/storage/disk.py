@@ -61,7 +61,9 @@ class DiskStore(StoreBase):
 
     ``put`` packs on the calling thread and returns; the write runs in the background.
     ``prefetch`` reads ahead in the background; ``get`` waits for the read and unpacks on the
-    device; ``drop`` deletes the file. ``close`` (also run when the store is garbage collected
+    device; ``drop`` forgets the checkpoint: its file is renamed ``.spare-<n>`` and a later
+    ``put`` overwrites it (the folder never holds more files than the most checkpoints held
+    at once). ``close`` (also run when the store is garbage collected
     or at interpreter exit) stops the thread and deletes the folder. A write or read that fails
     (full disk, unwritable folder) raises ``StorageError`` on the next ``put``/``get``/
     ``prefetch``; the store then deletes its files and is closed.
@@ -113,6 +115,12 @@ class DiskStore(StoreBase):
         self._lock = threading.Lock()
         self._reads: dict[int, Future[list[Tensor]]] = {}
         self._error: StorageError | None = None
+        # Files of dropped checkpoints, renamed ``.spare-<n>`` by the I/O thread (the future),
+        # for later puts to overwrite: creating and deleting a file cost far more than writing
+        # a state's bytes into one (hundreds of microseconds of CPU, and a delete can hold the
+        # I/O thread for milliseconds).
+        self._spares: list[tuple[str, Future[bool]]] = []
+        self._spare_names = 0
 
     def put(self, key: int, tensors: Sequence[Tensor]) -> None:
         """Pack ``tensors`` and write them to ``<directory>/<key>.pt`` in the background.
@@ -134,7 +142,8 @@ class DiskStore(StoreBase):
             layout,
         )
         try:  # the file exists when put returns (written in the background)
-            open(path, "wb").close()
+            if not self._reuse_spare(path):
+                open(path, "wb").close()
         except OSError as exc:
             self._fail(_storage_error(exc, self.directory, nbytes, "create a checkpoint file in"))
             raise self._error from exc  # type: ignore[misc]
@@ -203,7 +212,22 @@ class DiskStore(StoreBase):
         with self._lock:
             self._writes.pop(key, None)
         if not self._closed:
-            self._worker.submit(_remove, item.path)
+            spare = os.path.join(self.directory, f".spare-{self._spare_names}")
+            self._spare_names += 1
+            self._spares.append((spare, self._worker.submit(_retire, item.path, spare)))
+
+    def _reuse_spare(self, path: str) -> bool:
+        """Rename the oldest spare file already retired to ``path``; False if there is none."""
+        while self._spares and self._spares[0][1].done():
+            spare, retired = self._spares.pop(0)
+            if retired.cancelled() or retired.exception() is not None or not retired.result():
+                continue
+            try:
+                os.replace(spare, path)
+            except OSError:
+                continue
+            return True
+        return False
 
     def close(self) -> None:
         """Stop the thread (pending work is cancelled or waited for) and delete the folder.
@@ -226,11 +250,13 @@ class DiskStore(StoreBase):
         self._check_usable()
 
     def files(self) -> list[str]:
-        """Paths of the checkpoint files now in the store's folder (for tests and debugging)."""
+        """Paths of the checkpoint files now in the store's folder (for tests and debugging;
+        without the spare files of dropped checkpoints, kept for reuse until ``close``)."""
         try:
-            return sorted(os.path.join(self.directory, f) for f in os.listdir(self.directory))
+            names = os.listdir(self.directory)
         except OSError:
             return []
+        return sorted(os.path.join(self.directory, f) for f in names if not f.startswith("."))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -396,12 +422,15 @@ def _write(path: str, payload: list[Tensor], nbytes: int, directory: str, raw: b
         return  # the process is being terminated: its folders are being removed
     writer = None
     try:
-        with open(path, "wb", buffering=0) as f:
+        # no O_TRUNC: the file may be a spare one (overwritten, then cut to the new size)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        with open(fd, "wb", buffering=0) as f:
             writer = _WholeWriter(f)
             if raw:
                 _serialize(payload, writer)
             else:
                 _serialize_torch(payload, writer)
+            f.truncate()
     except (OSError, RuntimeError) as exc:
         _remove(path)
         # torch.save reports a failed write as a RuntimeError: recover the OSError behind it.
@@ -516,6 +545,18 @@ def _read(path: str, nbytes: int, directory: str) -> list[Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError) as exc:
         raise _storage_error(exc, directory, nbytes, "read a checkpoint file from") from exc
+
+
+def _retire(path: str, spare: str) -> bool:
+    """Rename a dropped checkpoint's file to ``spare`` (I/O thread); False if that failed."""
+    if _TERMINATING.is_set():
+        return False
+    try:
+        os.replace(path, spare)
+    except OSError:
+        _remove(path)
+        return False
+    return True
 
 
 def _remove(path: str) -> None:
