@@ -23,7 +23,8 @@ any difference (another snnTorch version) and the block keeps the adapter's step
 ``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
 non-zeros, the synaptic input is a gather-sum over the non-zero inputs
 (``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
-a dense matmul, and its weight gradient likewise; denser chunks take the dense path. The
+a dense matmul (the weight gradient stays ``nn.Linear``'s dense one, so no weight-sized
+buffer outlives the gather); denser chunks take the dense path. The
 engine uses it only where no gradient with respect to the input is needed (the first block,
 when ``x`` does not require grad), in both the forward pass and the recomputation, so
 recomputed spikes stay bitwise those of the forward pass. Values agree with the dense
@@ -213,6 +214,39 @@ def _cleanup(block: Block) -> Callable[[], None]:
     return cleanup
 
 
+class _GatherLinear(torch.autograd.Function):
+    """``flat @ weight.T + bias`` from the non-zeros of ``flat`` (``cols``, per-row
+    ``offsets``, ``values``): a gather-sum over the transposed weight; the weight gradient is
+    the dense ``grad.T @ flat`` of ``nn.Linear``'s backward (no weight-sized temporaries kept:
+    the transposed copy lives only during the gather). ``flat`` needs no gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        flat: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        cols: Tensor,
+        offsets: Tensor,
+        values: Tensor,
+    ) -> Tensor:
+        z = nn.functional.embedding_bag(
+            cols, weight.t().contiguous(), offsets, mode="sum", per_sample_weights=values
+        )
+        if bias is not None:
+            z.add_(bias)
+        ctx.save_for_backward(flat)  # a view of the input chunk, alive anyway
+        ctx.has_bias = bias is not None
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (flat,) = ctx.saved_tensors
+        grad_w = grad.t().mm(flat) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return None, grad_w, grad_b, None, None, None
+
+
 def _sparse_synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
     module docstring), or None unless the synapse is exactly one plain ``nn.Linear``."""
@@ -238,23 +272,15 @@ def _sparse_synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tens
         ):
             return dense(x)
         flat = x.reshape(-1, x.shape[-1])
-        mask = flat != 0
-        ones = int(torch.count_nonzero(mask))
+        ones = int(torch.count_nonzero(flat))
         if ones > SPARSE_DENSITY * flat.numel():
             return dense(x)
-        where = torch.nonzero(mask)
+        where = torch.nonzero(flat)
         rows, cols = where[:, 0], where[:, 1]
         counts = torch.bincount(rows, minlength=flat.shape[0])
-        offsets = counts.cumsum(0) - counts
-        z = nn.functional.embedding_bag(
-            cols,
-            weight.t().contiguous(),
-            offsets,
-            mode="sum",
-            per_sample_weights=flat[rows, cols],
+        z = _GatherLinear.apply(
+            flat, weight, bias, cols, counts.cumsum(0) - counts, flat[rows, cols]
         )
-        if bias is not None:
-            z = z + bias
         return z.reshape(*x.shape[:-1], z.shape[-1])
 
     return synapse
