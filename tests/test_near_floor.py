@@ -81,6 +81,60 @@ def test_fast_leaky_falls_back_when_it_differs() -> None:
     assert block.bind() == block.bind.neuron.step
 
 
+def test_sparse_first_synapse_equals_the_linear_on_sparse_and_dense_chunks() -> None:
+    from spikeckpt.adapters.layered import SPARSE_DENSITY
+
+    net = _snn_net()
+    lin = net[0]
+    block = sc.wrap(net, granularity="layer").layer_blocks(True)[0]
+    assert block.sparse_synapse is not None
+    sparse = spike_train(12, 3, 30, 0.03)
+    assert float(sparse.mean()) <= SPARSE_DENSITY
+    graded = sparse * torch.linspace(0.5, 2.0, 30)  # not binary: the values weigh the gather
+    dense = spike_train(12, 3, 30, 0.5)
+    weights = torch.linspace(-1.0, 1.0, 12 * 3 * 24).reshape(12, 3, 24)
+    for x in (sparse, graded, torch.zeros(12, 3, 30)):
+        got = block.sparse_synapse(x)
+        torch.testing.assert_close(got, lin(x), rtol=1e-6, atol=1e-6)
+        g_got = torch.autograd.grad((got * weights).sum(), [lin.weight, lin.bias])
+        g_want = torch.autograd.grad((lin(x) * weights).sum(), [lin.weight, lin.bias])
+        for a, b in zip(g_got, g_want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(block.sparse_synapse(dense), block.synapse(dense))  # the dense path
+    needs = sparse.clone().requires_grad_()
+    assert torch.equal(block.sparse_synapse(needs), block.synapse(needs))  # input grad: dense
+    hidden = sc.wrap(net, granularity="layer").layer_blocks(True)
+    assert all(b.sparse_synapse is not None for b in hidden)
+
+
+@pytest.mark.parametrize("x_grad", [False, True])
+def test_sparse_first_synapse_keeps_layerwise_gradients(x_grad: bool) -> None:
+    # sparse chunks gather, dense ones multiply; x needing a gradient takes the dense path
+    net = _snn_net()
+    x = torch.cat([spike_train(30, 3, 30, 0.03), spike_train(30, 3, 30, 0.4, seed=2)])
+    xr = x.clone().requires_grad_(x_grad)
+    net.zero_grad(set_to_none=True)
+    mems = [torch.zeros(3, 24), torch.zeros(3, 5)]
+    total = torch.zeros(3, 5)
+    for t in range(x.shape[0]):
+        h, mems[0] = net[1](net[0](xr[t]), mems[0])
+        h, mems[1] = net[3](net[2](h), mems[1])
+        total = total + h * (1 + t / 60)
+    total.square().sum().backward()
+    want = [p.grad.clone() for p in net.parameters()]
+    want_x = xr.grad
+    seq = sc.wrap(net, granularity="layer", chunk=7, readout=None)
+    net.zero_grad(set_to_none=True)
+    xl = x.clone().requires_grad_(x_grad)
+    ys = seq(xl)
+    (ys * (1 + torch.arange(60.0) / 60)[:, None, None]).sum(0).square().sum().backward()
+    for p, w in zip(net.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5 * max(1.0, float(w.abs().max())))
+    if x_grad:
+        scale = max(1.0, float(want_x.abs().max()))
+        torch.testing.assert_close(xl.grad, want_x, rtol=1e-4, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("storage", ["host", "disk"])
 def test_grouped_store_entries_change_nothing(storage: str, tmp_path: Path) -> None:
     net = _snn_net()

@@ -143,7 +143,7 @@ def test_make_store_errors() -> None:
 # ---------------------------------------------------------------------------------- disk tier
 
 
-def test_disk_files_exist_after_put_and_go_after_drop_and_close(tmp_path: Path) -> None:
+def test_disk_files_exist_after_put_are_reused_after_drop_and_go_at_close(tmp_path: Path) -> None:
     store = DiskStore("cpu", Ledger(), directory=tmp_path)
     folder = Path(store.directory)
     assert folder.parent == tmp_path and folder.name.startswith("spikeckpt-")
@@ -154,7 +154,13 @@ def test_disk_files_exist_after_put_and_go_after_drop_and_close(tmp_path: Path) 
     assert all(p.stat().st_size > 0 for p in folder.iterdir())
     store.drop(0)
     store.flush()
-    assert [p.name for p in folder.iterdir()] == ["1.pt"]
+    # the dropped checkpoint's file is kept as a spare for the next put to overwrite
+    assert sorted(p.name for p in folder.iterdir()) == [".spare-0", "1.pt"]
+    assert [Path(f).name for f in store.files()] == ["1.pt"]
+    store.put(2, state(2))  # reuses the spare: no new file
+    store.flush()
+    assert sorted(p.name for p in folder.iterdir()) == ["1.pt", "2.pt"]
+    assert_same(store.get(2), state(2))
     store.close()
     assert not folder.exists()
     assert list(tmp_path.iterdir()) == []
@@ -342,4 +348,29 @@ def test_cuda_host_tier_survives_freeing_the_source_right_after_put() -> None:
         torch.randn(1 << 22, device="cuda")  # reuse freed blocks on the main stream
     for k in range(8):
         assert torch.equal(store.get(k)[0].cpu(), expected[k])
+    store.close()
+
+
+def test_disk_raw_files_round_trip_every_dtype_and_shape(tmp_path: Path) -> None:
+    # checkpoint files hold the payload's raw bytes (dtypes and shapes stay in memory); any
+    # payload that cannot be written raw (a sparse tensor) goes through torch.save instead
+    tensors = [
+        torch.randn(3, 5)[:, ::2],  # not contiguous
+        torch.tensor(2.5),  # 0-d
+        torch.empty(0, 4),
+        torch.randint(-5, 5, (7,), dtype=torch.int16),
+        torch.randn(9).to(torch.bfloat16),
+        torch.rand(13) > 0.5,
+        torch.randn(4, dtype=torch.complex64),
+        torch.randn(5, dtype=torch.float64),
+    ]
+    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    store.put(0, tensors)
+    store.put(1, [torch.randn(4, 4).to_sparse()])
+    store.flush()
+    for got, want in zip(store.get(0), tensors, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    (sparse,) = store.get(1)
+    assert sparse.is_sparse
     store.close()

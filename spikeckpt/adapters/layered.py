@@ -18,6 +18,17 @@ in the same order on the module's own tensors (``beta``, ``threshold``,
 spikes, membranes and gradients, about 2.5x cheaper per call. Before its first use it is
 checked against the adapter's own step on random data (values and every gradient, bitwise);
 any difference (another snnTorch version) and the block keeps the adapter's step.
+
+**Sparse first synapse.** A block whose synapse is one plain ``nn.Linear`` also gets a
+``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
+non-zeros, the synaptic input is a gather-sum over the non-zero inputs
+(``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
+a dense matmul (the weight gradient stays ``nn.Linear``'s dense one, so no weight-sized
+buffer outlives the gather); denser chunks take the dense path. The
+engine uses it only where no gradient with respect to the input is needed (the first block,
+when ``x`` does not require grad), in both the forward pass and the recomputation, so
+recomputed spikes stay bitwise those of the forward pass. Values agree with the dense
+``Linear`` to float32 round-off (the sums run in another order), as the batched matmul does.
 """
 
 from __future__ import annotations
@@ -33,7 +44,11 @@ from spikeckpt.adapters.protocol import LayerAdapter
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.layerwise import LayerBlock
 
-__all__ = ["layer_blocks"]
+__all__ = ["SPARSE_DENSITY", "layer_blocks"]
+
+#: the largest share of non-zero inputs for which ``sparse_synapse`` gathers (measured on one
+#: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
+SPARSE_DENSITY = 1 / 16
 
 
 def _batched_inner(layer: LayerAdapter) -> LayerAdapter | None:
@@ -199,6 +214,78 @@ def _cleanup(block: Block) -> Callable[[], None]:
     return cleanup
 
 
+class _GatherLinear(torch.autograd.Function):
+    """``flat @ weight.T + bias`` from the non-zeros of ``flat`` (``cols``, per-row
+    ``offsets``, ``values``): a gather-sum over the transposed weight; the weight gradient is
+    the dense ``grad.T @ flat`` of ``nn.Linear``'s backward (no weight-sized temporaries kept:
+    the transposed copy lives only during the gather). ``flat`` needs no gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        flat: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        cols: Tensor,
+        offsets: Tensor,
+        values: Tensor,
+    ) -> Tensor:
+        z = nn.functional.embedding_bag(
+            cols, weight.t().contiguous(), offsets, mode="sum", per_sample_weights=values
+        )
+        if bias is not None:
+            z.add_(bias)
+        ctx.save_for_backward(flat)  # a view of the input chunk, alive anyway
+        ctx.has_bias = bias is not None
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (flat,) = ctx.saved_tensors
+        grad_w = grad.t().mm(flat) if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return None, grad_w, grad_b, None, None, None
+
+
+def _sparse_synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tensor] | None:
+    """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
+    module docstring), or None unless the synapse is exactly one plain ``nn.Linear``."""
+    if len(synapses) != 1:
+        return None
+    inner = _batched_inner(synapses[0])
+    linear = inner.module if inner is not None else None
+    if type(linear) is not nn.Linear or "forward" in vars(linear):
+        return None
+    dense = _synapse(synapses)
+
+    def synapse(x: Tensor) -> Tensor:
+        weight, bias = linear.weight, linear.bias
+        if (
+            x.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or x.dtype != weight.dtype
+            or not x.is_floating_point()
+            or x.requires_grad
+            or x.dim() < 2
+            or x.shape[-1] != weight.shape[1]
+            or not _no_hooks(linear)
+        ):
+            return dense(x)
+        flat = x.reshape(-1, x.shape[-1])
+        ones = int(torch.count_nonzero(flat))
+        if ones > SPARSE_DENSITY * flat.numel():
+            return dense(x)
+        where = torch.nonzero(flat)
+        rows, cols = where[:, 0], where[:, 1]
+        counts = torch.bincount(rows, minlength=flat.shape[0])
+        z = _GatherLinear.apply(
+            flat, weight, bias, cols, counts.cumsum(0) - counts, flat[rows, cols]
+        )
+        return z.reshape(*x.shape[:-1], z.shape[-1])
+
+    return synapse
+
+
 def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
     """The engine's view of each block (bottom-up)."""
     out = []
@@ -219,6 +306,7 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
                 params=list(params.values()),
                 cleanup=_cleanup(block),
                 bind=_bind(block.neuron),
+                sparse_synapse=_sparse_synapse(block.synapses),
             )
         )
     return out

@@ -58,7 +58,7 @@ from spikeckpt.engine.packed import as_input, chunk_of, is_packed
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats
-from spikeckpt.storage.codecs import Packed, is_binary, pack, unpack
+from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
 __all__ = ["GROUP_SHARE", "LayerBlock", "chunk_for", "layerwise_scan"]
@@ -89,6 +89,10 @@ class LayerBlock:
         cleanup: drops whatever the framework left on its modules (called after each run).
         bind: optional ``() -> step``, called once per (chunk, block) run: a step equal to
             ``step`` (bitwise) with the framework's per-call work taken out of the loop.
+        sparse_synapse: optional ``synapse`` for inputs that need no gradient, cheaper on
+            sparse inputs (equal to ``synapse`` up to float round-off). The engine uses it for
+            the first block when ``x`` needs no gradient, in the forward pass and in the
+            recomputation alike (so both compute the same values).
     """
 
     name: str
@@ -99,6 +103,7 @@ class LayerBlock:
     params: list[Tensor]
     cleanup: Callable[[], None]
     bind: Callable[[], Callable[[State, Tensor], tuple[State, Tensor]]] | None = None
+    sparse_synapse: Callable[[Tensor], Tensor] | None = None
 
 
 def chunk_for(plan: Any, T: int) -> int:
@@ -215,7 +220,10 @@ class _LayerwiseJob(Job):
         """``(outputs, final state leaves)``; outputs: ``[spikes (k, B, ...)]`` below the top,
         the emitted outputs (spikes / mem / both, each ``(k, B, ...)``) at the top."""
         block = self.blocks[b]
-        z = block.synapse(inp)
+        if b == 0 and not self.need_x and block.sparse_synapse is not None:
+            z = block.sparse_synapse(inp)
+        else:
+            z = block.synapse(inp)
         state = pytree.tree_unflatten(leaves, self.state_defs[b])
         spikes: list[Tensor] = []
         mems: list[Tensor] = []
@@ -310,11 +318,13 @@ class _LayerwiseJob(Job):
         the first block (the caller's ``x``, referenced) and without ``record``, the tensor
         itself on the device tier, else its ``Packed`` form (the ``auto`` codec)."""
         st = self.stats.blocks[b]
-        st.ones += int(torch.count_nonzero(inp))
+        # one pass over the train: the binary test, the count of ones and the mask to pack
+        found = binary_mask(inp)
+        st.ones += found[1] if found is not None else int(torch.count_nonzero(inp))
         st.elements += inp.numel()
         st.dense_bytes += _nbytes(inp)
-        if st.binary:
-            st.binary = is_binary(inp)
+        if found is None:
+            st.binary = False
         if b == 0 or not record:
             if b == 0:
                 st.codecs["reference"] = st.codecs.get("reference", 0) + 1
@@ -323,7 +333,7 @@ class _LayerwiseJob(Job):
         if self.store.kind == "device":
             stored, nbytes, codec = inp, _nbytes(inp), "device"
         else:
-            stored = pack(inp)
+            stored = pack(inp, found=found)
             nbytes, codec = stored.nbytes, stored.codec
         st.stored_bytes += nbytes
         st.codecs[codec] = st.codecs.get(codec, 0) + 1

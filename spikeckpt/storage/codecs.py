@@ -34,7 +34,16 @@ from torch import Tensor
 
 from spikeckpt.errors import NotBinaryError
 
-__all__ = ["CODECS", "Packed", "is_binary", "pack", "packable_dtype", "require_binary", "unpack"]
+__all__ = [
+    "CODECS",
+    "Packed",
+    "binary_mask",
+    "is_binary",
+    "pack",
+    "packable_dtype",
+    "require_binary",
+    "unpack",
+]
 
 CODECS = ("auto", "dense", "bitpack", "index")
 BLOCK = 65536
@@ -112,6 +121,12 @@ def is_binary(tensor: Tensor) -> bool:
     return _scan(tensor) is not None
 
 
+def binary_mask(tensor: Tensor) -> tuple[Tensor, int] | None:
+    """``(flat bool mask of the ones, count of ones)`` if ``tensor`` is exactly binary, else
+    None: one pass that :func:`pack` can reuse (``pack(tensor, found=...)``)."""
+    return _scan(tensor)
+
+
 def require_binary(tensor: Tensor, name: str = "tensor") -> Tensor:
     """Return ``tensor`` if it is exactly binary, else raise ``NotBinaryError`` saying why.
 
@@ -124,23 +139,28 @@ def require_binary(tensor: Tensor, name: str = "tensor") -> Tensor:
     raise NotBinaryError(_not_binary_message(tensor, name))
 
 
-def pack(tensor: Tensor, codec: str = "auto") -> Packed:
+_UNSCANNED: object = object()
+
+
+def pack(tensor: Tensor, codec: str = "auto", *, found: object = _UNSCANNED) -> Packed:
     """Code ``tensor`` (any shape and device) with ``codec``; see the module docstring.
 
     ``"bitpack"`` and ``"index"`` raise ``NotBinaryError`` on tensors that are not exactly
     binary; ``"auto"`` stores those dense. Runs on the tensor's device, vectorised.
+    ``found``: what :func:`binary_mask` returned for this very tensor (saves a pass).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: use one of {', '.join(map(repr, CODECS))}")
     tensor = tensor.detach()
     if codec == "dense":
         return _dense(tensor)
-    found = _scan(tensor)
+    if found is _UNSCANNED:
+        found = _scan(tensor)
     if found is None:
         if codec == "auto":
             return _dense(tensor)
         raise NotBinaryError(_not_binary_message(tensor, "tensor", codec=codec))
-    mask, n_ones = found
+    mask, n_ones = found  # type: ignore[misc]
     if codec == "auto":
         codec = (
             "index" if _index_nbytes(mask.numel(), n_ones) < _bitpack_nbytes(mask) else "bitpack"
