@@ -23,8 +23,9 @@ any difference (another snnTorch version) and the block keeps the adapter's step
 ``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
 non-zeros, the synaptic input is a gather-sum over the non-zero inputs
 (``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
-a dense matmul (the weight gradient stays ``nn.Linear``'s dense one, so no weight-sized
-buffer outlives the gather); denser chunks take the dense path. The
+a dense matmul, and its weight gradient ``grad.T @ x`` is a gather-sum too (bags over the
+input's columns; no weight-sized buffer outlives either gather); denser chunks take the dense
+path. The
 engine uses it only where no gradient with respect to the input is needed (the first block,
 when ``x`` does not require grad), in both the forward pass and the recomputation, so
 recomputed spikes stay bitwise those of the forward pass. Values agree with the dense
@@ -216,9 +217,10 @@ def _cleanup(block: Block) -> Callable[[], None]:
 
 class _GatherLinear(torch.autograd.Function):
     """``flat @ weight.T + bias`` from the non-zeros of ``flat`` (``cols``, per-row
-    ``offsets``, ``values``): a gather-sum over the transposed weight; the weight gradient is
-    the dense ``grad.T @ flat`` of ``nn.Linear``'s backward (no weight-sized temporaries kept:
-    the transposed copy lives only during the gather). ``flat`` needs no gradient."""
+    ``offsets``, ``values``): a gather-sum over the transposed weight; the weight gradient
+    ``grad.T @ flat`` is a gather-sum over the rows of ``grad``, one bag per input column (no
+    weight-sized temporaries kept: the transposed copy lives only during the gather).
+    ``flat`` needs no gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -242,7 +244,21 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (flat,) = ctx.saved_tensors
-        grad_w = grad.t().mm(flat) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            # grad.T @ flat as a gather-sum too: column j of the weight gradient sums the
+            # rows of ``grad`` where input j is non-zero (bags over ``flat``'s columns); it
+            # comes out transposed, (in, out), and is returned as its (out, in) view
+            where = torch.nonzero(flat.t())
+            cols, rows = where[:, 0], where[:, 1]
+            counts = torch.bincount(cols, minlength=flat.shape[1])
+            grad_w = nn.functional.embedding_bag(
+                rows,
+                grad.contiguous(),
+                counts.cumsum(0) - counts,
+                mode="sum",
+                per_sample_weights=flat[rows, cols],
+            ).t()
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return None, grad_w, grad_b, None, None, None
 
