@@ -24,6 +24,27 @@ _DEVICE_START = Boundary(current=0, stored=frozenset({(0, "device")}))
 _DEVICE_KEPT = Boundary(stored=frozenset({(0, "device")}))
 
 
+def remote_entry(start: int, then: int | None) -> Boundary:
+    """Entry of a segment that starts from its own remote checkpoint, prefetched at offset 0,
+    while the next segment's (at ``then``, if any) stays stored."""
+    stored = {(0, "remote")}
+    if then is not None:
+        stored.add((then - start, "remote"))
+    return Boundary(stored=frozenset(stored), prefetched=frozenset({0}))  # type: ignore[arg-type]
+
+
+def remote_handoff(start: int, then: int | None) -> Boundary:
+    """Exit of a segment that leaves the next segment's remote checkpoint (at ``then``)
+    stored and prefetched; nothing when there is no next segment."""
+    if then is None:
+        return Boundary()
+    offset = then - start
+    return Boundary(
+        stored=frozenset({(offset, "remote")}),  # type: ignore[arg-type]
+        prefetched=frozenset({offset}),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Lazy(Block):
     """A block that only defers its expansion: ``build(*args)`` yields its parts (never reused)."""
@@ -241,13 +262,7 @@ class Unwind(Block):
 
     @property
     def exit(self) -> Boundary:
-        if self.then is None:
-            return Boundary()
-        offset = self.then - self.start
-        return Boundary(
-            stored=frozenset({(offset, "remote")}),  # type: ignore[arg-type]
-            prefetched=frozenset({offset}),
-        )
+        return remote_handoff(self.start, self.then)
 
     def parts(self) -> Iterator[Action | Block]:
         d = self.stride

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 from spikeckpt.plans.base import Plan, check_count, check_length, make_cost
-from spikeckpt.plans.builders import Lazy, Sweep, Unwind, sweep
+from spikeckpt.plans.builders import Lazy, Sweep, Unwind, remote_entry, remote_handoff, sweep
 from spikeckpt.plans.schedule import (
     Action,
     Block,
@@ -174,20 +174,11 @@ class Segment(Block):
 
     @property
     def entry(self) -> Boundary:
-        stored = {(0, "remote")}
-        if self.then is not None:
-            stored.add((self.then - self.start, "remote"))
-        return Boundary(stored=frozenset(stored), prefetched=frozenset({0}))  # type: ignore[arg-type]
+        return remote_entry(self.start, self.then)
 
     @property
     def exit(self) -> Boundary:
-        if self.then is None:
-            return Boundary()
-        offset = self.then - self.start
-        return Boundary(
-            stored=frozenset({(offset, "remote")}),  # type: ignore[arg-type]
-            prefetched=frozenset({offset}),
-        )
+        return remote_handoff(self.start, self.then)
 
     def parts(self) -> Iterator[Action | Block]:
         yield Load(self.start, "remote")

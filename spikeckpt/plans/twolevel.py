@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 from spikeckpt.plans.base import Plan, check_count, check_length
 from spikeckpt.plans.binomial import advances, beta
-from spikeckpt.plans.builders import Lazy, RevolveBlock, Sweep, Unwind, revolve_parts
+from spikeckpt.plans.builders import (
+    Lazy,
+    RevolveBlock,
+    Sweep,
+    Unwind,
+    remote_entry,
+    revolve_parts,
+)
 from spikeckpt.plans.hrevolve import EXACT_LIMIT, TwoLevelTable, table
 from spikeckpt.plans.revolve import Revolve
 from spikeckpt.plans.schedule import (
@@ -371,10 +378,7 @@ class Node(Block):
 
     @property
     def entry(self) -> Boundary:
-        stored = {(0, "remote")}
-        if self.then is not None:
-            stored.add((self.then - self.start, "remote"))
-        return Boundary(stored=frozenset(stored), prefetched=frozenset({0}))  # type: ignore[arg-type]
+        return remote_entry(self.start, self.then)
 
     @property
     def exit(self) -> Boundary:
