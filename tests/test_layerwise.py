@@ -311,8 +311,10 @@ def test_auto_keeps_the_stack_when_its_plan_models_less_memory() -> None:
 def test_auto_with_a_budget_keeps_to_it_and_runs_layerwise_where_only_it_fits() -> None:
     # 20 kB fits neither; the refusal's smallest budget (the dense input, outputs, gradient
     # buffers and .grad counted) fits layer-wise chunks of one step only: 2T evaluations per
-    # block; at twice that budget a stack plan is modeled faster
-    x = spikes(200, 8, 100, 0.1)
+    # block; at twice that budget a stack plan is modeled faster. A batch of 32: at 8 the
+    # parameters' gradient sums (which layer-wise holds for every block at once) outweigh
+    # what one block's tape saves over the stack's whole step, and the stack fits first
+    x = spikes(200, 32, 100, 0.1)
     with pytest.raises(BudgetTooSmall) as info:
         sc.wrap(_three_blocks(), plan="auto", budget=20_000, granularity="auto", storage="disk")(x)
     smallest = info.value.minimum_bytes

@@ -417,3 +417,42 @@ def test_fitting_chunk_is_the_largest_that_fits(T: int, budget: int, preferred: 
     assert plans.layerwise_cost(T, k, blocks).peak_bytes <= budget
     if k < min(preferred, T):
         assert plans.layerwise_cost(T, k + 1, blocks).peak_bytes > budget
+
+
+def test_measured_working_interpolates_and_extends_by_its_slope() -> None:
+    # short chunks peak while the gradient sums are held (a flat line), long ones on the tape
+    working = plans.MeasuredWorking(((1, 700), (2, 730), (4, 800), (8, 1000)), base_slope=80)
+    assert working.slope == 80  # the chords (30, 35, 50 per step) are below the cost model's
+    assert [working(k) for k in (1, 2, 3, 4, 6, 8)] == [700, 730, 765, 800, 900, 1000]
+    assert working(16) == 1000 + 8 * 80
+    steep = plans.MeasuredWorking(((1, 100), (2, 300)), base_slope=80)
+    assert steep.slope == 200 and steep(5) == 300 + 3 * 200
+    # what a probe of the first lengths alone would have found
+    assert working.prefix(2) == plans.MeasuredWorking(((1, 700), (2, 730)), 80)
+    assert working.prefix(2)(8) == 730 + 6 * 80 > working(8)
+    assert working.scaled(32, 16)(8) == 2000 and working.scaled(8, 16) is working
+    blocks = [plans.BlockSizes(16, 100, 40, 20, 0.1)]
+    cost = plans.layerwise_cost(100, 6, blocks, working=working)
+    assert cost.peak_bytes == 2 * 16 + 900
+    assert plans.fitting_chunk(100, blocks, 2 * 16 + 900, 100, working=working) == 6
+    for bad in [(), ((0, 10),), ((2, 10), (1, 20)), ((1, 20), (2, 10))]:
+        with pytest.raises(ValueError, match="measured"):
+            plans.MeasuredWorking(bad, 80)  # type: ignore[arg-type]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    points=st.lists(st.integers(0, 5000), min_size=1, max_size=4),
+    base=st.integers(1, 500),
+    k=st.integers(1, 200),
+)
+def test_measured_working_never_falls_and_bounds_every_point(
+    points: list[int], base: int, k: int
+) -> None:
+    lengths = [1, 2, 4, 8][: len(points)]
+    held = [sum(points[: i + 1]) for i in range(len(points))]  # never falling
+    working = plans.MeasuredWorking(tuple(zip(lengths, held, strict=True)), base)
+    assert working(k) <= working(k + 1)
+    for length, bytes_ in zip(lengths, held, strict=True):
+        assert working(length) == bytes_
+    assert working(k + 1) - working(k) <= working.slope

@@ -42,6 +42,7 @@ from spikeckpt.planning.probe import (
     Probed,
     block_sizes,
     compute_device,
+    layerwise_probe_chunks,
     layerwise_working_bytes,
     probe_model,
     scaled_sizes,
@@ -51,7 +52,13 @@ from spikeckpt.planning.probe import (
 from spikeckpt.plans import Cost, CostModel, Plan, choose
 from spikeckpt.plans.choose import minimum_budget
 from spikeckpt.plans.intervals import fill, needs_intervals
-from spikeckpt.plans.layerwise import BlockSizes, LayerwiseCost, fitting_chunk, layerwise_cost
+from spikeckpt.plans.layerwise import (
+    BlockSizes,
+    LayerwiseCost,
+    MeasuredWorking,
+    fitting_chunk,
+    layerwise_cost,
+)
 from spikeckpt.storage.codecs import is_binary
 from spikeckpt.units import format_bytes, parse_bytes
 
@@ -73,11 +80,6 @@ ShapeKey = tuple[int, int]
 #: the model counts ``2T`` step evaluations against e.g. ``Uniform``'s ``2T - k`` (it keeps its
 #: last segment taped) but not the layer-wise batched synapse op, which measured faster.
 LAYERWISE_TIME_TOLERANCE = 0.05
-
-
-#: Copies of the largest block's parameters the layer-wise backward holds beside ``.grad`` (one copy
-#: was measured over the budget at the smallest budgets, FC 100-256-10: tests/test_wrap_budget.py).
-LAYER_GRAD_COPIES = 2
 
 
 class Planned(Probed, Protocol):
@@ -120,8 +122,8 @@ class StepBytes:
         gradients: gradient buffers the engine holds beyond ``.grad`` while it accumulates
             the parameters' gradients over segments (stack: a segment's own gradients beside
             the running sum, and one parameter's new sum, made out of place; one copy for
-            BPTT; layer-wise: two copies of its largest block's parameters, plus the fixed
-            bytes its probe measured).
+            BPTT; layer-wise: the fixed bytes its probe measured, which hold the running sums
+            of the parameters' gradients as they coexist with a chunk's tape).
         activations: the plan's modeled device peak: checkpoints, tapes, states (layer-wise:
             the measured working set of a chunk, the states, the stored trains when they are
             device memory).
@@ -247,11 +249,11 @@ def host_is_device(storage: str, device: torch.device | str) -> bool:
 
 
 class _Layered(NamedTuple):
-    """A model's layer-wise blocks, their sizes for planning and the measured fixed bytes."""
+    """A model's layer-wise blocks, their sizes for planning and the measured working set."""
 
     blocks: list[LayerBlock]
     sizes: list[BlockSizes]
-    fixed: int = 0
+    working: MeasuredWorking | None = None
 
 
 def _layerwise_candidate(
@@ -270,10 +272,9 @@ def _layerwise_candidate(
     :class:`BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
     the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
     density of hidden spikes grows as the model trains, and index lists with it), dense with
-    the device tier (it stores them unpacked); each block's ``step_bytes`` is raised so that
-    the cost model's working set is the one
-    :func:`~spikeckpt.planning.probe.layerwise_working_bytes` measures (held under
-    ``max_bytes``), and its measured fixed part is ``fixed``.
+    the device tier (it stores them unpacked); ``working`` is the training step's working set
+    as :func:`~spikeckpt.planning.probe.layerwise_working_bytes` measures it (held under
+    ``max_bytes``; the parameters' gradient sums included).
     """
     blocks = model.layer_blocks(required)
     if blocks is None:
@@ -284,7 +285,7 @@ def _layerwise_candidate(
         return _Layered(blocks, sizes)
     unpacked = model.storage == "device"
     sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
-    slope, fixed = layerwise_working_bytes(
+    working = layerwise_working_bytes(
         blocks,
         x,
         lambda x_t: model.block_states(model.initial_state(x_t)),
@@ -296,11 +297,7 @@ def _layerwise_candidate(
         stored_on_device=host_is_device(model.storage, device),
         max_bytes=max_bytes,
     )
-    sizes = [
-        replace(b, step_bytes=max(b.step_bytes, slope - 2 * b.input_bytes - b.output_bytes))
-        for b in sizes
-    ]
-    return _Layered(blocks, sizes, fixed)
+    return _Layered(blocks, sizes, working)
 
 
 def _layerwise_may_pay(model: Planned, x: Any) -> bool:
@@ -319,7 +316,13 @@ def _chunk_candidates(T: int, preferred: int) -> list[int]:
 
 
 def _fitting_chunk(
-    T: int, sizes: Sequence[BlockSizes], limit: int, preferred: int, *, remote: bool
+    T: int,
+    sizes: Sequence[BlockSizes],
+    limit: int,
+    preferred: int,
+    *,
+    remote: bool,
+    working: MeasuredWorking | None = None,
 ) -> int | None:
     """The largest chunk ``<= preferred`` whose modeled layer-wise peak fits ``limit``, or
     None. With the trains and chunk states off the device the peak grows with the chunk
@@ -327,20 +330,50 @@ def _fitting_chunk(
     chunk states shrink as the chunk grows, so the peak is not monotonic: chunks are tried
     from the longest down."""
     if remote:
-        return fitting_chunk(T, sizes, limit, preferred, remote=True)
+        return fitting_chunk(T, sizes, limit, preferred, remote=True, working=working)
     for k in reversed(_chunk_candidates(T, preferred)):
-        if layerwise_cost(T, k, sizes, remote=False).peak_bytes <= limit:
+        if layerwise_cost(T, k, sizes, remote=False, working=working).peak_bytes <= limit:
             return k
     return None
 
 
-def _smallest_layerwise(T: int, sizes: Sequence[BlockSizes], *, remote: bool) -> int:
+def _smallest_layerwise(
+    T: int, sizes: Sequence[BlockSizes], *, remote: bool, working: MeasuredWorking | None = None
+) -> int:
     """The least modeled layer-wise peak over all chunk lengths."""
     if remote:
-        return layerwise_cost(T, 1, sizes, remote=True).peak_bytes
+        return layerwise_cost(T, 1, sizes, remote=True, working=working).peak_bytes
     return min(
-        layerwise_cost(T, k, sizes, remote=False).peak_bytes for k in _chunk_candidates(T, T)
+        layerwise_cost(T, k, sizes, remote=False, working=working).peak_bytes
+        for k in _chunk_candidates(T, T)
     )
+
+
+def _smallest_probed_layerwise(
+    T: int,
+    sizes: Sequence[BlockSizes],
+    working: MeasuredWorking,
+    *,
+    remote: bool,
+    beside: int,
+    unprobed: int,
+) -> int:
+    """The least layer-wise peak that a probe held under it would find enough.
+
+    ``working`` was measured at every chunk length; a probe held under a budget measures the
+    shorter ones only (:func:`~spikeckpt.planning.probe.layerwise_probe_chunks`), and fewer
+    lengths can model more at some chunks. ``beside``: the step's other bytes (input,
+    outputs); ``unprobed``: what the probe may not use (the input on the device). Raised
+    until the lengths that fit the named budget model no more than it (the lengths only
+    grow, so this ends)."""
+    need = _smallest_layerwise(T, sizes, remote=remote, working=working)
+    while True:
+        room = max(beside + need - unprobed, 0)
+        probed = working.prefix(len(layerwise_probe_chunks(T, sizes, room)))
+        again = _smallest_layerwise(T, sizes, remote=remote, working=probed)
+        if again <= need:
+            return need
+        need = again
 
 
 def layer_or_stack(
@@ -449,14 +482,15 @@ class Planner:
         if (T, B) not in self.chunks:
             found = _layerwise_candidate(model, x, state, required=True)
             assert found is not None
-            sizes = found[1]
+            sizes, working = found.sizes, found.working
             remote = model.storage != "device"
             grads = sum(
                 p.numel() * p.element_size() for p in model.parameters_for_scan() if p.requires_grad
             )
-            chunk = fitting_chunk(T, sizes, budget - grads, T, remote=remote)
+            chunk = fitting_chunk(T, sizes, budget - grads, T, remote=remote, working=working)
             if chunk is None:
-                smallest = layerwise_cost(T, 1, sizes, remote=remote).peak_bytes + grads
+                cost = layerwise_cost(T, 1, sizes, remote=remote, working=working)
+                smallest = cost.peak_bytes + grads
                 raise plans.BudgetTooSmall(
                     f"layer-wise: not even chunks of one step fit {format_bytes(budget)} for "
                     f"T={T}, B={B} with {format_bytes(grads)} of gradients; the smallest budget "
@@ -627,14 +661,14 @@ class BudgetPlanner:
             )
         self.probes += 1
         sizes = layered.sizes if layered is not None else None
-        layer_grads = 0
-        if layered is not None:  # the running sums of block gradients, and what was measured
-            largest = max(trainable_bytes(b.params) for b in layered.blocks)
-            layer_grads = LAYER_GRAD_COPIES * largest + layered.fixed
+        # layer-wise: the measured working set holds the running sums of the gradients
+        working = layered.working if layered is not None else None
         if self.broadcast is not None:
-            probe, sizes, layer_grads = self.broadcast((probe, sizes, layer_grads))
+            probe, sizes, working = self.broadcast((probe, sizes, working))
         if sizes is not None:
             sizes = [scaled_sizes(b, batch, probe.batch) for b in sizes]
+        if working is not None:
+            working = working.scaled(batch, probe.batch)
         probe = probe.scaled(batch)
         costs = self.costs or probe.costs()
         outputs = 2 * T * probe.output_bytes if model.readout is None else 0
@@ -661,13 +695,24 @@ class BudgetPlanner:
                 stack = PlanChoice(plan, T, batch, stack_budget, probe, modeled, step=activations)
         # layer-wise: the largest chunk whose modeled (calibrated) peak fits
         layer: PlanChoice | None = None
-        layer_step = replace(base, gradients=layer_grads)
+        layer_step = base
         layer_budget = self.budget_bytes - layer_step.total
         if sizes is not None:
-            chunk = _fitting_chunk(T, sizes, layer_budget, preferred, remote=not on_device)
+            chunk = _fitting_chunk(
+                T, sizes, layer_budget, preferred, remote=not on_device, working=working
+            )
             if chunk is not None:
                 layer = self._layer_choice(
-                    T, batch, layer_budget, probe, sizes, chunk, on_device, costs, layer_step
+                    T,
+                    batch,
+                    layer_budget,
+                    probe,
+                    sizes,
+                    chunk,
+                    on_device,
+                    costs,
+                    layer_step,
+                    working,
                 )
         if layer is not None and (
             stack is None
@@ -677,9 +722,9 @@ class BudgetPlanner:
         if stack is not None:
             return stack
         # Nothing fits: name the smallest budget that does. The probes were held under this
-        # budget; what they measure only grows with room (more chunk lengths, the parameters'
-        # gradients), so the minimum is measured without the cap: passed back, the capped
-        # probes of that run measure at most as much, and a plan fits.
+        # budget; the minimum is measured without the cap, so that passed back, the capped
+        # probes of that run find a plan that fits (the stack's measure only grows with room;
+        # layer-wise, the lengths a probe held under the named budget measures are checked).
         needs = []
         if model.granularity != "layer":
             if probe.work_capped:
@@ -689,11 +734,17 @@ class BudgetPlanner:
             needs.append((stack_step, minimum_budget(T, S, A) + work))
         if sizes is not None:
             full = _layerwise_candidate(model, x, state, True)
-            if full is not None:
-                sizes = [scaled_sizes(b, batch, int(x.shape[1])) for b in full.sizes]
-                largest = max(trainable_bytes(b.params) for b in full.blocks)
-                layer_step = replace(base, gradients=LAYER_GRAD_COPIES * largest + full.fixed)
-            needs.append((layer_step, _smallest_layerwise(T, sizes, remote=not on_device)))
+            assert full is not None and full.working is not None  # the capped probe ran
+            local = int(x.shape[1])
+            smallest = _smallest_probed_layerwise(
+                T,
+                [scaled_sizes(b, batch, local) for b in full.sizes],
+                full.working.scaled(batch, local),
+                remote=not on_device,
+                beside=base.total,
+                unprobed=x_bytes,
+            )
+            needs.append((layer_step, smallest))
         step, smallest = min(needs, key=lambda need: need[0].total + need[1])
         what = "layer-wise, " if model.granularity == "layer" else ""
         self._refuse(f"{what}T={T}, B={batch}", step, smallest)
@@ -733,8 +784,11 @@ class BudgetPlanner:
         on_device: bool,
         costs: CostModel,
         step: StepBytes,
+        working: MeasuredWorking | None,
     ) -> PlanChoice:
-        modeled = layerwise_cost(T, chunk, sizes, remote=not on_device, costs=costs)
+        modeled = layerwise_cost(
+            T, chunk, sizes, remote=not on_device, costs=costs, working=working
+        )
         plan = plans.Uniform(modeled.chunk).for_length(T)
         return PlanChoice(
             plan,

@@ -9,11 +9,11 @@ accumulated, the RNG is forked, the framework's hidden state is cleaned up.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -28,7 +28,7 @@ from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import SavedBytes, measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans import CostModel
-from spikeckpt.plans.layerwise import BlockSizes, layerwise_cost
+from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
 from spikeckpt.storage.base import Ledger
 from spikeckpt.storage.codecs import is_binary
 from spikeckpt.storage.tiers import make_store
@@ -40,6 +40,7 @@ __all__ = [
     "Probed",
     "block_sizes",
     "compute_device",
+    "layerwise_probe_chunks",
     "layerwise_working_bytes",
     "probe_model",
     "scaled_sizes",
@@ -455,14 +456,26 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
 
 #: Chunk lengths :func:`layerwise_working_bytes` runs (each over two chunks).
 LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
-#: Samples of the batch :func:`layerwise_working_bytes` runs: two, so BatchNorm in training
-#: mode has more than one value per channel (one when the batch is 1).
+#: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
+#: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
 
 
 def _working(sizes: Sequence[BlockSizes]) -> int:
     """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``."""
     return max(b.step_bytes + 2 * b.input_bytes + b.output_bytes for b in sizes)
+
+
+def layerwise_probe_chunks(
+    T: int, sizes: Sequence[BlockSizes], max_bytes: int | None = None
+) -> list[int]:
+    """The chunk lengths :func:`layerwise_working_bytes` measures for ``T`` steps under
+    ``max_bytes`` (those of :data:`LAYERWISE_PROBE_CHUNKS` up to ``T / 2`` and, with a limit,
+    up to where three times the cost model's working set fits it; at least 1)."""
+    longest = max(1, T // 2)
+    if max_bytes is not None:
+        longest = max(1, min(longest, max_bytes // (3 * max(_working(sizes), 1))))
+    return sorted({k for k in LAYERWISE_PROBE_CHUNKS if k <= longest} or {1})
 
 
 def layerwise_working_bytes(
@@ -477,34 +490,35 @@ def layerwise_working_bytes(
     output: str,
     stored_on_device: bool,
     max_bytes: int | None = None,
-) -> tuple[int, int]:
-    """Measure a layer-wise run's working set: ``(bytes per chunk step, fixed bytes)`` for
-    the whole batch of ``x``.
+) -> MeasuredWorking:
+    """Measure a layer-wise training step's working set, for the batch of ``x``, as a
+    function of the chunk length (:class:`~spikeckpt.plans.MeasuredWorking`).
 
-    The working set is what a run holds besides its block states and stored trains: one
-    block's recomputed chunk, its tape, the gradients handed between blocks. The cost model
-    of :func:`~spikeckpt.plans.layerwise.layerwise_cost` counts it as ``chunk * max_b (A_b +
-    2 I_b + O_b)`` from one step's saved tensors; what the engine really allocates (the
-    chunk's synaptic input, the stacked spikes, their gradients) is more. This runs the
-    engine's own layer-wise forward and backward on the first steps of **two samples** of
-    ``x`` (:data:`PROBE_SAMPLES`: the probe takes ``2/B`` of the batch's memory) at the chunk lengths of
-    :data:`LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``; longer ones only while ``max_bytes``
-    allows them at three times the cost model's bytes per step), two chunks each, under
-    :class:`~spikeckpt.MemoryMeter`, and subtracts the modeled states and stored trains.
-    The peak is piecewise linear in the chunk (short chunks peak elsewhere than long ones),
-    so each pair of neighbouring lengths gives a line, and the result bounds them all: the
-    steepest slope (at least the cost model's) and the largest intercept (at least 0), both
-    scaled to the batch (one length alone: the cost model's slope through it). Measuring
-    more lengths never lowers the estimate, so a budget's refusal, measured with every
-    length, names a budget that the capped probe of that budget finds enough. The
-    parameters do not require grad during the probe (their gradient buffers are planned
-    apart, they do not scale with the batch); the input does, so the first block is measured
-    like the others (a little more than it holds). Changes nothing: RNG forked, ``requires_grad`` restored, no ``.grad`` touched.
+    The working set is what a step holds besides its block states and stored trains: one
+    block's recomputed chunk, its tape, the gradients handed between blocks, and the running
+    sums of the parameters' gradients. The cost model of
+    :func:`~spikeckpt.plans.layerwise.layerwise_cost` counts ``chunk * max_b (A_b + 2 I_b +
+    O_b)`` from one step's saved tensors; what the engine really allocates differs (the
+    chunk's synaptic input, the stacked spikes and their gradients are more; the first
+    block's tape without an input gradient, and the gradient sums, which peak while the other
+    blocks' tapes are gone, are less than counted apart). This runs the engine's own
+    layer-wise forward and backward, as the training step does (the whole batch, the
+    parameters' gradients, an input gradient only when ``x`` requires grad), on the first
+    steps of ``x`` at the chunk lengths of :data:`LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
+    longer ones only while ``max_bytes`` allows them at three times the cost model's bytes per
+    step), two chunks each (the second chunk's gradients are summed out of place, as in a
+    long run), under :class:`~spikeckpt.MemoryMeter`, and subtracts the modeled states and
+    stored trains. The peak is piecewise linear in the chunk (short chunks peak while the
+    gradient sums are held, long ones while a long tape is), so the result is the measured
+    bytes at the measured lengths (never falling as the chunk grows), the chords between
+    them, and past the longest the steepest measured line (at least the cost model's slope).
+    Changes nothing: RNG forked, no ``.grad`` touched (the gradients are returned, not
+    accumulated), layers skip their side effects (BatchNorm's running statistics).
 
     Args:
         blocks: the model's layer-wise blocks.
         x: the input ``(T, B, ...)`` (dense or packed).
-        states_for: ``x_t (b, ...) -> one initial state per block`` at ``x_t``'s batch.
+        states_for: ``x_t (B, ...) -> one initial state per block`` at ``x_t``'s batch.
         sizes: :func:`block_sizes` at the batch of ``x``.
         device: the compute device (``MemoryMeter`` measures it).
         storage: the tier the run stores its trains in (``"disk"`` is probed as ``"host"``).
@@ -514,29 +528,79 @@ def layerwise_working_bytes(
         max_bytes: device bytes the probe may hold (None: no limit).
     """
     T, batch = int(x.shape[0]), int(x.shape[1])
+    run = partial(
+        _probe_residuals,
+        blocks,
+        x,
+        states_for,
+        device=device,
+        storage=storage,
+        readout=readout,
+        output=output,
+        remote=not stored_on_device,
+    )
+    # the tape's growth: the steepest line of a run on two samples without the parameters'
+    # gradients and with an input gradient (every block taped alike: more than it holds)
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
-    work = _working(one)
-    longest = max(1, T // 2)
-    if max_bytes is not None:
-        longest = max(1, min(longest, max_bytes // (3 * max(work, 1))))
-    chunks = sorted({k for k in LAYERWISE_PROBE_CHUNKS if k <= longest} or {1})
+    tape = run(one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=False)
+    slope = _working(one)
+    for (ka, ra), (kb, rb) in zip(tape, tape[1:], strict=False):
+        slope = max(slope, -(-(rb - ra) // (kb - ka)))
+    # the step itself at the shortest lengths: the whole batch, as the training step runs
+    step = run(sizes, layerwise_probe_chunks(T, sizes, max_bytes), samples=batch, training=True)
+    points, held = [], 0
+    for k, r in step:  # the measured bytes never fall as the chunk grows
+        held = max(held, r, 0)
+        points.append((k, held))
+    return MeasuredWorking(tuple(points), max(_working(sizes), -(-slope * batch // few)))
+
+
+def _probe_residuals(
+    blocks: Sequence[LayerBlock],
+    x: Any,
+    states_for: Callable[[Tensor], list[Any]],
+    sizes: Sequence[BlockSizes],
+    chunks: Sequence[int],
+    *,
+    samples: int,
+    training: bool,
+    device: torch.device,
+    storage: str,
+    readout: Any,
+    output: str,
+    remote: bool,
+) -> list[tuple[int, int]]:
+    """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
+    the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks``.
+
+    ``training``: the parameters' gradients are computed (returned, not accumulated) and the
+    input's only when ``x`` requires grad, as in a training step; else no parameter gradient
+    and an input gradient (each block's tape alike, the gradient sums left out)."""
+    T = int(x.shape[0])
+    work = _working(sizes)
     n = min(T, 2 * chunks[-1])
-    if is_packed(x):  # one step at a time: never the whole batch's chunk dense
-        x1 = torch.stack([x.step(t, device)[:few] for t in range(n)])
+    if is_packed(x):  # one step at a time: never the whole chunk dense
+        x1 = torch.stack([x.step(t, device)[:samples] for t in range(n)])
     else:
-        x1 = chunk_of(x, 0, n, device)[:, :few].detach().clone()
+        x1 = chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+    floating = x1.is_floating_point()
+    input_grad = floating and (bool(getattr(x, "requires_grad", False)) or not training)
     params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
     residuals: list[tuple[int, int]] = []
     try:
-        for p in params:
-            p.requires_grad_(False)
+        if not training:
+            for p in params:
+                p.requires_grad_(False)
         # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
         with torch.random.fork_rng(devices=cuda_devices([x1])), recompute_phase():
             for k in chunks:
                 n = min(T, 2 * k)
-                xs = x1[:n].detach().requires_grad_(x1.is_floating_point())
+                xs = x1[:n].detach().requires_grad_(input_grad)
                 states = states_for(xs[0].detach())
+                wrt = [*params, xs] if input_grad else list(params)
+                if not training:
+                    wrt = [xs] if input_grad else []
                 with MemoryMeter(device) as meter:
                     ys, _ = layerwise_scan(
                         blocks,
@@ -546,30 +610,21 @@ def layerwise_working_bytes(
                         storage="host" if storage == "disk" else storage,
                         readout=readout,
                         output=output,
-                        params=[],
+                        params=params if training else [],
                     )
                     outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
-                    if outs and xs.requires_grad:
+                    if outs and wrt:
                         found = torch.autograd.grad(
-                            outs, [xs], [torch.ones_like(y) for y in outs], allow_unused=True
+                            outs, wrt, [torch.ones_like(y) for y in outs], allow_unused=True
                         )
                         del found
                     del ys, outs
-                modeled = layerwise_cost(n, k, one, remote=not stored_on_device).peak_bytes
+                modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
                 residuals.append((k, meter.peak_bytes - (modeled - k * work)))
     finally:
-        for p in params:
-            p.requires_grad_(True)
+        if not training:
+            for p in params:
+                p.requires_grad_(True)
         for block in blocks:
             block.cleanup()
-    # One length: the cost model's slope through it. More: every neighbouring pair's line.
-    # Either way, measuring more lengths (more room) never lowers the estimate at any chunk.
-    slope, intercept = float(work), 0.0
-    if len(residuals) == 1:
-        ((k, r),) = residuals
-        intercept = max(0.0, r - work * k)
-    for (ka, ra), (kb, rb) in zip(residuals, residuals[1:], strict=False):
-        line = (rb - ra) / (kb - ka)
-        slope = max(slope, line)
-        intercept = max(intercept, ra - line * ka)
-    return math.ceil(slope * batch / few), math.ceil(intercept * batch / few)
+    return residuals

@@ -19,6 +19,7 @@ from spikeckpt.plans.double import Double
 from spikeckpt.plans.layerwise import (
     BlockSizes,
     LayerwiseCost,
+    MeasuredWorking,
     fitting_chunk,
     layerwise_cost,
     packed_bytes,
@@ -48,6 +49,7 @@ __all__ = [
     "Backprop",
     "BlockSizes",
     "LayerwiseCost",
+    "MeasuredWorking",
     "fitting_chunk",
     "layerwise_cost",
     "packed_bytes",

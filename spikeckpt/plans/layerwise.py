@@ -17,6 +17,10 @@ Modeled peak on the device (``remote=True``: trains and states in host RAM or on
                                                 input chunk, the input gradient it hands down
                                                 and the output gradient it receives
 
+A :class:`MeasuredWorking` given as ``working`` replaces the second line: the working set as
+measured at a few chunk lengths (the whole training step's, the parameters' gradient sums
+included), interpolated between them and extended past them by its slope.
+
 With ``remote=False`` the packed trains and the chunk states stay on the device too and are
 added. Off-device bytes: ``sum_b T * packed(I_b, rho_b) + n_chunks * S_b``. Step evaluations:
 every block runs each step twice (forward, recomputation), the same ``2T`` as
@@ -32,7 +36,14 @@ from dataclasses import dataclass
 
 from spikeckpt.plans.simulate import CostModel
 
-__all__ = ["BlockSizes", "LayerwiseCost", "fitting_chunk", "layerwise_cost", "packed_bytes"]
+__all__ = [
+    "BlockSizes",
+    "LayerwiseCost",
+    "MeasuredWorking",
+    "fitting_chunk",
+    "layerwise_cost",
+    "packed_bytes",
+]
 
 #: elements per index-list block (16-bit positions), as in :mod:`spikeckpt.storage.codecs`
 _INDEX_BLOCK = 65536
@@ -72,6 +83,71 @@ class BlockSizes:
 
 
 @dataclass(frozen=True)
+class MeasuredWorking:
+    """A layer-wise step's working set, measured at a few chunk lengths (bytes, whole batch).
+
+    The peak of a step grows piecewise linearly with the chunk: at short chunks it is reached
+    while the parameters' gradient sums are held (they do not grow with the chunk), at long
+    ones while a block's tape over the chunk is. ``working(k)`` is the measured bytes at a
+    measured length, the chord between two, the first one below them, and past the longest
+    ``points[-1] + slope * (k - k_last)``: :attr:`slope` bounds how fast any part of the peak
+    grows (the steepest chord, at least the cost model's).
+
+    Attributes:
+        points: ``(chunk, bytes)`` measured, chunk lengths increasing, bytes not falling.
+        base_slope: the cost model's bytes per chunk step, ``max_b (A_b + 2 I_b + O_b)``.
+    """
+
+    points: tuple[tuple[int, int], ...]
+    base_slope: int
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("MeasuredWorking needs at least one measured (chunk, bytes) point")
+        chunks = [k for k, _ in self.points]
+        if chunks != sorted(set(chunks)) or chunks[0] < 1:
+            raise ValueError(f"measured chunk lengths must increase from 1 or more, got {chunks}")
+        held = [w for _, w in self.points]
+        if held != sorted(held):
+            raise ValueError(f"measured bytes must not fall as the chunk grows, got {held}")
+
+    @property
+    def slope(self) -> int:
+        """Bytes per chunk step past the longest measured length."""
+        chords = (
+            -(-(wb - wa) // (kb - ka))
+            for (ka, wa), (kb, wb) in zip(self.points, self.points[1:], strict=False)
+        )
+        return max([self.base_slope, *chords])
+
+    def prefix(self, n: int) -> MeasuredWorking:
+        """What a probe that measured only the first ``n`` lengths would have found."""
+        return MeasuredWorking(self.points[: max(1, n)], self.base_slope)
+
+    def __call__(self, chunk: int) -> int:
+        first, last = self.points[0], self.points[-1]
+        if chunk <= first[0]:
+            return first[1]
+        if chunk >= last[0]:
+            return last[1] + self.slope * (chunk - last[0])
+        for (ka, wa), (kb, wb) in zip(self.points, self.points[1:], strict=False):
+            if ka <= chunk <= kb:
+                return wa + -(-(wb - wa) * (chunk - ka) // (kb - ka))
+        raise AssertionError("unreachable: chunk lies between the first and last points")
+
+    def scaled(self, batch: int, probed: int) -> MeasuredWorking:
+        """Measured at batch ``probed``, for a batch of ``batch`` (every byte scaled up, the
+        fixed ones too: an over-estimate; never scaled down)."""
+        if batch <= probed:
+            return self
+
+        def scale(n: int) -> int:
+            return -(-n * batch // probed)
+
+        return MeasuredWorking(tuple((k, scale(w)) for k, w in self.points), scale(self.base_slope))
+
+
+@dataclass(frozen=True)
 class LayerwiseCost:
     """Modeled cost of a layer-wise run.
 
@@ -104,11 +180,13 @@ def layerwise_cost(
     *,
     remote: bool = True,
     costs: CostModel | None = None,
+    working: MeasuredWorking | None = None,
 ) -> LayerwiseCost:
     """Model a layer-wise run of ``blocks`` over ``T`` steps in chunks of ``chunk`` steps.
 
     ``costs.write`` / ``costs.read`` are the times to copy one whole stack state; the packed
-    trains are charged in proportion to their bytes.
+    trains are charged in proportion to their bytes. ``working``: the measured working set
+    (None: ``chunk * max_b (A_b + 2 I_b + O_b)``).
     """
     if T < 1 or chunk < 1:
         raise ValueError(f"need T >= 1 and chunk >= 1, got T={T}, chunk={chunk}")
@@ -118,11 +196,14 @@ def layerwise_cost(
     k = min(chunk, T)
     n_chunks = -(-T // k)
     states = sum(b.state_bytes for b in blocks)
-    working = max(k * (b.step_bytes + 2 * b.input_bytes + b.output_bytes) for b in blocks)
+    if working is None:
+        held = max(k * (b.step_bytes + 2 * b.input_bytes + b.output_bytes) for b in blocks)
+    else:
+        held = working(k)
     trains = sum(T * packed_bytes(b.input_bytes, b.density) for b in blocks[1:])
     # the first block's input is the caller's tensor: referenced, never copied
     stored = trains + (n_chunks - 1) * states
-    peak = 2 * states + working + (0 if remote else stored)
+    peak = 2 * states + held + (0 if remote else stored)
     time = T * (2 * costs.forward + costs.backward) + n_chunks * len(blocks) * costs.segment
     if remote and states > 0:
         per_byte = (costs.write + costs.read) / states
@@ -139,16 +220,26 @@ def layerwise_cost(
 
 
 def fitting_chunk(
-    T: int, blocks: Sequence[BlockSizes], budget_bytes: int, preferred: int, *, remote: bool = True
+    T: int,
+    blocks: Sequence[BlockSizes],
+    budget_bytes: int,
+    preferred: int,
+    *,
+    remote: bool = True,
+    working: MeasuredWorking | None = None,
 ) -> int | None:
     """The largest chunk length ``<= preferred`` whose modeled peak fits ``budget_bytes``, or
     ``None`` when not even chunks of one step fit."""
     lo, hi = 1, max(1, min(preferred, T))
-    if layerwise_cost(T, lo, blocks, remote=remote).peak_bytes > budget_bytes:
+
+    def peak(k: int) -> int:
+        return layerwise_cost(T, k, blocks, remote=remote, working=working).peak_bytes
+
+    if peak(lo) > budget_bytes:
         return None
     while lo < hi:  # the modeled peak grows with the chunk: bisect
         mid = (lo + hi + 1) // 2
-        if layerwise_cost(T, mid, blocks, remote=remote).peak_bytes <= budget_bytes:
+        if peak(mid) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
