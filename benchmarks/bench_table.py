@@ -24,6 +24,8 @@ Rows:
   is also given relative to the snnTorch loop (the loop it replaces).
 - ``SpikingJelly memopt`` (only when ``import spikingjelly`` works): SpikingJelly's own LIF
   network with its memory optimisation, against SpikingJelly's own BPTT loop.
+- with ``--chunks K ...``: ``layer-wise, chunk K, disk``, the same wrapped snnTorch model at a
+  fixed chunk of ``K`` steps (no budget), against the snnTorch loop.
 - with ``--more``: ``scan`` with ``Double()`` (disk), ``Uniform()`` (host) and
   ``TwoLevel(4)`` (disk) built without intervals (filled in from measured sizes and costs).
 
@@ -170,16 +172,16 @@ def scan_runner(plan: Any, storage: str, budget: int | None, folder: str) -> Cal
     return run
 
 
-def layerwise_runner(seq: nn.Module, budget: int, storage: str, folder: str) -> Callable[..., Any]:
-    kwargs = {"directory": folder} if storage == "disk" else {}
+def layerwise_runner(
+    seq: nn.Module, budget: int | None, storage: str, folder: str, chunk: int | None = None
+) -> Callable[..., Any]:
+    """``wrap(seq, granularity="layer")`` with ``budget`` (``plan="auto"``) or a fixed
+    ``chunk``."""
+    kwargs: dict[str, Any] = {"directory": folder} if storage == "disk" else {}
+    if budget is not None:
+        kwargs.update(plan="auto", budget=budget)
     wrapped = sc.wrap(
-        seq,
-        plan="auto",
-        budget=budget,
-        storage=storage,
-        readout="mean",
-        granularity="layer",
-        **kwargs,
+        seq, storage=storage, readout="mean", granularity="layer", chunk=chunk, **kwargs
     )
 
     def run(model: nn.Module, x: Tensor) -> Any:
@@ -351,6 +353,15 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
                 base="snnTorch loop",
             )
         )
+        for chunk in args.chunks:
+            add(
+                Row(
+                    f"layer-wise, chunk {chunk}, disk",
+                    snn_model,
+                    layerwise_runner(snn_model, None, "disk", folder, chunk),
+                    base="snnTorch loop",
+                )
+            )
     if args.more:
         add(Row("scan Double(), disk", model, scan_runner(P.Double(), "disk", None, folder)))
         add(Row("scan Uniform(), host", model, scan_runner(P.Uniform(), "host", None, folder)))
@@ -404,6 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=None, help="substrings of row names")
     parser.add_argument("--more", action="store_true", help="also Double(), Uniform(), TwoLevel")
+    parser.add_argument(
+        "--chunks", type=int, nargs="*", default=[], help="also layer-wise at these fixed chunks"
+    )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
