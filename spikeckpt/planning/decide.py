@@ -200,9 +200,12 @@ class PlanChoice:
         step = self.step
         extra = ""
         if step.total > step.activations:
+            grads = (  # layer-wise measures its gradient sums with its working set
+                f", gradient buffers {format_bytes(step.gradients)}" if step.gradients else ""
+            )
             extra = (
-                f" (+ input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}, "
-                f"gradient buffers {format_bytes(step.gradients)})"
+                f" (+ input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}"
+                f"{grads})"
             )
         return (
             f"{self.describe()} for T={self.T}, B={self.batch}: modeled peak "
@@ -756,10 +759,11 @@ class BudgetPlanner:
         need = step.total + smallest
         minimum = self.total_for(need) if self.total_for is not None else need
         asked = self.asked_bytes if self.asked_bytes is not None else self.budget_bytes
+        # layer-wise measures its gradient sums with the plan's working set
+        grads = f"gradient buffers {format_bytes(step.gradients)}, " if step.gradients else ""
         parts = (
             f"input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}, "
-            f"gradient buffers {format_bytes(step.gradients)}, smallest plan "
-            f"{format_bytes(smallest)}"
+            f"{grads}smallest plan {format_bytes(smallest)}"
         )
         if self.budget_bytes <= step.total:
             head = f"the budget of {format_bytes(asked)} leaves nothing for activations"
