@@ -584,6 +584,9 @@ def _probe_residuals(
         x1 = torch.stack([x.step(t, device)[:samples] for t in range(n)])
     else:
         x1 = chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+    # a packed train is unpacked a chunk at a time during the step; the probe's input is
+    # dense already (made outside the meter): count one dense chunk per chunk step
+    unpacked = x1[0].numel() * x1.element_size() if is_packed(x) else 0
     floating = x1.is_floating_point()
     input_grad = floating and (bool(getattr(x, "requires_grad", False)) or not training)
     params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
@@ -620,7 +623,7 @@ def _probe_residuals(
                         del found
                     del ys, outs
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
-                residuals.append((k, meter.peak_bytes - (modeled - k * work)))
+                residuals.append((k, meter.peak_bytes + k * unpacked - (modeled - k * work)))
     finally:
         if not training:
             for p in params:
