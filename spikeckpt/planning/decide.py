@@ -122,11 +122,11 @@ class StepBytes:
         gradients: gradient buffers the engine holds beyond ``.grad`` while it accumulates
             the parameters' gradients over segments (stack: a segment's own gradients beside
             the running sum, and one parameter's new sum, made out of place; one copy for
-            BPTT; layer-wise: the fixed bytes its probe measured, which hold the running sums
-            of the parameters' gradients as they coexist with a chunk's tape).
+            BPTT; layer-wise: 0, its measured working set holds the running sums, see
+            ``activations``).
         activations: the plan's modeled device peak: checkpoints, tapes, states (layer-wise:
-            the measured working set of a chunk, the states, the stored trains when they are
-            device memory).
+            the measured working set of a chunk with the gradient sums, the states, the stored
+            trains when they are device memory).
     """
 
     input: int = 0
@@ -138,6 +138,12 @@ class StepBytes:
     def total(self) -> int:
         """All of it: the step's planned peak beyond the model."""
         return self.input + self.outputs + self.gradients + self.activations
+
+    def beside(self) -> str:
+        """What the step holds beside its activations, in words (gradient buffers only when
+        planned apart: layer-wise measures its gradient sums with its working set)."""
+        grads = f", gradient buffers {format_bytes(self.gradients)}" if self.gradients else ""
+        return f"input {format_bytes(self.input)}, outputs {format_bytes(self.outputs)}{grads}"
 
 
 @dataclass(frozen=True)
@@ -200,13 +206,7 @@ class PlanChoice:
         step = self.step
         extra = ""
         if step.total > step.activations:
-            grads = (  # layer-wise measures its gradient sums with its working set
-                f", gradient buffers {format_bytes(step.gradients)}" if step.gradients else ""
-            )
-            extra = (
-                f" (+ input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}"
-                f"{grads})"
-            )
+            extra = f" (+ {step.beside()})"
         return (
             f"{self.describe()} for T={self.T}, B={self.batch}: modeled peak "
             f"{format_bytes(self.modeled_peak_bytes)} of {format_bytes(self.budget_bytes)}"
@@ -698,8 +698,7 @@ class BudgetPlanner:
                 stack = PlanChoice(plan, T, batch, stack_budget, probe, modeled, step=activations)
         # layer-wise: the largest chunk whose modeled (calibrated) peak fits
         layer: PlanChoice | None = None
-        layer_step = base
-        layer_budget = self.budget_bytes - layer_step.total
+        layer_budget = self.budget_bytes - base.total
         if sizes is not None:
             chunk = _fitting_chunk(
                 T, sizes, layer_budget, preferred, remote=not on_device, working=working
@@ -714,7 +713,7 @@ class BudgetPlanner:
                     chunk,
                     on_device,
                     costs,
-                    layer_step,
+                    base,
                     working,
                 )
         if layer is not None and (
@@ -747,7 +746,7 @@ class BudgetPlanner:
                 beside=base.total,
                 unprobed=x_bytes,
             )
-            needs.append((layer_step, smallest))
+            needs.append((base, smallest))
         step, smallest = min(needs, key=lambda need: need[0].total + need[1])
         what = "layer-wise, " if model.granularity == "layer" else ""
         self._refuse(f"{what}T={T}, B={batch}", step, smallest)
@@ -759,12 +758,7 @@ class BudgetPlanner:
         need = step.total + smallest
         minimum = self.total_for(need) if self.total_for is not None else need
         asked = self.asked_bytes if self.asked_bytes is not None else self.budget_bytes
-        # layer-wise measures its gradient sums with the plan's working set
-        grads = f"gradient buffers {format_bytes(step.gradients)}, " if step.gradients else ""
-        parts = (
-            f"input {format_bytes(step.input)}, outputs {format_bytes(step.outputs)}, "
-            f"{grads}smallest plan {format_bytes(smallest)}"
-        )
+        parts = f"{step.beside()}, smallest plan {format_bytes(smallest)}"
         if self.budget_bytes <= step.total:
             head = f"the budget of {format_bytes(asked)} leaves nothing for activations"
         else:

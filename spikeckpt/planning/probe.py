@@ -28,7 +28,12 @@ from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import SavedBytes, measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans import CostModel
-from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
+from spikeckpt.plans.layerwise import (
+    BlockSizes,
+    MeasuredWorking,
+    layerwise_cost,
+    steepest_chord,
+)
 from spikeckpt.storage.base import Ledger
 from spikeckpt.storage.codecs import is_binary
 from spikeckpt.storage.tiers import make_store
@@ -544,9 +549,7 @@ def layerwise_working_bytes(
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
     tape = run(one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=False)
-    slope = _working(one)
-    for (ka, ra), (kb, rb) in zip(tape, tape[1:], strict=False):
-        slope = max(slope, -(-(rb - ra) // (kb - ka)))
+    slope = steepest_chord(tape, _working(one))
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     step = run(sizes, layerwise_probe_chunks(T, sizes, max_bytes), samples=batch, training=True)
     points, held = [], 0
@@ -601,9 +604,7 @@ def _probe_residuals(
                 n = min(T, 2 * k)
                 xs = x1[:n].detach().requires_grad_(input_grad)
                 states = states_for(xs[0].detach())
-                wrt = [*params, xs] if input_grad else list(params)
-                if not training:
-                    wrt = [xs] if input_grad else []
+                wrt = (params if training else []) + ([xs] if input_grad else [])
                 with MemoryMeter(device) as meter:
                     ys, _ = layerwise_scan(
                         blocks,

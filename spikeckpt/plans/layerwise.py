@@ -43,6 +43,7 @@ __all__ = [
     "fitting_chunk",
     "layerwise_cost",
     "packed_bytes",
+    "steepest_chord",
 ]
 
 #: elements per index-list block (16-bit positions), as in :mod:`spikeckpt.storage.codecs`
@@ -82,6 +83,15 @@ class BlockSizes:
     density: float | None = None
 
 
+def steepest_chord(points: Sequence[tuple[int, int]], floor: int) -> int:
+    """The steepest line between neighbouring ``(chunk, bytes)`` points, in bytes per chunk
+    step (rounded up), and at least ``floor``."""
+    chords = (
+        -(-(wb - wa) // (kb - ka)) for (ka, wa), (kb, wb) in zip(points, points[1:], strict=False)
+    )
+    return max([floor, *chords])
+
+
 @dataclass(frozen=True)
 class MeasuredWorking:
     """A layer-wise step's working set, measured at a few chunk lengths (bytes, whole batch).
@@ -114,11 +124,7 @@ class MeasuredWorking:
     @property
     def slope(self) -> int:
         """Bytes per chunk step past the longest measured length."""
-        chords = (
-            -(-(wb - wa) // (kb - ka))
-            for (ka, wa), (kb, wb) in zip(self.points, self.points[1:], strict=False)
-        )
-        return max([self.base_slope, *chords])
+        return steepest_chord(self.points, self.base_slope)
 
     def prefix(self, n: int) -> MeasuredWorking:
         """What a probe that measured only the first ``n`` lengths would have found."""
