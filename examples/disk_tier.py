@@ -1,9 +1,10 @@
 """Double Checkpointing with the disk tier: remote checkpoints as files, deleted by backward.
 
-``storage="disk"`` writes each remote checkpoint (bit-packed where it is binary) to a file in a
-private ``spikeckpt-*`` folder under ``directory=``, with one background I/O thread. The files
-exist between the forward and the backward pass; backward reads them back (prefetching the next
-one) and deletes them, and the folder goes with the last one. About 10 s on 2 CPU cores:
+``storage="disk"`` writes each remote checkpoint (bit-packed where it is binary) into one file,
+``checkpoints.bin``, of a private ``spikeckpt-*`` folder under ``directory=``. The file exists
+between the forward and the backward pass; backward reads the checkpoints back, reusing their
+regions of the file as it goes, and deletes the file and folder at its end. About 10 s on 2 CPU
+cores:
 
     python examples/disk_tier.py
 """
@@ -23,7 +24,7 @@ WIDTHS = (100, 64, 10)
 
 
 def checkpoint_files(parent: Path) -> list[Path]:
-    return sorted(parent.glob("spikeckpt-*/*.pt"))
+    return sorted(parent.glob("spikeckpt-*/checkpoints.bin"))
 
 
 def main() -> None:
@@ -48,9 +49,9 @@ def main() -> None:
             readout="sum",
             stats=True,
         )
-        during = checkpoint_files(parent)
-        names = ", ".join(path.name for path in during)  # one file per remote checkpoint x_i
-        print(f"after forward: {len(during)} checkpoint files in {during[0].parent.name}/: {names}")
+        during = checkpoint_files(parent)  # one file, whatever the number of checkpoints
+        size = fmt(sum(path.stat().st_size for path in during))
+        print(f"after forward: {during[0].parent.name}/{during[0].name} holds {size}")
         counts.sum().backward()
         after = list(parent.iterdir())
         print(f"after backward: {len(after)} files or folders left under {parent}")

@@ -22,7 +22,7 @@ TIMEOUT_S = 60
 EXPECTED: dict[str, list[str]] = {
     "custom_step.py": ["scan peak:", "Revolve(slots=16)", "max |grad diff| vs the plain loop: 0"],
     "disk_tier.py": [
-        "checkpoint files in spikeckpt-",
+        "/checkpoints.bin holds ",
         "after backward: 0 files or folders left",
         "Double(remote_interval=100, local_interval=10)",
         "completed: True",

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spikeckpt.errors import NotBinaryError
+from spikeckpt.storage import codecs
 from spikeckpt.storage.codecs import BLOCK, Packed, is_binary, pack, require_binary, unpack
 from spikeckpt.storage.hooks import SavedStats, packed_saved_tensors
 
@@ -85,6 +86,52 @@ def test_round_trip_of_index_lists_over_several_blocks(
     assert counts.numel() == -(-numel // BLOCK)
     assert int(counts.sum()) == int(x.count_nonzero())
     assert_bitwise_equal(unpack(packed), x)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    numel=st.one_of(st.integers(0, 300), st.integers(BLOCK - 3, 2 * BLOCK + 40)),
+    density=densities,
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+    spoil=st.sampled_from([None, 2.0, -0.0]),
+)
+def test_cpu_numpy_codec_is_bitwise_the_torch_codec_of_other_devices(
+    numel: int, density: float, dtype: torch.dtype, seed: int, spoil: float | None
+) -> None:
+    # CPU tensors are coded with numpy, every other device with torch ops: run both here.
+    x = spikes((numel,), density, dtype, seed)
+    if spoil is not None and numel and dtype.is_floating_point:
+        x[seed % numel] = spoil
+        assert codecs._scan_numpy(x) is None and codecs._scan_torch(x) is None
+        return
+    found, expected = codecs._scan_numpy(x), codecs._scan_torch(x)
+    assert found is not None and expected is not None
+    assert found[1] == expected[1] and torch.equal(found[0], expected[0])
+    mask = found[0]
+    bits = codecs._bitpack_numpy(mask)
+    assert torch.equal(bits, codecs._bitpack_torch(mask))
+    index = codecs._index_encode_numpy(mask)
+    expected_index = codecs._index_encode_torch(mask)
+    for a, b in zip(index, expected_index, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for out in (dtype, torch.bool, torch.bfloat16):
+        assert_bitwise_equal(
+            codecs._bitunpack_numpy(bits, numel, out), codecs._bitunpack_torch(bits, numel, out)
+        )
+        assert_bitwise_equal(
+            codecs._index_decode_numpy(index, numel, out),
+            codecs._index_decode_torch(index, numel, out),
+        )
+    assert_bitwise_equal(codecs._bitunpack_numpy(bits, numel, dtype), x)
+
+
+def test_cpu_bit_unpacking_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codecs, "_UNPACK_BYTES", 3)  # 24 elements per numpy call
+    for numel in (0, 1, 23, 24, 25, 48, 100):
+        x = spikes((numel,), 0.5, torch.float32, numel)
+        packed = pack(x, "bitpack")
+        assert_bitwise_equal(unpack(packed), x)
 
 
 def test_index_positions_use_the_whole_int16_range() -> None:

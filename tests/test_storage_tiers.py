@@ -5,12 +5,15 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spikeckpt.errors import StorageError
 from spikeckpt.storage import disk as disk_module
@@ -143,31 +146,30 @@ def test_make_store_errors() -> None:
 # ---------------------------------------------------------------------------------- disk tier
 
 
-def test_disk_files_exist_after_put_are_reused_after_drop_and_go_at_close(tmp_path: Path) -> None:
+def test_disk_checkpoints_share_one_file_whose_freed_regions_are_reused(tmp_path: Path) -> None:
     store = DiskStore("cpu", Ledger(), directory=tmp_path)
     folder = Path(store.directory)
     assert folder.parent == tmp_path and folder.name.startswith("spikeckpt-")
+    assert Path(store.path) == folder / disk_module.FILE_NAME
     store.put(0, state(0))
     store.put(1, state(1))
-    assert sorted(p.name for p in folder.iterdir()) == ["0.pt", "1.pt"]  # before the writes end
-    store.flush()
-    assert all(p.stat().st_size > 0 for p in folder.iterdir())
+    assert [p.name for p in folder.iterdir()] == [disk_module.FILE_NAME]
+    two = store.file_bytes()
+    assert two >= 2 * expected_bytes("disk", state(0))
     store.drop(0)
-    store.flush()
-    # the dropped checkpoint's file is kept as a spare for the next put to overwrite
-    assert sorted(p.name for p in folder.iterdir()) == [".spare-0", "1.pt"]
-    assert [Path(f).name for f in store.files()] == ["1.pt"]
-    store.put(2, state(2))  # reuses the spare: no new file
-    store.flush()
-    assert sorted(p.name for p in folder.iterdir()) == ["1.pt", "2.pt"]
+    store.put(2, state(2))  # into the region checkpoint 0 left: the file does not grow
+    assert store.file_bytes() == two
+    assert [p.name for p in folder.iterdir()] == [disk_module.FILE_NAME]
     assert_same(store.get(2), state(2))
+    assert_same(store.get(1), state(1))
     store.close()
     assert not folder.exists()
     assert list(tmp_path.iterdir()) == []
 
 
-def test_disk_prefetch_reads_ahead_in_the_background(tmp_path: Path) -> None:
-    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+@pytest.mark.parametrize("background_bytes", [0, disk_module.BACKGROUND_BYTES])
+def test_disk_prefetch_reads_ahead_in_the_background(tmp_path: Path, background_bytes: int) -> None:
+    store = DiskStore("cpu", Ledger(), directory=tmp_path, background_bytes=background_bytes)
     checkpoints = {k: state(k) for k in range(4)}
     for k, tensors in checkpoints.items():
         store.put(k, tensors)
@@ -177,8 +179,57 @@ def test_disk_prefetch_reads_ahead_in_the_background(tmp_path: Path) -> None:
         assert_same(store.get(k), checkpoints[k])
         store.drop(k)
     store.flush()
-    assert store.files() == []
+    assert len(store) == 0
     store.close()
+
+
+def _sized_state(seed: int, size: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.rand(size, generator=gen) < 0.3).float(), torch.randn(size, generator=gen)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["put", "get", "prefetch", "drop"]),
+            st.integers(0, 5),
+            st.integers(0, 3000),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    background_bytes=st.sampled_from([0, 4000, disk_module.BACKGROUND_BYTES]),
+)
+def test_disk_store_keeps_every_checkpoint_whatever_the_order_and_sizes(
+    ops: list[tuple[str, int, int]], background_bytes: int
+) -> None:
+    # Regions of the one file are freed and reused while background writes and reads may
+    # still run: every checkpoint read back must be the one written, and no two live
+    # checkpoints may share bytes of the file.
+    with tempfile.TemporaryDirectory() as folder:
+        store = DiskStore("cpu", Ledger(), directory=folder, background_bytes=background_bytes)
+        held: dict[int, list[torch.Tensor]] = {}
+        for i, (op, key, size) in enumerate(ops):
+            if op == "put":
+                held[key] = _sized_state(i, size)
+                store.put(key, held[key])
+            elif op == "drop":
+                held.pop(key, None)
+                store.drop(key)
+            elif key in held:
+                if op == "get":
+                    assert_same(store.get(key), held[key])
+                else:
+                    store.prefetch(key)
+            spans = sorted(
+                (item.offset, item.offset + item.capacity) for item in store._items.values()
+            )
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+        for key, tensors in held.items():
+            assert_same(store.get(key), tensors)
+        store.close()
+        assert os.listdir(folder) == []
 
 
 def test_disk_folder_removed_when_the_store_is_garbage_collected(tmp_path: Path) -> None:
@@ -221,36 +272,44 @@ def test_read_only_directory_raises_storage_error(tmp_path: Path) -> None:
         tmp_path.chmod(0o700)
 
 
-def test_full_disk_raises_storage_error_on_the_next_call_and_cleans_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("background", [False, True], ids=["calling-thread", "io-thread"])
+def test_full_disk_raises_storage_error_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
 ) -> None:
     calls = []
+    write_at = disk_module._write_at
 
-    def full_after_one(payload: list[torch.Tensor], file: object) -> None:
+    def full_after_one(fd: int, views: list[memoryview], offset: int) -> None:
         calls.append(1)
         if len(calls) > 1:
-            file.write(b"partial")  # type: ignore[attr-defined]
+            os.pwrite(fd, b"partial", offset)
             raise OSError(errno.ENOSPC, "No space left on device")
-        torch.save(payload, file)  # type: ignore[arg-type]
+        write_at(fd, views, offset)
 
-    monkeypatch.setattr(disk_module, "_serialize", full_after_one)
+    monkeypatch.setattr(disk_module, "_write_at", full_after_one)
     ledger = Ledger()
-    store = DiskStore("cpu", ledger, directory=tmp_path)
+    store = DiskStore(
+        "cpu", ledger, directory=tmp_path, background_bytes=0 if background else 1 << 20
+    )
     folder = Path(store.directory)
     store.put(0, state(0))
-    store.put(1, state(1))  # fails in the background thread
-    deadline = time.monotonic() + 10
-    while len(calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)
-    with pytest.raises(StorageError) as info:
-        store.get(0)  # the next call surfaces it
+    if background:
+        store.put(1, state(1))  # fails in the background thread
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        with pytest.raises(StorageError) as info:
+            store.get(0)  # the next call surfaces it
+    else:
+        with pytest.raises(StorageError) as info:
+            store.put(1, state(1))  # the call that wrote
     error = info.value
     assert error.errno == errno.ENOSPC
     message = str(error)
     assert "disk is full" in message and str(folder) in message
     assert "needed:" in message and "storage='host'" in message
-    assert not folder.exists()  # the store removed its files and folder
+    assert not folder.exists()  # the store removed its file and folder
     assert ledger.current["disk"] == 0
     with pytest.raises(StorageError):
         store.put(2, state(2))  # and stays failed
@@ -262,18 +321,18 @@ def test_disk_forgets_finished_writes_but_not_failed_ones(
 ) -> None:
     # Every store call checks for failed writes; that check must not scan all writes so far
     # (it made a 4000-step TwoLevel run quadratic): finished writes are forgotten.
-    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    store = DiskStore("cpu", Ledger(), directory=tmp_path, background_bytes=0)
     for k in range(200):
         store.put(k, state(k))
     store.flush()
     assert store._writes == {} and store._failed == []
     store.close()
 
-    def fail(payload: list[torch.Tensor], file: object) -> None:
+    def fail(fd: int, views: list[memoryview], offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_module, "_serialize", fail)
-    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+    monkeypatch.setattr(disk_module, "_write_at", fail)
+    store = DiskStore("cpu", Ledger(), directory=tmp_path, background_bytes=0)
     store.put(0, state(0))
     store.drop(0)  # dropped before anyone looked: the failure is still reported
     deadline = time.monotonic() + 10
@@ -285,13 +344,15 @@ def test_disk_forgets_finished_writes_but_not_failed_ones(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_read_errors_raise_storage_error(tmp_path: Path) -> None:
-    store = DiskStore("cpu", Ledger(), directory=tmp_path)
+@pytest.mark.parametrize("background_bytes", [0, disk_module.BACKGROUND_BYTES])
+def test_read_errors_raise_storage_error(tmp_path: Path, background_bytes: int) -> None:
+    store = DiskStore("cpu", Ledger(), directory=tmp_path, background_bytes=background_bytes)
     store.put(0, state(0))
     store.flush()
-    (Path(store.directory) / "0.pt").unlink()  # someone cleaned the temporary folder
+    os.truncate(store.path, 0)  # someone cut the file short
     with pytest.raises(StorageError, match="read a checkpoint file"):
         store.get(0)
+    assert not Path(store.directory).exists()
     store.close()
 
 

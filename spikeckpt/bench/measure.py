@@ -227,9 +227,10 @@ def calibrate(workload: Workload, directory: str, *, steps: int = 64) -> plans.C
     """Measured operation times in units of one forward step, for the planner's time model.
 
     ``forward``: 1. ``backward``: (BPTT step time - untaped forward time) per step.
-    ``write``: the blocking part of one state's disk write (``put``: packing and hand-off to the
-    tier's I/O thread, which writes in the background); ``read``: one ``get`` without prefetch
-    (the executor prefetches, so this is an upper bound). ``segment``: the fixed cost of one
+    ``write``: the blocking part of one state's disk write (``put``: packing, and the write
+    itself for states up to the disk tier's ``background_bytes``, else the hand-off to its I/O
+    thread); ``read``: one ``get`` without prefetch (an upper bound for large states, which the
+    executor prefetches). ``segment``: the fixed cost of one
     backward call (:func:`spikeckpt.planning.segment_seconds`).
     """
     from spikeckpt.planning import SEGMENT_PROBE_STEPS, segment_seconds

@@ -15,8 +15,10 @@ inside it (a training step's parameters, gradients, optimizer state and input ba
 then count as held from that moment until they are freed.
 
 Not seen on the CPU: tensors made in other threads (e.g. DataLoader workers, a disk tier's
-I/O thread), tensors created without an op (``torch.load``, ``torch.from_numpy``), in-place
-growth of existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors.
+I/O thread), tensors created without an op (``torch.load``, ``torch.from_numpy``), NumPy
+arrays (the CPU spike codec's temporaries while it codes a tensor: its bit-packed bytes, or 8
+bytes per one for index lists; at most 1 MiB while unpacking), in-place growth of
+existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors.
 """
 
 from __future__ import annotations

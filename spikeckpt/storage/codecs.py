@@ -25,10 +25,10 @@ bit of every value; they do not keep strides (unpacked tensors are contiguous) o
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -61,6 +61,8 @@ _PREFIX = 256  # elements checked first, to reject non-binary tensors cheaply
 _ONE_BITS: dict[torch.dtype, int] = {}
 _SHIFTS: dict[torch.device, Tensor] = {}
 _TABLES: dict[torch.device, Tensor] = {}
+# dtypes whose tensors have a numpy view (bfloat16 has none: unpacked as uint8, then cast)
+_NUMPY_DTYPES = frozenset({torch.bool, torch.float16, torch.float32, torch.float64, *_INTEGER})
 
 
 @dataclass(frozen=True)
@@ -99,12 +101,14 @@ class Packed:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Packed:
         """Move the payload to ``device`` (``self.device``, where it unpacks to, is kept)."""
         device = torch.device(device)
+        if all(p.device == device for p in self.payload):
+            return self
         payload = tuple(p.to(device, non_blocking=non_blocking) for p in self.payload)
-        return dataclasses.replace(self, payload=payload)
+        return self.with_payload(payload)
 
     def with_payload(self, payload: tuple[Tensor, ...]) -> Packed:
         """The same description with another payload (same shapes and dtypes)."""
-        return dataclasses.replace(self, payload=tuple(payload))
+        return Packed(self.codec, self.shape, self.dtype, self.device, tuple(payload))
 
 
 def packable_dtype(dtype: torch.dtype) -> bool:
@@ -215,10 +219,7 @@ def _ones_mask(tensor: Tensor) -> tuple[Tensor, Tensor]:
     if view is None:
         return tensor == 1, tensor
     raw = tensor.view(view)
-    one = _ONE_BITS.get(tensor.dtype)
-    if one is None:
-        one = _ONE_BITS[tensor.dtype] = int(torch.ones((), dtype=tensor.dtype).view(view).item())
-    return raw == one, raw
+    return raw == _one_bits(tensor.dtype), raw
 
 
 def _scan(tensor: Tensor) -> tuple[Tensor, int] | None:
@@ -226,6 +227,12 @@ def _scan(tensor: Tensor) -> tuple[Tensor, int] | None:
     if tensor.layout != torch.strided or not packable_dtype(tensor.dtype):
         return None
     tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return _scan_numpy(tensor)
+    return _scan_torch(tensor)
+
+
+def _scan_torch(tensor: Tensor) -> tuple[Tensor, int] | None:
     if tensor.dtype != torch.bool and tensor.numel() > 16 * _PREFIX and tensor.is_contiguous():
         head = tensor.view(-1)[:_PREFIX]
         ones, raw = _ones_mask(head)
@@ -236,6 +243,43 @@ def _scan(tensor: Tensor) -> tuple[Tensor, int] | None:
     if raw is not ones and n_ones != int(torch.count_nonzero(raw)):
         return None
     return ones.reshape(-1), n_ones
+
+
+# CPU tensors are coded with numpy: its calls cost about a microsecond where a torch op costs
+# several, which for the small states of a checkpoint is most of the time (a round trip of a
+# 34 KB state: 276 us with torch ops, see docs/benchmarks.md section 7). The results are
+# bitwise those of the torch code below, which serves every other device (tests compare the
+# two). Every tensor that outlives a call is allocated by torch (seen by ``MemoryMeter``); the
+# numpy temporaries are bounded (``_UNPACK_BYTES``) and freed at once.
+_UNPACK_BYTES = 1 << 17  # packed bytes unpacked per numpy call: temporaries of <= 1 MiB
+
+
+def _scan_numpy(tensor: Tensor) -> tuple[Tensor, int] | None:
+    flat = tensor.reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat, int(np.count_nonzero(flat.numpy()))
+    view = _BITS_VIEW.get(flat.dtype)
+    raw = (flat.view(view) if view is not None else flat).numpy()
+    one = _one_bits(flat.dtype)
+    head = raw[:_PREFIX]
+    if raw.size > _PREFIX and np.count_nonzero(head == one) != np.count_nonzero(head):
+        return None
+    mask = torch.empty(raw.size, dtype=torch.bool)
+    ones = mask.numpy()
+    np.equal(raw, one, out=ones)
+    n_ones = int(np.count_nonzero(ones))
+    if n_ones != np.count_nonzero(raw):
+        return None
+    return mask, n_ones
+
+
+def _one_bits(dtype: torch.dtype) -> int:
+    """The value 1 of ``dtype`` as its integer bit pattern (floats) or itself (integers)."""
+    one = _ONE_BITS.get(dtype)
+    if one is None:
+        view = _BITS_VIEW.get(dtype, dtype)
+        one = _ONE_BITS[dtype] = int(torch.ones((), dtype=dtype).view(view).item())
+    return one
 
 
 def _bitpack_nbytes(mask: Tensor) -> int:
@@ -266,6 +310,18 @@ def _table(device: torch.device) -> Tensor:
 
 def _bitpack(mask: Tensor) -> Tensor:
     """Flat bool ``(n,)`` -> uint8 ``(ceil(n / 8),)``, bit ``j`` of byte ``i`` = element 8i+j."""
+    if mask.device.type == "cpu":
+        return _bitpack_numpy(mask)
+    return _bitpack_torch(mask)
+
+
+def _bitpack_numpy(mask: Tensor) -> Tensor:
+    out = torch.empty((mask.numel() + 7) // 8, dtype=torch.uint8)
+    out.numpy()[:] = np.packbits(mask.numpy(), bitorder="little")
+    return out
+
+
+def _bitpack_torch(mask: Tensor) -> Tensor:
     u8 = mask.view(torch.uint8)
     pad = (-u8.numel()) % 8
     if pad:
@@ -276,6 +332,23 @@ def _bitpack(mask: Tensor) -> Tensor:
 
 def _bitunpack(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     """uint8 ``(ceil(numel / 8),)`` -> ``(numel,)`` of ``dtype`` holding 0 and 1."""
+    if packed.device.type == "cpu":
+        return _bitunpack_numpy(packed, numel, dtype)
+    return _bitunpack_torch(packed, numel, dtype)
+
+
+def _bitunpack_numpy(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    out = torch.empty(numel, dtype=dtype if dtype in _NUMPY_DTYPES else torch.uint8)
+    bits, source = out.numpy(), packed.numpy()
+    for start in range(0, source.size, _UNPACK_BYTES):
+        first = 8 * start
+        count = min(8 * _UNPACK_BYTES, numel - first)
+        part = source[start : start + _UNPACK_BYTES]
+        bits[first : first + count] = np.unpackbits(part, count=count, bitorder="little")
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _bitunpack_torch(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     if sys.byteorder == "little":
         bits = _table(packed.device)[packed.long()].view(torch.uint8)
     else:  # pragma: no cover - big-endian machines
@@ -285,6 +358,24 @@ def _bitunpack(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
 
 
 def _index_encode(mask: Tensor) -> tuple[Tensor, ...]:
+    if mask.device.type == "cpu":
+        return _index_encode_numpy(mask)
+    return _index_encode_torch(mask)
+
+
+def _index_encode_numpy(mask: Tensor) -> tuple[Tensor, ...]:
+    positions = np.flatnonzero(mask.numpy())  # int64, ascending
+    local = torch.empty(positions.size, dtype=torch.int16)
+    local.numpy()[:] = (positions & (BLOCK - 1)) - BLOCK // 2
+    if mask.numel() <= BLOCK:
+        return (local,)
+    n_blocks = (mask.numel() + BLOCK - 1) // BLOCK
+    counts = torch.empty(n_blocks, dtype=torch.int32)
+    counts.numpy()[:] = np.bincount(positions >> 16, minlength=n_blocks)
+    return (local, counts)
+
+
+def _index_encode_torch(mask: Tensor) -> tuple[Tensor, ...]:
     positions = torch.nonzero(mask).reshape(-1)  # int64, ascending
     local = ((positions & (BLOCK - 1)) - BLOCK // 2).to(torch.int16)
     if mask.numel() <= BLOCK:
@@ -295,6 +386,22 @@ def _index_encode(mask: Tensor) -> tuple[Tensor, ...]:
 
 
 def _index_decode(payload: tuple[Tensor, ...], numel: int, dtype: torch.dtype) -> Tensor:
+    if payload[0].device.type == "cpu":
+        return _index_decode_numpy(payload, numel, dtype)
+    return _index_decode_torch(payload, numel, dtype)
+
+
+def _index_decode_numpy(payload: tuple[Tensor, ...], numel: int, dtype: torch.dtype) -> Tensor:
+    positions = payload[0].numpy().astype(np.int64) + BLOCK // 2
+    if len(payload) > 1:
+        counts = payload[1].numpy()
+        positions += np.repeat(np.arange(counts.size, dtype=np.int64) * BLOCK, counts)
+    out = torch.zeros(numel, dtype=dtype if dtype in _NUMPY_DTYPES else torch.uint8)
+    out.numpy()[positions] = 1
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _index_decode_torch(payload: tuple[Tensor, ...], numel: int, dtype: torch.dtype) -> Tensor:
     local = payload[0]
     positions = local.long() + BLOCK // 2
     if len(payload) > 1:

@@ -10,47 +10,34 @@ from torch import Tensor
 
 from spikeckpt.storage.base import Ledger, StoreBase, tensor_nbytes
 from spikeckpt.storage.codecs import Packed, pack, unpack
+from spikeckpt.storage.freelist import ALIGN, BestFit, round_capacity
 
 __all__ = ["HostStore"]
-
-_ALIGN = 64  # byte alignment of each payload inside a pinned host buffer
 
 
 class _PinnedPool:
     """Pinned CPU byte buffers, allocated once and reused (best fit, at most ~2x the request)."""
 
     def __init__(self) -> None:
-        self._free: list[Tensor] = []
+        self._free: BestFit[Tensor] = BestFit()
         self.allocated_bytes = 0
 
     def take(self, nbytes: int) -> Tensor:
         """A pinned uint8 buffer of at least ``nbytes``."""
-        best = None
-        for i, buf in enumerate(self._free):
-            cap = buf.numel()
-            if nbytes <= cap <= 2 * nbytes + 4096 and (
-                best is None or cap < self._free[best].numel()
-            ):
-                best = i
-        if best is not None:
-            return self._free.pop(best)
-        capacity = _round_capacity(nbytes)
+        found = self._free.take(nbytes)
+        if found is not None:
+            return found[1]
+        capacity = round_capacity(nbytes)
         self.allocated_bytes += capacity
         return torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
 
     def give(self, buf: Tensor) -> None:
         """Return ``buf`` for reuse."""
-        self._free.append(buf)
+        self._free.give(buf.numel(), buf)
 
     def clear(self) -> None:
         self._free.clear()
         self.allocated_bytes = 0
-
-
-def _round_capacity(nbytes: int) -> int:
-    """Round up to 1/8 of a power of two (at most 12.5% waste) so that sizes recur."""
-    step = max(_ALIGN, 1 << max(0, nbytes.bit_length() - 4))
-    return max(step, -(-nbytes // step) * step)
 
 
 @dataclass
@@ -219,7 +206,7 @@ def _layout(packs: list[Packed]) -> tuple[list[list[int]], int]:
         offs = []
         for t in p.payload:
             offs.append(total)
-            total += -(-tensor_nbytes(t) // _ALIGN) * _ALIGN
+            total += -(-tensor_nbytes(t) // ALIGN) * ALIGN
         offsets.append(offs)
     return offsets, max(total, 1)
 
