@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 import torch
 
 from spikeckpt.storage.base import Ledger
-from spikeckpt.storage.disk import BACKGROUND_BYTES, DiskStore
+from spikeckpt.storage.disk import DiskStore
 from spikeckpt.storage.host import HostStore
 
 
@@ -68,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         stores = {
             "host": HostStore("cpu", Ledger()),
-            "disk (calling thread)": DiskStore("cpu", Ledger(), folder, BACKGROUND_BYTES << 20),
+            "disk (calling thread)": DiskStore(
+                "cpu", Ledger(), folder, background_bytes=sys.maxsize
+            ),
             "disk (I/O thread)": DiskStore("cpu", Ledger(), folder, background_bytes=0),
         }
         times = {name: float("inf") for name in stores}

@@ -132,6 +132,12 @@ def test_cpu_bit_unpacking_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
         x = spikes((numel,), 0.5, torch.float32, numel)
         packed = pack(x, "bitpack")
         assert_bitwise_equal(unpack(packed), x)
+        # bytes past the last element (a slice of a longer train) are ignored, as on devices
+        longer = torch.cat([packed.payload[0], torch.full((7,), 255, dtype=torch.uint8)])
+        assert_bitwise_equal(
+            codecs._bitunpack_numpy(longer, numel, torch.float32),
+            codecs._bitunpack_torch(longer, numel, torch.float32),
+        )
 
 
 def test_index_positions_use_the_whole_int16_range() -> None:

@@ -61,8 +61,8 @@ _PREFIX = 256  # elements checked first, to reject non-binary tensors cheaply
 _ONE_BITS: dict[torch.dtype, int] = {}
 _SHIFTS: dict[torch.device, Tensor] = {}
 _TABLES: dict[torch.device, Tensor] = {}
-# dtypes whose tensors have a numpy view (bfloat16 has none: unpacked as uint8, then cast)
-_NUMPY_DTYPES = frozenset({torch.bool, torch.float16, torch.float32, torch.float64, *_INTEGER})
+NUMPY_DTYPES = frozenset({torch.bool, torch.float16, torch.float32, torch.float64, *_INTEGER})
+"""dtypes whose CPU tensors NumPy views as they are (bfloat16 and complex have no such view)."""
 
 
 @dataclass(frozen=True)
@@ -338,8 +338,8 @@ def _bitunpack(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
 
 
 def _bitunpack_numpy(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-    out = torch.empty(numel, dtype=dtype if dtype in _NUMPY_DTYPES else torch.uint8)
-    bits, source = out.numpy(), packed.numpy()
+    out = torch.empty(numel, dtype=dtype if dtype in NUMPY_DTYPES else torch.uint8)
+    bits, source = out.numpy(), packed.numpy()[: (numel + 7) // 8]
     for start in range(0, source.size, _UNPACK_BYTES):
         first = 8 * start
         count = min(8 * _UNPACK_BYTES, numel - first)
@@ -396,7 +396,7 @@ def _index_decode_numpy(payload: tuple[Tensor, ...], numel: int, dtype: torch.dt
     if len(payload) > 1:
         counts = payload[1].numpy()
         positions += np.repeat(np.arange(counts.size, dtype=np.int64) * BLOCK, counts)
-    out = torch.zeros(numel, dtype=dtype if dtype in _NUMPY_DTYPES else torch.uint8)
+    out = torch.zeros(numel, dtype=dtype if dtype in NUMPY_DTYPES else torch.uint8)
     out.numpy()[positions] = 1
     return out if out.dtype == dtype else out.to(dtype)
 

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from spikeckpt.errors import StorageError
 from spikeckpt.storage.base import Ledger, StoreBase
-from spikeckpt.storage.codecs import Packed, pack, unpack
+from spikeckpt.storage.codecs import NUMPY_DTYPES, Packed, pack, unpack
 from spikeckpt.storage.freelist import BestFit, round_capacity
 from spikeckpt.units import format_bytes
 
@@ -142,6 +142,7 @@ class DiskStore(StoreBase):
                 where = parent if parent is not None else tempfile.gettempdir()
                 raise _storage_error(exc, where, 0, "create a checkpoint folder in") from exc
             self.path = os.path.join(self.directory, FILE_NAME)
+            # the file is opened after the finalizer owns the folder; it closes what is here
             fds: list[int] = []
             self._finalizer = weakref.finalize(
                 self, _cleanup, self._worker, fds, self.directory, name
@@ -558,13 +559,6 @@ def _preadv(fd: int, views: list[memoryview], offset: int) -> int:
     return len(data)  # pragma: no cover
 
 
-# dtypes whose contiguous tensors numpy views directly (bfloat16 and complex go the long way)
-_NUMPY_VIEWABLE = frozenset(
-    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-    | {torch.float16, torch.float32, torch.float64}
-)
-
-
 def _raw_layout(payload: Sequence[Tensor]) -> Layout | None:
     """Each payload tensor's (dtype, shape) when all can be written as raw bytes, else None."""
     for t in payload:
@@ -575,7 +569,7 @@ def _raw_layout(payload: Sequence[Tensor]) -> Layout | None:
 
 def _raw_bytes(t: Tensor) -> memoryview:
     """The bytes of ``t``'s elements in row-major order (a view when ``t`` is contiguous)."""
-    if t.dtype in _NUMPY_VIEWABLE and t.dim() and t.is_contiguous() and not t.is_neg():
+    if t.dtype in NUMPY_DTYPES and t.dim() and t.is_contiguous() and not t.is_neg():
         return memoryview(t.detach().numpy()).cast("B")
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
