@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 import spikeckpt as sc
+import spikeckpt.engine.planned as planned_module
 import spikeckpt.engine.scan as scan_module
 from spikeckpt import plans as P
 from spikeckpt.engine.saved import backward_reserve, measure_step
@@ -219,7 +220,7 @@ def test_scan_fills_intervals_once_per_step_and_shape(monkeypatch: pytest.Monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(scan_module, "measure_costs", counting)
-    scan_module._PLANNED.clear()
+    planned_module._PLANNED.clear()
     grads = []
     for _ in range(2):
         net.zero_grad(set_to_none=True)

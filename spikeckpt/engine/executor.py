@@ -229,70 +229,85 @@ class Executor:
 
     def _steps(self, a: int, b: int, *, taped: bool) -> None:
         assert self.current is not None and self.index == a
-        leaves = self.current
-        fn, emit, check = self.fn, self.emit if self.in_forward else None, self.check
-        x = self._x
-        if not taped:
-            with torch.no_grad():
-                for t in range(a, b):
-                    leaves, ys = fn(t, leaves, x(t), check)
-                    if emit is not None:
-                        emit(t, ys)
-        else:
-            initial_grad = self.initial_grad
-            first = [
-                leaf.detach().requires_grad_(is_float(leaf) and (a > 0 or initial_grad[i]))
-                for i, leaf in enumerate(leaves)
-            ]
-            segs: list[Tensor | None] = []
-            for leaf, need in zip(self.inputs, self.input_grad, strict=False):
-                if need:
-                    segs.append(leaf[a:b].detach().to(self.device).requires_grad_())
-                else:
-                    segs.append(None)
-            plain = not any(seg is not None for seg in segs)
-            if self._saved is None:  # one counter (and hook pair) for the whole run
-                self._saved = SavedBytes(exclude=self.params, pack=self.pack_tape)
-            counter = self._saved
-            # Saved-tensor hooks cost a Python call per saved tensor (about a fifth of a small
-            # LIF step on a CPU): without packing, count the first two steps of the segment
-            # and charge the second step's bytes for each later one (the first step starts
-            # from fresh leaves, the second is what every later step does). Packing hooks all.
-            sample = b - a if self.pack_tape else min(2, b - a)
-            before = counter.bytes
-            later = 0
-            leaves, tape_ys = first, []
-            with torch.enable_grad():
-                # per-step views through one unbind (taped): indexing seg[t] per step would make
-                # each step's backward allocate and fill a zero gradient of the whole segment
-                seg_steps = [seg.unbind(0) if seg is not None else None for seg in segs]
-                for t in range(a, b):
-                    if plain:
-                        xs = x(t)
-                    else:
-                        xs = [
-                            steps[t - a] if steps is not None else xt
-                            for steps, xt in zip(seg_steps, x(t), strict=False)
-                        ]
-                    if t - a < sample:
-                        mark = counter.bytes
-                        with counter:
-                            leaves, ys = fn(t, leaves, xs, check)
-                        later = counter.bytes - mark
-                    else:
-                        leaves, ys = fn(t, leaves, xs, check)
-                    tape_ys.append(ys)
-                    if emit is not None:
-                        emit(t, [y.detach() for y in ys])
-            nbytes = counter.bytes - before + later * (b - a - sample)
-            self.tapes.append(_Tape(a, b, first, leaves, tape_ys, segs, nbytes))
-            self._tape_bytes += nbytes
-            self.counters.taped_steps += b - a
-            self.counters.tape_bytes += nbytes
+        leaves = self._taped(a, b) if taped else self._untaped(a, b)
         self.counters.forward_steps += b - a
         if leaves is not self.current:
             self._current_bytes = leaf_bytes(leaves)
         self.current, self.index, self.stored_here = leaves, b, False
+
+    def _untaped(self, a: int, b: int) -> list[Tensor]:
+        """Steps ``a..b-1`` without a tape; returns the state leaves after them."""
+        leaves = self.current
+        assert leaves is not None
+        fn, emit, check, x = self.fn, self.emit if self.in_forward else None, self.check, self._x
+        with torch.no_grad():
+            for t in range(a, b):
+                leaves, ys = fn(t, leaves, x(t), check)
+                if emit is not None:
+                    emit(t, ys)
+        return leaves
+
+    def _segments(self, a: int, b: int) -> list[Tensor | None]:
+        """Steps ``a..b-1`` of each input that needs a gradient, as a leaf requiring grad
+        (None for the others)."""
+        segs: list[Tensor | None] = []
+        for leaf, need in zip(self.inputs, self.input_grad, strict=False):
+            if need:
+                segs.append(leaf[a:b].detach().to(self.device).requires_grad_())
+            else:
+                segs.append(None)
+        return segs
+
+    def _taped(self, a: int, b: int) -> list[Tensor]:
+        """Steps ``a..b-1`` taped (kept in :attr:`tapes`); returns the state leaves after."""
+        assert self.current is not None
+        fn, emit, check, x = self.fn, self.emit if self.in_forward else None, self.check, self._x
+        initial_grad = self.initial_grad
+        first = [
+            leaf.detach().requires_grad_(is_float(leaf) and (a > 0 or initial_grad[i]))
+            for i, leaf in enumerate(self.current)
+        ]
+        segs = self._segments(a, b)
+        plain = not any(seg is not None for seg in segs)
+        if self._saved is None:  # one counter (and hook pair) for the whole run
+            self._saved = SavedBytes(exclude=self.params, pack=self.pack_tape)
+        counter = self._saved
+        # Saved-tensor hooks cost a Python call per saved tensor (about a fifth of a small
+        # LIF step on a CPU): without packing, count the first two steps of the segment
+        # and charge the second step's bytes for each later one (the first step starts
+        # from fresh leaves, the second is what every later step does). Packing hooks all.
+        sample = b - a if self.pack_tape else min(2, b - a)
+        before = counter.bytes
+        later = 0
+        leaves, tape_ys = first, []
+        with torch.enable_grad():
+            # per-step views through one unbind (taped): indexing seg[t] per step would make
+            # each step's backward allocate and fill a zero gradient of the whole segment
+            seg_steps = [seg.unbind(0) if seg is not None else None for seg in segs]
+            for t in range(a, b):
+                if plain:
+                    xs = x(t)
+                else:
+                    xs = [
+                        steps[t - a] if steps is not None else xt
+                        for steps, xt in zip(seg_steps, x(t), strict=False)
+                    ]
+                if t - a < sample:
+                    mark = counter.bytes
+                    with counter:
+                        leaves, ys = fn(t, leaves, xs, check)
+                    later = counter.bytes - mark
+                else:
+                    leaves, ys = fn(t, leaves, xs, check)
+                tape_ys.append(ys)
+                if emit is not None:
+                    emit(t, [y.detach() for y in ys])
+        nbytes = counter.bytes - before + later * (b - a - sample)
+        self.tapes.append(_Tape(a, b, first, leaves, tape_ys, segs, nbytes))
+        self._tape_bytes += nbytes
+        self.counters.taped_steps += b - a
+        self.counters.tape_bytes += nbytes
+        return leaves
 
     def _hold(self, tier: str, i: int, size: int) -> None:
         held = self.held[tier]
@@ -372,18 +387,7 @@ class Executor:
         tape = self.tapes.pop()
         self._tape_bytes -= tape.nbytes
         assert (tape.start, tape.stop) == (a, b) and self.y_grad is not None
-        y_grad = self.y_grad
-        outs: list[Tensor] = []
-        grads: list[Tensor] = []
-        for t, ys in enumerate(tape.ys, a):
-            for y, g in zip(ys, y_grad(t), strict=False):
-                if g is not None and y.requires_grad:
-                    outs.append(y)
-                    grads.append(g)
-        for x, g in zip(tape.last, self.grad_state, strict=False):
-            if g is not None and x.requires_grad:
-                outs.append(x)
-                grads.append(g)
+        outs, grads = self._roots(tape)
         first, params = tape.first, self.params
         wrt_state = [i for i, x in enumerate(first) if x.requires_grad]
         wrt_inputs = [j for j, seg in enumerate(tape.inputs) if seg is not None]
@@ -393,16 +397,7 @@ class Executor:
         if outs and inputs:
             n, m = len(wrt_state), len(params)
             with torch.enable_grad():
-                # Feed the gradient accumulated so far into each parameter first, so the sum
-                # runs in the same order as one backward pass over the whole loop (bitwise).
-                fed = [k for k, acc in enumerate(self.grad_params) if acc is not None]
-                if fed:
-                    box = [tuple(self.grad_params[k] for k in fed)]  # type: ignore[misc]
-                    for k in fed:  # hand the tensors over: autograd adds into them in place
-                        self.grad_params[k] = None
-                    outs.append(FeedGrads.apply(box, *(params[k] for k in fed)))
-                    grads.append(outs[-1].new_zeros(()))
-                    del box
+                self._feed(outs, grads)
                 found = grad(outs, inputs, grads)
             del outs, grads
             for i, g in zip(wrt_state, found[:n], strict=False):
@@ -410,15 +405,52 @@ class Executor:
             for k, g in enumerate(found[n : n + m]):
                 if g is not None:
                     self.grad_params[k] = g
-            for j, g in zip(wrt_inputs, found[n + m :], strict=False):
-                if g is None:
-                    continue
-                buf = self.grad_inputs[j]
-                if buf is None:
-                    buf = self.grad_inputs[j] = torch.zeros_like(self.inputs[j])
-                buf[a:b] = g.to(buf.device)
+            self._input_grads(a, b, wrt_inputs, found[n + m :])
             del found
         del tape
         self.grad_state = new_state
         self.counters.backward_steps += b - a
         self.current, self.index, self.stored_here = None, None, False
+
+    def _roots(self, tape: _Tape) -> tuple[list[Tensor], list[Tensor]]:
+        """The tape's outputs and final state leaves that get a gradient, and those
+        gradients (``dL/dy_t`` and the carried state gradient)."""
+        assert self.y_grad is not None
+        y_grad = self.y_grad
+        outs: list[Tensor] = []
+        grads: list[Tensor] = []
+        for t, ys in enumerate(tape.ys, tape.start):
+            for y, g in zip(ys, y_grad(t), strict=False):
+                if g is not None and y.requires_grad:
+                    outs.append(y)
+                    grads.append(g)
+        for x, g in zip(tape.last, self.grad_state, strict=False):
+            if g is not None and x.requires_grad:
+                outs.append(x)
+                grads.append(g)
+        return outs, grads
+
+    def _feed(self, outs: list[Tensor], grads: list[Tensor]) -> None:
+        """Feed the gradient accumulated so far into each parameter first (one more root), so
+        the sum runs in the same order as one backward pass over the whole loop (bitwise)."""
+        params = self.params
+        fed = [k for k, acc in enumerate(self.grad_params) if acc is not None]
+        if fed:
+            box = [tuple(self.grad_params[k] for k in fed)]  # type: ignore[misc]
+            for k in fed:  # hand the tensors over: autograd adds into them in place
+                self.grad_params[k] = None
+            outs.append(FeedGrads.apply(box, *(params[k] for k in fed)))
+            grads.append(outs[-1].new_zeros(()))
+            del box
+
+    def _input_grads(
+        self, a: int, b: int, wrt_inputs: list[int], found: Sequence[Tensor | None]
+    ) -> None:
+        """Write the inputs' gradients of steps ``a..b-1`` into their full buffers."""
+        for j, g in zip(wrt_inputs, found, strict=False):
+            if g is None:
+                continue
+            buf = self.grad_inputs[j]
+            if buf is None:
+                buf = self.grad_inputs[j] = torch.zeros_like(self.inputs[j])
+            buf[a:b] = g.to(buf.device)

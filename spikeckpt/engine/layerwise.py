@@ -278,18 +278,7 @@ class _LayerwiseJob(Job):
                     top = b == nb - 1
                     train = self._measure(b, inp, record)
                     if record:
-                        meta, count = None, 0
-                        if isinstance(train, Packed):
-                            meta, count = train.with_payload(()), len(train.payload)
-                            items.extend(train.payload)
-                        elif train is not None:  # the device tier: the tensor itself
-                            count = 1
-                            items.append(train)
-                        n_state = len(states[b]) if c > 0 else 0
-                        items.extend(states[b][:n_state])
-                        layout.append((meta, count, n_state))
-                    if record and self.blocks[b].draws_random:
-                        self.rng[(c, b)] = RngState.capture(self.cuda_devices)
+                        layout.append(self._keep(c, b, train, states[b], items))
                     outs, states[b] = self._run_block(b, inp, states[b], top)
                     if not top:
                         inp = outs[0]
@@ -312,6 +301,30 @@ class _LayerwiseJob(Job):
         if not record:
             self.close()
         return outs + [t for s in states for t in s]
+
+    def _keep(
+        self,
+        c: int,
+        b: int,
+        train: Packed | Tensor | None,
+        state: list[Tensor],
+        items: list[Tensor],
+    ) -> tuple[Packed | None, int, int]:
+        """Add what backward needs of block ``b`` at chunk ``c`` to the open entry's
+        ``items`` (its input train and, after the first chunk, its state at the chunk start;
+        its RNG state when it draws random numbers); returns the block's layout entry."""
+        meta, count = None, 0
+        if isinstance(train, Packed):
+            meta, count = train.with_payload(()), len(train.payload)
+            items.extend(train.payload)
+        elif train is not None:  # the device tier: the tensor itself
+            count = 1
+            items.append(train)
+        n_state = len(state) if c > 0 else 0
+        items.extend(state[:n_state])
+        if self.blocks[b].draws_random:
+            self.rng[(c, b)] = RngState.capture(self.cuda_devices)
+        return meta, count, n_state
 
     def _measure(self, b: int, inp: Tensor, record: bool) -> Packed | Tensor | None:
         """Count block ``b``'s input chunk in the stats; return what to store of it: None for
@@ -455,20 +468,19 @@ class _LayerwiseJob(Job):
             if saved is not None:
                 saved.restore()
             outs, final = self._run_block(b, inp, leaves, top)
-            roots, root_grads = [], []
-            for o, g in zip([*outs, *final], [*g_out, *g_state], strict=True):
-                if g is not None and o.requires_grad:
-                    roots.append(o)
-                    root_grads.append(g)
             pidx = self.block_params[b]
-            wrt = [inp, *leaves, *(self.params[j] for j in pidx)]
-            mask = [t.requires_grad for t in wrt]
-            targets = [t for t, m in zip(wrt, mask, strict=True) if m]
-            got: list[Tensor | None] = [None] * len(wrt)
-            if roots and targets:
-                it = iter(grad(roots, targets, root_grads))
-                got = [next(it) if m else None for m in mask]
-        for j, g in zip(pidx, got[1 + len(leaves) :], strict=True):
+            got = _gradients(
+                [*outs, *final], [*g_out, *g_state], [inp, *leaves, *(self.params[j] for j in pidx)]
+            )
+        self._accumulate(pidx, got[1 + len(leaves) :], grad_p)
+        return [got[0] if want_in else None], list(got[1 : 1 + len(leaves)])
+
+    def _accumulate(
+        self, pidx: list[int], found: Sequence[Tensor | None], grad_p: list[Tensor | None]
+    ) -> None:
+        """Add a block's parameter gradients ``found`` (for ``params[j]``, ``j`` in ``pidx``)
+        into the running sums ``grad_p``."""
+        for j, g in zip(pidx, found, strict=True):
             acc = grad_p[j]
             if g is None:
                 continue
@@ -479,7 +491,24 @@ class _LayerwiseJob(Job):
             else:
                 grad_p[j] = acc + g
                 self.owned.add(j)
-        return [got[0] if want_in else None], list(got[1 : 1 + len(leaves)])
+
+
+def _gradients(
+    outs: Sequence[Tensor], out_grads: Sequence[Tensor | None], wrt: Sequence[Tensor]
+) -> list[Tensor | None]:
+    """The gradients of ``outs`` (those with a gradient in ``out_grads`` that require grad)
+    w.r.t. ``wrt``, one per ``wrt`` (None where it needs none or gets none)."""
+    roots, root_grads = [], []
+    for o, g in zip(outs, out_grads, strict=True):
+        if g is not None and o.requires_grad:
+            roots.append(o)
+            root_grads.append(g)
+    mask = [t.requires_grad for t in wrt]
+    targets = [t for t, m in zip(wrt, mask, strict=True) if m]
+    if not (roots and targets):
+        return [None] * len(wrt)
+    it = iter(grad(roots, targets, root_grads))
+    return [next(it) if m else None for m in mask]
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -524,34 +553,14 @@ def layerwise_scan(
         ``(ys, final_states)`` (``ys`` a tensor, or a ``(spikes, mem)`` tuple with
         ``output="both"``; ``final_states`` one per block), plus the stats with ``stats=True``.
     """
-    if readout not in READOUTS:
-        raise ValueError(
-            f"layer-wise granularity supports readout None, 'sum', 'mean' or 'last', got "
-            f"{readout!r}; use granularity='stack' for a callable readout"
-        )
-    if output not in _OUTPUTS:
-        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
-    x = as_input(x)
+    x = _checked_input(x, blocks, states, readout, output)
     packed = is_packed(x)
-    if not (packed or isinstance(x, Tensor)) or len(x.shape) < 2:
-        raise ValueError("layer-wise granularity needs x as one (T, B, ...) tensor or train")
-    if len(states) != len(blocks) or not blocks:
-        raise ValueError(f"need one state per block ({len(blocks)}), got {len(states)}")
     T = x.shape[0]
-    if T == 0:
-        raise ValueError("inputs hold T=0 time steps; need T >= 1")
     k = chunk_for(chunk, T)
     if params is None:
         params = list({id(t): t for b in blocks for t in b.params}.values())
     params = [p for p in params if p.requires_grad]
-    leaves, defs, counts = [], [], []
-    for s in states:
-        ls, d = pytree.tree_flatten(s)
-        if not all(isinstance(t, Tensor) for t in ls):
-            raise TypeError("block states must be tensors or pytrees of tensors")
-        leaves.extend(ls)
-        defs.append(d)
-        counts.append(len(ls))
+    leaves, defs, counts = _flat_states(states)
     st = LayerwiseStats(
         plan=f"layer-wise(chunk={k})",
         schedule=None,
@@ -593,3 +602,39 @@ def layerwise_scan(
     ]
     ys: Any = outs[0] if len(outs) == 1 else tuple(outs)
     return (ys, finals, st) if stats else (ys, finals)
+
+
+def _checked_input(
+    x: Any, blocks: Sequence[LayerBlock], states: Sequence[Any], readout: Any, output: str
+) -> Any:
+    """``x`` as the run takes it (a ``torch.sparse_coo`` train packed), after checking the
+    arguments of :func:`layerwise_scan`."""
+    if readout not in READOUTS:
+        raise ValueError(
+            f"layer-wise granularity supports readout None, 'sum', 'mean' or 'last', got "
+            f"{readout!r}; use granularity='stack' for a callable readout"
+        )
+    if output not in _OUTPUTS:
+        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    x = as_input(x)
+    if not (is_packed(x) or isinstance(x, Tensor)) or len(x.shape) < 2:
+        raise ValueError("layer-wise granularity needs x as one (T, B, ...) tensor or train")
+    if len(states) != len(blocks) or not blocks:
+        raise ValueError(f"need one state per block ({len(blocks)}), got {len(states)}")
+    if x.shape[0] == 0:
+        raise ValueError("inputs hold T=0 time steps; need T >= 1")
+    return x
+
+
+def _flat_states(states: Sequence[Any]) -> tuple[list[Tensor], list[Any], list[int]]:
+    """Every block's state leaves in one list, each block's tree spec and leaf count."""
+    leaves: list[Tensor] = []
+    defs, counts = [], []
+    for s in states:
+        ls, d = pytree.tree_flatten(s)
+        if not all(isinstance(t, Tensor) for t in ls):
+            raise TypeError("block states must be tensors or pytrees of tensors")
+        leaves.extend(ls)
+        defs.append(d)
+        counts.append(len(ls))
+    return leaves, defs, counts

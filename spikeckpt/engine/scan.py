@@ -6,218 +6,43 @@ from the forward pass); its backward runs the backward phase (loads, recomputati
 backpropagation of each taped segment with :func:`torch.autograd.grad`, carrying the state
 gradient and accumulating parameter and input gradients). See
 :mod:`spikeckpt.engine.executor` for the memory ledger convention.
+
+The pieces: :mod:`spikeckpt.engine.step` (the user's step on flat leaves, parameter discovery,
+the running-statistics guard), :mod:`spikeckpt.engine.planned` (the schedule to run, cached),
+:mod:`spikeckpt.engine.first_step` (step 0 run apart for states it shapes); this module runs
+them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from spikeckpt.engine.executor import Executor
+from spikeckpt.engine.first_step import first_step
 from spikeckpt.engine.function import Job, run_job
 from spikeckpt.engine.packed import as_input, drop_first, is_packed, step_of
-from spikeckpt.engine.phase import recomputing
-from spikeckpt.engine.readout import Readout, ReadoutFn, Reducer, check_readout
+from spikeckpt.engine.planned import plan_key, resolve_schedule, simulate_cached
+from spikeckpt.engine.readout import Readout, Reducer, check_readout
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import backward_reserve, measure_step
 from spikeckpt.engine.stats import ScanStats
+from spikeckpt.engine.step import StepFn, default_params, time_leaves, unshaped
 from spikeckpt.engine.timing import measure_costs
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
 from spikeckpt.plans.schedule import Schedule
-from spikeckpt.plans.simulate import Cost, CostModel, simulate
 from spikeckpt.storage.codecs import require_binary
 from spikeckpt.storage.tiers import check_storage, make_store
 
 __all__ = ["ScanStats", "scan"]
 
 Storage = Literal["device", "host", "disk"]
-
-
-# ----------------------------------------------------------------------------- step wrapper
-
-
-class _StepFn:
-    """The user's step on flat leaves: ``(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
-
-    With ``check`` it validates the returned structure, shapes and dtypes against ``x_0``. A
-    callable readout ``fold(acc, y_t, t)`` is carried as extra state leaves (``acc`` is ``None``
-    at ``t = 0``), so its gradient flows like the state's.
-    """
-
-    def __init__(
-        self,
-        step: Callable[[Any, Any], Any],
-        state_def: TreeDef,
-        state0: list[Tensor],
-        in_def: TreeDef,
-        fold: ReadoutFn | None,
-        params: list[Tensor],
-    ) -> None:
-        self.step = step
-        self.state_def = state_def
-        self.meta = [(t.shape, t.dtype, t.device) for t in state0]
-        self.names = [f"state{n}" for n in state_def.names]
-        self.in_def = in_def
-        self.fold = fold
-        self.n = state_def.count
-        self.y_def: TreeDef | None = None
-        self.y_meta: list[tuple[torch.Size, torch.dtype]] = []
-        self.acc_def: TreeDef | None = None
-        self.params = params
-        self.scanned_closures = False
-        #: scan takes its no-grad path while grad mode is on (nothing it sees requires grad):
-        #: step 0 then looks for tensors requiring grad that the step reaches unseen
-        self.unseen_check = False
-
-    def _flat_y(self, t: int, y: Any, check: bool) -> list[Tensor]:
-        if y is None and (self.y_def is None or self.y_def.count == 0):
-            if self.y_def is None:
-                self.y_def = TreeDef("pytree", None, None, 0, [])
-            return []
-        if self.y_def is None:
-            leaves, self.y_def = tree_flatten(y)
-            for name, leaf in zip(self.y_def.names, leaves, strict=False):
-                if not isinstance(leaf, Tensor):
-                    raise TypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
-            self.y_meta = [(leaf.shape, leaf.dtype) for leaf in leaves]
-            return leaves
-        leaves = self.y_def.flatten(y) if y is not None else None
-        if leaves is None:
-            raise ValueError(
-                f"step {t} returned an output y with another structure than step 0 "
-                f"(expected {self.y_def.describe()})"
-            )
-        if check:
-            for name, leaf, (shape, dtype) in zip(
-                self.y_def.names, leaves, self.y_meta, strict=False
-            ):
-                if leaf.shape != shape or leaf.dtype != dtype:
-                    raise ValueError(
-                        f"step {t} returned output y{name} of shape {tuple(leaf.shape)} and "
-                        f"dtype {leaf.dtype}; step 0 gave {tuple(shape)}, {dtype}"
-                    )
-        return leaves
-
-    def __call__(
-        self, t: int, leaves: list[Tensor], xs: list[Tensor], check: bool
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        n = self.n
-        user = leaves[:n] if self.fold is not None else leaves
-        if check and t == 0 and self.unseen_check:
-            # the no-grad path while grad is on: nothing scan sees requires grad. Run step 0
-            # with grad to find tensors requiring grad that the step reaches unseen.
-            with torch.enable_grad():
-                out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
-            if isinstance(out, tuple) and len(out) == 2:
-                self._warn_closures(user, xs, tree_flatten(out)[0], no_grad_path=True)
-                out = torch.utils._pytree.tree_map(
-                    lambda v: v.detach() if isinstance(v, Tensor) else v, out
-                )
-        else:
-            out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
-        if check and not (isinstance(out, tuple) and len(out) == 2):
-            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
-            raise TypeError(f"step must return a 2-tuple (state, y_t); step {t} returned {got}")
-        new_state, y = out
-        new = self.state_def.flatten(new_state)
-        if new is None:
-            raise ValueError(
-                f"step {t} returned a state that is not {self.state_def.describe()} like the "
-                f"initial state (got {type(new_state).__name__}); the state structure must not "
-                "change between steps"
-            )
-        if check:
-            self._check_state(t, new)
-            if not self.scanned_closures and torch.is_grad_enabled():
-                self._warn_closures(user, xs, new)
-        ys = self._flat_y(t, y, check)
-        if self.fold is None:
-            return new, ys
-        acc = None if t == 0 else self.acc_def.unflatten(leaves[n:])  # type: ignore[union-attr]
-        acc = self.fold(acc, y, t)
-        if self.acc_def is None:
-            acc_leaves, self.acc_def = tree_flatten(acc)
-            if not all(isinstance(a, Tensor) for a in acc_leaves):
-                raise TypeError("a callable readout must return a tensor or a pytree of tensors")
-            return new + acc_leaves, []
-        acc_leaves = self.acc_def.flatten(acc)
-        if acc_leaves is None:
-            raise ValueError(f"the readout returned another structure at step {t}")
-        return new + acc_leaves, []
-
-    def _check_state(self, t: int, new: list[Any]) -> None:
-        for name, leaf, (shape, dtype, device) in zip(self.names, new, self.meta, strict=False):
-            if not isinstance(leaf, Tensor):
-                raise TypeError(f"step {t} returned {name} = {type(leaf).__name__}, not a tensor")
-            if leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
-                raise ValueError(
-                    f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
-                    f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
-                    "the state's shapes and dtypes must stay the same at every step"
-                )
-
-    def _warn_closures(
-        self,
-        user: list[Tensor],
-        xs: list[Tensor],
-        new: list[Any],
-        *,
-        no_grad_path: bool = False,
-    ) -> None:
-        """Warn once if the step uses leaf tensors requiring grad that are not in ``params``.
-
-        ``no_grad_path``: scan saw nothing requiring grad and runs without a tape, so these
-        tensors get no gradient and ``backward()`` of the outputs fails: the warning says so.
-        """
-        if any(isinstance(t, Tensor) and t.grad_fn is not None for t in user):
-            return  # only walk the graph of a step that starts from fresh leaves
-        self.scanned_closures = True
-        known = [*self.params, *user, *xs, *(x._base for x in xs if x._base is not None)]
-        stack = [t.grad_fn for t in new if isinstance(t, Tensor) and t.grad_fn is not None]
-        # Node wrappers may be transient: keep them alive so their ids are not reused.
-        visited: list[Any] = []
-        seen: set[int] = set()
-        found: list[Tensor] = []
-        while stack and len(visited) < 20000:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            visited.append(node)
-            seen.add(id(node))
-            variable = getattr(node, "variable", None)
-            if variable is not None and not any(variable is k for k in (*known, *found)):
-                found.append(variable)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        strangers = len(found)
-        if not strangers:
-            return
-        shapes = ", ".join(str(tuple(v.shape)) for v in found[:5])
-        if no_grad_path:
-            warnings.warn(
-                f"scan: nothing scan sees requires grad, so it runs without gradients, but the "
-                f"step uses {strangers} tensor(s) requiring grad (shapes {shapes}) that it "
-                "could not find; the outputs will not require grad and backward() will fail. "
-                "Pass them with scan(..., params=[...]) (found by default: parameters of "
-                "modules reachable from the step's self, closure, defaults and globals).",
-                stacklevel=6,
-            )
-            return
-        warnings.warn(
-            f"scan: the step uses {strangers} tensor(s) requiring grad (shapes {shapes}) that "
-            "are not in `params`; they will get no gradient. Pass them with "
-            "scan(..., params=[...]) (found by default: parameters of modules reachable from "
-            "the step's self, closure, defaults and globals).",
-            stacklevel=6,
-        )
+Timed = tuple[list[Tensor], TreeDef, int]
 
 
 # ----------------------------------------------------------------------------- the Function
@@ -232,7 +57,7 @@ class _Job(Job):
 
     def __init__(
         self,
-        fn: _StepFn,
+        fn: StepFn,
         schedule: Schedule,
         reducer: Reducer | None,
         *,
@@ -325,341 +150,19 @@ class _Job(Job):
         self.stats.tape_bytes_per_step = c.tape_bytes / c.taped_steps if c.taped_steps else 0.0
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
-    """Time-first input leaves ``(T, ...)``, the per-step structure, and ``T``."""
-    if is_packed(inputs):  # a packed train: one leaf, unpacked step by step
-        if inputs.T == 0:
-            raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
-        return [inputs], TreeDef("tensor", None, None, 1, [""]), inputs.T
-    if isinstance(inputs, Tensor):
-        if inputs.dim() == 0:
-            raise ValueError("inputs must have a leading time dimension (T, ...); got a 0-d tensor")
-        if inputs.shape[0] == 0:
-            raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
-        return [inputs], TreeDef("tensor", None, None, 1, [""]), inputs.shape[0]
-    if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
-        if len(inputs) == 0:
-            raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
-        first, in_def = tree_flatten(inputs[0])
-        columns: list[list[Tensor]] = [[] for _ in first]
-        for t, item in enumerate(inputs):
-            leaves = in_def.flatten(item)
-            if leaves is None or not all(isinstance(x, Tensor) for x in leaves):
-                raise TypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
-            for column, leaf in zip(columns, leaves, strict=False):
-                column.append(leaf)
-        return [torch.stack(column) for column in columns], in_def, len(inputs)
-    raise TypeError(
-        f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
-        f"got {type(inputs).__name__}"
-    )
-
-
-def _default_params(step: Any, params: Any) -> list[Tensor]:
-    reachable, modules = _reachable(step)
-    _guard_running_stats(modules)
-    if params is None:
-        params = reachable
-    unique: dict[int, Tensor] = {}
-    for p in params:
-        if not isinstance(p, Tensor):
-            raise TypeError(f"params must be tensors, got {type(p).__name__}")
-        if p.requires_grad:
-            unique.setdefault(id(p), p)
-    return list(unique.values())
-
-
-def _code_globals(code: Any) -> list[str]:
-    """Global names a code object (and the code objects nested in it) loads."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            names.extend(_code_globals(const))
-    return names
-
-
-def _reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
-    """Tensors requiring grad reachable from ``step``: parameters of the modules it is, is
-    bound to, closes over, takes as defaults or ``partial`` arguments, or names as globals
-    (through the functions and containers it reaches, a few levels deep), tensors requiring
-    grad among those, and tensors requiring grad in NamedTuple attributes of those modules
-    (Norse keeps neuron parameters in ``module.p``); and the modules reached (submodules
-    included)."""
-    import functools
-    import inspect
-    import types
-
-    found: dict[int, Tensor] = {}
-    seen: set[int] = set()
-    modules: dict[int, nn.Module] = {}
-
-    def add(t: Tensor) -> None:
-        if t.requires_grad:
-            found.setdefault(id(t), t)
-
-    def visit(obj: Any, depth: int) -> None:
-        if depth > 4 or id(obj) in seen or isinstance(obj, (types.ModuleType, type, str)):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            add(obj)
-        elif isinstance(obj, nn.Module):
-            for p in obj.parameters():
-                add(p)
-            for m in obj.modules():
-                modules.setdefault(id(m), m)
-                for value in vars(m).values():
-                    if isinstance(value, tuple):
-                        visit(value, depth + 1)
-        elif isinstance(obj, functools.partial):
-            for item in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(item, depth + 1)
-        elif inspect.ismethod(obj):
-            visit(obj.__self__, depth + 1)
-            visit(obj.__func__, depth + 1)
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            for item in list(obj)[:1000]:
-                visit(item, depth + 1)
-        elif isinstance(obj, dict):
-            for item in list(obj.values())[:1000]:
-                visit(item, depth + 1)
-        elif inspect.isfunction(obj):
-            for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    visit(cell.cell_contents, depth + 1)
-            for item in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                visit(item, depth + 1)
-            scope = obj.__globals__
-            for name in dict.fromkeys(_code_globals(obj.__code__)):
-                if name in scope:
-                    visit(scope[name], depth + 1)
-        elif callable(obj) and hasattr(obj, "__dict__") and not inspect.isbuiltin(obj):
-            for item in list(vars(obj).values())[:100]:
-                visit(item, depth + 1)
-
-    visit(step, 0)
-    return list(found.values()), list(modules.values())
-
-
-_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-
-
-def _guard_running_stats(modules: Sequence[nn.Module]) -> None:
-    """Give every BatchNorm/InstanceNorm layer the step reaches a pair of forward hooks (once)
-    that keep its running statistics out of recomputed calls: while the engine recomputes
-    (:func:`~spikeckpt.engine.phase.recomputing`), a training-mode call runs with its
-    statistics buffers set aside, so they are updated once per step, in the forward phase, as
-    in the plain loop. The outputs are unchanged: training mode normalises with the batch's own
-    statistics."""
-    for m in modules:
-        if isinstance(m, _RUNNING_STATS) and not m.__dict__.get("_spikeckpt_guarded", False):
-            m.register_forward_pre_hook(_stats_aside)
-            m.register_forward_hook(_stats_back, always_call=True)
-            m.__dict__["_spikeckpt_guarded"] = True
-
-
-def _stats_aside(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook: while recomputing, a training-mode call does not update the running
-    statistics (BatchNorm: ``track_running_stats`` off; InstanceNorm: buffers set aside)."""
-    kept: dict[str, Any] | None = None
-    if recomputing() and module.training and getattr(module, "track_running_stats", False):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            kept = {"track_running_stats": True}
-            module.track_running_stats = False
-        else:
-            kept = {
-                k: module._buffers[k] for k in _STAT_BUFFERS if module._buffers.get(k) is not None
-            }
-            for k in kept:
-                module._buffers[k] = None
-    module.__dict__.setdefault("_spikeckpt_kept", []).append(kept)
-
-
-def _stats_back(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook (always called): put back what :func:`_stats_aside` set aside."""
-    stack = module.__dict__.get("_spikeckpt_kept")
-    kept = stack.pop() if stack else None
-    if kept and "track_running_stats" in kept:
-        module.track_running_stats = True
-    elif kept:
-        module._buffers.update(kept)
-
-
-def _resolve_schedule(
-    plan: Any,
-    T: int,
-    measure: Callable[[], tuple[int, int]],
-    budget: int | str | None,
-    storage: str,
-    timings: Callable[[], CostModel] | None = None,
-    measured: Any = None,
-    reserve: Callable[[int], int] = lambda S: 0,
-) -> Schedule:
-    """The schedule to run. ``"auto"`` and plans that leave their intervals open
-    (:func:`spikeckpt.plans.intervals.needs_intervals`) are planned from ``measure()``
-    (``S``, ``A``) and ``timings()`` (the measured operation times), once per ``measured``
-    key (the step, shapes and tier: see :func:`_plan_key`; None: every time); ``"auto"``
-    keeps ``reserve(S)`` bytes of the budget for the gradients."""
-    if isinstance(plan, Schedule):
-        if plan.T != T:
-            raise ValueError(f"the schedule is for T={plan.T} steps but the inputs have T={T}")
-        return plan
-    if isinstance(plan, str):
-        if plan != "auto":
-            raise ValueError(f"plan must be a plan object, a Schedule or 'auto', got {plan!r}")
-        if budget is None:
-            raise ValueError("plan='auto' needs a device memory budget: scan(..., budget='2GiB')")
-    from spikeckpt.plans.intervals import fill, needs_intervals
-
-    if isinstance(plan, str) or needs_intervals(plan):
-        planned_key = None if measured is None else (plan, budget, T, storage, measured)
-        with _CACHE_LOCK:
-            planned = _PLANNED.get(planned_key) if planned_key is not None else None
-        if planned is None:
-            S, A = measure()
-            costs = timings() if timings is not None else None
-            if isinstance(plan, str):
-                planned = _choose(T, S, max(A, 1), budget, storage, costs, reserve(S))
-            else:
-                planned = fill(
-                    plan, T, state_bytes=S, step_bytes=A, costs=costs, remote=storage != "device"
-                )
-            if planned_key is not None:
-                _remember(_PLANNED, planned_key, planned)
-        plan = planned
-    if not hasattr(plan, "schedule"):
-        raise TypeError(f"plan must have a .schedule(T) method, got {type(plan).__name__}")
-    key = _cache_key(plan, T)
-    if key is not None:
-        with _CACHE_LOCK:
-            cached = _SCHEDULES.get(key)
-            if cached is not None:
-                _SCHEDULES.move_to_end(key)
-                return cached
-    if hasattr(plan, "for_length"):
-        plan = plan.for_length(T)
-    schedule = plan.schedule(T)
-    if key is not None and isinstance(schedule, Schedule):
-        _remember(_SCHEDULES, key, schedule)
-    return schedule
-
-
-def _choose(
-    T: int,
-    S: int,
-    A: int,
-    budget: int | str | None,
-    storage: str,
-    costs: CostModel | None,
-    reserve: int,
-) -> Any:
-    """``plans.choose`` for ``budget`` less ``reserve`` (the gradients' bytes: the budget
-    bounds the whole backward pass, not only checkpoints and tapes)."""
-    from spikeckpt.errors import BudgetTooSmall
-    from spikeckpt.plans import choose, minimum_budget
-    from spikeckpt.units import format_bytes, parse_bytes
-
-    total = parse_bytes(budget)  # type: ignore[arg-type]
-    try:
-        return choose(T, S, A, max(total - reserve, 1), remote=storage != "device", costs=costs)
-    except BudgetTooSmall:
-        smallest = minimum_budget(T, S, A) + reserve
-        raise BudgetTooSmall(
-            f"no checkpointing plan fits a device budget of {total} bytes ({format_bytes(total)})"
-            f" for T={T} steps with a state of {S} bytes, {A} bytes taped per step and "
-            f"{reserve} bytes for the gradients; the smallest budget that fits is {smallest} "
-            f"bytes ({format_bytes(smallest)}). Raise the budget, shorten the sequence or "
-            "shrink the batch.",
-            budget_bytes=total,
-            minimum_bytes=smallest,
-        ) from None
-
-
-def _plan_key(
-    step: Any, leaves: Sequence[Tensor], inputs: Sequence[Tensor], params: Sequence[Tensor]
-) -> Any:
-    """What a plan filled from measurements depends on: the step's code and the shapes,
-    dtypes and devices of the state, the per-step inputs and the parameters (so a training
-    loop that builds a new closure or bound method per call still hits the cache)."""
-    owner = getattr(step, "__self__", None)
-    func = getattr(step, "__func__", step)
-    code = getattr(func, "__code__", None) or type(step)
-    where = type(owner) if owner is not None else None
-    shapes = tuple((tuple(t.shape), t.dtype, t.device.type) for t in (*leaves, *params)) + tuple(
-        (tuple(leaf.shape[1:]), leaf.dtype, leaf.device.type) for leaf in inputs
-    )
-    return (code, where, shapes)
-
-
-# Training calls scan with the same plan and T at every iteration: building a long schedule
-# (Revolve on 4,000 steps: about 24,000 actions, 0.09 s) and simulating it (0.06 s) each time
-# is wasted work. Schedules are immutable and a Plan is a value (equality and hash over its
-# attributes), so both are kept in small LRU caches: schedules by (plan, T), simulator results
-# by schedule identity.
-_CACHE_SIZE = 16
-_CACHE_LOCK = threading.Lock()
-_SCHEDULES: OrderedDict[Any, Schedule] = OrderedDict()
-_COSTS: OrderedDict[int, tuple[Schedule, Cost]] = OrderedDict()
-# plans chosen from measurements ("auto", intervals left open), by _resolve_schedule's key
-_PLANNED: OrderedDict[Any, Any] = OrderedDict()
-
-
-def _cache_key(plan: Any, T: int) -> tuple[Any, int] | None:
-    """``(plan, T)`` for plans hashed by value (:class:`spikeckpt.plans.base.Plan`), else None."""
-    from spikeckpt.plans.base import Plan
-
-    if not isinstance(plan, Plan) or type(plan).__hash__ is not Plan.__hash__:
-        return None  # identity-hashed or custom plans may change under the same key
-    try:
-        hash(plan)
-    except TypeError:  # an unhashable attribute
-        return None
-    return plan, T
-
-
-def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
-    with _CACHE_LOCK:
-        cache[key] = value
-        cache.move_to_end(key)
-        while len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-
-
-def _simulate_cached(schedule: Schedule) -> Cost:
-    """``simulate(schedule)`` (validates it; raises ``ScheduleError``), once per schedule."""
-    with _CACHE_LOCK:
-        cached = _COSTS.get(id(schedule))
-    if cached is not None and cached[0] is schedule:
-        return cached[1]
-    cost = simulate(schedule)
-    _remember(_COSTS, id(schedule), (schedule, cost))
-    return cost
-
-
-def _plain_loop(
-    fn: _StepFn,
-    state: list[Tensor],
-    inputs: list[Tensor],
-    reducer: Reducer | None,
-    T: int,
-    device: torch.device,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """The no-grad path: a plain loop, no storage. Returns (readout outputs, final leaves)."""
-    leaves = state
-    for t in range(T):
-        xs = [step_of(leaf, t, device) for leaf in inputs]
-        leaves, ys = fn(t, leaves, xs, True)
-        if reducer is not None:
-            reducer.emit(t, ys)
-    outs = reducer.outputs() if reducer is not None else []
-    return outs, leaves
-
-
 # ----------------------------------------------------------------------------- scan
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How a run goes: scan's keywords that every part of the run reads."""
+
+    plan: Any
+    storage: str
+    readout: Readout
+    budget: int | str | None
+    directory: str | os.PathLike | None
+    pack_tape: bool
 
 
 def scan(
@@ -733,24 +236,30 @@ def scan(
     check_storage(storage, directory, probe=False)
     check_readout(readout)
     inputs = as_input(inputs)
-    in_leaves, in_def, T = _time_leaves(inputs)
+    timed = time_leaves(inputs)
+    if spikes:
+        for leaf in timed[0]:
+            if not is_packed(leaf):
+                require_binary(leaf, "scan inputs (spikes=True)")
+    param_list = default_params(step, params)
+    options = _Options(plan, storage, readout, budget, directory, pack_tape)
+    if unshaped(tree_flatten(state)[0]):
+        ys, final, run_stats = _after_first_step(step, inputs, state, timed, param_list, options)
+    else:
+        ys, final, run_stats = _run(step, timed, state, param_list, options)
+    return (ys, final, run_stats) if stats else (ys, final)
+
+
+def _run(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    timed: Timed,
+    state: Any,
+    param_list: list[Tensor],
+    options: _Options,
+) -> tuple[Any, Any, ScanStats]:
+    """The run of ``scan`` from a state of full shape: ``(ys, final_state, stats)``."""
+    in_leaves, in_def, T = timed
     state_leaves, state_def = tree_flatten(state)
-    if _unshaped(state_leaves) and _SHAPED.get() != id(state):
-        return _scan_after_step0(
-            step,
-            inputs,
-            state,
-            (in_leaves, in_def, T),
-            plan=plan,
-            storage=storage,
-            readout=readout,
-            params=params,
-            stats=stats,
-            budget=budget,
-            directory=directory,
-            pack_tape=pack_tape,
-            spikes=spikes,
-        )
     names = [f"state{n}" for n in state_def.names]
     for name, leaf in zip(names, state_leaves, strict=False):
         if not isinstance(leaf, Tensor):
@@ -758,49 +267,30 @@ def scan(
     for leaf in in_leaves:
         if leaf.shape[0] != T:
             raise ValueError(f"all input leaves need the same T; got {leaf.shape[0]} and {T}")
-        if spikes and not is_packed(leaf):
-            require_binary(leaf, "scan inputs (spikes=True)")
-    param_list = _default_params(step, params)
+    readout, storage = options.readout, options.storage
     device = next((t.device for t in (*state_leaves, *param_list, *in_leaves)), torch.device("cpu"))
     fold = readout if callable(readout) else None
     reducer = None if fold is not None else Reducer(readout, T)  # type: ignore[arg-type]
-    fn = _StepFn(step, state_def, state_leaves, in_def, fold, param_list)
+    fn = StepFn(step, state_def, state_leaves, in_def, fold, param_list)
     dense_inputs = [leaf for leaf in in_leaves if not is_packed(leaf)]
-    cuda = cuda_devices((*state_leaves, *dense_inputs, *param_list))
     need_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (*state_leaves, *dense_inputs, *param_list)
     )
     fn.unseen_check = torch.is_grad_enabled() and not need_grad
-
     if not need_grad:
         run_stats = ScanStats(plan="loop (no grad)", schedule=None, T=T, storage=storage)
         run_stats.state_bytes = leaf_bytes(state_leaves)
         with torch.no_grad():
             outs, final = _plain_loop(fn, state_leaves, in_leaves, reducer, T, device)
         run_stats.forward_steps = T
-        return _finish(outs + final, len(outs), fn, state_def, fold, run_stats if stats else None)
-
-    def measure() -> tuple[int, int]:
-        x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
-        # input slices on the device are views of the inputs: no memory of the tape's
-        local = [leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device]
-        sizes = measure_step(step, state, x0, [*param_list, *local], pack=pack_tape)
-        return sizes.state_bytes, sizes.step_bytes
-
-    def timings() -> CostModel:
-        return measure_costs(
-            step, state_def, state_leaves, in_def, in_leaves, param_list,
-            storage=storage, device=device, directory=directory,
-        )  # fmt: skip
-
-    key = (_plan_key(step, state_leaves, in_leaves, param_list), pack_tape)
-    schedule = _resolve_schedule(
-        plan, T, measure, budget, storage, timings, key,
-        lambda S: backward_reserve(param_list, S),
-    )  # fmt: skip
-    predicted = _simulate_cached(schedule)
+        return _finish(outs + final, len(outs), fn, state_def, fold, run_stats)
+    schedule = _schedule(step, state, timed, param_list, options, device)
     run_stats = ScanStats(
-        plan=schedule.plan, schedule=schedule, T=T, storage=storage, predicted=predicted
+        plan=schedule.plan,
+        schedule=schedule,
+        T=T,
+        storage=storage,
+        predicted=simulate_cached(schedule),
     )
     run_stats.state_bytes = leaf_bytes(state_leaves)
     job = _Job(
@@ -811,196 +301,123 @@ def scan(
         n_inputs=len(in_leaves),
         storage=storage,
         device=device,
-        directory=directory,
-        cuda=cuda,
+        directory=options.directory,
+        cuda=cuda_devices((*state_leaves, *dense_inputs, *param_list)),
         stats=run_stats,
-        pack_tape=pack_tape,
+        pack_tape=options.pack_tape,
     )
     outs = run_job(job, [*state_leaves, *in_leaves, *param_list])
-    return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats if stats else None)
+    return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats)
 
 
-#: ``id`` of the state a ``_scan_after_step0`` call passes on: shaped by step 0 already (its
-#: 0-d leaves stay 0-d), so that scan runs it as it is
-_SHAPED: ContextVar[int] = ContextVar("spikeckpt_shaped_state", default=-1)
+def _schedule(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    timed: Timed,
+    param_list: list[Tensor],
+    options: _Options,
+    device: torch.device,
+) -> Schedule:
+    """The schedule ``options.plan`` runs for these inputs (measured when it must be)."""
+    in_leaves, in_def, T = timed
+    state_leaves, state_def = tree_flatten(state)
+    storage, pack_tape = options.storage, options.pack_tape
+
+    def measure() -> tuple[int, int]:
+        x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
+        # input slices on the device are views of the inputs: no memory of the tape's
+        local = [leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device]
+        sizes = measure_step(step, state, x0, [*param_list, *local], pack=pack_tape)
+        return sizes.state_bytes, sizes.step_bytes
+
+    def timings() -> Any:
+        return measure_costs(
+            step, state_def, state_leaves, in_def, in_leaves, param_list,
+            storage=storage, device=device, directory=options.directory,
+        )  # fmt: skip
+
+    key = (plan_key(step, state_leaves, in_leaves, param_list), pack_tape)
+    return resolve_schedule(
+        options.plan, T, measure, options.budget, storage, timings, key,
+        lambda S: backward_reserve(param_list, S),
+    )  # fmt: skip
 
 
-def _unshaped(leaves: list[Any]) -> bool:
-    """Whether the initial state has leaves whose shape the first step sets: ``None``, empty
-    tensors (snnTorch's ``init_leaky()``) or 0-d tensors (Norse's ``initial_state(x).v``)."""
-    return any(
-        t is None or (isinstance(t, Tensor) and (t.dim() == 0 or t.numel() == 0)) for t in leaves
-    )
-
-
-def _scan_after_step0(
+def _after_first_step(
     step: Callable[[Any, Any], tuple[Any, Any]],
     inputs: Any,
     state: Any,
-    timed: tuple[list[Tensor], TreeDef, int],
-    *,
-    plan: Any,
-    readout: Readout,
-    params: Sequence[Tensor] | None,
-    stats: bool,
-    **kwargs: Any,
-) -> Any:
-    """``scan`` from an initial state that step 0 shapes: run step 0 as the plain loop does
-    (taped, so gradients reach the initial state and everything step 0 used), then scan steps
-    ``1..T-1`` from its state. Outputs are those of the plain loop, bitwise: ``readout=None``
-    prepends ``y_0``; ``"sum"``/``"mean"`` and a callable fold start their accumulator at
-    step 0 and carry it as state, so the additions happen in the loop's order."""
+    timed: Timed,
+    param_list: list[Tensor],
+    options: _Options,
+) -> tuple[Any, Any, ScanStats]:
+    """``scan`` from an initial state that step 0 shapes (:mod:`spikeckpt.engine.first_step`):
+    step 0 runs as the plain loop does, then steps ``1..T-1`` run from its state; the stats
+    describe those (a run of step 0 alone: ``plan="step 0 only"``)."""
     in_leaves, in_def, T = timed
-    param_list = _default_params(step, params)
-    leaves = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
-    device = next((t.device for t in (*leaves, *param_list, *in_leaves)), torch.device("cpu"))
-    if kwargs.get("spikes"):
-        for leaf in in_leaves:
-            if not is_packed(leaf):
-                require_binary(leaf, "scan inputs (spikes=True)")
+    plan, readout = options.plan, options.readout
     if isinstance(plan, Schedule) and plan.T == T:
         raise ValueError(
             f"the initial state has leaves that step 0 shapes (None, empty or 0-d), so step "
             f"0 runs before the checkpointed run, which has T-1={T - 1} steps: build the "
             "Schedule for T-1, or pass an initial state of full shape"
         )
-    x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
-    state1, y0 = step(state, x0)
-    step, state1, rebuild = _without_none_leaves(step, state1)
-    rest = drop_first(inputs)
-    run_stats: ScanStats | None = None
-    tree_map = torch.utils._pytree.tree_map
+    leaves = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
+    device = next((t.device for t in (*leaves, *param_list, *in_leaves)), torch.device("cpu"))
+    first = first_step(step, state, in_def.unflatten([step_of(x, 0, device) for x in in_leaves]))
+    rest = time_leaves(drop_first(inputs)) if T > 1 else None
     if readout is None or readout == "last":
-        if T == 1:
-            ys, final = (
-                (y0 if readout == "last" else tree_map(lambda y: y.unsqueeze(0), y0)),
-                rebuild(state1),
-            )
-        else:
-            out = _scan_shaped(
-                step,
-                rest,
-                state1,
-                plan=plan,
-                readout=readout,
-                params=param_list,
-                stats=stats,
-                **kwargs,
-            )
-            ys, final = out[0], rebuild(out[1])
-            run_stats = out[2] if stats else None
-            if readout is None:
-                ys = (
-                    None
-                    if y0 is None
-                    else tree_map(lambda a, b: torch.cat([a.unsqueeze(0), b]), y0, ys)
-                )
-        return (ys, final, run_stats or _first_step_stats(T, kwargs)) if stats else (ys, final)
-    if callable(readout):
-        fold = readout
-        acc0 = fold(None, y0, 0)
-        t0: Any = torch.ones((), dtype=torch.int64, device=device)
-
-        def fold_step(carry: Any, x_t: Any) -> tuple[Any, None]:
-            s, acc, t = carry
-            s, y = step(s, x_t)
-            return (s, fold(acc, y, int(t)), t + 1), None
-
-        carry0: Any = (state1, acc0, t0)
-    else:  # "sum" / "mean": the reducer's order, y_0 + y_1 + ...
-        acc0 = y0
-
-        def fold_step(carry: Any, x_t: Any) -> tuple[Any, None]:
-            s, acc = carry
-            s, y = step(s, x_t)
-            return (s, tree_map(lambda a, b: a + b, acc, y)), None
-
-        carry0 = (state1, acc0)
-    if T == 1:
-        final_carry = carry0
-    else:
-        out = _scan_shaped(
-            fold_step,
-            rest,
-            carry0,
-            plan=plan,
-            readout=None,
-            params=param_list,
-            stats=stats,
-            **kwargs,
-        )
-        final_carry = out[1]
-        run_stats = out[2] if stats else None
-    final, acc = rebuild(final_carry[0]), final_carry[1]
+        if rest is None:
+            ys = first.y if readout == "last" else first.stacked(None)
+            return ys, first.rebuild(first.state), _first_step_stats(T, options)
+        ys, final, run_stats = _run(first.step, rest, first.state, param_list, options)
+        return (first.stacked(ys) if readout is None else ys), first.rebuild(final), run_stats
+    carried_step, carry = first.carried(readout, device)
+    run_stats = _first_step_stats(T, options)
+    if rest is not None:
+        inner = replace(options, readout=None)
+        _, carry, run_stats = _run(carried_step, rest, carry, param_list, inner)
+    acc = carry[1]
     if readout == "mean":
-        acc = tree_map(lambda a: a / T, acc)
-    return (acc, final, run_stats or _first_step_stats(T, kwargs)) if stats else (acc, final)
+        acc = torch.utils._pytree.tree_map(lambda a: a / T, acc)
+    return acc, first.rebuild(carry[0]), run_stats
 
 
-def _without_none_leaves(step: Any, state: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
-    """``(step', state', rebuild)``: when ``state`` (after step 0) holds ``None`` leaves that
-    stay ``None`` (Norse's ``SequentialState`` returns ``None`` for its stateless layers),
-    scan carries its tensor leaves only; ``step'`` puts the ``None`` back around each call
-    (and checks they stay), ``rebuild`` restores the structure of a final state."""
-    tree = torch.utils._pytree
-    leaves, spec = tree.tree_flatten(state)
-    holes = [leaf is None for leaf in leaves]
-    other = [leaf for leaf in leaves if leaf is not None and not isinstance(leaf, Tensor)]
-    if other:
-        raise TypeError(
-            f"step 0 returned a state with a {type(other[0]).__name__} leaf; every state leaf "
-            "after the first step must be a tensor (or None, kept as None)"
-        )
-    if not any(holes):
-        return step, state, lambda s: s
-
-    def fill(tensors: list[Tensor]) -> Any:
-        it = iter(tensors)
-        return tree.tree_unflatten([None if h else next(it) for h in holes], spec)
-
-    def strip(full: Any, t: str) -> list[Tensor]:
-        got, got_spec = tree.tree_flatten(full)
-        if got_spec != spec or [leaf is None for leaf in got] != holes:
-            raise ValueError(
-                f"step {t} returned a state with another structure (or other None leaves) than "
-                "step 0's; the state structure must not change between steps"
-            )
-        return [leaf for leaf in got if leaf is not None]
-
-    def stripped_step(tensors: list[Tensor], x_t: Any) -> tuple[list[Tensor], Any]:
-        new, y = step(fill(tensors), x_t)
-        return strip(new, ">0"), y
-
-    return stripped_step, strip(state, "0"), fill
-
-
-def _scan_shaped(step: Any, inputs: Any, state: Any, **kwargs: Any) -> Any:
-    """``scan`` from a state that step 0 shaped (run as it is, 0-d leaves included)."""
-    token = _SHAPED.set(id(state))
-    try:
-        return scan(step, inputs, state, **kwargs)
-    finally:
-        _SHAPED.reset(token)
-
-
-def _first_step_stats(T: int, kwargs: dict[str, Any]) -> ScanStats:
+def _first_step_stats(T: int, options: _Options) -> ScanStats:
     """Stats of a run that was step 0 alone (T=1 from a state step 0 shapes)."""
-    run_stats = ScanStats(
-        plan="step 0 only", schedule=None, T=T, storage=kwargs.get("storage", "host")
-    )
+    run_stats = ScanStats(plan="step 0 only", schedule=None, T=T, storage=options.storage)
     run_stats.forward_steps = 1
     run_stats.backward_steps = 0
     return run_stats
 
 
+def _plain_loop(
+    fn: StepFn,
+    state: list[Tensor],
+    inputs: list[Tensor],
+    reducer: Reducer | None,
+    T: int,
+    device: torch.device,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The no-grad path: a plain loop, no storage. Returns (readout outputs, final leaves)."""
+    leaves = state
+    for t in range(T):
+        xs = [step_of(leaf, t, device) for leaf in inputs]
+        leaves, ys = fn(t, leaves, xs, True)
+        if reducer is not None:
+            reducer.emit(t, ys)
+    outs = reducer.outputs() if reducer is not None else []
+    return outs, leaves
+
+
 def _finish(
     outs: list[Tensor],
     n_out: int,
-    fn: _StepFn,
+    fn: StepFn,
     state_def: TreeDef,
-    fold: ReadoutFn | None,
-    run_stats: ScanStats | None,
-) -> Any:
+    fold: Any,
+    run_stats: ScanStats,
+) -> tuple[Any, Any, ScanStats]:
     ys_leaves, final = outs[:n_out], outs[n_out:]
     n = state_def.count
     final_state = state_def.unflatten(final[:n])
@@ -1012,6 +429,4 @@ def _finish(
         ys = (
             None if fn.y_def.count == 0 and fn.y_def.spec is None else fn.y_def.unflatten(ys_leaves)
         )
-    if run_stats is not None:
-        return ys, final_state, run_stats
-    return ys, final_state
+    return ys, final_state, run_stats

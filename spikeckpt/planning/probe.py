@@ -603,28 +603,19 @@ def _probe_residuals(
             for k in chunks:
                 n = min(T, 2 * k)
                 xs = x1[:n].detach().requires_grad_(input_grad)
-                states = states_for(xs[0].detach())
+                run = partial(
+                    layerwise_scan,
+                    blocks,
+                    chunk=k,
+                    storage="host" if storage == "disk" else storage,
+                    readout=readout,
+                    output=output,
+                    params=params if training else [],
+                )
                 wrt = (params if training else []) + ([xs] if input_grad else [])
-                with MemoryMeter(device) as meter:
-                    ys, _ = layerwise_scan(
-                        blocks,
-                        xs,
-                        states,
-                        chunk=k,
-                        storage="host" if storage == "disk" else storage,
-                        readout=readout,
-                        output=output,
-                        params=params if training else [],
-                    )
-                    outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
-                    if outs and wrt:
-                        found = torch.autograd.grad(
-                            outs, wrt, [torch.ones_like(y) for y in outs], allow_unused=True
-                        )
-                        del found
-                    del ys, outs
+                peak = _run_peak(run, xs, states_for(xs[0].detach()), wrt, device)
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
-                residuals.append((k, meter.peak_bytes + k * unpacked - (modeled - k * work)))
+                residuals.append((k, peak + k * unpacked - (modeled - k * work)))
     finally:
         if not training:
             for p in params:
@@ -632,3 +623,24 @@ def _probe_residuals(
         for block in blocks:
             block.cleanup()
     return residuals
+
+
+def _run_peak(
+    run: Callable[[Tensor, list[Any]], Any],
+    xs: Tensor,
+    states: list[Any],
+    wrt: list[Tensor],
+    device: torch.device,
+) -> int:
+    """Measured device peak of ``run(xs, states)`` and the gradients of its outputs (ones)
+    w.r.t. ``wrt`` (returned, not accumulated)."""
+    with MemoryMeter(device) as meter:
+        ys, _ = run(xs, states)
+        outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
+        if outs and wrt:
+            found = torch.autograd.grad(
+                outs, wrt, [torch.ones_like(y) for y in outs], allow_unused=True
+            )
+            del found
+        del ys, outs
+    return meter.peak_bytes

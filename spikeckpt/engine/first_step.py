@@ -1,0 +1,120 @@
+"""Step 0 run apart: initial states whose shape the first step sets.
+
+snnTorch's ``init_leaky()`` gives empty tensors, Norse cells take ``None`` and build their own
+state, Norse's ``initial_state(x).v`` is 0-d: the state has its real shape only after step 0.
+:func:`first_step` runs step 0 as the plain loop does (taped, so gradients reach the initial
+state and everything step 0 used) and returns what it gave (:class:`FirstStep`); ``scan`` then
+runs steps ``1..T-1`` from its state and joins the outputs, bitwise those of the plain loop:
+``readout=None`` prepends ``y_0``; ``"sum"``/``"mean"`` and a callable fold start their
+accumulator at step 0 and carry it as state (:meth:`FirstStep.carried`), so the additions
+happen in the loop's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from spikeckpt.engine.readout import Readout
+
+__all__ = ["FirstStep", "first_step"]
+
+Step = Callable[[Any, Any], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    """What step 0 gave.
+
+    Attributes:
+        state: the state after step 0, its ``None`` leaves left out (tensors only).
+        y: step 0's output ``y_0``.
+        step: the user's step on such states (puts the ``None`` leaves back around each call
+            and checks they stay ``None``).
+        rebuild: a state of ``step`` -> the user's structure (``None`` leaves put back).
+    """
+
+    state: Any
+    y: Any
+    step: Step
+    rebuild: Callable[[Any], Any]
+
+    def stacked(self, ys: Any) -> Any:
+        """``ys`` of steps ``1..T-1`` (``(T-1, ...)``, or None for a single step) with ``y_0``
+        in front: ``(T, ...)``."""
+        if self.y is None:
+            return None
+        if ys is None:
+            return pytree.tree_map(lambda y: y.unsqueeze(0), self.y)
+        return pytree.tree_map(lambda a, b: torch.cat([a.unsqueeze(0), b]), self.y, ys)
+
+    def carried(self, readout: Readout, device: torch.device) -> tuple[Step, Any]:
+        """``(step, carry_0)`` for a reducing readout (``"sum"``, ``"mean"`` or a callable
+        fold) carried as state from step 1 on: the carry is ``(state, acc)`` (a fold's:
+        ``(state, acc, t)``, ``t`` a 0-d int64 tensor), its accumulator started at step 0."""
+        step = self.step
+        if callable(readout):
+            fold = readout
+            t0 = torch.ones((), dtype=torch.int64, device=device)
+
+            def fold_step(carry: Any, x_t: Any) -> tuple[Any, None]:
+                s, acc, t = carry
+                s, y = step(s, x_t)
+                return (s, fold(acc, y, int(t)), t + 1), None
+
+            return fold_step, (self.state, fold(None, self.y, 0), t0)
+
+        def sum_step(carry: Any, x_t: Any) -> tuple[Any, None]:
+            s, acc = carry
+            s, y = step(s, x_t)
+            return (s, pytree.tree_map(lambda a, b: a + b, acc, y)), None
+
+        return sum_step, (self.state, self.y)
+
+
+def first_step(step: Step, state: Any, x0: Any) -> FirstStep:
+    """Run ``step(state, x0)`` (taped when grad mode is on) and return what it gave."""
+    state1, y0 = step(state, x0)
+    inner, state1, rebuild = _without_none_leaves(step, state1)
+    return FirstStep(state1, y0, inner, rebuild)
+
+
+def _without_none_leaves(step: Step, state: Any) -> tuple[Step, Any, Callable[[Any], Any]]:
+    """``(step', state', rebuild)``: when ``state`` (after step 0) holds ``None`` leaves that
+    stay ``None`` (Norse's ``SequentialState`` returns ``None`` for its stateless layers),
+    scan carries its tensor leaves only; ``step'`` puts the ``None`` back around each call
+    (and checks they stay), ``rebuild`` restores the structure of a final state."""
+    leaves, spec = pytree.tree_flatten(state)
+    holes = [leaf is None for leaf in leaves]
+    other = [leaf for leaf in leaves if leaf is not None and not isinstance(leaf, Tensor)]
+    if other:
+        raise TypeError(
+            f"step 0 returned a state with a {type(other[0]).__name__} leaf; every state leaf "
+            "after the first step must be a tensor (or None, kept as None)"
+        )
+    if not any(holes):
+        return step, state, lambda s: s
+
+    def fill(tensors: list[Tensor]) -> Any:
+        it = iter(tensors)
+        return pytree.tree_unflatten([None if h else next(it) for h in holes], spec)
+
+    def strip(full: Any, t: str) -> list[Tensor]:
+        got, got_spec = pytree.tree_flatten(full)
+        if got_spec != spec or [leaf is None for leaf in got] != holes:
+            raise ValueError(
+                f"step {t} returned a state with another structure (or other None leaves) than "
+                "step 0's; the state structure must not change between steps"
+            )
+        return [leaf for leaf in got if leaf is not None]
+
+    def stripped_step(tensors: list[Tensor], x_t: Any) -> tuple[list[Tensor], Any]:
+        new, y = step(fill(tensors), x_t)
+        return strip(new, ">0"), y
+
+    return stripped_step, strip(state, "0"), fill

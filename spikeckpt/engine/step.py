@@ -1,0 +1,419 @@
+"""The user's step as the engine runs it: flat leaves in and out, checked at step 0.
+
+:class:`StepFn` wraps ``step(state, x_t) -> (state, y_t)`` into a function of flat tensor
+lists (the executor's view), checks the structure, shapes and dtypes it returns and carries a
+callable readout as extra state. :func:`default_params` finds the tensors a step
+differentiates (the parameters of the modules it reaches) and guards the running statistics of
+the normalisation layers it reaches (:func:`guard_running_stats`), so recomputed steps do not
+update them twice. :func:`time_leaves` turns the inputs into time-first leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from spikeckpt.engine.packed import is_packed
+from spikeckpt.engine.phase import recomputing
+from spikeckpt.engine.readout import ReadoutFn
+from spikeckpt.engine.tree import TreeDef, tree_flatten
+
+__all__ = [
+    "StepFn",
+    "default_params",
+    "guard_running_stats",
+    "time_leaves",
+    "unshaped",
+]
+
+
+class StepFn:
+    """The user's step on flat leaves: ``(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
+
+    With ``check`` it validates the returned structure, shapes and dtypes against ``x_0``. A
+    callable readout ``fold(acc, y_t, t)`` is carried as extra state leaves (``acc`` is ``None``
+    at ``t = 0``), so its gradient flows like the state's.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[Any, Any], Any],
+        state_def: TreeDef,
+        state0: list[Tensor],
+        in_def: TreeDef,
+        fold: ReadoutFn | None,
+        params: list[Tensor],
+    ) -> None:
+        self.step = step
+        self.state_def = state_def
+        self.meta = [(t.shape, t.dtype, t.device) for t in state0]
+        self.names = [f"state{n}" for n in state_def.names]
+        self.in_def = in_def
+        self.fold = fold
+        self.n = state_def.count
+        self.y_def: TreeDef | None = None
+        self.y_meta: list[tuple[torch.Size, torch.dtype]] = []
+        self.acc_def: TreeDef | None = None
+        self.params = params
+        self.scanned_closures = False
+        #: scan takes its no-grad path while grad mode is on (nothing it sees requires grad):
+        #: step 0 then looks for tensors requiring grad that the step reaches unseen
+        self.unseen_check = False
+
+    def _flat_y(self, t: int, y: Any, check: bool) -> list[Tensor]:
+        if y is None and (self.y_def is None or self.y_def.count == 0):
+            if self.y_def is None:
+                self.y_def = TreeDef("pytree", None, None, 0, [])
+            return []
+        if self.y_def is None:
+            leaves, self.y_def = tree_flatten(y)
+            for name, leaf in zip(self.y_def.names, leaves, strict=False):
+                if not isinstance(leaf, Tensor):
+                    raise TypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
+            self.y_meta = [(leaf.shape, leaf.dtype) for leaf in leaves]
+            return leaves
+        leaves = self.y_def.flatten(y) if y is not None else None
+        if leaves is None:
+            raise ValueError(
+                f"step {t} returned an output y with another structure than step 0 "
+                f"(expected {self.y_def.describe()})"
+            )
+        if check:
+            for name, leaf, (shape, dtype) in zip(
+                self.y_def.names, leaves, self.y_meta, strict=False
+            ):
+                if leaf.shape != shape or leaf.dtype != dtype:
+                    raise ValueError(
+                        f"step {t} returned output y{name} of shape {tuple(leaf.shape)} and "
+                        f"dtype {leaf.dtype}; step 0 gave {tuple(shape)}, {dtype}"
+                    )
+        return leaves
+
+    def _call(self, t: int, user: list[Tensor], xs: list[Tensor], check: bool) -> Any:
+        """The user's step on the rebuilt state and input (checked to be a 2-tuple)."""
+        if check and t == 0 and self.unseen_check:
+            # the no-grad path while grad is on: nothing scan sees requires grad. Run step 0
+            # with grad to find tensors requiring grad that the step reaches unseen.
+            with torch.enable_grad():
+                out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
+            if isinstance(out, tuple) and len(out) == 2:
+                self._warn_closures(user, xs, tree_flatten(out)[0], no_grad_path=True)
+                out = torch.utils._pytree.tree_map(
+                    lambda v: v.detach() if isinstance(v, Tensor) else v, out
+                )
+        else:
+            out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
+        if check and not (isinstance(out, tuple) and len(out) == 2):
+            got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+            raise TypeError(f"step must return a 2-tuple (state, y_t); step {t} returned {got}")
+        return out
+
+    def __call__(
+        self, t: int, leaves: list[Tensor], xs: list[Tensor], check: bool
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        n = self.n
+        user = leaves[:n] if self.fold is not None else leaves
+        new_state, y = self._call(t, user, xs, check)
+        new = self.state_def.flatten(new_state)
+        if new is None:
+            raise ValueError(
+                f"step {t} returned a state that is not {self.state_def.describe()} like the "
+                f"initial state (got {type(new_state).__name__}); the state structure must not "
+                "change between steps"
+            )
+        if check:
+            self._check_state(t, new)
+            if not self.scanned_closures and torch.is_grad_enabled():
+                self._warn_closures(user, xs, new)
+        ys = self._flat_y(t, y, check)
+        if self.fold is None:
+            return new, ys
+        return new + self._folded(t, leaves[n:], y), []
+
+    def _folded(self, t: int, acc_leaves: list[Tensor], y: Any) -> list[Tensor]:
+        """The callable readout's new accumulator leaves after step ``t``."""
+        assert self.fold is not None
+        acc = None if t == 0 else self.acc_def.unflatten(acc_leaves)  # type: ignore[union-attr]
+        acc = self.fold(acc, y, t)
+        if self.acc_def is None:
+            new, self.acc_def = tree_flatten(acc)
+            if not all(isinstance(a, Tensor) for a in new):
+                raise TypeError("a callable readout must return a tensor or a pytree of tensors")
+            return new
+        new = self.acc_def.flatten(acc)
+        if new is None:
+            raise ValueError(f"the readout returned another structure at step {t}")
+        return new
+
+    def _check_state(self, t: int, new: list[Any]) -> None:
+        for name, leaf, (shape, dtype, device) in zip(self.names, new, self.meta, strict=False):
+            if not isinstance(leaf, Tensor):
+                raise TypeError(f"step {t} returned {name} = {type(leaf).__name__}, not a tensor")
+            if leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
+                raise ValueError(
+                    f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
+                    f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
+                    "the state's shapes and dtypes must stay the same at every step"
+                )
+
+    def _warn_closures(
+        self,
+        user: list[Tensor],
+        xs: list[Tensor],
+        new: list[Any],
+        *,
+        no_grad_path: bool = False,
+    ) -> None:
+        """Warn once if the step uses leaf tensors requiring grad that are not in ``params``.
+
+        ``no_grad_path``: scan saw nothing requiring grad and runs without a tape, so these
+        tensors get no gradient and ``backward()`` of the outputs fails: the warning says so.
+        """
+        if any(isinstance(t, Tensor) and t.grad_fn is not None for t in user):
+            return  # only walk the graph of a step that starts from fresh leaves
+        self.scanned_closures = True
+        known = [*self.params, *user, *xs, *(x._base for x in xs if x._base is not None)]
+        found = _unknown_leaves(known, new)
+        if not found:
+            return
+        shapes = ", ".join(str(tuple(v.shape)) for v in found[:5])
+        if no_grad_path:
+            warnings.warn(
+                f"scan: nothing scan sees requires grad, so it runs without gradients, but the "
+                f"step uses {len(found)} tensor(s) requiring grad (shapes {shapes}) that it "
+                "could not find; the outputs will not require grad and backward() will fail. "
+                "Pass them with scan(..., params=[...]) (found by default: parameters of "
+                "modules reachable from the step's self, closure, defaults and globals).",
+                stacklevel=7,
+            )
+            return
+        warnings.warn(
+            f"scan: the step uses {len(found)} tensor(s) requiring grad (shapes {shapes}) that "
+            "are not in `params`; they will get no gradient. Pass them with "
+            "scan(..., params=[...]) (found by default: parameters of modules reachable from "
+            "the step's self, closure, defaults and globals).",
+            stacklevel=6,
+        )
+
+
+def _unknown_leaves(known: list[Tensor], new: list[Any]) -> list[Tensor]:
+    """Leaf tensors of the autograd graph behind ``new`` that are none of ``known``."""
+    stack = [t.grad_fn for t in new if isinstance(t, Tensor) and t.grad_fn is not None]
+    # Node wrappers may be transient: keep them alive so their ids are not reused.
+    visited: list[Any] = []
+    seen: set[int] = set()
+    found: list[Tensor] = []
+    while stack and len(visited) < 20000:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        visited.append(node)
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and not any(variable is k for k in (*known, *found)):
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
+    """Time-first input leaves ``(T, ...)``, the per-step structure, and ``T``."""
+    if is_packed(inputs):  # a packed train: one leaf, unpacked step by step
+        return [inputs], TreeDef("tensor", None, None, 1, [""]), _length(inputs.T)
+    if isinstance(inputs, Tensor):
+        if inputs.dim() == 0:
+            raise ValueError("inputs must have a leading time dimension (T, ...); got a 0-d tensor")
+        return [inputs], TreeDef("tensor", None, None, 1, [""]), _length(inputs.shape[0])
+    if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
+        _length(len(inputs))
+        first, in_def = tree_flatten(inputs[0])
+        columns: list[list[Tensor]] = [[] for _ in first]
+        for t, item in enumerate(inputs):
+            leaves = in_def.flatten(item)
+            if leaves is None or not all(isinstance(x, Tensor) for x in leaves):
+                raise TypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
+            for column, leaf in zip(columns, leaves, strict=False):
+                column.append(leaf)
+        return [torch.stack(column) for column in columns], in_def, len(inputs)
+    raise TypeError(
+        f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
+        f"got {type(inputs).__name__}"
+    )
+
+
+def _length(T: int) -> int:
+    if T == 0:
+        raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
+    return int(T)
+
+
+def unshaped(leaves: list[Any]) -> bool:
+    """Whether the initial state has leaves whose shape the first step sets: ``None``, empty
+    tensors (snnTorch's ``init_leaky()``) or 0-d tensors (Norse's ``initial_state(x).v``)."""
+    return any(
+        t is None or (isinstance(t, Tensor) and (t.dim() == 0 or t.numel() == 0)) for t in leaves
+    )
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
+    """The distinct tensors requiring grad among ``params`` (default: those reachable from
+    ``step``, see :func:`reachable`); guards the running statistics of the normalisation
+    layers ``step`` reaches (:func:`guard_running_stats`)."""
+    found, modules = reachable(step)
+    guard_running_stats(modules)
+    if params is None:
+        params = found
+    unique: dict[int, Tensor] = {}
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params must be tensors, got {type(p).__name__}")
+        if p.requires_grad:
+            unique.setdefault(id(p), p)
+    return list(unique.values())
+
+
+def _code_globals(code: Any) -> list[str]:
+    """Global names a code object (and the code objects nested in it) loads."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names.extend(_code_globals(const))
+    return names
+
+
+class _Reach:
+    """A walk from a step through what it can reach (see :func:`reachable`)."""
+
+    def __init__(self) -> None:
+        self.found: dict[int, Tensor] = {}
+        self.seen: set[int] = set()
+        self.modules: dict[int, nn.Module] = {}
+
+    def visit(self, obj: Any, depth: int) -> None:
+        if depth > 4 or id(obj) in self.seen or isinstance(obj, (types.ModuleType, type, str)):
+            return
+        self.seen.add(id(obj))
+        for kind, visit in self._VISITS:
+            if isinstance(obj, kind):
+                visit(self, obj, depth + 1)
+                return
+        if inspect.ismethod(obj):
+            self.visit_all((obj.__self__, obj.__func__), depth + 1)
+        elif inspect.isfunction(obj):
+            self._function(obj, depth + 1)
+        elif callable(obj) and hasattr(obj, "__dict__") and not inspect.isbuiltin(obj):
+            self.visit_all(list(vars(obj).values())[:100], depth + 1)
+
+    def visit_all(self, items: Any, depth: int) -> None:
+        for item in items:
+            self.visit(item, depth)
+
+    def _tensor(self, t: Tensor, depth: int) -> None:
+        if t.requires_grad:
+            self.found.setdefault(id(t), t)
+
+    def _module(self, module: nn.Module, depth: int) -> None:
+        for p in module.parameters():
+            self._tensor(p, depth)
+        for m in module.modules():
+            self.modules.setdefault(id(m), m)
+            self.visit_all([v for v in vars(m).values() if isinstance(v, tuple)], depth)
+
+    def _partial(self, obj: functools.partial, depth: int) -> None:
+        self.visit_all((obj.func, *obj.args, *obj.keywords.values()), depth)
+
+    def _sequence(self, obj: Any, depth: int) -> None:
+        self.visit_all(list(obj)[:1000], depth)
+
+    def _dict(self, obj: dict, depth: int) -> None:
+        self.visit_all(list(obj.values())[:1000], depth)
+
+    def _function(self, fn: Any, depth: int) -> None:
+        for cell in fn.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                self.visit(cell.cell_contents, depth)
+        self.visit_all((*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()), depth)
+        scope = fn.__globals__
+        names = dict.fromkeys(_code_globals(fn.__code__))
+        self.visit_all([scope[name] for name in names if name in scope], depth)
+
+    _VISITS: tuple[tuple[Any, Callable[..., None]], ...] = (
+        (Tensor, _tensor),
+        (nn.Module, _module),
+        (functools.partial, _partial),
+        ((list, tuple, set, frozenset), _sequence),
+        (dict, _dict),
+    )
+
+
+def reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
+    """Tensors requiring grad reachable from ``step``: parameters of the modules it is, is
+    bound to, closes over, takes as defaults or ``partial`` arguments, or names as globals
+    (through the functions and containers it reaches, a few levels deep), tensors requiring
+    grad among those, and tensors requiring grad in NamedTuple attributes of those modules
+    (Norse keeps neuron parameters in ``module.p``); and the modules reached (submodules
+    included)."""
+    walk = _Reach()
+    walk.visit(step, 0)
+    return list(walk.found.values()), list(walk.modules.values())
+
+
+# ----------------------------------------------------------------------------- running stats
+
+_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def guard_running_stats(modules: Sequence[nn.Module]) -> None:
+    """Give every BatchNorm/InstanceNorm layer the step reaches a pair of forward hooks (once)
+    that keep its running statistics out of recomputed calls: while the engine recomputes
+    (:func:`~spikeckpt.engine.phase.recomputing`), a training-mode call runs with its
+    statistics buffers set aside, so they are updated once per step, in the forward phase, as
+    in the plain loop. The outputs are unchanged: training mode normalises with the batch's own
+    statistics."""
+    for m in modules:
+        if isinstance(m, _RUNNING_STATS) and not m.__dict__.get("_spikeckpt_guarded", False):
+            m.register_forward_pre_hook(_stats_aside)
+            m.register_forward_hook(_stats_back, always_call=True)
+            m.__dict__["_spikeckpt_guarded"] = True
+
+
+def _stats_aside(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: while recomputing, a training-mode call does not update the running
+    statistics (BatchNorm: ``track_running_stats`` off; InstanceNorm: buffers set aside)."""
+    kept: dict[str, Any] | None = None
+    if recomputing() and module.training and getattr(module, "track_running_stats", False):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            kept = {"track_running_stats": True}
+            module.track_running_stats = False
+        else:
+            kept = {
+                k: module._buffers[k] for k in _STAT_BUFFERS if module._buffers.get(k) is not None
+            }
+            for k in kept:
+                module._buffers[k] = None
+    module.__dict__.setdefault("_spikeckpt_kept", []).append(kept)
+
+
+def _stats_back(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (always called): put back what :func:`_stats_aside` set aside."""
+    stack = module.__dict__.get("_spikeckpt_kept")
+    kept = stack.pop() if stack else None
+    if kept and "track_running_stats" in kept:
+        module.track_running_stats = True
+    elif kept:
+        module._buffers.update(kept)

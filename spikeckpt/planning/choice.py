@@ -1,0 +1,216 @@
+"""What planning decides: :class:`Decision` (how one forward runs), :class:`PlanChoice` (a
+plan chosen for a budget, and why) and :class:`StepBytes` (what a training step holds on the
+device beyond the model), and :class:`Planned`, what a planner needs of a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from spikeckpt import plans
+from spikeckpt.engine.layerwise import LayerBlock
+from spikeckpt.planning.probe import (
+    Probe,
+    Probed,
+)
+from spikeckpt.plans import Cost, Plan
+from spikeckpt.plans.layerwise import (
+    LayerwiseCost,
+)
+from spikeckpt.units import format_bytes
+
+__all__ = ["Decision", "PlanChoice", "Planned", "StepBytes", "choice_from_dict", "choice_to_dict"]
+
+
+class Planned(Probed, Protocol):
+    """What a planner needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
+
+    storage: str
+    readout: Any
+    output: str
+    granularity: str
+    chunk: int | None
+
+    def device_for(self, x: Any) -> Any:
+        """The device ``x``'s steps run on (a packed train's: the model's)."""
+        ...
+
+    def initial_state(self, x_t: Tensor) -> Any:
+        """The model's state at t=0 for one step's input ``x_t``."""
+        ...
+
+    def layer_blocks(self, required: bool) -> list[LayerBlock] | None:
+        """The model's layer-wise blocks; ``None`` when it does not split into them (or
+        ``UnsupportedLayerError`` saying why when ``required``)."""
+        ...
+
+    def block_states(self, state: Any) -> list[Any]:
+        """Each block's part of the model's state."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one training step of a wrapped model holds on the device beyond the model
+    (parameters, ``.grad`` and optimizer state, which :class:`~spikeckpt.lightning.MemoryBudget`
+    counts once for all models), as planned, in bytes.
+
+    Attributes:
+        input: the input train the step reads while it is on the device (dense bytes, or a
+            packed train's packed bytes; 0 when it stays on the host of a GPU run).
+        outputs: the stacked per-step outputs and their gradient (``readout=None``).
+        gradients: gradient buffers the engine holds beyond ``.grad`` while it accumulates
+            the parameters' gradients over segments (stack: a segment's own gradients beside
+            the running sum, and one parameter's new sum, made out of place; one copy for
+            BPTT; layer-wise: 0, its measured working set holds the running sums, see
+            ``activations``).
+        activations: the plan's modeled device peak: checkpoints, tapes, states (layer-wise:
+            the measured working set of a chunk with the gradient sums, the states, the stored
+            trains when they are device memory).
+    """
+
+    input: int = 0
+    outputs: int = 0
+    gradients: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """All of it: the step's planned peak beyond the model."""
+        return self.input + self.outputs + self.gradients + self.activations
+
+    def beside(self) -> str:
+        """What the step holds beside its activations, in words (gradient buffers only when
+        planned apart: layer-wise measures its gradient sums with its working set)."""
+        grads = f", gradient buffers {format_bytes(self.gradients)}" if self.gradients else ""
+        return f"input {format_bytes(self.input)}, outputs {format_bytes(self.outputs)}{grads}"
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A plan chosen for a budget, and why.
+
+    Attributes:
+        plan: the stack plan, intervals filled in for ``T`` (layer-wise: ``Uniform(chunk)``,
+            the stack plan with the same step evaluations).
+        T: steps planned for.
+        batch: batch size planned for.
+        budget_bytes: the device budget the plan's activations had to fit (the planner's
+            budget less the input, the outputs and the gradient buffers of ``step``).
+        probe: the measurements used.
+        modeled: the modeled cost (counts, ``peak_bytes``, ``time`` in seconds): a
+            :class:`~spikeckpt.plans.Cost`, or a :class:`~spikeckpt.plans.LayerwiseCost`.
+        granularity: ``"stack"`` or ``"layer"``.
+        chunk: layer-wise steps per chunk (None for the stack).
+        step: what a training step holds beyond the model, as planned (:class:`StepBytes`);
+            ``step.total`` is at most the planner's budget.
+    """
+
+    plan: Plan
+    T: int
+    batch: int
+    budget_bytes: int
+    probe: Probe
+    modeled: Cost | LayerwiseCost
+    granularity: str = "stack"
+    chunk: int | None = None
+    step: StepBytes = StepBytes()
+
+    @property
+    def modeled_peak_bytes(self) -> int:
+        """Modeled device peak of checkpoints and tapes (bytes)."""
+        return self.modeled.peak_bytes
+
+    @property
+    def modeled_step_bytes(self) -> int:
+        """The step's planned device peak beyond the model: input, outputs, gradient buffers
+        and activations (``step.total``)."""
+        return self.step.total
+
+    @property
+    def time_factor(self) -> float:
+        """Modeled time relative to plain BPTT."""
+        return self.modeled.time_factor(self.probe.costs())
+
+    @property
+    def recompute_factor(self) -> float:
+        """Step evaluations per time step (1.0 for BPTT)."""
+        return self.modeled.forward_steps / self.T
+
+    def describe(self) -> str:
+        """The plan as it runs: ``"Uniform(interval=32)"`` or ``"layer-wise(chunk=20)"``."""
+        return f"layer-wise(chunk={self.chunk})" if self.granularity == "layer" else repr(self.plan)
+
+    def summary(self) -> str:
+        """One line: plan, modeled peak, what else the step holds, time factor."""
+        step = self.step
+        extra = ""
+        if step.total > step.activations:
+            extra = f" (+ {step.beside()})"
+        return (
+            f"{self.describe()} for T={self.T}, B={self.batch}: modeled peak "
+            f"{format_bytes(self.modeled_peak_bytes)} of {format_bytes(self.budget_bytes)}"
+            f"{extra}, {self.recompute_factor:.2f} evaluations/step, "
+            f"~{self.time_factor:.2f}x BPTT time"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one forward runs.
+
+    Attributes:
+        granularity: ``"stack"`` or ``"layer"``.
+        plan: the stack plan (a plan, a ``Schedule``, or ``"auto"`` with ``budget``: the
+            engine measures one step and chooses) ; for layer-wise, the plan it was compared to.
+        chunk: layer-wise steps per chunk (None for the stack).
+        budget: device bytes for ``plan="auto"`` (None otherwise).
+        choice: the budget planner's :class:`PlanChoice` (None for a model's own plan).
+    """
+
+    granularity: str
+    plan: Any
+    chunk: int | None = None
+    budget: int | None = None
+    choice: PlanChoice | None = None
+
+    def describe(self) -> str:
+        """The plan as it runs (``"Uniform(interval=32)"``, ``"layer-wise(chunk=20)"``)."""
+        if self.granularity == "layer":
+            return f"layer-wise(chunk={self.chunk})"
+        return self.plan if isinstance(self.plan, str) else repr(self.plan)
+
+
+def choice_to_dict(choice: PlanChoice) -> dict[str, Any]:
+    plan_args = {k: v for k, v in vars(choice.plan).items() if not k.startswith("_")}
+    return {
+        "plan": {"type": type(choice.plan).__name__, "args": plan_args},
+        "T": choice.T,
+        "batch": choice.batch,
+        "budget_bytes": choice.budget_bytes,
+        "probe": asdict(choice.probe),
+        "modeled": asdict(choice.modeled),
+        "granularity": choice.granularity,
+        "chunk": choice.chunk,
+        "step": asdict(choice.step),
+    }
+
+
+def choice_from_dict(item: dict[str, Any]) -> PlanChoice:
+    plan_class = getattr(plans, item["plan"]["type"])
+    granularity = item.get("granularity", "stack")
+    modeled_class = LayerwiseCost if granularity == "layer" else Cost
+    return PlanChoice(
+        plan=plan_class(**item["plan"]["args"]),
+        T=item["T"],
+        batch=item["batch"],
+        budget_bytes=item["budget_bytes"],
+        probe=Probe(**item["probe"]),
+        modeled=modeled_class(**item["modeled"]),
+        granularity=granularity,
+        chunk=item.get("chunk"),
+        step=StepBytes(**item.get("step", {})),
+    )

@@ -1,0 +1,214 @@
+"""Granularity: whether layer-wise pays for a model, and the layer-wise chunk that fits.
+
+Both planners decide the granularity the same way (:func:`layer_or_stack`): with
+``granularity="auto"`` layer-wise runs when the model splits into feed-forward blocks, the
+readout is not callable, the input is exactly binary, its modeled device peak fits (the
+budget, else the stack plan's own modeled peak) and its modeled time is at most
+:data:`LAYERWISE_TIME_TOLERANCE` above the stack plan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+
+from spikeckpt import plans
+from spikeckpt.engine.layerwise import LayerBlock, chunk_for
+from spikeckpt.engine.packed import is_packed, step_of
+from spikeckpt.planning.choice import Planned
+from spikeckpt.planning.probe import (
+    block_sizes,
+    compute_device,
+    layerwise_probe_chunks,
+    layerwise_working_bytes,
+)
+from spikeckpt.plans import CostModel, Plan, choose
+from spikeckpt.plans.layerwise import (
+    BlockSizes,
+    MeasuredWorking,
+    fitting_chunk,
+    layerwise_cost,
+)
+from spikeckpt.storage.codecs import is_binary
+
+__all__ = ["LAYERWISE_TIME_TOLERANCE", "host_is_device", "layer_or_stack"]
+
+#: ``granularity="auto"`` accepts a layer-wise modeled time this much above the stack plan's:
+#: the model counts ``2T`` step evaluations against e.g. ``Uniform``'s ``2T - k`` (it keeps its
+#: last segment taped) but not the layer-wise batched synapse op, which measured faster.
+LAYERWISE_TIME_TOLERANCE = 0.05
+
+
+def host_is_device(storage: str, device: torch.device | str) -> bool:
+    """Whether the ``storage`` tier is the compute device's own memory: the device tier, and
+    the host tier of a CPU run (the host *is* the device there: what it holds counts
+    against the budget; only the disk tier is off it)."""
+    return storage == "device" or (storage == "host" and torch.device(device).type == "cpu")
+
+
+class Layered(NamedTuple):
+    """A model's layer-wise blocks, their sizes for planning and the measured working set."""
+
+    blocks: list[LayerBlock]
+    sizes: list[BlockSizes]
+    working: MeasuredWorking | None = None
+
+
+def layerwise_candidate(
+    model: Planned,
+    x: Any,
+    state: Any,
+    required: bool,
+    *,
+    budgeted: bool = True,
+    max_bytes: int | None = None,
+) -> Layered | None:
+    """The blocks and their sizes when layer-wise can run, else None.
+
+    ``budgeted=False``: the sizes :func:`block_sizes` measures (what a model's own
+    :class:`Planner` compares with the stack plan). ``budgeted=True`` (the
+    :class:`BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
+    the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
+    density of hidden spikes grows as the model trains, and index lists with it), dense with
+    the device tier (it stores them unpacked); ``working`` is the training step's working set
+    as :func:`~spikeckpt.planning.probe.layerwise_working_bytes` measures it (held under
+    ``max_bytes``; the parameters' gradient sums included).
+    """
+    blocks = model.layer_blocks(required)
+    if blocks is None:
+        return None
+    device = compute_device(model, x)
+    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state))
+    if not budgeted:
+        return Layered(blocks, sizes)
+    unpacked = model.storage == "device"
+    sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
+    working = layerwise_working_bytes(
+        blocks,
+        x,
+        lambda x_t: model.block_states(model.initial_state(x_t)),
+        sizes,
+        device=device,
+        storage=model.storage,
+        readout=model.readout,
+        output=model.output,
+        stored_on_device=host_is_device(model.storage, device),
+        max_bytes=max_bytes,
+    )
+    return Layered(blocks, sizes, working)
+
+
+def layerwise_may_pay(model: Planned, x: Any) -> bool:
+    """``granularity="auto"`` considers layer-wise only for named readouts and binary inputs
+    (its stored trains are packed to 1 bit per element only when they are spikes)."""
+    return not callable(model.readout) and (is_packed(x) or is_binary(x))
+
+
+def _chunk_candidates(T: int, preferred: int) -> list[int]:
+    """Chunk lengths to try, ``1..min(preferred, T)``: all of them up to 4096, else a
+    geometric grid of about 2000."""
+    top = max(1, min(preferred, T))
+    if top <= 4096:
+        return list(range(1, top + 1))
+    return sorted({max(1, min(top, round(top ** (i / 2000)))) for i in range(2001)})
+
+
+def fitting_layer_chunk(
+    T: int,
+    sizes: Sequence[BlockSizes],
+    limit: int,
+    preferred: int,
+    *,
+    remote: bool,
+    working: MeasuredWorking | None = None,
+) -> int | None:
+    """The largest chunk ``<= preferred`` whose modeled layer-wise peak fits ``limit``, or
+    None. With the trains and chunk states off the device the peak grows with the chunk
+    (:func:`~spikeckpt.plans.layerwise.fitting_chunk` bisects); on the device the stored
+    chunk states shrink as the chunk grows, so the peak is not monotonic: chunks are tried
+    from the longest down."""
+    if remote:
+        return fitting_chunk(T, sizes, limit, preferred, remote=True, working=working)
+    for k in reversed(_chunk_candidates(T, preferred)):
+        if layerwise_cost(T, k, sizes, remote=False, working=working).peak_bytes <= limit:
+            return k
+    return None
+
+
+def _smallest_layerwise(
+    T: int, sizes: Sequence[BlockSizes], *, remote: bool, working: MeasuredWorking | None = None
+) -> int:
+    """The least modeled layer-wise peak over all chunk lengths."""
+    if remote:
+        return layerwise_cost(T, 1, sizes, remote=True, working=working).peak_bytes
+    return min(
+        layerwise_cost(T, k, sizes, remote=False, working=working).peak_bytes
+        for k in _chunk_candidates(T, T)
+    )
+
+
+def smallest_probed_layerwise(
+    T: int,
+    sizes: Sequence[BlockSizes],
+    working: MeasuredWorking,
+    *,
+    remote: bool,
+    beside: int,
+    unprobed: int,
+) -> int:
+    """The least layer-wise peak that a probe held under it would find enough.
+
+    ``working`` was measured at every chunk length; a probe held under a budget measures the
+    shorter ones only (:func:`~spikeckpt.planning.probe.layerwise_probe_chunks`), and fewer
+    lengths can model more at some chunks. ``beside``: the step's other bytes (input,
+    outputs); ``unprobed``: what the probe may not use (the input on the device). Raised
+    until the lengths that fit the named budget model no more than it (the lengths only
+    grow, so this ends)."""
+    need = _smallest_layerwise(T, sizes, remote=remote, working=working)
+    while True:
+        room = max(beside + need - unprobed, 0)
+        probed = working.prefix(len(layerwise_probe_chunks(T, sizes, room)))
+        again = _smallest_layerwise(T, sizes, remote=remote, working=probed)
+        if again <= need:
+            return need
+        need = again
+
+
+def layer_or_stack(
+    T: int,
+    sizes: Sequence[BlockSizes],
+    plan: Any,
+    *,
+    limit: int | None,
+    remote: bool,
+    chunk: int | None,
+    costs: CostModel | None = None,
+) -> int | None:
+    """Layer-wise or stack for ``T`` steps of blocks of ``sizes``: the layer-wise chunk, or
+    None when the stack plan wins.
+
+    ``plan``: the stack plan (or ``"auto"``: chosen here for ``limit``); ``limit``: the device
+    budget (None: the stack plan's own modeled peak); ``chunk``: a fixed chunk (None: the
+    plan's interval, else ``ceil(sqrt(T))``, shrunk to the largest that fits ``limit``).
+    """
+    S = sum(b.state_bytes for b in sizes)
+    A = max(1, sum(b.step_bytes for b in sizes))
+    k = chunk if chunk is not None else chunk_for(plan, T)
+    if limit is not None and chunk is None:
+        k = fitting_layer_chunk(T, sizes, limit, k, remote=remote) or k
+    layer = layerwise_cost(T, k, sizes, remote=remote, costs=costs)
+    if isinstance(plan, str):  # "auto" with a budget
+        try:
+            plan = choose(T, S, A, limit if limit is not None else 0, remote=remote, costs=costs)
+        except plans.BudgetTooSmall:
+            fits = limit is not None and layer.peak_bytes <= limit
+            return layer.chunk if fits else None
+    if not isinstance(plan, Plan):  # a hand-written schedule: run it as written
+        return None
+    stack = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
+    fits = layer.peak_bytes <= (limit if limit is not None else stack.peak_bytes)
+    close_in_time = layer.time <= stack.time * (1 + LAYERWISE_TIME_TOLERANCE)
+    return layer.chunk if fits and close_in_time else None
