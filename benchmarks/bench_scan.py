@@ -135,12 +135,12 @@ def scan_runner(
     plan: Any, storage: str, directory: str | None = None, pack_tape: bool = True
 ) -> Callable[..., None]:
     def run(net: LIF2, x: Tensor, s0: Any) -> None:
-        count, _, stats = sc.scan(
-            net, x, s0, plan=plan, storage=storage, readout="sum", stats=True,
+        out = sc.scan(
+            net, x, s0, plan=plan, storage=storage, readout="sum",
             directory=directory if storage == "disk" else None, pack_tape=pack_tape,
         )  # fmt: skip
-        _loss(count).backward()
-        run.stats = stats  # type: ignore[attr-defined]
+        _loss(out.ys).backward()
+        run.stats = out.stats  # type: ignore[attr-defined]
 
     return run
 
@@ -318,7 +318,6 @@ def bench_layerwise(T: int, args: argparse.Namespace, folder: str) -> list[dict[
                 seq,
                 plan=P.Double(state_bytes=S, step_bytes=A),
                 storage=storage,
-                stats=True,
                 **directory,
             ),
         ),

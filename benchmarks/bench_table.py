@@ -154,7 +154,7 @@ def run_checkpoint(model: LIFStack, x: Tensor) -> None:
 
 def scan_runner(plan: Any, storage: str, budget: int | None, folder: str) -> Callable[..., Any]:
     def run(model: LIFStack, x: Tensor) -> Any:
-        rate, _, stats = sc.scan(
+        out = sc.scan(
             model.step,
             x,
             model.initial_state(x.shape[1]),
@@ -163,11 +163,10 @@ def scan_runner(plan: Any, storage: str, budget: int | None, folder: str) -> Cal
             storage=storage,  # type: ignore[arg-type]
             readout="mean",
             params=list(model.parameters()),
-            stats=True,
             directory=folder if storage == "disk" else None,
         )
-        (rate - 0.1).square().mean().backward()
-        return stats
+        (out.ys - 0.1).square().mean().backward()
+        return out.stats
 
     return run
 

@@ -53,11 +53,9 @@ def _plans(T: int, S: int, A: int, folder: str) -> dict[str, tuple[Any, str, str
 
 def _runner(plan: Any, storage: str, folder: str | None) -> Callable[..., Any]:
     def run(net: LIF2, x: torch.Tensor, s0: Any) -> Any:
-        count, _, stats = sc.scan(
-            net, x, s0, plan=plan, storage=storage, readout="sum", stats=True, directory=folder
-        )
-        _loss(count).backward()
-        return stats
+        out = sc.scan(net, x, s0, plan=plan, storage=storage, readout="sum", directory=folder)
+        _loss(out.ys).backward()
+        return out.stats
 
     return run
 

@@ -76,14 +76,14 @@ def main() -> None:
     # scan: model.step is a bound method of an nn.Module, so its parameters get gradients
     # (tensors a step closes over must be passed with params=[...]).
     with spikeckpt.MemoryMeter() as scan_mem:
-        count, final, stats = spikeckpt.scan(
+        out = spikeckpt.scan(
             model.step,
             x,
             model.initial_state(B),
             plan=spikeckpt.plans.Revolve(16),  # 16 device checkpoints
             readout="sum",  # sum of y_t inside the loop: (B, N), no (T, B, N) stack
-            stats=True,
         )
+        (count, final), stats = out, out.stats  # what the run did beside (ys, state)
         nn.functional.mse_loss(count, target).backward()
     diff = max(
         (g - p.grad).abs().max().item()

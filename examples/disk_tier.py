@@ -39,7 +39,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, spikeckpt.MemoryMeter() as meter:
         parent = Path(tmp)
-        counts, _, stats = spikeckpt.scan(
+        out = spikeckpt.scan(
             model.step,
             x,
             model.initial_state(B),
@@ -47,8 +47,8 @@ def main() -> None:
             storage="disk",
             directory=parent,  # default: the system temporary folder
             readout="sum",
-            stats=True,
         )
+        counts, stats = out.ys, out.stats
         during = checkpoint_files(parent)  # one file, whatever the number of checkpoints
         size = fmt(sum(path.stat().st_size for path in during))
         print(f"after forward: {during[0].parent.name}/{during[0].name} holds {size}")

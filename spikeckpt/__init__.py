@@ -12,11 +12,15 @@ from typing import Any
 from spikeckpt import plans
 from spikeckpt.errors import (
     BudgetTooSmall,
+    ConfigError,
+    ConfigTypeError,
+    MissingDependencyError,
     NotBinaryError,
     ScheduleError,
     SpikeckptError,
     StorageError,
     UnsupportedLayerError,
+    UsageError,
 )
 from spikeckpt.units import format_bytes, parse_bytes
 
@@ -25,6 +29,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "scan": "spikeckpt.engine.scan",
     "ScanStats": "spikeckpt.engine.scan",
+    "ScanResult": "spikeckpt.engine.scan",
     "MemoryMeter": "spikeckpt.engine.meter",
     "pack": "spikeckpt.storage.codecs",
     "unpack": "spikeckpt.storage.codecs",
@@ -38,15 +43,20 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "BudgetTooSmall",
     "CheckpointedSequence",
+    "ConfigError",
+    "ConfigTypeError",
     "DataNotFoundError",
     "MemoryMeter",
+    "MissingDependencyError",
     "NotBinaryError",
+    "ScanResult",
     "ScanStats",
     "ScheduleError",
     "SpikeTrain",
     "SpikeckptError",
     "StorageError",
     "UnsupportedLayerError",
+    "UsageError",
     "format_bytes",
     "pack",
     "parse_bytes",

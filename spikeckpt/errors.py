@@ -1,4 +1,10 @@
-"""Exceptions shared by every layer. Pure Python: importing this module never imports torch."""
+"""Exceptions shared by every layer. Pure Python: importing this module never imports torch.
+
+Every error spikeckpt raises on purpose is a :class:`SpikeckptError`; each class is also the
+built-in exception it stands for (a bad value is a ``ValueError``, a wrong type a
+``TypeError``), so ``except ValueError`` keeps working. ``tests/test_errors.py`` reads every
+``raise`` statement of the package and holds it to this.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,33 @@ class SpikeckptError(Exception):
     """Base class of every error spikeckpt raises on purpose."""
 
 
+class ConfigError(SpikeckptError, ValueError):
+    """An argument or setting has a value spikeckpt does not accept, or a step or model gave
+    something it cannot run (a state whose shape changed, ...): the message names it and the
+    fix."""
+
+
+class ConfigTypeError(SpikeckptError, TypeError):
+    """An argument (or what a step returned) has a type spikeckpt does not accept, or a
+    keyword it does not know: the message names it and the fix."""
+
+
+class UsageError(SpikeckptError, RuntimeError):
+    """An operation that cannot run now: a second backward through one run, a closed store,
+    a meter used twice at once, a run that cannot go on."""
+
+
 class ScheduleError(SpikeckptError, ValueError):
     """A schedule is broken: the message names the offending action and its position."""
 
 
 class BudgetTooSmall(SpikeckptError, ValueError):
-    """No plan fits the device memory budget.
+    """No plan fits the device memory budget (or the plan given cannot keep it).
 
     Attributes:
         budget_bytes: the budget that was asked for (bytes).
-        minimum_bytes: the smallest budget that some plan would fit in (bytes).
+        minimum_bytes: the smallest budget that some plan would fit in (bytes); passed back
+            as the budget, it works.
     """
 
     def __init__(self, message: str, *, budget_bytes: int, minimum_bytes: int) -> None:
@@ -35,3 +58,8 @@ class NotBinaryError(SpikeckptError, ValueError):
 
 class StorageError(SpikeckptError, OSError):
     """A storage tier cannot hold a checkpoint (disk full, folder not writable, ...)."""
+
+
+class MissingDependencyError(SpikeckptError, ModuleNotFoundError):
+    """An optional package a feature needs is not installed: the message names the extra to
+    install (``pip install "spikeckpt[data]"``)."""

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from spikeckpt.errors import ConfigError
+
 
 class FastSigmoidSpike(torch.autograd.Function):
     """Heaviside spike forward, fast-sigmoid surrogate gradient ``1 / (1 + slope*|v|)^2``."""
@@ -51,7 +53,7 @@ class LIFStack(nn.Module):
     def __init__(self, widths: Sequence[int], beta: float = 0.9, threshold: float = 1.0) -> None:
         super().__init__()
         if len(widths) < 2 or any(int(w) < 1 for w in widths):
-            raise ValueError(f"widths must list at least two sizes >= 1, got {list(widths)}")
+            raise ConfigError(f"widths must list at least two sizes >= 1, got {list(widths)}")
         self.widths = [int(w) for w in widths]
         self.synapses = nn.ModuleList(
             nn.Linear(a, b) for a, b in zip(self.widths[:-1], self.widths[1:], strict=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 
+from spikeckpt.errors import ConfigError
+
 _UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
@@ -43,7 +45,7 @@ def parse_bytes(value: int | float | str) -> int:
             parse (the message lists the accepted formats).
     """
     if isinstance(value, bool):
-        raise ValueError(f"a byte count must be a number or a string like '512MiB', not {value!r}")
+        raise ConfigError(f"a byte count must be a number or a string like '512MiB', not {value!r}")
     if isinstance(value, int):
         number, scale = float(value), 1
     elif isinstance(value, float):
@@ -51,32 +53,32 @@ def parse_bytes(value: int | float | str) -> int:
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match is None:
-            raise ValueError(f"cannot parse {value!r} as a byte count: write {FORMATS}")
+            raise ConfigError(f"cannot parse {value!r} as a byte count: write {FORMATS}")
         unit = match.group(3).lower()
         if unit not in _UNITS:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot parse {value!r} as a byte count: unknown unit {match.group(3)!r}; "
                 f"write {FORMATS}"
             )
         number, scale = float(match.group(1) + match.group(2)), _UNITS[unit]
     else:
-        raise ValueError(
+        raise ConfigError(
             f"a byte count must be an int or a string like '512MiB', not {value!r} "
             f"({type(value).__name__})"
         )
     if math.isnan(number) or math.isinf(number):
-        raise ValueError(f"a byte count must be finite, got {value!r}")
+        raise ConfigError(f"a byte count must be finite, got {value!r}")
     if number < 0:
         shown = value.strip() if isinstance(value, str) else value
         positive = repr(shown.lstrip("-+ ")) if isinstance(shown, str) else f"{-shown:g}"
-        raise ValueError(
+        raise ConfigError(
             f"a byte count cannot be negative, got {value!r}: negative sizes and budgets are "
             f"not allowed. Write the memory to allow, e.g. {positive} (MemoryBudget: "
             "or fraction=0.8 for a share of the free device memory)"
         )
     total = number * scale
     if isinstance(value, float) and not total.is_integer():
-        raise ValueError(f"a byte count must be a whole number of bytes, got {value!r}")
+        raise ConfigError(f"a byte count must be a whole number of bytes, got {value!r}")
     return int(round(total))
 
 

@@ -12,6 +12,8 @@ torch.Size([100, 8, 5])
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -25,7 +27,7 @@ from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.packed import as_input, is_packed, step_of
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
-from spikeckpt.errors import UnsupportedLayerError
+from spikeckpt.errors import ConfigError, ConfigTypeError, UnsupportedLayerError
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.schedule import Schedule
@@ -45,7 +47,7 @@ class CheckpointedSequence(nn.Module):
     """A model whose time loop runs through spikeckpt's engine (checkpointed memory, exact
     gradients). Build it with :func:`wrap`.
 
-    ``forward(x, return_state=False, state=None)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
+    ``forward(x, *, state=None, return_state=False)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
     with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see :meth:`forward`);
     returns the last layer's output per step, ``(T, B, ...)`` (or the reduced value with a
     ``readout``), and with ``return_state`` also the final state.
@@ -79,9 +81,10 @@ class CheckpointedSequence(nn.Module):
         batch_first: bool = False,
         budget: int | str | None = None,
         output: Output = "spikes",
-        scan_kwargs: dict[str, Any] | None = None,
         granularity: Granularity = "stack",
         chunk: int | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        pack_tape: bool = False,
     ) -> None:
         super().__init__()
         self.module = module
@@ -92,7 +95,8 @@ class CheckpointedSequence(nn.Module):
         self.batch_first = batch_first
         self.budget = budget
         self.output = output
-        self.scan_kwargs = dict(scan_kwargs or {})
+        self.directory = directory
+        self.pack_tape = pack_tape
         self.granularity = _check_granularity(granularity)
         self.chunk = chunk
         self.planner: Planner | BudgetPlanner | None = None
@@ -177,7 +181,13 @@ class CheckpointedSequence(nn.Module):
         return self._own[1]
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x: Tensor, return_state: bool = False, state: State | None = None) -> Any:
+    def forward(
+        self,
+        x: Tensor,
+        *legacy: Any,
+        state: State | None = None,
+        return_state: bool = False,
+    ) -> Any:
         """Run ``x`` ``(T, B, ...)`` (or ``(B, T, ...)``) through the model over time.
 
         Args:
@@ -187,23 +197,25 @@ class CheckpointedSequence(nn.Module):
                 train stays packed where it is (on the host, or on the device at 1 bit per
                 element) and is unpacked on the model's device one step (stack) or one chunk
                 (layer-wise) at a time; it gets no gradient. Packed trains are always time
-                first: with ``batch_first=True`` a packed train is refused (``ValueError``);
-                the outputs of a packed train are time first too.
-            return_state: also return the final state. Models whose own call returns
-                ``(output, state)`` (Norse; ``adapter.returns_state``) always do, and take the
-                state as the second positional argument too: ``out, s = seq(x, s)``.
+                first: with ``batch_first=True`` a packed train is refused
+                (:class:`~spikeckpt.ConfigError`); the outputs of a packed train are time
+                first too.
             state: initial state (same structure as the returned one; for stacks a tuple or
                 list with ``None`` for layers that start fresh). Default: zeros / Norse's own.
+            return_state: also return the final state. Models whose own call returns
+                ``(output, state)`` (Norse; ``adapter.returns_state``) always do.
+            legacy: deprecated positional forms, ``seq(x, state)`` and ``seq(x, True)``
+                (a ``DeprecationWarning``; pass ``state=`` and ``return_state=`` by keyword).
         """
-        if not isinstance(return_state, bool):  # Norse-style call: seq(x, state)
-            state, return_state = return_state, True
+        if legacy:
+            state, return_state = _legacy_call(legacy, state, return_state)
         return_state = return_state or self.adapter.returns_state
         x = as_input(x)
         packed = is_packed(x)
         if len(x.shape) < 2:
-            raise ValueError(f"x must have a time and a batch axis, got shape {tuple(x.shape)}")
+            raise ConfigError(f"x must have a time and a batch axis, got shape {tuple(x.shape)}")
         if self.batch_first and packed:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_first=True takes a dense (B, T, ...) tensor; a packed spike train is "
                 f"always time first, (T, B, ...) = {tuple(x.shape)}: wrap with "
                 "batch_first=False for packed trains (pack the train time first)"
@@ -212,7 +224,7 @@ class CheckpointedSequence(nn.Module):
             x = x.transpose(0, 1)
         if x.shape[0] == 0:
             axis = "second (batch_first=True)" if self.batch_first else "first"
-            raise ValueError(
+            raise ConfigError(
                 f"x holds T=0 time steps (shape {tuple(x.shape)}, time on the {axis} axis); "
                 "pass at least one step"
             )
@@ -230,7 +242,7 @@ class CheckpointedSequence(nn.Module):
             if decision.granularity == "layer":
                 ys, final, self.last_stats = self._run_layerwise(x, state, decision)
             else:
-                ys, final, self.last_stats = scan(
+                out = scan(
                     self.step,
                     x,
                     state,
@@ -239,9 +251,10 @@ class CheckpointedSequence(nn.Module):
                     readout=self.readout,
                     params=self.parameters_for_scan(),
                     budget=decision.budget,
-                    stats=True,
-                    **self._engine_kwargs(),
+                    directory=self._directory(),
+                    pack_tape=self.pack_tape,
                 )
+                (ys, final), self.last_stats = out, out.stats
         finally:
             self.adapter.cleanup()
         if self.batch_first and self.readout is None:
@@ -250,13 +263,13 @@ class CheckpointedSequence(nn.Module):
 
     def _run_layerwise(self, x: Tensor, state: State, decision: Decision) -> Any:
         if callable(self.readout):
-            raise ValueError(
+            raise ConfigError(
                 "granularity='layer' supports readout None, 'sum', 'mean' or 'last'; a callable "
                 "readout needs granularity='stack'"
             )
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
-        ys, finals, stats = layerwise_scan(
+        out = layerwise_scan(
             blocks,
             x,
             self.block_states(state),
@@ -265,9 +278,9 @@ class CheckpointedSequence(nn.Module):
             readout=self.readout,
             output=self.output,
             params=self.parameters_for_scan(),
-            directory=self._engine_kwargs().get("directory"),
-            stats=True,
+            directory=self._directory(),
         )
+        (ys, finals), stats = out, out.stats
         if self._blocks[0].index is None:
             return ys, finals[0], stats
         final = list(state)  # a stack: put each block's state at its layer
@@ -275,11 +288,17 @@ class CheckpointedSequence(nn.Module):
             final[b.index] = s
         return ys, tuple(final), stats
 
-    def _engine_kwargs(self) -> dict[str, Any]:
-        """``scan_kwargs`` for this run: ``directory`` only with the disk tier (``storage`` may
-        have been changed since wrapping, e.g. by ``MemoryBudget(storage=...)``)."""
-        drop = {"stats"} if self.storage == "disk" else {"stats", "directory"}
-        return {k: v for k, v in self.scan_kwargs.items() if k not in drop}
+    def _directory(self) -> str | os.PathLike[str] | None:
+        """The disk tier's folder, only with the disk tier (``storage`` may have been changed
+        since wrapping: :meth:`set_storage`)."""
+        return self.directory if self.storage == "disk" else None
+
+    def set_storage(self, storage: str) -> None:
+        """Keep remote checkpoints (and layer-wise trains) in ``storage`` from the next
+        forward on: ``"host"``, ``"disk"`` or ``"device"`` (what
+        :class:`~spikeckpt.lightning.MemoryBudget` ``(storage=...)`` calls)."""
+        check_storage(storage, self.directory if storage == "disk" else None)
+        self.storage = storage
 
     def extra_repr(self) -> str:
         text = (
@@ -300,15 +319,52 @@ def _check_plan(plan: Any) -> None:
     """One rule for ``plan`` at wrap time: a plan object, a ``Schedule`` or ``"auto"``."""
     if isinstance(plan, (Plan, Schedule)) or (isinstance(plan, str) and plan == "auto"):
         return
-    raise ValueError(
+    raise ConfigError(
         f"plan must be a plan object (spikeckpt.plans.BPTT(), Uniform(10), Revolve(8), "
         f"Double(), ...), a Schedule or 'auto', got {plan!r}"
     )
 
 
+def _check_options(granularity: str, readout: Any, chunk: int | None, pack_tape: bool) -> None:
+    """Every option runs in the granularity asked for, or is refused here."""
+    if callable(readout) and granularity == "layer":
+        raise ConfigError(
+            "granularity='layer' supports readout None, 'sum', 'mean' or 'last'; a callable "
+            "readout needs granularity='stack' (or 'auto', which then runs the stack)"
+        )
+    if chunk is not None and granularity == "stack":
+        raise ConfigError(
+            f"chunk={chunk} is the layer-wise chunk; granularity='stack' has none: use "
+            "granularity='layer' (or 'auto'), or a stack plan such as Uniform(k)"
+        )
+    if pack_tape and granularity != "stack":
+        raise ConfigError(
+            f"pack_tape=True packs the stack granularity's tape; granularity={granularity!r} "
+            "may run layer-wise, which keeps one block's chunk taped and stores its spike "
+            "trains packed already: use granularity='stack' with pack_tape=True"
+        )
+
+
+def _legacy_call(legacy: tuple[Any, ...], state: Any, return_state: bool) -> tuple[Any, bool]:
+    """``(state, return_state)`` from the deprecated positional forms ``seq(x, state)``,
+    ``seq(x, True)`` and ``seq(x, True, state)``."""
+    warnings.warn(
+        "seq(x, state) and seq(x, return_state) are deprecated: pass them by keyword, "
+        "seq(x, state=state, return_state=True)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    if len(legacy) > 2:
+        raise ConfigTypeError(f"forward takes x and keywords; got {len(legacy) + 1} positionals")
+    first = legacy[0]
+    if isinstance(first, bool):  # the old order: forward(x, return_state, state)
+        return (legacy[1] if len(legacy) == 2 else state), first
+    return first, True  # a Norse-style call: seq(x, state)
+
+
 def _check_granularity(granularity: str) -> str:
     if granularity not in _GRANULARITIES:
-        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+        raise ConfigError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
     return granularity
 
 
@@ -361,7 +417,8 @@ def wrap(
     output: Output = "spikes",
     granularity: Granularity = "stack",
     chunk: int | None = None,
-    **scan_kwargs: Any,
+    directory: str | os.PathLike[str] | None = None,
+    pack_tape: bool = False,
 ) -> CheckpointedSequence:
     """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
 
@@ -392,28 +449,37 @@ def wrap(
             per ``(T, B)``). With layer-wise, ``seq.last_stats`` is a
             :class:`~spikeckpt.engine.stats.LayerwiseStats` (spike density per block, bytes
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
-        chunk: layer-wise only: time steps per chunk (default: the plan's interval, e.g.
-            ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``).
-        **scan_kwargs: passed on to :func:`spikeckpt.scan` (``directory``, ``pack_tape``).
-            Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``.
+        chunk: layer-wise time steps per chunk (default: the plan's interval, e.g.
+            ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``); refused with
+            ``granularity="stack"``, which has no chunks.
+        directory: parent folder of the disk tier's files (``storage="disk"`` only).
+        pack_tape: keep the binary tensors autograd saves in taped steps packed (see
+            :func:`spikeckpt.scan`); the stack granularity's tape only: refused with
+            ``granularity="layer"`` or ``"auto"`` (layer-wise keeps one block's chunk taped
+            and stores its spike trains packed already).
+
+    Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``. An unknown
+    keyword is a ``TypeError`` here, not at the first forward.
 
     Raises:
         UnsupportedLayerError: a layer cannot be stepped; the message names it (its path in
             the model) and lists what is supported.
+        ConfigError: an option the granularity cannot run (the message says which works).
     """
     if isinstance(model, CheckpointedSequence):
-        raise TypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
+        raise ConfigTypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
     if output not in _OUTPUTS:
-        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+        raise ConfigError(f"output must be one of {_OUTPUTS}, got {output!r}")
     _check_plan(plan)
     _check_granularity(granularity)
-    check_storage(storage, scan_kwargs.get("directory"))
+    _check_options(granularity, readout, chunk, pack_tape)
+    check_storage(storage, directory)
     if budget is not None:
         parse_bytes(budget)  # a budget that cannot be read fails here, not at the first forward
     adapter = adapter_for(model, "")
     adapter.cleanup()
     if output != "spikes" and not _has_membrane(adapter):
-        raise ValueError(
+        raise ConfigError(
             f"output={output!r} needs the last layer to be a neuron with a membrane potential "
             f"(got {adapter!r})"
         )
@@ -426,9 +492,10 @@ def wrap(
         batch_first=batch_first,
         budget=budget,
         output=output,
-        scan_kwargs=scan_kwargs,
         granularity=granularity,
         chunk=chunk,
+        directory=directory,
+        pack_tape=pack_tape,
     )
 
 

@@ -272,9 +272,8 @@ def test_non_block_models_asked_for_layer_raise(model: Any, why: str) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="granularity"):
         sc.wrap(make_net(["leaky"]), granularity="block")  # type: ignore[arg-type]
-    seq = sc.wrap(make_net(["leaky"]), granularity="layer", readout=lambda a, y, t: y)
-    with pytest.raises(ValueError, match="callable readout"):
-        seq(spikes(4, 2, N_IN, 0.5))
+    with pytest.raises(ValueError, match="callable readout"):  # refused at wrap time
+        sc.wrap(make_net(["leaky"]), granularity="layer", readout=lambda a, y, t: y)
 
 
 def _three_blocks() -> nn.Sequential:
@@ -292,7 +291,7 @@ def _three_blocks() -> nn.Sequential:
 def test_auto_picks_layer_for_binary_input_and_stack_otherwise() -> None:
     net = _three_blocks()
     x = spikes(200, 8, 100, 0.1)
-    seq = sc.wrap(net, granularity="auto", stats=True)  # CPU default: Uniform(ceil(sqrt(T)))
+    seq = sc.wrap(net, granularity="auto")  # CPU default: Uniform(ceil(sqrt(T)))
     seq(x)
     assert isinstance(seq.last_stats, LayerwiseStats)
     assert seq.last_stats.chunk == 15
@@ -302,7 +301,7 @@ def test_auto_picks_layer_for_binary_input_and_stack_otherwise() -> None:
 
 def test_auto_keeps_the_stack_when_its_plan_models_less_memory() -> None:
     # Revolve(2) keeps two states and one taped step; layer-wise tapes a 15-step chunk
-    seq = sc.wrap(_three_blocks(), plan=Revolve(2), granularity="auto", stats=True)
+    seq = sc.wrap(_three_blocks(), plan=Revolve(2), granularity="auto")
     seq(spikes(200, 8, 100, 0.1))
     assert not isinstance(seq.last_stats, LayerwiseStats)
     assert seq._auto_chunks == {(200, 8): None}

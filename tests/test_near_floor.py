@@ -147,10 +147,10 @@ def test_grouped_store_entries_change_nothing(storage: str, tmp_path: Path) -> N
     for group in (1, 3, None):
         net.zero_grad(set_to_none=True)
         state = seq.block_states(seq.adapter.init_state(x[0]))
-        ys, _, stats = sc.engine.layerwise.layerwise_scan(
-            blocks, x, state, chunk=4, storage=storage, readout="sum", stats=True,
-            group=group, **folder,
+        out = sc.engine.layerwise.layerwise_scan(
+            blocks, x, state, chunk=4, storage=storage, readout="sum", group=group, **folder,
         )  # fmt: skip
+        ys, stats = out.ys, out.stats
         (ys * torch.arange(1.0, 6.0)).sum().backward()
         results.append((ys.detach(), [p.grad.clone() for p in net.parameters()]))
         assert stats.completed and stats.storage_ledger.current.get(storage, 0) == 0
@@ -164,7 +164,8 @@ def test_sampled_tape_bytes_match_counting_every_step() -> None:
     net = LIFStack((12, 16, 4))
     x = spike_train(30, 2, 12, 0.3)
     state = tuple((v.requires_grad_(), s) for v, s in net.initial_state(2))
-    ys, _, stats = sc.scan(net.step, x, state, plan=P.Uniform(7), stats=True, readout="sum")
+    out = sc.scan(net.step, x, state, plan=P.Uniform(7), readout="sum")
+    ys, stats = out.ys, out.stats
     ys.sum().backward()
     probe = measure_step(net.step, state, x[0], list(net.parameters()))
     assert stats.tape_bytes_per_step == probe.step_bytes
@@ -224,10 +225,10 @@ def test_scan_fills_intervals_once_per_step_and_shape(monkeypatch: pytest.Monkey
     grads = []
     for _ in range(2):
         net.zero_grad(set_to_none=True)
-        ys, _, stats = sc.scan(
+        out = sc.scan(
             net.step, x, net.initial_state(2), plan=P.Double(), storage="host", readout="sum",
-            stats=True,
         )  # fmt: skip
+        ys, stats = out.ys, out.stats
         ys.sum().backward()
         grads.append([p.grad.clone() for p in net.parameters()])
     assert len(calls) == 1
@@ -246,9 +247,8 @@ def test_auto_budget_holds_the_gradients() -> None:
     probe = measure_step(net.step, state, x[0], [*net.parameters(), x])
     reserve = backward_reserve(list(net.parameters()), probe.state_bytes)
     budget = reserve + 12 * probe.state_bytes + 10 * probe.step_bytes
-    ys, _, stats = sc.scan(
-        net.step, x, state, plan="auto", budget=budget, readout="sum", stats=True
-    )
+    out = sc.scan(net.step, x, state, plan="auto", budget=budget, readout="sum")
+    ys, stats = out.ys, out.stats
     ys.sum().backward()
     assert stats.predicted.peak_bytes <= budget - reserve
     with pytest.raises(sc.BudgetTooSmall, match="gradients"):

@@ -71,7 +71,8 @@ def test_cuda_dropout_replay_and_ledger() -> None:
     probe = measure_step(net, v0, inputs[0], list(net.parameters()))
     for plan in [P.Uniform(5), P.Revolve(2), P.Double(9, 3)]:
         torch.manual_seed(5)
-        ys, v, stats = sc.scan(net, inputs, v0, plan=plan, storage="host", stats=True)
+        out = sc.scan(net, inputs, v0, plan=plan, storage="host")
+        (ys, v), stats = out, out.stats
         got = torch.autograd.grad(loss_of(ys, v), [*net.parameters(), v0])
         torch.testing.assert_close(ys, want_ys, rtol=0, atol=0)
         for g, w in zip(got, want, strict=True):

@@ -101,7 +101,7 @@ def test_plans_auto_disk_stats_and_no_grad(tmp_path: Path) -> None:
     auto = sc.wrap(model)(x)  # "auto" with no budget: Uniform() on the CPU
     torch.testing.assert_close(auto, ref)
     torch.testing.assert_close(sc.wrap(model, plan="auto", budget="1MiB")(x), ref)
-    seq = sc.wrap(model, plan=Double(8, 2), storage="disk", directory=tmp_path, stats=True)
+    seq = sc.wrap(model, plan=Double(8, 2), storage="disk", directory=tmp_path)
     y = seq(x)
     y.sum().backward()
     torch.testing.assert_close(y, ref)
@@ -162,7 +162,7 @@ def test_storage_and_directory_follow_one_rule_at_wrap_time(tmp_path: Path) -> N
     with pytest.raises(sc.StorageError, match="does not exist"):
         sc.wrap(snn_net(), storage="disk", directory=tmp_path / "missing")
     seq = sc.wrap(snn_net(), plan=Double(4, 2), storage="disk", directory=tmp_path)
-    seq.storage = "host"  # as MemoryBudget(storage="host") does: the folder is not used
+    seq.set_storage("host")  # as MemoryBudget(storage="host") does: the folder is not used
     seq((torch.rand(9, 2, 6) < 0.5).float()).sum().backward()
     assert seq.last_stats is not None and "disk" not in seq.last_stats.bytes_written
 

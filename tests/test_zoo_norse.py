@@ -312,7 +312,7 @@ def test_sequential_state_call_sites_stay_the_same() -> None:
     out, state = seq(x)
     assert torch.equal(out, ref)
     first, state = seq(x[:4])  # continue from the returned state, passed positionally
-    rest, _ = seq(x[4:], state)
+    rest, _ = seq(x[4:], state=state)
     assert torch.equal(torch.cat([first, rest]), ref)
     cell = sc.wrap(nt.LIFCell(), plan=sc.plans.Uniform(3))
     z, s = cell(x.flatten(2))

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from spikeckpt.adapters.generic import StatefulAdapter, probe, state_arity
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
+from spikeckpt.errors import ConfigTypeError
 
 __all__ = ["NorseAdapter", "make_adapter", "move_params"]
 
@@ -195,7 +196,9 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
     :func:`stack_options`), or raise :class:`UnsupportedLayerError` (``adapter_for``: the
     registry's lookup, for the module inside ``Lift``)."""
     if isinstance(module, SequentialState):
-        raise TypeError("a SequentialState is a stack: the registry builds it (stack_options)")
+        raise ConfigTypeError(
+            "a SequentialState is a stack: the registry builds it (stack_options)"
+        )
     if isinstance(module, (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent)):
         return NorseAdapter(module, path)
     if isinstance(module, LILinearCell):

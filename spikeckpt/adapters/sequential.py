@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatefulAdapter, StatelessAdapter, TimeLiftedAdapter, probe
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, Registration, State, unsupported
+from spikeckpt.errors import ConfigError
 
 __all__ = ["Block", "StackAdapter", "positions", "split_blocks"]
 
@@ -169,7 +170,7 @@ class StackAdapter(LayerAdapter):
 
     def coerce_state(self, state: State, x_t: Tensor) -> State:
         if not isinstance(state, (tuple, list)) or len(state) != len(self.layers):
-            raise ValueError(
+            raise ConfigError(
                 f"state for {self.path or 'the model'} must be a tuple or list of "
                 f"{len(self.layers)} layer states (None for a fresh one)"
             )

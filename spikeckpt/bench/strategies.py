@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from spikeckpt import plans
+from spikeckpt.errors import ConfigError
 from spikeckpt.models import LIFStack, spike_train
 
 __all__ = [
@@ -288,7 +289,7 @@ def _scan(ctx: Context, step: Callable[[Any, Tensor], Any], plan: Any, storage: 
     import spikeckpt as sc
 
     state = ctx.model.initial_state(ctx.x.shape[1])
-    rate, _, stats = sc.scan(
+    out = sc.scan(
         step,
         ctx.x,
         state,
@@ -296,9 +297,9 @@ def _scan(ctx: Context, step: Callable[[Any, Tensor], Any], plan: Any, storage: 
         storage=storage,  # type: ignore[arg-type]
         readout="mean",
         params=list(ctx.model.parameters()),
-        stats=True,
         directory=ctx.directory if storage == "disk" else None,
     )
+    rate, stats = out.ys, out.stats
     loss_of_rate(rate).backward()
     moved = sum(v for k, v in stats.bytes_written.items() if k in ("host", "disk"))
     modeled = None
@@ -308,7 +309,7 @@ def _scan(ctx: Context, step: Callable[[Any, Tensor], Any], plan: Any, storage: 
     return Outcome(stats.plan, moved, stats.forward_steps, modeled)
 
 
-class NoPlanFits(ValueError):
+class NoPlanFits(ConfigError):
     """No plan of the family fits the plan budget."""
 
 
@@ -428,7 +429,7 @@ def parse_strategies(text: str | None) -> list[Strategy]:
         names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown strateg{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))};"
             f" valid strategies: {', '.join(STRATEGIES)} (or 'all')"
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from spikeckpt.cli._args import Budget, budget, byte_budget, positive_int
+from spikeckpt.errors import ConfigError
 from spikeckpt.units import format_bytes
 
 #: ``--quick``: tiny sizes, one repeat (about 15 s on 2 idle cores, most of it start-up).
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from spikeckpt.bench.strategies import Workload, parse_strategies
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu")
+        raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu")
     if args.quick:
         for key, value in QUICK.items():
             if key != "T" or args.T is None:
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if args.T is None:
         args.T = [1000, 4000]
     if args.max_width is not None and len(args.T) != 1:
-        raise ValueError("--max-width needs exactly one length: --T 1000")
+        raise ConfigError("--max-width needs exactly one length: --T 1000")
     strategies = parse_strategies(args.strategies)
     threads, why = choose_threads(args.threads)
     device = torch.device(args.device)
@@ -298,7 +299,7 @@ def _search(args, strategies, workload, costs, folder, device, console, meta) ->
         if strategy.name == "bptt":
             base = result.best
             if base == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"BPTT fits no {quantity} within {format_bytes(budget)}; raise the budget"
                 )
         results.append(result)

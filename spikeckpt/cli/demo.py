@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spikeckpt.cli._args import Budget, budget, plan_name, positive_int
+from spikeckpt.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -193,12 +194,12 @@ def find_data(root: str | Path | None, synthetic: bool | None, samples: int | No
     marker = synthetic_marker(folder / "SHD") if present else None
     if present and marker is None:  # real files
         if synthetic:
-            raise ValueError(
+            raise ConfigError(
                 f"{folder / 'SHD'} holds real SHD files, which --synthetic would not replace: "
                 "drop --synthetic to train on them, or give another --root"
             )
         if samples is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"--samples sets the size of synthetic data, but {folder / 'SHD'} holds the real "
                 "SHD files, which are used whole: drop --samples"
             )
@@ -208,7 +209,7 @@ def find_data(root: str | Path | None, synthetic: bool | None, samples: int | No
         return DataSource(folder, True, "--synthetic")
     if present:
         if samples is not None and marker and marker.get("train_samples") != samples:
-            raise ValueError(
+            raise ConfigError(
                 f"{folder / 'SHD'} holds {marker.get('train_samples')} synthetic training "
                 f"recordings, not {samples}: add --synthetic to rewrite them, or drop --samples"
             )
@@ -264,7 +265,7 @@ def build_network(framework: str, inputs: int, hidden: int, classes: int) -> nn.
             nn.Linear(hidden, classes),
             norse.LIFCell(),
         )
-    raise ValueError(f"unknown framework {framework!r}: use 'snntorch' or 'norse'")
+    raise ConfigError(f"unknown framework {framework!r}: use 'snntorch' or 'norse'")
 
 
 @functools.cache
@@ -412,11 +413,11 @@ def _check_device(device: str) -> str:
     import torch
 
     if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+        raise ConfigError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if device == "cpu":
         return device
     if not torch.cuda.is_available():
-        raise ValueError(
+        raise ConfigError(
             f"--device {device}: no CUDA GPU is available here (torch.cuda.is_available() is "
             "False); use --device cpu"
         )
@@ -501,7 +502,7 @@ def _as_budget(value: Budget | int | str | None) -> Budget:
     try:
         return budget(value)
     except argparse.ArgumentTypeError as error:
-        raise ValueError(str(error)) from None
+        raise ConfigError(str(error)) from None
 
 
 # ---------------------------------------------------------------------------------- the job
@@ -539,12 +540,12 @@ def run(
     """
     for name, value in (("epochs", epochs), ("dt_us", dt_us), ("hidden", hidden)):
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise ConfigError(f"{name} must be at least 1, got {value}")
     if batch_size < 1 or (samples is not None and samples < 1):
-        raise ValueError(f"batch_size and samples must be at least 1, got {batch_size}, {samples}")
+        raise ConfigError(f"batch_size and samples must be at least 1, got {batch_size}, {samples}")
     chosen_budget = _as_budget(budget)
     if framework not in ("snntorch", "norse"):
-        raise ValueError(f"unknown framework {framework!r}: use 'snntorch' or 'norse'")
+        raise ConfigError(f"unknown framework {framework!r}: use 'snntorch' or 'norse'")
     device = _check_device(device)
     if console is None:
         from rich.console import Console

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from spikeckpt.cli._args import budget, byte_size, plan_name, positive_int
+from spikeckpt.errors import ConfigError
 
 
 def _widths(text: str) -> list[int]:
@@ -97,12 +98,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _sizes(args: argparse.Namespace) -> tuple[int, int]:
     if args.model:
         if args.state_bytes is not None or args.step_bytes is not None:
-            raise ValueError("give either --model or --state-bytes/--step-bytes, not both")
+            raise ConfigError("give either --model or --state-bytes/--step-bytes, not both")
         from spikeckpt.models import lif_stack_sizes  # torch only when asked
 
         return lif_stack_sizes(args.model, batch=args.batch)
     if args.state_bytes is None or args.step_bytes is None:
-        raise ValueError(
+        raise ConfigError(
             "give --model WIDTHS (with --batch), or both --state-bytes and --step-bytes"
         )
     return args.state_bytes, args.step_bytes

@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from spikeckpt.data.errors import DataNotFoundError
+from spikeckpt.data.errors import DataExistsError, DataNotFoundError
+from spikeckpt.errors import MissingDependencyError
 
 _LAZY: dict[str, tuple[str, str]] = {
     "SHDDataModule": ("spikeckpt.data.modules", "tonic,lightning"),
@@ -31,6 +32,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 
 __all__ = [
+    "DataExistsError",
     "DataNotFoundError",
     "EventsToSpikes",
     "NMNIST",
@@ -52,7 +54,7 @@ def __getattr__(name: str) -> Any:
     try:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
+        raise MissingDependencyError(
             f"spikeckpt.data.{name} needs the optional package {err.name!r}: "
             f'pip install "spikeckpt[{extras}]"',
             name=err.name,

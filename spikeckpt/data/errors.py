@@ -5,6 +5,11 @@ from __future__ import annotations
 from spikeckpt.errors import SpikeckptError
 
 
+class DataExistsError(SpikeckptError, FileExistsError):
+    """A folder that synthetic data would be written to already holds data spikeckpt did not
+    write (refused: pick another root or delete them)."""
+
+
 class DataNotFoundError(SpikeckptError, FileNotFoundError):
     """A dataset's files are not where tonic looks for them and could not be downloaded.
 

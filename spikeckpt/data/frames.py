@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tonic.transforms import ToFrame
 
-from spikeckpt.errors import NotBinaryError
+from spikeckpt.errors import ConfigError, NotBinaryError
 from spikeckpt.storage.spiketrain import SpikeTrain
 
 
@@ -28,9 +28,9 @@ def steps_for(duration_us: float, dt_us: float) -> int:
     ``steps_for(1_000_000, 1000) == 1000``; SHD's ~1 s recordings at 0.1 ms give ~10,000.
     """
     if dt_us <= 0:
-        raise ValueError(f"dt_us must be > 0 microseconds, got {dt_us}")
+        raise ConfigError(f"dt_us must be > 0 microseconds, got {dt_us}")
     if duration_us <= 0:
-        raise ValueError(f"duration_us must be > 0 microseconds, got {duration_us}")
+        raise ConfigError(f"duration_us must be > 0 microseconds, got {duration_us}")
     return max(1, math.ceil(duration_us / dt_us))
 
 
@@ -122,11 +122,11 @@ def pad_time_first(
     int64, zero-padding the end of shorter samples. Same result as tonic's
     ``PadTensors(batch_first=False)``, with the dtypes fixed."""
     if not batch:
-        raise ValueError("cannot collate an empty batch")
+        raise ConfigError("cannot collate an empty batch")
     frames = [torch.as_tensor(np.asarray(x), dtype=torch.float32) for x, _ in batch]
     shapes = {tuple(f.shape[1:]) for f in frames}
     if len(shapes) != 1:
-        raise ValueError(f"samples in a batch have different frame shapes {sorted(shapes)}")
+        raise ConfigError(f"samples in a batch have different frame shapes {sorted(shapes)}")
     steps = max(len(f) for f in frames)
     out = torch.zeros((steps, len(frames), *frames[0].shape[1:]), dtype=torch.float32)
     for i, f in enumerate(frames):
@@ -154,11 +154,11 @@ class PackTimeFirst:
         batch: Sequence[tuple[np.ndarray | torch.Tensor, int | np.integer | torch.Tensor]],
     ) -> tuple[SpikeTrain, torch.Tensor]:
         if not batch:
-            raise ValueError("cannot collate an empty batch")
+            raise ConfigError("cannot collate an empty batch")
         frames = [np.asarray(x) for x, _ in batch]
         shapes = {tuple(f.shape[1:]) for f in frames}
         if len(shapes) != 1:
-            raise ValueError(f"samples in a batch have different frame shapes {sorted(shapes)}")
+            raise ConfigError(f"samples in a batch have different frame shapes {sorted(shapes)}")
         frame_shape = frames[0].shape[1:]
         n = math.prod(frame_shape)
         width = len(frames) * n  # elements per time step of the batch

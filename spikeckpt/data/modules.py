@@ -34,6 +34,7 @@ from spikeckpt.data.synthetic import (
     write_synthetic_nmnist,
     write_synthetic_shd,
 )
+from spikeckpt.errors import ConfigError, UsageError
 from spikeckpt.storage.spiketrain import SPIKE_TRAIN_CODECS, SpikeTrain
 
 log = logging.getLogger("spikeckpt.data")
@@ -69,17 +70,17 @@ class _EventDataModule(L.LightningDataModule):
         steps_for(dt_us if duration_us is None else duration_us, dt_us)  # validates both
         self.packed = _check_packed(packed, binarize)
         if input_on_host and not self.packed:
-            raise ValueError(
+            raise ConfigError(
                 "input_on_host=True keeps the packed spike train on the host: it needs "
                 "packed=True (a dense batch left on the host cannot be unpacked per step)"
             )
         self.input_on_host = input_on_host
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+            raise ConfigError(f"val_fraction must lie in [0, 1), got {val_fraction}")
         self.root = Path(root).expanduser()
         self.dt_us = dt_us
         self.duration_us = duration_us
@@ -200,7 +201,7 @@ class _EventDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before asking for data")
+            raise UsageError(f"{type(self).__name__}.setup() must run before asking for data")
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -248,11 +249,11 @@ def _check_packed(packed: bool | str, binarize: bool) -> str | None:
         return None
     codec = "auto" if packed is True else packed
     if codec not in SPIKE_TRAIN_CODECS:
-        raise ValueError(
+        raise ConfigError(
             f"packed must be True, False or a codec in {SPIKE_TRAIN_CODECS}, got {packed!r}"
         )
     if not binarize:
-        raise ValueError(
+        raise ConfigError(
             "packed batches hold spikes (0 or 1) and binarize=False keeps spike counts: use "
             "binarize=True, or packed=False for dense count batches"
         )
@@ -310,7 +311,7 @@ class SHDDataModule(_EventDataModule):
         input_on_host: bool = False,
     ) -> None:
         if not 1 <= channels <= SHD_CHANNELS:
-            raise ValueError(f"channels must lie in 1..{SHD_CHANNELS}, got {channels}")
+            raise ConfigError(f"channels must lie in 1..{SHD_CHANNELS}, got {channels}")
         self.channels = channels
         super().__init__(
             root,

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from spikeckpt.data.errors import DataExistsError
+from spikeckpt.errors import ConfigError
+
 SHD_CHANNELS = 700
 SHD_CLASSES = 20
 _EN = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -56,7 +59,7 @@ def _prepare_location(location: Path, real_files: Sequence[str]) -> None:
     if location.exists() and synthetic_marker(location) is None:
         found = [name for name in real_files if (location / name).exists()]
         if found:
-            raise FileExistsError(
+            raise DataExistsError(
                 f"{location} already holds data that spikeckpt did not write ({', '.join(found)}); "
                 "refusing to overwrite it with synthetic files. Pick another root or delete them."
             )
@@ -70,10 +73,10 @@ def _write_marker(location: Path, settings: dict[str, object]) -> None:
 
 def _split_sizes(samples: int, test_samples: int | None) -> tuple[int, int]:
     if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
+        raise ConfigError(f"samples must be >= 1, got {samples}")
     test = max(1, samples // 4) if test_samples is None else test_samples
     if test < 1:
-        raise ValueError(f"test_samples must be >= 1, got {test}")
+        raise ConfigError(f"test_samples must be >= 1, got {test}")
     return samples, test
 
 
@@ -160,7 +163,7 @@ def write_synthetic_shd(
     """
     n_train, n_test = _split_sizes(samples, test_samples)
     if duration_s <= 0:
-        raise ValueError(f"duration_s must be > 0 seconds, got {duration_s}")
+        raise ConfigError(f"duration_s must be > 0 seconds, got {duration_s}")
     location = Path(root).expanduser() / "SHD"
     names = ("shd_train.h5", "shd_test.h5", "shd_train.h5.zip", "shd_test.h5.zip")
     _prepare_location(location, names)
@@ -215,7 +218,7 @@ def encode_nmnist_events(x: np.ndarray, y: np.ndarray, t_us: np.ndarray, p: np.n
     """
     t = np.asarray(t_us, dtype=np.int64)
     if t.size and (t.min() < 0 or t.max() > _MAX_NMNIST_US):
-        raise ValueError(f"N-MNIST timestamps must lie in 0..{_MAX_NMNIST_US} us")
+        raise ConfigError(f"N-MNIST timestamps must lie in 0..{_MAX_NMNIST_US} us")
     raw = np.empty((t.size, 5), dtype=np.uint8)
     raw[:, 0] = np.asarray(x, dtype=np.uint8)
     raw[:, 1] = np.asarray(y, dtype=np.uint8)
@@ -269,7 +272,7 @@ def write_synthetic_nmnist(
     """
     n_train, n_test = _split_sizes(samples, test_samples)
     if not 0 < duration_us <= _MAX_NMNIST_US:
-        raise ValueError(f"duration_us must lie in (0, {_MAX_NMNIST_US}], got {duration_us}")
+        raise ConfigError(f"duration_us must lie in (0, {_MAX_NMNIST_US}], got {duration_us}")
     location = Path(root).expanduser() / "NMNIST"
     _prepare_location(location, ("Train", "Test", "train.zip", "test.zip"))
     rng = np.random.default_rng(seed)

@@ -31,6 +31,7 @@ from spikeckpt.engine.packed import is_packed, step_of
 from spikeckpt.engine.rng import RngState
 from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes
+from spikeckpt.errors import ConfigTypeError, UsageError
 from spikeckpt.plans.schedule import Action, Advance, Backprop, Free, Load, Prefetch, Store, Tape
 from spikeckpt.storage.base import Ledger, StateStore
 
@@ -195,7 +196,7 @@ class Executor:
             elif kind is Prefetch:
                 self._prefetch(action.index)  # type: ignore[union-attr]
             else:  # pragma: no cover - simulate() rejects these first
-                raise TypeError(f"unknown action {action!r}")
+                raise ConfigTypeError(f"unknown action {action!r}")
             account()
 
     def end_forward(self) -> None:
@@ -383,7 +384,7 @@ class Executor:
 
     def _backprop(self, a: int, b: int) -> None:
         if self.in_forward:  # the first Backprop ends the forward phase (simulate's rule)
-            raise RuntimeError("Backprop reached during the forward phase")
+            raise UsageError("Backprop reached during the forward phase")
         tape = self.tapes.pop()
         self._tape_bytes -= tape.nbytes
         assert (tape.start, tape.stop) == (a, b) and self.y_grad is not None

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from spikeckpt.engine.readout import Readout
+from spikeckpt.errors import ConfigError, ConfigTypeError
 
 __all__ = ["FirstStep", "first_step"]
 
@@ -93,7 +94,7 @@ def _without_none_leaves(step: Step, state: Any) -> tuple[Step, Any, Callable[[A
     holes = [leaf is None for leaf in leaves]
     other = [leaf for leaf in leaves if leaf is not None and not isinstance(leaf, Tensor)]
     if other:
-        raise TypeError(
+        raise ConfigTypeError(
             f"step 0 returned a state with a {type(other[0]).__name__} leaf; every state leaf "
             "after the first step must be a tensor (or None, kept as None)"
         )
@@ -107,7 +108,7 @@ def _without_none_leaves(step: Step, state: Any) -> tuple[Step, Any, Callable[[A
     def strip(full: Any, t: str) -> list[Tensor]:
         got, got_spec = pytree.tree_flatten(full)
         if got_spec != spec or [leaf is None for leaf in got] != holes:
-            raise ValueError(
+            raise ConfigError(
                 f"step {t} returned a state with another structure (or other None leaves) than "
                 "step 0's; the state structure must not change between steps"
             )

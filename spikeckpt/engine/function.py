@@ -26,6 +26,7 @@ from torch import Tensor
 
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.stats import ScanStats
+from spikeckpt.errors import UsageError
 
 __all__ = ["Job", "run_job"]
 
@@ -119,7 +120,7 @@ class _RunFunction(torch.autograd.Function):
         # Grad mode is on only in a create_graph=True backward: the gradients computed below
         # would have no graph, so a second-order term would silently vanish. Refuse it.
         if torch.is_grad_enabled():
-            raise RuntimeError(_NO_DOUBLE_BACKWARD)
+            raise UsageError(_NO_DOUBLE_BACKWARD)
         ctx.saved_tensors  # noqa: B018  (raises if a referenced input was modified in place)
         return (None, *ctx.job.backward(grads))
 

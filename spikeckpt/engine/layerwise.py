@@ -57,7 +57,8 @@ from spikeckpt.engine.grad import grad
 from spikeckpt.engine.packed import as_input, chunk_of, is_packed
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
-from spikeckpt.engine.stats import BlockStats, LayerwiseStats
+from spikeckpt.engine.stats import BlockStats, LayerwiseStats, ScanResult
+from spikeckpt.errors import ConfigError, ConfigTypeError, UsageError
 from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
@@ -112,7 +113,7 @@ def chunk_for(plan: Any, T: int) -> int:
     other plans) ``ceil(sqrt(T))``. Clipped to ``[1, T]``."""
     k: Any = None
     if isinstance(plan, bool):
-        raise TypeError("chunk/plan must be an int or a plan, not a bool")
+        raise ConfigTypeError("chunk/plan must be an int or a plan, not a bool")
     if isinstance(plan, int):
         k = plan
     elif plan is not None and not isinstance(plan, str):
@@ -121,7 +122,7 @@ def chunk_for(plan: Any, T: int) -> int:
         k = math.isqrt(max(T - 1, 0)) + 1
     k = int(k)
     if k < 1:
-        raise ValueError(f"chunk must be >= 1, got {k}")
+        raise ConfigError(f"chunk must be >= 1, got {k}")
     return min(k, T)
 
 
@@ -237,7 +238,7 @@ class _LayerwiseJob(Job):
             if want_mem:
                 mem = block.membrane(state)
                 if mem is None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"output={self.output!r} needs the top neuron ({block.name}) to have a "
                         "membrane potential"
                     )
@@ -406,7 +407,7 @@ class _LayerwiseJob(Job):
 
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         if self.closed or self.store is None:
-            raise RuntimeError(
+            raise UsageError(
                 "spikeckpt layer-wise scan: backward can run only once per forward (its stored "
                 "spike trains are freed as it goes); run the forward again"
             )
@@ -546,12 +547,14 @@ def layerwise_scan(
         output: the top block's per-step output: ``"spikes"``, ``"mem"`` or ``"both"``.
         params: tensors to differentiate (default: every block's ``params``).
         directory: folder for the disk tier's temporary folder.
-        stats: also return a :class:`~spikeckpt.engine.stats.LayerwiseStats`.
+        stats: deprecated: return the old triple ``(ys, final_states, stats)``; the
+            result's ``.stats`` holds the :class:`~spikeckpt.engine.stats.LayerwiseStats`.
         group: chunks per off-device store entry (None: see :data:`GROUP_SHARE`).
 
     Returns:
-        ``(ys, final_states)`` (``ys`` a tensor, or a ``(spikes, mem)`` tuple with
-        ``output="both"``; ``final_states`` one per block), plus the stats with ``stats=True``.
+        A :class:`~spikeckpt.engine.stats.ScanResult` ``(ys, final_states)`` (``ys`` a
+        tensor, or a ``(spikes, mem)`` tuple with ``output="both"``; ``final_states`` one per
+        block), its stats in ``.stats``.
     """
     x = _checked_input(x, blocks, states, readout, output)
     packed = is_packed(x)
@@ -601,7 +604,7 @@ def layerwise_scan(
         for ls, d in zip(_split(flat[job.n_outputs :], counts), defs, strict=True)
     ]
     ys: Any = outs[0] if len(outs) == 1 else tuple(outs)
-    return (ys, finals, st) if stats else (ys, finals)
+    return ScanResult(ys, finals, st).legacy(stats, "layerwise_scan")
 
 
 def _checked_input(
@@ -610,19 +613,19 @@ def _checked_input(
     """``x`` as the run takes it (a ``torch.sparse_coo`` train packed), after checking the
     arguments of :func:`layerwise_scan`."""
     if readout not in READOUTS:
-        raise ValueError(
+        raise ConfigError(
             f"layer-wise granularity supports readout None, 'sum', 'mean' or 'last', got "
             f"{readout!r}; use granularity='stack' for a callable readout"
         )
     if output not in _OUTPUTS:
-        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+        raise ConfigError(f"output must be one of {_OUTPUTS}, got {output!r}")
     x = as_input(x)
     if not (is_packed(x) or isinstance(x, Tensor)) or len(x.shape) < 2:
-        raise ValueError("layer-wise granularity needs x as one (T, B, ...) tensor or train")
+        raise ConfigError("layer-wise granularity needs x as one (T, B, ...) tensor or train")
     if len(states) != len(blocks) or not blocks:
-        raise ValueError(f"need one state per block ({len(blocks)}), got {len(states)}")
+        raise ConfigError(f"need one state per block ({len(blocks)}), got {len(states)}")
     if x.shape[0] == 0:
-        raise ValueError("inputs hold T=0 time steps; need T >= 1")
+        raise ConfigError("inputs hold T=0 time steps; need T >= 1")
     return x
 
 
@@ -633,7 +636,7 @@ def _flat_states(states: Sequence[Any]) -> tuple[list[Tensor], list[Any], list[i
     for s in states:
         ls, d = pytree.tree_flatten(s)
         if not all(isinstance(t, Tensor) for t in ls):
-            raise TypeError("block states must be tensors or pytrees of tensors")
+            raise ConfigTypeError("block states must be tensors or pytrees of tensors")
         leaves.extend(ls)
         defs.append(d)
         counts.append(len(ls))

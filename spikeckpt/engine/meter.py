@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from spikeckpt.errors import ConfigError, UsageError
+
 __all__ = ["MemoryMeter"]
 
 _ALIASES: dict[Any, tuple[bool, ...]] = {}
@@ -62,7 +64,7 @@ class MemoryMeter:
         self._cuda = self.device.type == "cuda"
         if self._cuda:
             if not torch.cuda.is_available():
-                raise ValueError(
+                raise ConfigError(
                     f"MemoryMeter({str(self.device)!r}): CUDA is not available on this machine; "
                     "measure the CPU with MemoryMeter() instead"
                 )
@@ -115,7 +117,7 @@ class MemoryMeter:
         (4000, 5000)
         """
         if self._peak is not None or (self._tracker is None and self not in _CUDA_ACTIVE):
-            raise RuntimeError("MemoryMeter.track is used inside the with-block")
+            raise UsageError("MemoryMeter.track is used inside the with-block")
         if self._tracker is not None:
             before = self._tracker.live
             for tensor in tensors:
@@ -139,7 +141,7 @@ class MemoryMeter:
 
     def __enter__(self) -> MemoryMeter:
         if self._tracker is not None or (self._cuda and self in _CUDA_ACTIVE):
-            raise RuntimeError("this MemoryMeter is already in use: make one per with-block")
+            raise UsageError("this MemoryMeter is already in use: make one per with-block")
         self._peak = self._current = None
         if self._cuda:
             peak_now = torch.cuda.max_memory_allocated(self.device)

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
+from spikeckpt.errors import ConfigError, ConfigTypeError
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.plans.simulate import Cost, CostModel, simulate
 
@@ -39,27 +40,30 @@ def resolve_schedule(
     timings: Callable[[], CostModel] | None = None,
     measured: Any = None,
     reserve: Callable[[int], int] = lambda S: 0,
+    *,
+    apart: int = 0,
 ) -> Schedule:
     """The schedule to run. ``"auto"`` and plans that leave their intervals open
     (:func:`spikeckpt.plans.intervals.needs_intervals`) are planned from ``measure()``
     (``S``, ``A``) and ``timings()`` (the measured operation times), once per ``measured``
     key (the step, shapes and tier: see :func:`plan_key`; None: every time); ``"auto"``
-    keeps ``reserve(S)`` bytes of the budget for the gradients."""
+    keeps ``reserve(S)`` bytes of the budget for the gradients. ``apart``: steps the caller
+    ran before these ``T`` (step 0 of a state it shapes), counted in messages."""
     if isinstance(plan, Schedule):
         if plan.T != T:
-            raise ValueError(f"the schedule is for T={plan.T} steps but the inputs have T={T}")
+            raise ConfigError(f"the schedule is for T={plan.T} steps but the inputs have T={T}")
         return plan
     if isinstance(plan, str):
         if plan != "auto":
-            raise ValueError(f"plan must be a plan object, a Schedule or 'auto', got {plan!r}")
+            raise ConfigError(f"plan must be a plan object, a Schedule or 'auto', got {plan!r}")
         if budget is None:
-            raise ValueError("plan='auto' needs a device memory budget: scan(..., budget='2GiB')")
+            raise ConfigError("plan='auto' needs a device memory budget: scan(..., budget='2GiB')")
     from spikeckpt.plans.intervals import needs_intervals
 
     if isinstance(plan, str) or needs_intervals(plan):
-        plan = _measured_plan(plan, T, measure, budget, storage, timings, measured, reserve)
+        plan = _measured_plan(plan, T, measure, budget, storage, timings, measured, reserve, apart)
     if not hasattr(plan, "schedule"):
-        raise TypeError(f"plan must have a .schedule(T) method, got {type(plan).__name__}")
+        raise ConfigTypeError(f"plan must have a .schedule(T) method, got {type(plan).__name__}")
     return _schedule_of(plan, T)
 
 
@@ -72,6 +76,7 @@ def _measured_plan(
     timings: Callable[[], CostModel] | None,
     measured: Any,
     reserve: Callable[[int], int],
+    apart: int,
 ) -> Any:
     """``"auto"`` chosen, or ``plan``'s open intervals filled, from the measurements (cached
     by ``measured``)."""
@@ -85,7 +90,7 @@ def _measured_plan(
     S, A = measure()
     costs = timings() if timings is not None else None
     if isinstance(plan, str):
-        planned = _choose(T, S, max(A, 1), budget, storage, costs, reserve(S))
+        planned = _choose(T, S, max(A, 1), budget, storage, costs, reserve(S), apart)
     else:
         planned = fill(
             plan, T, state_bytes=S, step_bytes=A, costs=costs, remote=storage != "device"
@@ -120,6 +125,7 @@ def _choose(
     storage: str,
     costs: CostModel | None,
     reserve: int,
+    apart: int = 0,
 ) -> Any:
     """``plans.choose`` for ``budget`` less ``reserve`` (the gradients' bytes: the budget
     bounds the whole backward pass, not only checkpoints and tapes)."""
@@ -132,9 +138,12 @@ def _choose(
         return choose(T, S, A, max(total - reserve, 1), remote=storage != "device", costs=costs)
     except BudgetTooSmall:
         smallest = minimum_budget(T, S, A) + reserve
+        steps = f"T={T + apart} steps" + (
+            f" (step 0 runs apart, taped; the checkpointed run has {T})" if apart else ""
+        )
         raise BudgetTooSmall(
             f"no checkpointing plan fits a device budget of {total} bytes ({format_bytes(total)})"
-            f" for T={T} steps with a state of {S} bytes, {A} bytes taped per step and "
+            f" for {steps} with a state of {S} bytes, {A} bytes taped per step and "
             f"{reserve} bytes for the gradients; the smallest budget that fits is {smallest} "
             f"bytes ({format_bytes(smallest)}). Raise the budget, shorten the sequence or "
             "shrink the batch.",

@@ -14,6 +14,8 @@ from typing import Any, Literal, Union
 
 from torch import Tensor
 
+from spikeckpt.errors import ConfigError
+
 __all__ = ["READOUTS", "Readout", "ReadoutFn", "Reducer", "YGrad", "check_readout"]
 
 ReadoutFn = Callable[[Any, Any, int], Any]
@@ -27,7 +29,7 @@ READOUTS: tuple[str | None, ...] = (None, "sum", "mean", "last")
 def check_readout(readout: Any) -> None:
     """Raise ``ValueError`` unless ``readout`` is a named readout or a callable."""
     if not (readout in READOUTS or callable(readout)):
-        raise ValueError(
+        raise ConfigError(
             f"readout must be None, 'sum', 'mean', 'last' or a callable, got {readout!r}"
         )
 

@@ -31,15 +31,16 @@ from spikeckpt.engine.planned import plan_key, resolve_schedule, simulate_cached
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import backward_reserve, measure_step
-from spikeckpt.engine.stats import ScanStats
+from spikeckpt.engine.stats import ScanResult, ScanStats
 from spikeckpt.engine.step import StepFn, default_params, time_leaves, unshaped
 from spikeckpt.engine.timing import measure_costs
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
+from spikeckpt.errors import ConfigError, ConfigTypeError, UsageError
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.storage.codecs import require_binary
 from spikeckpt.storage.tiers import check_storage, make_store
 
-__all__ = ["ScanStats", "scan"]
+__all__ = ["ScanResult", "ScanStats", "scan"]
 
 Storage = Literal["device", "host", "disk"]
 Timed = tuple[list[Tensor], TreeDef, int]
@@ -120,7 +121,7 @@ class _Job(Job):
     def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         ex = self.executor
         if ex is None or ex.closed:
-            raise RuntimeError(
+            raise UsageError(
                 "spikeckpt.scan: backward can run only once per forward (its checkpoints are "
                 "freed as it goes); run scan again for another backward"
             )
@@ -163,6 +164,9 @@ class _Options:
     budget: int | str | None
     directory: str | os.PathLike | None
     pack_tape: bool
+    #: step 0 ran apart (:mod:`spikeckpt.engine.first_step`): the run has ``T - 1`` steps of
+    #: the user's ``T``, and messages count the user's
+    apart: int = 0
 
 
 def scan(
@@ -179,7 +183,7 @@ def scan(
     directory: str | os.PathLike | None = None,
     pack_tape: bool = False,
     spikes: bool = False,
-) -> Any:
+) -> ScanResult | Any:
     """Run ``step`` over time with checkpointed memory; gradients equal the plain loop's.
 
     Args:
@@ -217,7 +221,8 @@ def scan(
             ``functools.partial`` arguments (recursively through functions it reaches), and
             tensors requiring grad among them. Tensors the step reaches otherwise are not
             seen (scan warns when it finds any: pass them here).
-        stats: also return a :class:`ScanStats`.
+        stats: deprecated: return the old triple ``(ys, final_state, stats)`` (with a
+            ``DeprecationWarning``); the result's ``.stats`` holds them.
         budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``):
             checkpoints, tapes and the gradients the backward pass holds.
         directory: parent folder for the disk tier's files (default: the system temp folder);
@@ -230,8 +235,10 @@ def scan(
             :class:`~spikeckpt.NotBinaryError` naming the value found.
 
     Returns:
-        ``(ys, final_state)`` or ``(ys, final_state, stats)``; ``ys`` has the structure of
-        ``y_t`` with a leading ``T`` axis (``readout=None``) or the reduced value.
+        A :class:`~spikeckpt.ScanResult`: the pair ``(ys, final_state)`` (``ys, state =
+        scan(...)``), with the run's :class:`ScanStats` in ``.stats``; ``ys`` has the
+        structure of ``y_t`` with a leading ``T`` axis (``readout=None``) or the reduced
+        value.
     """
     check_storage(storage, directory, probe=False)
     check_readout(readout)
@@ -247,7 +254,7 @@ def scan(
         ys, final, run_stats = _after_first_step(step, inputs, state, timed, param_list, options)
     else:
         ys, final, run_stats = _run(step, timed, state, param_list, options)
-    return (ys, final, run_stats) if stats else (ys, final)
+    return ScanResult(ys, final, run_stats).legacy(stats, "scan")
 
 
 def _run(
@@ -263,10 +270,12 @@ def _run(
     names = [f"state{n}" for n in state_def.names]
     for name, leaf in zip(names, state_leaves, strict=False):
         if not isinstance(leaf, Tensor):
-            raise TypeError(f"every state leaf must be a tensor; {name} is {type(leaf).__name__}")
+            raise ConfigTypeError(
+                f"every state leaf must be a tensor; {name} is {type(leaf).__name__}"
+            )
     for leaf in in_leaves:
         if leaf.shape[0] != T:
-            raise ValueError(f"all input leaves need the same T; got {leaf.shape[0]} and {T}")
+            raise ConfigError(f"all input leaves need the same T; got {leaf.shape[0]} and {T}")
     readout, storage = options.readout, options.storage
     device = next((t.device for t in (*state_leaves, *param_list, *in_leaves)), torch.device("cpu"))
     fold = readout if callable(readout) else None
@@ -339,7 +348,7 @@ def _schedule(
     key = (plan_key(step, state_leaves, in_leaves, param_list), pack_tape)
     return resolve_schedule(
         options.plan, T, measure, options.budget, storage, timings, key,
-        lambda S: backward_reserve(param_list, S),
+        lambda S: backward_reserve(param_list, S), apart=options.apart,
     )  # fmt: skip
 
 
@@ -357,7 +366,7 @@ def _after_first_step(
     in_leaves, in_def, T = timed
     plan, readout = options.plan, options.readout
     if isinstance(plan, Schedule) and plan.T == T:
-        raise ValueError(
+        raise ConfigError(
             f"the initial state has leaves that step 0 shapes (None, empty or 0-d), so step "
             f"0 runs before the checkpointed run, which has T-1={T - 1} steps: build the "
             "Schedule for T-1, or pass an initial state of full shape"
@@ -370,12 +379,13 @@ def _after_first_step(
         if rest is None:
             ys = first.y if readout == "last" else first.stacked(None)
             return ys, first.rebuild(first.state), _first_step_stats(T, options)
-        ys, final, run_stats = _run(first.step, rest, first.state, param_list, options)
+        inner = replace(options, apart=1)
+        ys, final, run_stats = _run(first.step, rest, first.state, param_list, inner)
         return (first.stacked(ys) if readout is None else ys), first.rebuild(final), run_stats
     carried_step, carry = first.carried(readout, device)
     run_stats = _first_step_stats(T, options)
     if rest is not None:
-        inner = replace(options, readout=None)
+        inner = replace(options, readout=None, apart=1)
         _, carry, run_stats = _run(carried_step, rest, carry, param_list, inner)
     acc = carry[1]
     if readout == "mean":

@@ -1,20 +1,21 @@
 """What a run did: one stats type for every granularity.
 
-:class:`ScanStats` is what :func:`spikeckpt.scan` returns with ``stats=True`` and what a
-wrapped model keeps in ``last_stats``; a layer-wise run reports the same fields as a
+:class:`ScanStats` is what :func:`spikeckpt.scan`'s result holds (:class:`ScanResult`:
+``out.stats``) and what a wrapped model keeps in ``last_stats``; a layer-wise run reports the same fields as a
 :class:`LayerwiseStats` (``granularity == "layer"``, plus the per-block spike-train figures in
 ``blocks``). Backward-phase fields fill in when backward runs.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from spikeckpt.plans.simulate import Cost
 from spikeckpt.storage.base import Ledger
 
-__all__ = ["BlockStats", "LayerwiseStats", "ScanStats"]
+__all__ = ["BlockStats", "LayerwiseStats", "ScanResult", "ScanStats"]
 
 
 @dataclass
@@ -139,3 +140,46 @@ class LayerwiseStats(ScanStats):
     """A layer-wise run's :class:`ScanStats` (``granularity == "layer"``): the same fields."""
 
     granularity: str = "layer"
+
+
+class ScanResult(tuple):
+    """What a run returns: a pair ``(ys, state)``, with the run's stats beside it.
+
+    ``ys, state = spikeckpt.scan(...)`` unpacks it whatever else was asked; ``out.stats``
+    is the run's :class:`ScanStats` (:class:`LayerwiseStats` for a layer-wise run).
+
+    Attributes:
+        ys: the outputs (stacked ``(T, ...)`` or the readout's value).
+        state: the final state.
+        stats: what the run did (backward-phase fields fill in when backward runs).
+    """
+
+    stats: ScanStats
+
+    def __new__(cls, ys: Any, state: Any, stats: ScanStats) -> ScanResult:
+        self = super().__new__(cls, (ys, state))
+        self.stats = stats
+        return self
+
+    @property
+    def ys(self) -> Any:
+        """The outputs."""
+        return self[0]
+
+    @property
+    def state(self) -> Any:
+        """The final state."""
+        return self[1]
+
+    def legacy(self, stats: bool, caller: str) -> Any:
+        """``self``, or the old ``(ys, state, stats)`` triple (with a ``DeprecationWarning``)
+        when the caller asked ``stats=True``."""
+        if not stats:
+            return self
+        warnings.warn(
+            f"{caller}(..., stats=True) is deprecated: {caller} returns (ys, state) with the "
+            f"stats beside them; use out = {caller}(...); ys, state = out; out.stats",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self[0], self[1], self.stats

@@ -25,6 +25,7 @@ from spikeckpt.engine.packed import is_packed
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import ReadoutFn
 from spikeckpt.engine.tree import TreeDef, tree_flatten
+from spikeckpt.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "StepFn",
@@ -77,12 +78,14 @@ class StepFn:
             leaves, self.y_def = tree_flatten(y)
             for name, leaf in zip(self.y_def.names, leaves, strict=False):
                 if not isinstance(leaf, Tensor):
-                    raise TypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
+                    raise ConfigTypeError(
+                        f"step output y{name} is {type(leaf).__name__}, not a tensor"
+                    )
             self.y_meta = [(leaf.shape, leaf.dtype) for leaf in leaves]
             return leaves
         leaves = self.y_def.flatten(y) if y is not None else None
         if leaves is None:
-            raise ValueError(
+            raise ConfigError(
                 f"step {t} returned an output y with another structure than step 0 "
                 f"(expected {self.y_def.describe()})"
             )
@@ -91,7 +94,7 @@ class StepFn:
                 self.y_def.names, leaves, self.y_meta, strict=False
             ):
                 if leaf.shape != shape or leaf.dtype != dtype:
-                    raise ValueError(
+                    raise ConfigError(
                         f"step {t} returned output y{name} of shape {tuple(leaf.shape)} and "
                         f"dtype {leaf.dtype}; step 0 gave {tuple(shape)}, {dtype}"
                     )
@@ -113,7 +116,9 @@ class StepFn:
             out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
         if check and not (isinstance(out, tuple) and len(out) == 2):
             got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
-            raise TypeError(f"step must return a 2-tuple (state, y_t); step {t} returned {got}")
+            raise ConfigTypeError(
+                f"step must return a 2-tuple (state, y_t); step {t} returned {got}"
+            )
         return out
 
     def __call__(
@@ -124,7 +129,7 @@ class StepFn:
         new_state, y = self._call(t, user, xs, check)
         new = self.state_def.flatten(new_state)
         if new is None:
-            raise ValueError(
+            raise ConfigError(
                 f"step {t} returned a state that is not {self.state_def.describe()} like the "
                 f"initial state (got {type(new_state).__name__}); the state structure must not "
                 "change between steps"
@@ -146,19 +151,23 @@ class StepFn:
         if self.acc_def is None:
             new, self.acc_def = tree_flatten(acc)
             if not all(isinstance(a, Tensor) for a in new):
-                raise TypeError("a callable readout must return a tensor or a pytree of tensors")
+                raise ConfigTypeError(
+                    "a callable readout must return a tensor or a pytree of tensors"
+                )
             return new
         new = self.acc_def.flatten(acc)
         if new is None:
-            raise ValueError(f"the readout returned another structure at step {t}")
+            raise ConfigError(f"the readout returned another structure at step {t}")
         return new
 
     def _check_state(self, t: int, new: list[Any]) -> None:
         for name, leaf, (shape, dtype, device) in zip(self.names, new, self.meta, strict=False):
             if not isinstance(leaf, Tensor):
-                raise TypeError(f"step {t} returned {name} = {type(leaf).__name__}, not a tensor")
+                raise ConfigTypeError(
+                    f"step {t} returned {name} = {type(leaf).__name__}, not a tensor"
+                )
             if leaf.shape != shape or leaf.dtype != dtype or leaf.device != device:
-                raise ValueError(
+                raise ConfigError(
                     f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
                     f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
                     "the state's shapes and dtypes must stay the same at every step"
@@ -233,7 +242,9 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
         return [inputs], TreeDef("tensor", None, None, 1, [""]), _length(inputs.T)
     if isinstance(inputs, Tensor):
         if inputs.dim() == 0:
-            raise ValueError("inputs must have a leading time dimension (T, ...); got a 0-d tensor")
+            raise ConfigError(
+                "inputs must have a leading time dimension (T, ...); got a 0-d tensor"
+            )
         return [inputs], TreeDef("tensor", None, None, 1, [""]), _length(inputs.shape[0])
     if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
         _length(len(inputs))
@@ -242,11 +253,11 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
         for t, item in enumerate(inputs):
             leaves = in_def.flatten(item)
             if leaves is None or not all(isinstance(x, Tensor) for x in leaves):
-                raise TypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
+                raise ConfigTypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
             for column, leaf in zip(columns, leaves, strict=False):
                 column.append(leaf)
         return [torch.stack(column) for column in columns], in_def, len(inputs)
-    raise TypeError(
+    raise ConfigTypeError(
         f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
         f"got {type(inputs).__name__}"
     )
@@ -254,7 +265,7 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
 
 def _length(T: int) -> int:
     if T == 0:
-        raise ValueError("inputs hold T=0 time steps; scan needs T >= 1")
+        raise ConfigError("inputs hold T=0 time steps; scan needs T >= 1")
     return int(T)
 
 
@@ -280,7 +291,7 @@ def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
     unique: dict[int, Tensor] = {}
     for p in params:
         if not isinstance(p, Tensor):
-            raise TypeError(f"params must be tensors, got {type(p).__name__}")
+            raise ConfigTypeError(f"params must be tensors, got {type(p).__name__}")
         if p.requires_grad:
             unique.setdefault(id(p), p)
     return list(unique.values())

@@ -33,11 +33,18 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.errors import ConfigError, SpikeckptError, UsageError
 from spikeckpt.lightning.resources import free_device_bytes, model_bytes, step_resident
 from spikeckpt.planning import BudgetPlanner, PlanChoice
 from spikeckpt.storage.base import TIER_KINDS
 from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrapping import CheckpointedSequence
+
+
+class MemoryBudgetError(SpikeckptError, MisconfigurationException):
+    """``MemoryBudget`` is misused (no wrapped model found, ...): Lightning's
+    ``MisconfigurationException``, and a :class:`~spikeckpt.SpikeckptError`."""
+
 
 _HOW_TO_WRAP = (
     "wrap the spiking part of your LightningModule with spikeckpt.wrap, e.g.\n"
@@ -99,22 +106,22 @@ class MemoryBudget(Callback):
         verbose: bool = True,
     ) -> None:
         if budget is not None and fraction is not None:
-            raise ValueError("give either budget= or fraction=, not both")
+            raise ConfigError("give either budget= or fraction=, not both")
         self.budget = parse_bytes(budget) if budget is not None else None
         if fraction is None and budget is None:
             fraction = 0.8
         if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+            raise ConfigError(f"fraction must be in (0, 1], got {fraction!r}")
         self.fraction = fraction
         if storage is not None and storage not in TIER_KINDS:
-            raise ValueError(f"unknown storage {storage!r}: use one of {TIER_KINDS} or None")
+            raise ConfigError(f"unknown storage {storage!r}: use one of {TIER_KINDS} or None")
         self.storage = storage
         if not 0 <= margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {margin!r}")
+            raise ConfigError(f"margin must be in [0, 1), got {margin!r}")
         self.margin = margin
         self.remote = remote
         if max_retries < 0 or not 0 < retry_factor < 1:
-            raise ValueError("max_retries must be >= 0 and retry_factor in (0, 1)")
+            raise ConfigError("max_retries must be >= 0 and retry_factor in (0, 1)")
         self.max_retries = max_retries
         self.retry_factor = retry_factor
         self.measure_batches = measure_batches
@@ -164,13 +171,13 @@ class MemoryBudget(Callback):
             if isinstance(module, CheckpointedSequence)
         }
         if not self.modules:
-            raise MisconfigurationException(
+            raise MemoryBudgetError(
                 f"MemoryBudget found no spikeckpt.CheckpointedSequence in "
                 f"{type(pl_module).__name__}: {_HOW_TO_WRAP}"
             )
         for module in self.modules.values():
             if self.storage is not None:
-                module.storage = self.storage
+                module.set_storage(self.storage)
         if stage == "fit":
             self._install_retry(pl_module)
 
@@ -359,14 +366,14 @@ class MemoryBudget(Callback):
 
     def _replan(self, error: BaseException, attempt: int) -> None:
         if attempt >= self.max_retries:
-            raise RuntimeError(
+            raise UsageError(
                 f"MemoryBudget: out of memory after {self.max_retries} re-plan(s); the planned "
                 f"budget is now {format_bytes(sum(p.budget_bytes for p in self.planners.values()))}. "
                 "Lower the batch size, shorten the sequences, use storage='disk' or a smaller "
                 "budget= that leaves room for what the model allocates outside the wrapped parts."
             ) from error
         if self._world_size > 1 and self._collectives_this_batch > 0:
-            raise RuntimeError(
+            raise UsageError(
                 "MemoryBudget: out of memory on this rank after all ranks planned this batch "
                 "together; the other ranks have gone on to the gradient all-reduce, so the batch "
                 "cannot be retried in lockstep. Under DDP give a budget= (or fraction=) well "

@@ -59,7 +59,7 @@ __all__ = [
 class Probed(Protocol):
     """What a probe needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
 
-    scan_kwargs: dict[str, Any]
+    pack_tape: bool
 
     def step(self, state: Any, x_t: Any) -> tuple[Any, Any]: ...
 
@@ -185,7 +185,7 @@ def probe_model(
     T = int(x.shape[0])
     try:
         with torch.random.fork_rng(devices=cuda_devices([x_t])), recompute_phase():
-            pack = bool(seq.scan_kwargs.get("pack_tape", False))
+            pack = seq.pack_tape
             sizes = measure_step(seq.step, state, x_t, params, pack=pack)
             with torch.no_grad():
                 _, y = seq.step(state, x_t)

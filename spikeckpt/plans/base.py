@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from spikeckpt.errors import ConfigError
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.plans.simulate import Cost, CostModel, simulate
 
@@ -12,9 +13,9 @@ from spikeckpt.plans.simulate import Cost, CostModel, simulate
 def check_length(T: Any) -> int:
     """Return ``T`` if it is a whole number of steps >= 1, else raise a clear ValueError."""
     if isinstance(T, bool) or not isinstance(T, int):
-        raise ValueError(f"the sequence length T must be an int >= 1, got {T!r}")
+        raise ConfigError(f"the sequence length T must be an int >= 1, got {T!r}")
     if T < 1:
-        raise ValueError(f"the sequence length T must be >= 1 step, got T={T}")
+        raise ConfigError(f"the sequence length T must be >= 1 step, got T={T}")
     return T
 
 
@@ -23,9 +24,9 @@ def check_count(name: str, value: Any, *, allow_none: bool = False) -> int | Non
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+        raise ConfigError(f"{name} must be >= 1, got {value}")
     return value
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 from functools import lru_cache
 from math import comb, isqrt
 
+from spikeckpt.errors import ConfigError
+
 
 def _check(name: str, value: object, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
     if value < least:
-        raise ValueError(f"{name} must be >= {least}, got {value}")
+        raise ConfigError(f"{name} must be >= {least}, got {value}")
     return value
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from spikeckpt.errors import ConfigError
 from spikeckpt.plans.binomial import split
 from spikeckpt.plans.schedule import (
     Action,
@@ -114,7 +115,7 @@ class RevolveBlock(Block):
         lo, hi, slots = 0, -(-(stop - start) // unit), self.slots
         then = self.then
         if then is not None and slots < 2:
-            raise ValueError("RevolveBlock can prefetch only with 2 or more slots")
+            raise ConfigError("RevolveBlock can prefetch only with 2 or more slots")
         while True:
             if then is not None and hi - lo <= slots:  # x_lo stored, the rest fits in slots
                 yield Prefetch(then)

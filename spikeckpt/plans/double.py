@@ -18,6 +18,7 @@ import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
+from spikeckpt.errors import ConfigError
 from spikeckpt.plans.base import Plan, check_count, check_length, make_cost
 from spikeckpt.plans.builders import Lazy, Sweep, Unwind, remote_entry, remote_handoff, sweep
 from spikeckpt.plans.schedule import (
@@ -78,7 +79,7 @@ class Double(Plan):
             and self.local_interval is not None
             and self.local_interval > self.remote_interval
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"local_interval={self.local_interval} is longer than "
                 f"remote_interval={self.remote_interval}; pick local_interval <= remote_interval"
             )

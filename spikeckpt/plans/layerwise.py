@@ -34,6 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from spikeckpt.errors import ConfigError
 from spikeckpt.plans.simulate import CostModel
 
 __all__ = [
@@ -56,7 +57,7 @@ def packed_bytes(dense_bytes: int, density: float | None, element_size: int = 4)
     if density is None:
         return dense_bytes
     if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be in [0, 1] or None, got {density!r}")
+        raise ConfigError(f"density must be in [0, 1] or None, got {density!r}")
     numel = dense_bytes // element_size
     bitpack = (numel + 7) // 8
     blocks = 0 if numel <= _INDEX_BLOCK else -(-numel // _INDEX_BLOCK)
@@ -113,13 +114,13 @@ class MeasuredWorking:
 
     def __post_init__(self) -> None:
         if not self.points:
-            raise ValueError("MeasuredWorking needs at least one measured (chunk, bytes) point")
+            raise ConfigError("MeasuredWorking needs at least one measured (chunk, bytes) point")
         chunks = [k for k, _ in self.points]
         if chunks != sorted(set(chunks)) or chunks[0] < 1:
-            raise ValueError(f"measured chunk lengths must increase from 1 or more, got {chunks}")
+            raise ConfigError(f"measured chunk lengths must increase from 1 or more, got {chunks}")
         held = [w for _, w in self.points]
         if held != sorted(held):
-            raise ValueError(f"measured bytes must not fall as the chunk grows, got {held}")
+            raise ConfigError(f"measured bytes must not fall as the chunk grows, got {held}")
 
     @property
     def slope(self) -> int:
@@ -195,9 +196,9 @@ def layerwise_cost(
     (None: ``chunk * max_b (A_b + 2 I_b + O_b)``).
     """
     if T < 1 or chunk < 1:
-        raise ValueError(f"need T >= 1 and chunk >= 1, got T={T}, chunk={chunk}")
+        raise ConfigError(f"need T >= 1 and chunk >= 1, got T={T}, chunk={chunk}")
     if not blocks:
-        raise ValueError("need at least one block")
+        raise ConfigError("need at least one block")
     costs = costs or CostModel()
     k = min(chunk, T)
     n_chunks = -(-T // k)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-from spikeckpt.errors import ScheduleError
+from spikeckpt.errors import ConfigError, ScheduleError
 from spikeckpt.plans.schedule import (
     TIERS,
     Action,
@@ -68,7 +68,7 @@ class CostModel:
                 or not isinstance(value, (int, float))
                 or not 0 <= value < math.inf
             ):
-                raise ValueError(
+                raise ConfigError(
                     f"CostModel.{name} must be a finite number >= 0 (time units), got {value!r}"
                 )
 

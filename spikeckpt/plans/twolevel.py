@@ -24,6 +24,7 @@ import math
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
+from spikeckpt.errors import ConfigError
 from spikeckpt.plans.base import Plan, check_count, check_length
 from spikeckpt.plans.binomial import advances, beta
 from spikeckpt.plans.builders import (
@@ -62,7 +63,7 @@ def _check_cost(name: str, value: object, *, positive: bool = False) -> float:
         or (positive and value == 0)
     ):
         need = "> 0" if positive else ">= 0"
-        raise ValueError(
+        raise ConfigError(
             f"{name} must be a finite number {need} (time units, the same unit as the other "
             f"costs), got {value!r}"
         )

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from spikeckpt.errors import UsageError
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
@@ -85,7 +87,7 @@ class StoreBase:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"the {self.kind} store is closed: make a new one")
+            raise UsageError(f"the {self.kind} store is closed: make a new one")
 
     def _unknown_key(self, key: int, keys: Sequence[int]) -> KeyError:
         shown = sorted(keys)[:10]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from spikeckpt.errors import NotBinaryError
+from spikeckpt.errors import ConfigError, NotBinaryError
 
 __all__ = [
     "CODECS",
@@ -154,7 +154,7 @@ def pack(tensor: Tensor, codec: str = "auto", *, found: object = _UNSCANNED) -> 
     ``found``: what :func:`binary_mask` returned for this very tensor (saves a pass).
     """
     if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}: use one of {', '.join(map(repr, CODECS))}")
+        raise ConfigError(f"unknown codec {codec!r}: use one of {', '.join(map(repr, CODECS))}")
     tensor = tensor.detach()
     if codec == "dense":
         return _dense(tensor)
@@ -188,7 +188,7 @@ def unpack(packed: Packed, device: torch.device | str | None = None) -> Tensor:
     elif packed.codec == "index":
         flat = _index_decode(payload, packed.numel, packed.dtype)
     else:
-        raise ValueError(f"unknown codec {packed.codec!r} in Packed: was it built by pack()?")
+        raise ConfigError(f"unknown codec {packed.codec!r} in Packed: was it built by pack()?")
     return flat.reshape(packed.shape)
 
 

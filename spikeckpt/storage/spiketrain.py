@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spikeckpt.errors import NotBinaryError
+from spikeckpt.errors import ConfigError, ConfigTypeError, NotBinaryError
 from spikeckpt.storage.codecs import (
     BLOCK,
     _bitpack,
@@ -84,7 +84,7 @@ class SpikeTrain:
         ones: int,
     ) -> None:
         if codec not in ("bitpack", "index"):
-            raise ValueError(f"unknown spike-train codec {codec!r}: use 'bitpack' or 'index'")
+            raise ConfigError(f"unknown spike-train codec {codec!r}: use 'bitpack' or 'index'")
         self.codec = codec
         self.shape = torch.Size(shape)
         self.dtype = dtype
@@ -104,9 +104,11 @@ class SpikeTrain:
         """
         _check_codec(codec)
         if not isinstance(x, Tensor):
-            raise TypeError(f"from_dense needs a torch.Tensor (T, B, ...), got {type(x).__name__}")
+            raise ConfigTypeError(
+                f"from_dense needs a torch.Tensor (T, B, ...), got {type(x).__name__}"
+            )
         if x.layout == torch.sparse_coo:
-            raise TypeError("x is a sparse COO tensor: use SpikeTrain.from_sparse_coo(x)")
+            raise ConfigTypeError("x is a sparse COO tensor: use SpikeTrain.from_sparse_coo(x)")
         _check_shape(x.shape)
         found = _scan(x)
         if found is None:
@@ -143,18 +145,18 @@ class SpikeTrain:
         shape = torch.Size(shape)
         _check_shape(shape)
         if not packable_dtype(dtype):
-            raise ValueError(f"dtype {dtype} cannot hold packed spikes: use bool, int or float")
+            raise ConfigError(f"dtype {dtype} cannot hold packed spikes: use bool, int or float")
         device = positions.device if device is None else torch.device(device)
         positions = positions.reshape(-1).to(device=device, dtype=torch.long)
         numel = _numel(shape)
         if positions.numel():
             if int(positions[0]) < 0 or int(positions[-1]) >= numel:
-                raise ValueError(
+                raise ConfigError(
                     f"positions must lie in [0, {numel}) for shape {tuple(shape)}, got "
                     f"{int(positions.min())}..{int(positions.max())}"
                 )
             if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
-                raise ValueError("positions must be strictly increasing (sorted, no repeats)")
+                raise ConfigError("positions must be strictly increasing (sorted, no repeats)")
         ones = positions.numel()
         codec = _choose(codec, shape, ones)
         if codec == "bitpack":
@@ -178,9 +180,9 @@ class SpikeTrain:
         _check_codec(codec)
         if not isinstance(t, Tensor) or t.layout != torch.sparse_coo:
             got = t.layout if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(f"from_sparse_coo needs a torch.sparse_coo tensor, got {got}")
+            raise ConfigTypeError(f"from_sparse_coo needs a torch.sparse_coo tensor, got {got}")
         if t.dense_dim() != 0:
-            raise ValueError(
+            raise ConfigError(
                 f"hybrid sparse tensors (dense_dim={t.dense_dim()}) are not supported: build the "
                 "sparse train with every dimension sparse, or pass t.to_dense() to from_dense"
             )
@@ -401,7 +403,7 @@ def as_spike_train(x: Tensor | SpikeTrain, codec: str = "auto") -> SpikeTrain:
 
 def _check_codec(codec: str) -> None:
     if codec not in SPIKE_TRAIN_CODECS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown spike-train codec {codec!r}: use one of "
             f"{', '.join(map(repr, SPIKE_TRAIN_CODECS))}"
         )
@@ -409,7 +411,7 @@ def _check_codec(codec: str) -> None:
 
 def _check_shape(shape: torch.Size | tuple[int, ...]) -> None:
     if len(shape) == 0:
-        raise ValueError("a spike train needs a time axis: shape (T, B, ...), got a 0-d tensor")
+        raise ConfigError("a spike train needs a time axis: shape (T, B, ...), got a 0-d tensor")
 
 
 def _blocks_per_step(n: int) -> int:

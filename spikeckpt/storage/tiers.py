@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from spikeckpt.errors import StorageError
+from spikeckpt.errors import ConfigError, StorageError
 from spikeckpt.storage.base import TIER_KINDS, Ledger, StateStore, StoreBase, tensor_nbytes
 from spikeckpt.storage.disk import DiskStore, _storage_error
 from spikeckpt.storage.host import HostStore
@@ -66,7 +66,7 @@ def check_storage(
     if directory is None:
         return
     if not isinstance(directory, (str, os.PathLike)):
-        raise ValueError(
+        raise ConfigError(
             f"directory must be a path (str or os.PathLike), got {type(directory).__name__}"
         )
     _check_directory_kind(str(storage), directory)
@@ -98,12 +98,12 @@ def _check_kind(kind: object) -> None:
     meaning = "; ".join(f"{k}: {_TIER_MEANING[k]}" for k in TIER_KINDS)
     meant = _ALIASES.get(kind.lower()) if isinstance(kind, str) else None
     hint = f". For {kind!r} write storage={meant!r}" if meant else ""
-    raise ValueError(f"unknown storage {kind!r}: use one of {names} ({meaning}){hint}")
+    raise ConfigError(f"unknown storage {kind!r}: use one of {names} ({meaning}){hint}")
 
 
 def _check_directory_kind(kind: str, directory: str | os.PathLike[str]) -> None:
     if kind != "disk":
-        raise ValueError(
+        raise ConfigError(
             f"directory={os.fspath(directory)!r} only applies to storage='disk' (where the disk "
             f"tier puts its files), not storage={kind!r}: pass storage='disk' to keep "
             "checkpoints in files there, or drop directory="

@@ -1,0 +1,443 @@
+"""The measuring room: what one step costs in bytes and seconds, measured one way for everyone.
+
+:func:`probe_step` measures one step of a step function: the state's bytes ``S``, the bytes
+autograd keeps for a taped step ``A`` (after spike packing when asked), one step's output
+bytes, its working memory beyond ``S`` and ``A`` (:func:`work_bytes`), and the operation
+times (:func:`step_costs`: a forward step, a backward step, the fixed cost of one backward
+call, one state's write to and read from the storage tier). ``scan(plan="auto")``, the
+planners of :mod:`spikeckpt.planning`, :class:`~spikeckpt.lightning.MemoryBudget` and the
+benchmarks all measure here, with one statistic: the **least** time over ``repeats`` runs
+(the run least disturbed by the rest of the machine).
+
+Measuring changes nothing: the RNG is forked, gradients go to fresh tensors (no ``.grad`` is
+touched), and the steps run inside :func:`~spikeckpt.engine.phase.recompute_phase`, so layers
+with side effects (BatchNorm's running statistics) skip them. A probe of the same step, shapes,
+tier and limit is measured once per process (:func:`probe_step` keeps the last few), so two
+callers planning the same step for the same budget plan from the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.engine.phase import recompute_phase
+from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.saved import measure_step
+from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
+from spikeckpt.plans.simulate import CostModel
+from spikeckpt.storage.base import Ledger
+from spikeckpt.storage.tiers import make_store
+
+__all__ = [
+    "REPEATS",
+    "SEGMENT_PROBE_STEPS",
+    "Probe",
+    "copy_seconds",
+    "probe_step",
+    "segment_seconds",
+    "step_costs",
+    "trainable_bytes",
+    "work_bytes",
+]
+
+Step = Callable[[Any, Any], tuple[Any, Any]]
+
+#: Steps :func:`segment_seconds` runs (taped in one call, then one call per step).
+SEGMENT_PROBE_STEPS = 16
+#: Runs of each timed operation; the least time is kept.
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one step costs, measured at one batch size.
+
+    Attributes:
+        batch: batch size of the probe.
+        state_bytes: ``S``, bytes of the whole state.
+        step_bytes: ``A``, bytes autograd keeps for one taped step (binary tensors packed
+            when the run packs its tape).
+        output_bytes: bytes of one step's output (the ``(B, ...)`` slice of ``y``).
+        input_density: fraction of ones in the input step when it is binary, else None.
+        forward_seconds: one untaped step.
+        backward_seconds: backpropagating one taped step.
+        write_seconds: storing one state in the remote tier.
+        read_seconds: loading one state back from the remote tier.
+        segment_seconds: the fixed cost of one backward call over a taped segment, whatever
+            its length (:func:`segment_seconds`). It makes the planner prefer multi-step tapes.
+        work_bytes: what running one step holds on the device beyond the plan's states and
+            tapes (:func:`work_bytes`).
+        work_capped: ``work_bytes`` was measured without the parameters' gradients (the
+            probe's ``max_bytes`` had no room for them); :func:`work_bytes` with all the
+            parameters measures it with them.
+    """
+
+    batch: int
+    state_bytes: int
+    step_bytes: int
+    output_bytes: int
+    input_density: float | None
+    forward_seconds: float
+    backward_seconds: float
+    write_seconds: float
+    read_seconds: float
+    segment_seconds: float = 0.0
+    work_bytes: int = 0
+    work_capped: bool = False
+
+    def scaled(self, batch: int) -> Probe:
+        """The same probe for another batch size (bytes scale linearly with the batch)."""
+        if batch == self.batch:
+            return self
+
+        def scale(n: int) -> int:
+            return -(-n * batch // self.batch)
+
+        return replace(
+            self,
+            batch=batch,
+            state_bytes=scale(self.state_bytes),
+            step_bytes=scale(self.step_bytes),
+            output_bytes=scale(self.output_bytes),
+            work_bytes=scale(self.work_bytes),
+        )
+
+    def costs(self) -> CostModel:
+        """The probe's times as a :class:`CostModel` (seconds)."""
+        return CostModel(
+            forward=self.forward_seconds,
+            backward=self.backward_seconds,
+            write=self.write_seconds,
+            read=self.read_seconds,
+            segment=self.segment_seconds,
+        )
+
+
+def trainable_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the distinct tensors among ``tensors`` that require grad (one gradient each)."""
+    seen: dict[int, Tensor] = {}
+    for t in tensors:
+        if t.requires_grad:
+            seen.setdefault(id(t), t)
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _least_seconds(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
+    """The least wall time of ``repeats`` calls of ``fn`` (CUDA synchronised)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# ----------------------------------------------------------------------------- the probe
+
+_CACHE_SIZE = 16
+_LOCK = threading.Lock()
+_PROBES: OrderedDict[Any, Probe] = OrderedDict()
+
+
+def _key(step: Step, state: Any, x0: Any, params: Sequence[Tensor], *extra: Any) -> Any:
+    """What a probe depends on: the step's code (and its owner's type), the shapes, dtypes and
+    devices of the state, one step's input and the parameters, and ``extra``."""
+    owner = getattr(step, "__self__", None)
+    func = getattr(step, "__func__", step)
+    code = getattr(func, "__code__", None) or type(step)
+    leaves = [t for t in (*tree_flatten(state)[0], *tree_flatten(x0)[0], *params)]
+    shapes = tuple(
+        (tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+        for t in leaves
+        if isinstance(t, Tensor)
+    )
+    return (code, type(owner) if owner is not None else None, shapes, *extra)
+
+
+def probe_step(
+    step: Step,
+    state: Any,
+    x_at: Callable[[int], Any],
+    T: int,
+    params: Sequence[Tensor],
+    *,
+    storage: str,
+    device: torch.device,
+    directory: str | os.PathLike[str] | None = None,
+    pack: bool = False,
+    max_bytes: int | None = None,
+    batch: int = 1,
+) -> Probe:
+    """Measure one step of ``step`` from ``state`` on the inputs ``x_at(t)`` (``t < T``).
+
+    ``max_bytes``: device bytes the probe may hold at once (None: no limit). It first tapes one
+    step (``S + A``); the timing runs then tape at most as many steps (up to
+    :data:`SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
+    ``2S + 3G + n * (A + output + input step)``. When not even two steps fit that way the
+    per-call overhead is taken as 0; when not even one step with ``G`` fits, the backward is
+    timed without the parameters' gradients (``work_capped``).
+
+    A probe of the same step code, shapes, ``T`` (up to :data:`SEGMENT_PROBE_STEPS`), tier,
+    packing and limit is measured once and kept (the last 16).
+    """
+    params = [p for p in params if p.requires_grad]
+    x0 = x_at(0)
+    key = _key(step, state, x0, params, min(T, SEGMENT_PROBE_STEPS), storage, pack, max_bytes)
+    with _LOCK:
+        found = _PROBES.get(key)
+    if found is not None:
+        return replace(found, batch=batch)
+    with torch.random.fork_rng(devices=cuda_devices(tree_flatten(x0)[0])), recompute_phase():
+        sizes = measure_step(step, state, x0, params, pack=pack)
+        with torch.no_grad():
+            _, y = step(state, x0)
+        output = leaf_bytes(tree_flatten(y)[0])
+        del y
+        per_step = max(1, sizes.step_bytes) + output + leaf_bytes(tree_flatten(x0)[0])
+        steps, timed = _timed_steps(min(SEGMENT_PROBE_STEPS, T), sizes, per_step, params, max_bytes)
+        xs = [x0, *(x_at(t) for t in range(1, steps))]
+        costs = step_costs(step, state, xs, timed, storage, directory=directory)
+        work = work_bytes(step, state, x0, timed, sizes.step_bytes, device)
+    probe = Probe(
+        batch=batch,
+        state_bytes=sizes.state_bytes,
+        step_bytes=max(1, sizes.step_bytes),
+        output_bytes=output,
+        input_density=None,
+        forward_seconds=costs.forward,
+        backward_seconds=costs.backward,
+        write_seconds=costs.write,
+        read_seconds=costs.read,
+        segment_seconds=costs.segment,
+        work_bytes=work,
+        work_capped=len(timed) < len(params),
+    )
+    with _LOCK:
+        _PROBES[key] = probe
+        while len(_PROBES) > _CACHE_SIZE:
+            _PROBES.popitem(last=False)
+    return probe
+
+
+def _timed_steps(
+    steps: int, sizes: Any, per_step: int, params: list[Tensor], max_bytes: int | None
+) -> tuple[int, list[Tensor]]:
+    """How many steps the timing runs tape, and the parameters they differentiate, under
+    ``max_bytes`` (see :func:`probe_step`)."""
+    if max_bytes is None:
+        return steps, params
+    room = max_bytes - 2 * sizes.state_bytes
+    grads = trainable_bytes(params)
+    if room - 3 * grads >= 2 * per_step:
+        return min(steps, (room - 3 * grads) // per_step), params
+    # no per-call overhead measured; without room for G the backward is timed without it
+    return 1, (params if room - grads >= per_step else [])
+
+
+def work_bytes(
+    step: Step,
+    state: Any,
+    x0: Any,
+    params: Sequence[Tensor],
+    step_bytes: int,
+    device: torch.device,
+) -> int:
+    """One step's working memory: the larger of one untaped step's peak (its new state, output
+    and temporaries) and one taped step's backward peak beyond its tape (``step_bytes``) and
+    the parameters' gradients (measured with :class:`~spikeckpt.MemoryMeter`)."""
+    leaves, treedef = tree_flatten(state)
+    with torch.random.fork_rng(devices=cuda_devices(leaves)), recompute_phase():
+        with torch.no_grad(), MemoryMeter(device) as untaped:
+            out = step(state, x0)
+            del out
+        wrt = [p for p in params if p.requires_grad]
+        with MemoryMeter(device) as taped:
+            found = _taped_grad(step, treedef, [x0], 0, 1, leaves, wrt)
+            del found
+    backward = taped.peak_bytes - step_bytes - trainable_bytes(wrt)
+    return max(untaped.peak_bytes, backward, 0)
+
+
+# ----------------------------------------------------------------------------- times
+
+
+def step_costs(
+    step: Step,
+    state: Any,
+    xs: Sequence[Any],
+    params: Sequence[Tensor],
+    storage: str = "device",
+    *,
+    directory: str | os.PathLike[str] | None = None,
+    repeats: int = REPEATS,
+) -> CostModel:
+    """Measure a step's operation times (seconds) as a :class:`~spikeckpt.plans.CostModel`.
+
+    Args:
+        step: ``step(state, x_t) -> (state, y_t)``.
+        state: the state to start from (not changed).
+        xs: per-step inputs (a ``(n, B, ...)`` tensor or a list); the first step times
+            forward and backward, up to :data:`SEGMENT_PROBE_STEPS` steps time the per-call
+            overhead (:func:`segment_seconds`).
+        params: the parameters the step uses (their ``.grad`` is not touched).
+        storage: tier whose copy time is measured (``"device"``: no copies).
+        directory: the disk tier's parent folder.
+        repeats: runs of each operation (the least time is kept).
+
+    Example:
+        >>> import torch, spikeckpt
+        >>> from spikeckpt.models import LIFStack
+        >>> net = LIFStack((20, 32, 5))
+        >>> xs = torch.rand(4, 8, 20)
+        >>> from spikeckpt.planning import step_costs
+        >>> costs = step_costs(net.step, net.initial_state(8), xs,
+        ...                    list(net.parameters()), "host")
+        >>> costs.forward > 0 and costs.backward > 0
+        True
+    """
+    x_t = xs[0]
+    leaves, treedef = tree_flatten(state)
+    wrt = [p for p in params if p.requires_grad]
+    device = _device_of(leaves, x_t)
+    with torch.random.fork_rng(devices=cuda_devices(leaves)), recompute_phase():
+        with torch.no_grad():
+            step(state, x_t)  # warm-up
+            forward = _least_seconds(lambda: step(state, x_t), device, repeats)
+
+        def one_taped_step() -> None:
+            _taped_grad(step, treedef, xs, 0, 1, leaves, wrt)
+
+        one_taped_step()  # warm-up
+        backward = max(_least_seconds(one_taped_step, device, repeats) - forward, 1e-9)
+        segment = segment_seconds(step, state, xs[:SEGMENT_PROBE_STEPS], wrt, repeats)
+    write, read = copy_seconds(leaves, storage, device, directory)
+    return CostModel(
+        forward=max(forward, 1e-9), backward=backward, write=write, read=read, segment=segment
+    )
+
+
+def _device_of(leaves: Sequence[Any], x_t: Any) -> torch.device:
+    for t in (*leaves, *tree_flatten(x_t)[0]):
+        if isinstance(t, Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _taped_grad(
+    step: Step,
+    treedef: Any,
+    xs: Sequence[Any],
+    a: int,
+    b: int,
+    start: list[Tensor],
+    wrt_params: list[Tensor],
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """Run steps ``a..b-1`` of ``xs`` taped from the state leaves ``start`` and take the
+    gradients of all outputs (ones) in one ``torch.autograd.grad`` call.
+
+    Returns the final state leaves (detached) and the gradients for the state leaves that
+    require grad followed by ``wrt_params``.
+    """
+    inputs = [t.detach().requires_grad_(is_float(t)) for t in start]
+    with torch.enable_grad():
+        current: Any = treedef.unflatten(inputs)
+        outs: list[Tensor] = []
+        for t in range(a, b):
+            current, y = step(current, xs[t])
+            outs += [v for v in tree_flatten(y)[0] if isinstance(v, Tensor) and v.requires_grad]
+        last = tree_flatten(current)[0]
+        outs += [v for v in last if v.requires_grad]
+        wrt = [v for v in inputs if v.requires_grad] + wrt_params
+        if not outs or not wrt:
+            return [v.detach() for v in last], []
+        found = torch.autograd.grad(
+            outs, wrt, [torch.ones_like(v) for v in outs], allow_unused=True
+        )
+    return [v.detach() for v in last], list(found)
+
+
+def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else a + b
+
+
+def segment_seconds(
+    step: Step,
+    state: Any,
+    xs: Sequence[Any],
+    params: Sequence[Tensor],
+    repeats: int = REPEATS,
+) -> float:
+    """Seconds one backward call costs beyond the steps it backpropagates.
+
+    Runs the ``n = len(xs)`` steps of ``xs`` taped and backpropagates them in one
+    ``torch.autograd.grad`` call, then tapes and backpropagates each step on its own (as a
+    schedule of single-step tapes does: one call per step, parameter gradients summed between
+    calls). Returns ``(t_single - t_one) / (n - 1)`` (least of ``repeats``), at least 0; 0
+    when ``n < 2``. Gradients go to fresh tensors: ``.grad`` is untouched.
+    """
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    leaves, treedef = tree_flatten(state)
+    wrt = [p for p in params if p.requires_grad]
+    device = _device_of(leaves, xs[0])
+
+    def one_call() -> None:
+        _taped_grad(step, treedef, xs, 0, n, leaves, wrt)
+
+    def per_step() -> None:
+        current, total = leaves, None
+        for t in range(n):
+            current, found = _taped_grad(step, treedef, xs, t, t + 1, current, wrt)
+            grads = found[len(found) - len(wrt) :] if wrt else []
+            # parameter gradients add up between calls, as in the executor
+            total = (
+                grads if total is None else [_add(s, g) for s, g in zip(total, grads, strict=True)]
+            )
+
+    one_call()  # warm-up
+    per_step()
+    single = _least_seconds(per_step, device, repeats)
+    joint = _least_seconds(one_call, device, repeats)
+    return max(0.0, (single - joint) / (n - 1))
+
+
+def copy_seconds(
+    leaves: Sequence[Tensor],
+    storage: str,
+    device: torch.device,
+    directory: str | os.PathLike[str] | None = None,
+    repeats: int = REPEATS,
+) -> tuple[float, float]:
+    """One state written to the tier and read back (least of ``repeats``), halved: the
+    write and the read time; 0 for the device tier."""
+    if storage == "device":
+        return 0.0, 0.0
+    store = make_store(storage, device, Ledger(), directory)
+    try:
+        tensors = [t.detach() for t in leaves]
+        best = float("inf")
+        for key in range(repeats):
+            start = time.perf_counter()
+            store.put(key, tensors)
+            store.prefetch(key)
+            store.get(key)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+            store.drop(key)
+    finally:
+        store.close()
+    return best / 2, best / 2

@@ -1,0 +1,286 @@
+"""One account of a training step's device memory, and the one choice made from it. Pure Python.
+
+``budget`` means the same wherever it is accepted (:func:`spikeckpt.scan`,
+:func:`spikeckpt.wrap`, :class:`~spikeckpt.lightning.MemoryBudget`, ``spikeckpt plan``, the
+benchmarks): the peak device memory of the training step the call runs. What a step holds
+(:class:`StepBytes`):
+
+- ``input``: the input train while it is on the device (a packed train's packed bytes);
+- ``outputs``: the stacked per-step outputs and their gradient (``readout=None``);
+- ``gradients``: the parameters' ``.grad`` (left to the model's account by ``MemoryBudget``,
+  which counts the model, ``.grad`` and the optimizer state once for all wrapped models), and
+  the gradient buffers the engine holds beyond it while it sums the parameters' gradients over
+  segments (a segment's own gradients beside the running sum, and one parameter's new sum);
+- ``activations``: the plan's modeled peak (checkpoints kept on the device, or on the host when
+  the host is the device as on a CPU-only run, tapes, states) and one step's working memory.
+
+:func:`choose_step` picks the fastest plan whose step fits a budget (and :func:`check_step`
+checks a plan given with a budget); both refuse with one
+:class:`~spikeckpt.BudgetTooSmall` whose ``minimum_bytes``, passed back as the budget, works.
+
+>>> sizes = StepSizes(state=1024, tape=1024, grads=4096, largest=4096, work=2048)
+>>> choice = choose_step(1000, sizes, 96 * 1024, remote=False)
+>>> choice.plan, choice.step.total <= 96 * 1024
+(Revolve(slots=30, tape=1), True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from spikeckpt.errors import BudgetTooSmall, ConfigError
+from spikeckpt.plans.base import Plan
+from spikeckpt.plans.bptt import BPTT
+from spikeckpt.plans.choose import choose, minimum_budget
+from spikeckpt.plans.simulate import Cost, CostModel
+from spikeckpt.units import format_bytes, parse_bytes
+
+__all__ = [
+    "StepBytes",
+    "StepChoice",
+    "StepSizes",
+    "check_step",
+    "choose_step",
+    "host_is_device",
+    "refusal",
+    "step_bytes",
+    "tier_note",
+]
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """What one step of a model measures, for the account (bytes, at one batch size).
+
+    Attributes:
+        state: ``S``, bytes of one state.
+        tape: ``A``, bytes autograd keeps for one taped step (at least 1).
+        work: one step's working memory beyond the plan's states and tapes (its new state,
+            output and temporaries; a taped step's backward beyond its tape).
+        output: one step's output ``y_t``.
+        input: the whole input train while it is on the device (0 when it stays off it).
+        stacked: the outputs are stacked ``(T, ...)`` (``readout=None``), with their gradient.
+        grads: bytes of the parameters that require grad (one ``.grad`` each).
+        largest: the largest such parameter (its new sum is made out of place).
+        grad_in_step: ``.grad`` is counted in the step (``scan``, ``wrap``), or with the
+            model (``MemoryBudget``).
+    """
+
+    state: int
+    tape: int
+    work: int = 0
+    output: int = 0
+    input: int = 0
+    stacked: bool = False
+    grads: int = 0
+    largest: int = 0
+    grad_in_step: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("state", "tape", "work", "output", "input", "grads", "largest"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"StepSizes.{name} must be a whole number of bytes >= 0")
+        if self.tape < 1:
+            object.__setattr__(self, "tape", 1)
+
+    def outputs(self, T: int) -> int:
+        """The stacked outputs and their gradient over ``T`` steps (0 unless stacked)."""
+        return 2 * T * self.output if self.stacked else 0
+
+    def beside(self, T: int, *, bptt: bool = False) -> StepBytes:
+        """The step without its activations: the input, the outputs, the gradients (one
+        backward call, BPTT's, keeps no running sum)."""
+        grad = self.grads if self.grad_in_step else 0
+        buffers = self.grads if bptt else self.grads + self.largest
+        return StepBytes(input=self.input, outputs=self.outputs(T), gradients=grad + buffers)
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one training step holds on the device, as planned, in bytes (see the module).
+
+    Attributes:
+        input: the input train while it is on the device.
+        outputs: the stacked outputs and their gradient.
+        gradients: ``.grad`` (unless the model's account holds it) and the engine's gradient
+            buffers (layer-wise: 0, its measured working set holds the running sums).
+        activations: the plan's modeled peak and one step's working memory.
+    """
+
+    input: int = 0
+    outputs: int = 0
+    gradients: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """All of it: the step's planned device peak."""
+        return self.input + self.outputs + self.gradients + self.activations
+
+    def beside(self) -> str:
+        """What the step holds beside its activations, in words (gradients only when
+        planned apart: layer-wise measures its gradient sums with its working set)."""
+        grads = f", gradients {format_bytes(self.gradients)}" if self.gradients else ""
+        return f"input {format_bytes(self.input)}, outputs {format_bytes(self.outputs)}{grads}"
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """A stack plan for a budget: the plan (intervals filled for ``T``), its modeled cost and
+    the step it makes (``step.total`` at most the budget)."""
+
+    plan: Plan
+    cost: Cost
+    step: StepBytes
+
+
+def host_is_device(storage: str, device_type: str) -> bool:
+    """Whether the ``storage`` tier is the compute device's own memory: the device tier, and
+    the host tier of a CPU run (the host *is* the device there; only the disk is off it)."""
+    return storage == "device" or (storage == "host" and device_type == "cpu")
+
+
+def tier_note(storage: str, device_type: str) -> str | None:
+    """On a CPU run, which memory the ``storage`` tier is, in words (None on a GPU)."""
+    if device_type != "cpu":
+        return None
+    if storage == "host":
+        return (
+            "CPU run: the host tier is this device's memory, so checkpoints kept there count "
+            "against the budget (storage='disk' keeps them off it)"
+        )
+    if storage == "disk":
+        return "CPU run: the remote tier is the disk: remote checkpoints are off the budget"
+    return "CPU run: storage='device' keeps every checkpoint in the budget"
+
+
+def step_bytes(
+    T: int, sizes: StepSizes, plan: Plan, cost: Cost, *, remote_on_device: bool
+) -> StepBytes:
+    """The step ``plan`` makes: its modeled ``cost`` (states and tapes on the device; with
+    ``remote_on_device`` its remote checkpoints too) and one step's working memory beside
+    the input, outputs and gradients."""
+    peak = cost.peak_bytes + (cost.peak_remote_states * sizes.state if remote_on_device else 0)
+    beside = sizes.beside(T, bptt=isinstance(plan, BPTT))
+    return replace(beside, activations=peak + sizes.work)
+
+
+def _steps(T: int, apart: int) -> str:
+    if not apart:
+        return f"T={T}"
+    return f"T={T + apart} (step 0 runs apart, taped; the checkpointed run has {T} steps)"
+
+
+def refusal(
+    budget: int,
+    need: StepBytes,
+    smallest: int,
+    *,
+    what: str,
+    asked: int | None = None,
+    minimum: int | None = None,
+    note: str | None = None,
+    context: str = "",
+    plan: Plan | None = None,
+) -> BudgetTooSmall:
+    """The one :class:`~spikeckpt.BudgetTooSmall`: the step ``need`` (input, outputs,
+    gradients) and the ``smallest`` activations of any plan (of ``plan``, when the caller
+    gave one) do not fit ``budget``.
+
+    ``asked``: the budget as the caller counts it (default ``budget``); ``minimum``: the
+    budget that works, as the caller counts it (default ``need.total + smallest``); ``what``
+    names the run (``"T=300, B=8"``); ``note`` and ``context`` are added to the account."""
+    total = need.total + smallest
+    asked = budget if asked is None else asked
+    minimum = total if minimum is None else minimum
+    if plan is not None:
+        head = f"{plan!r} cannot keep the budget of {format_bytes(asked)}"
+        tail = f"a budget that keeps {plan!r} is"
+    elif budget <= need.total:
+        head = f"the budget of {format_bytes(asked)} leaves nothing for activations"
+        tail = "the smallest budget that fits is"
+    else:
+        head = f"no checkpointing plan fits the budget of {format_bytes(asked)}"
+        tail = "the smallest budget that fits is"
+    extra = f"; {note}" if note else ""
+    kind = "its plan" if plan is not None else "smallest plan"
+    return BudgetTooSmall(
+        f"{head} for {what}: a step needs {format_bytes(total)} ({need.beside()}, {kind} "
+        f"{format_bytes(smallest)}){context}{extra}; {tail} {format_bytes(minimum)} "
+        f"({minimum} bytes)",
+        budget_bytes=asked,
+        minimum_bytes=minimum,
+    )
+
+
+def choose_step(
+    T: int,
+    sizes: StepSizes,
+    budget: int | str,
+    *,
+    remote: bool,
+    costs: CostModel | None = None,
+    apart: int = 0,
+    note: str | None = None,
+) -> StepChoice:
+    """The plan with the least modeled time whose training step fits ``budget``.
+
+    Args:
+        T: steps the plan runs.
+        sizes: what one step measures (:class:`StepSizes`).
+        budget: the step's device budget (bytes or a string like ``"2MiB"``).
+        remote: plans with off-device checkpoints may be chosen (the remote tier is not the
+            device's memory: not the device tier, not the host of a CPU run).
+        costs: operation times for the modeled time (default :class:`CostModel`).
+        apart: steps run before these ``T`` (step 0 of a state it shapes), for messages.
+        note: added to a refusal (e.g. :func:`tier_note`).
+
+    Raises:
+        BudgetTooSmall: nothing fits; ``minimum_bytes`` is a budget that does.
+    """
+    total = parse_bytes(budget)
+    beside = sizes.beside(T)
+    room = total - beside.total - sizes.work
+    S, A = sizes.state, sizes.tape
+    try:
+        plan = choose(T, S, A, max(room, 0), remote=remote, costs=costs)
+    except BudgetTooSmall:
+        smallest = minimum_budget(T, S, A) + sizes.work
+        raise refusal(total, beside, smallest, what=_steps(T, apart), note=note) from None
+    plan = plan.for_length(T)
+    cost = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
+    return StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
+
+
+def check_step(
+    T: int,
+    sizes: StepSizes,
+    plan: Plan,
+    budget: int | str,
+    *,
+    remote_on_device: bool,
+    costs: CostModel | None = None,
+    apart: int = 0,
+    note: str | None = None,
+) -> StepChoice:
+    """``plan`` (intervals filled for ``T``) with the step it makes, refused when that step
+    does not fit ``budget``: a budget given with an explicit plan is a promise too.
+
+    ``remote_on_device``: the plan's remote checkpoints are in the device's memory (the
+    device tier; the host tier of a CPU run) and count.
+
+    Raises:
+        BudgetTooSmall: the plan's step is over the budget; ``minimum_bytes`` is its total
+            (the budget that keeps this plan).
+    """
+    total = parse_bytes(budget)
+    plan = plan.for_length(T)
+    cost = plan.cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
+    step = step_bytes(T, sizes, plan, cost, remote_on_device=remote_on_device)
+    if step.total > total:
+        beside = replace(step, activations=0)
+        raise refusal(
+            total, beside, step.activations, what=_steps(T, apart), note=note, plan=plan
+        )
+    return StepChoice(plan, cost, step)
