@@ -14,7 +14,9 @@ Rows:
 - ``torch.utils.checkpoint per sqrt(T)``: the plain loop with ``checkpoint`` around each
   ``ceil(sqrt(T))``-step segment (``use_reentrant=False``).
 - ``planner, budget = checkpoint's peak, host``: ``spikeckpt.scan(model.step, ...,
-  plan="auto", budget=<the checkpoint row's measured peak>, storage="host")``.
+  plan="auto", budget=<the checkpoint row's measured peak + the dense input's bytes>,
+  storage="host")`` (a budget counts the whole step, the input on the device included; the
+  peaks here leave it out, so the budgets add it, to compare like with like).
 - ``planner, budget = 5% of BPTT, disk``: the same with 5% of the plain loop's measured peak,
   ``storage="disk"`` (on a CPU-only machine host RAM is the measured memory: only the disk
   tier takes checkpoints out of it).
@@ -326,24 +328,25 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
     else:
         ckpt_peak = ckpt.peak
     share = args.share
+    # a budget counts the whole step, the dense input train on the device included; the rows'
+    # peaks leave it out (made before the step): the budgets add it, to compare like with like
+    x_bytes = x.numel() * x.element_size()
     add(
         Row(
             "planner, budget = checkpoint's peak, host",
             model,
-            scan_runner("auto", "host", ckpt_peak, folder),
+            scan_runner("auto", "host", ckpt_peak + x_bytes, folder),
         )
     )
     add(
         Row(
             f"planner, budget = {share:g}% of BPTT, disk",
             model,
-            scan_runner("auto", "disk", int(plain_peak * share / 100), folder),
+            scan_runner("auto", "disk", int(plain_peak * share / 100) + x_bytes, folder),
         )
     )
     if snn_model is not None and snn_peak is not None:
-        # wrap's budget counts the dense input train on the device; the rows' peaks leave it
-        # out (made before the step): the layer-wise budget adds it, to compare like with like
-        budget = int(snn_peak * share / 100) + x.numel() * x.element_size()
+        budget = int(snn_peak * share / 100) + x_bytes
         add(
             Row(
                 f"layer-wise, {share:g}%, disk",

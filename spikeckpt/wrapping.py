@@ -257,6 +257,9 @@ class CheckpointedSequence(nn.Module):
                 (ys, final), self.last_stats = out, out.stats
         finally:
             self.adapter.cleanup()
+        if decision.choice is not None:  # planned for a budget: the step as planned
+            self.last_stats.planned = decision.choice.step
+            self.last_stats.note = decision.choice.note
         if self.batch_first and self.readout is None:
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
         return (ys, final) if return_state else ys
@@ -292,6 +295,12 @@ class CheckpointedSequence(nn.Module):
         """The disk tier's folder, only with the disk tier (``storage`` may have been changed
         since wrapping: :meth:`set_storage`)."""
         return self.directory if self.storage == "disk" else None
+
+    def set_planner(self, planner: Planner | BudgetPlanner | None) -> None:
+        """Decide every forward with ``planner`` from now on (None: the model's own ``plan``,
+        ``budget``, ``granularity`` and ``chunk``); what
+        :class:`~spikeckpt.lightning.MemoryBudget` installs for a fit."""
+        self.planner = planner
 
     def set_storage(self, storage: str) -> None:
         """Keep remote checkpoints (and layer-wise trains) in ``storage`` from the next
@@ -474,8 +483,8 @@ def wrap(
     _check_granularity(granularity)
     _check_options(granularity, readout, chunk, pack_tape)
     check_storage(storage, directory)
-    if budget is not None:
-        parse_bytes(budget)  # a budget that cannot be read fails here, not at the first forward
+    if budget is not None:  # parsed once, here: a budget that cannot be read fails at wrap
+        budget = parse_bytes(budget)
     adapter = adapter_for(model, "")
     adapter.cleanup()
     if output != "spikes" and not _has_membrane(adapter):

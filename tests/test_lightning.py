@@ -268,7 +268,7 @@ from spikeckpt.lightning import MemoryBudget  # noqa: E402
 if __name__ == "__main__":
     torch.manual_seed(0)
     out = Path({out!r})
-    callback = MemoryBudget({budget}, margin=0.0)
+    callback = MemoryBudget({budget}, margin=0.0, max_retries=2)  # the retry is opt-in
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -497,11 +497,16 @@ def test_auto_plan_with_budget() -> None:
     inputs = torch.randn(T, 3, 6)
     state = (torch.randn(3, 6, requires_grad=True), torch.randn(3, 6, requires_grad=True))
     probe = measure_step(net, state, inputs[0], list(net.parameters()))
-    budget = 12 * probe.state_bytes + 4 * probe.step_bytes
+    # a budget counts the whole step (input, outputs, gradients): 12 states and 4 tapes more
+    # than the least that fits
+    with pytest.raises(sc.BudgetTooSmall) as least:
+        sc.scan(net, inputs, state, plan="auto", budget=1)
+    budget = least.value.minimum_bytes + 12 * probe.state_bytes + 4 * probe.step_bytes
     out = sc.scan(net, inputs, state, plan="auto", budget=budget)
     (ys, final), stats = out, out.stats
     loss_of(ys[..., None], final).backward()
     assert stats.peak_bytes["device"] <= budget
+    assert stats.planned is not None and stats.planned.total <= budget
     with pytest.raises(ValueError, match="budget"):
         sc.scan(net, inputs, state, plan="auto")
 

@@ -278,7 +278,10 @@ def pick_plan(family: str, ctx: Context, storage: str | None) -> plans.Plan | No
             if cost.peak_bytes <= budget and (best is None or cost.time < best[0]):
                 best = (cost.time, plan)
         return best[1] if best else None
-    candidates = plans.rank(T, S, A, budget, remote=remote, costs=costs)
+    # the one account: the plan budget is the step's (what ``fits`` leaves of the budget)
+    candidates = plans.rank_steps(
+        T, plans.StepSizes(state=S, tape=A), budget, remote=remote, costs=costs
+    )
     for candidate in candidates:
         if type(candidate.plan) is kinds[family]:
             return candidate.plan

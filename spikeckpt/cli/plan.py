@@ -120,12 +120,13 @@ def run(args: argparse.Namespace) -> int:
     budget_bytes = args.budget.resolve(bptt)
     costs = plans.CostModel(write=args.write_cost, read=args.read_cost)
     remote = not args.no_remote
+    sizes = plans.StepSizes(state=S, tape=A)  # the one account; nothing beside the plan here
     try:
-        chosen = plans.choose(args.T, S, A, budget_bytes, remote=remote, costs=costs)
+        chosen = plans.choose_step(args.T, sizes, budget_bytes, remote=remote, costs=costs).plan
     except BudgetTooSmall as error:
         print(f"no plan fits: {error}")
         return 3
-    ranked = plans.rank(args.T, S, A, budget_bytes, remote=remote, costs=costs)
+    ranked = plans.rank_steps(args.T, sizes, budget_bytes, remote=remote, costs=costs)
     share = f" ({args.budget} of BPTT's {format_bytes(bptt)})" if args.budget.share else ""
     transfers = (
         f"; a remote write costs {args.write_cost:g}, a read {args.read_cost:g} forward steps"

@@ -179,6 +179,7 @@ def probe_step(
     pack: bool = False,
     max_bytes: int | None = None,
     batch: int = 1,
+    exclude: Sequence[Tensor] = (),
 ) -> Probe:
     """Measure one step of ``step`` from ``state`` on the inputs ``x_at(t)`` (``t < T``).
 
@@ -188,6 +189,9 @@ def probe_step(
     ``2S + 3G + n * (A + output + input step)``. When not even two steps fit that way the
     per-call overhead is taken as 0; when not even one step with ``G`` fits, the backward is
     timed without the parameters' gradients (``work_capped``).
+
+    ``exclude``: tensors whose storage autograd may save at no cost (the input on the
+    device: a step's slice is a view of it), left out of ``A`` like the parameters.
 
     A probe of the same step code, shapes, ``T`` (up to :data:`SEGMENT_PROBE_STEPS`), tier,
     packing and limit is measured once and kept (the last 16).
@@ -200,7 +204,7 @@ def probe_step(
     if found is not None:
         return replace(found, batch=batch)
     with torch.random.fork_rng(devices=cuda_devices(tree_flatten(x0)[0])), recompute_phase():
-        sizes = measure_step(step, state, x0, params, pack=pack)
+        sizes = measure_step(step, state, x0, [*params, *exclude], pack=pack)
         with torch.no_grad():
             _, y = step(state, x0)
         output = leaf_bytes(tree_flatten(y)[0])

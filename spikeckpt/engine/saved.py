@@ -21,7 +21,7 @@ from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 
-__all__ = ["SavedBytes", "StepSizes", "backward_reserve", "measure_step"]
+__all__ = ["SavedBytes", "StepSizes", "measure_step"]
 
 
 def _storage_ptr(t: Tensor) -> int | None:
@@ -134,15 +134,3 @@ def measure_step(
             out = step(treedef.unflatten(leaves), x_t)
         del out
     return StepSizes(state_bytes=state_bytes, step_bytes=counter.bytes)
-
-
-def backward_reserve(params: Iterable[Tensor], state_bytes: int) -> int:
-    """Device bytes a backward pass holds besides checkpoints and tapes, for budgets.
-
-    Three times the bytes of the parameters that require grad (their accumulated gradient,
-    the gradient one step adds, and autograd's buffer summing the two) and two states (the
-    state's gradient carried between segments and the one being computed). Measured on a
-    200-256-10 LIF stack: 3.1x the parameters' bytes above the modeled checkpoints and tapes.
-    """
-    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    return 3 * grads + 2 * state_bytes

@@ -26,19 +26,36 @@ from torch import Tensor
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import first_step
 from spikeckpt.engine.function import Job, run_job
-from spikeckpt.engine.packed import as_input, drop_first, is_packed, step_of
-from spikeckpt.engine.planned import plan_key, resolve_schedule, simulate_cached
+from spikeckpt.engine.measure import probe_step, trainable_bytes, work_bytes
+from spikeckpt.engine.packed import as_input, drop_first, input_nbytes, is_packed, step_of
+from spikeckpt.engine.planned import (
+    check_plan,
+    needs_measuring,
+    plan_key,
+    planned,
+    schedule_of,
+    simulate_cached,
+)
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
 from spikeckpt.engine.rng import cuda_devices
-from spikeckpt.engine.saved import backward_reserve, measure_step
 from spikeckpt.engine.stats import ScanResult, ScanStats
 from spikeckpt.engine.step import StepFn, default_params, time_leaves, unshaped
-from spikeckpt.engine.timing import measure_costs
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
-from spikeckpt.errors import ConfigError, ConfigTypeError, UsageError
+from spikeckpt.errors import BudgetTooSmall, ConfigError, ConfigTypeError, UsageError
+from spikeckpt.plans.account import (
+    StepBytes,
+    StepChoice,
+    StepSizes,
+    check_step,
+    choose_step,
+    host_is_device,
+    tier_note,
+)
+from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.storage.codecs import require_binary
 from spikeckpt.storage.tiers import check_storage, make_store
+from spikeckpt.units import parse_bytes
 
 __all__ = ["ScanResult", "ScanStats", "scan"]
 
@@ -204,12 +221,13 @@ def scan(
             ``initial_state(x).v``): step 0 then runs first, taped as in the plain loop, and
             the checkpointed run starts from its state (``stats`` describe steps ``1..T-1``).
         plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
-            ``"auto"`` (measures one step for ``S``/``A`` and the step's operation times, and
-            calls ``plans.choose`` with ``budget`` less the gradients' share:
-            :func:`~spikeckpt.engine.saved.backward_reserve`). A plan built without intervals
+            ``"auto"`` (measures one step in the measuring room,
+            :func:`spikeckpt.engine.measure.probe_step`: sizes, working bytes and operation
+            times, and chooses the fastest plan whose step fits ``budget``,
+            :func:`spikeckpt.plans.account.choose_step`). A plan built without intervals
             (``Double()``, ``Uniform()``, ``TwoLevel(s)``) gets them from the same
-            measurements (:func:`spikeckpt.plans.intervals.fill`). Both are measured once
-            per step function, shapes, ``T`` and tier (a few dozen step evaluations).
+            measurements (:func:`spikeckpt.plans.intervals.fill`). Measured once per step
+            function, shapes, ``T``, tier and budget (a few dozen step evaluations).
         storage: where ``"remote"`` checkpoints go: ``"host"`` (CPU RAM), ``"disk"`` (files in
             a temporary folder under ``directory``) or ``"device"``.
         readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``:
@@ -223,8 +241,14 @@ def scan(
             seen (scan warns when it finds any: pass them here).
         stats: deprecated: return the old triple ``(ys, final_state, stats)`` (with a
             ``DeprecationWarning``); the result's ``.stats`` holds them.
-        budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``):
-            checkpoints, tapes and the gradients the backward pass holds.
+        budget: the peak device memory of the training step (bytes or a string like
+            ``"2GiB"``): the inputs while they are on the device, the stacked outputs and their
+            gradient, the parameters' ``.grad`` and the engine's gradient buffers, the plan's
+            checkpoints (the host tier's too on a CPU run, where the host is the device: the
+            stats' ``note`` says so) and tapes, one step's working memory
+            (:mod:`spikeckpt.plans.account`). ``plan="auto"`` chooses within it; a plan given
+            is checked against it. A :class:`~spikeckpt.BudgetTooSmall` names a budget that
+            works.
         directory: parent folder for the disk tier's files (default: the system temp folder);
             only with ``storage="disk"`` (:func:`~spikeckpt.storage.tiers.check_storage`).
         pack_tape: keep the exactly-binary tensors autograd saves in taped steps (spikes fed
@@ -293,13 +317,15 @@ def _run(
             outs, final = _plain_loop(fn, state_leaves, in_leaves, reducer, T, device)
         run_stats.forward_steps = T
         return _finish(outs + final, len(outs), fn, state_def, fold, run_stats)
-    schedule = _schedule(step, state, timed, param_list, options, device)
+    schedule, account = _schedule(step, state, timed, param_list, options, device)
     run_stats = ScanStats(
         plan=schedule.plan,
         schedule=schedule,
         T=T,
         storage=storage,
         predicted=simulate_cached(schedule),
+        planned=account,
+        note=tier_note(storage, device.type) if account is not None else None,
     )
     run_stats.state_bytes = leaf_bytes(state_leaves)
     job = _Job(
@@ -326,30 +352,97 @@ def _schedule(
     param_list: list[Tensor],
     options: _Options,
     device: torch.device,
-) -> Schedule:
-    """The schedule ``options.plan`` runs for these inputs (measured when it must be)."""
+) -> tuple[Schedule, StepBytes | None]:
+    """The schedule ``options.plan`` runs for these inputs, and the step it makes when it was
+    planned for (or checked against) a budget."""
+    in_leaves, _, T = timed
+    plan, budget = options.plan, options.budget
+    check_plan(plan, T, budget)
+    if not needs_measuring(plan, budget):
+        return schedule_of(plan, T), None
+    key = (
+        plan,
+        budget,
+        T,
+        options.storage,
+        options.pack_tape,
+        options.apart,
+        plan_key(step, tree_flatten(state)[0], in_leaves, param_list),
+    )
+    found, account = planned(
+        key, lambda: _measured_plan(step, state, timed, param_list, options, device)
+    )
+    return schedule_of(found, T), account
+
+
+def _measured_plan(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    timed: Timed,
+    param_list: list[Tensor],
+    options: _Options,
+    device: torch.device,
+) -> tuple[Any, StepBytes | None]:
+    """``"auto"`` chosen within the budget, open intervals filled, a plan checked against the
+    budget: from one probe of the step (the measuring room) and the one account of the step
+    (:mod:`spikeckpt.plans.account`)."""
     in_leaves, in_def, T = timed
-    state_leaves, state_def = tree_flatten(state)
-    storage, pack_tape = options.storage, options.pack_tape
-
-    def measure() -> tuple[int, int]:
-        x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
+    storage, plan = options.storage, options.plan
+    total = parse_bytes(options.budget) if options.budget is not None else None
+    x_bytes = sum(input_nbytes(leaf) for leaf in in_leaves if leaf.device == device)
+    probe = probe_step(
+        step,
+        state,
+        lambda t: in_def.unflatten([step_of(leaf, t, device) for leaf in in_leaves]),
+        T,
+        param_list,
+        storage=storage,
+        device=device,
+        directory=options.directory,
+        pack=options.pack_tape,
+        max_bytes=max(total - x_bytes, 0) if total is not None else None,
         # input slices on the device are views of the inputs: no memory of the tape's
-        local = [leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device]
-        sizes = measure_step(step, state, x0, [*param_list, *local], pack=pack_tape)
-        return sizes.state_bytes, sizes.step_bytes
+        exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
+    )
+    sizes = StepSizes(
+        state=probe.state_bytes,
+        tape=probe.step_bytes,
+        work=probe.work_bytes,
+        output=probe.output_bytes,
+        input=x_bytes,
+        stacked=options.readout is None,
+        grads=trainable_bytes(param_list),
+        largest=max((p.numel() * p.element_size() for p in param_list), default=0),
+    )
+    on_device = host_is_device(storage, device.type)
+    costs = probe.costs()
+    if isinstance(plan, str) or needs_intervals(plan):
+        if not isinstance(plan, str):
+            plan = fill(plan, T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs,
+                        remote=storage != "device")  # fmt: skip
+        if total is None:
+            return plan, None
+    assert total is not None
+    note = tier_note(storage, device.type)
 
-    def timings() -> Any:
-        return measure_costs(
-            step, state_def, state_leaves, in_def, in_leaves, param_list,
-            storage=storage, device=device, directory=options.directory,
-        )  # fmt: skip
+    def account(sizes: StepSizes) -> StepChoice:
+        if isinstance(plan, str):
+            return choose_step(T, sizes, total, remote=not on_device, costs=costs,
+                               apart=options.apart, note=note)  # fmt: skip
+        return check_step(T, sizes, plan, total, remote_on_device=on_device, costs=costs,
+                          apart=options.apart, note=note)  # fmt: skip
 
-    key = (plan_key(step, state_leaves, in_leaves, param_list), pack_tape)
-    return resolve_schedule(
-        options.plan, T, measure, options.budget, storage, timings, key,
-        lambda S: backward_reserve(param_list, S), apart=options.apart,
-    )  # fmt: skip
+    try:
+        choice = account(sizes)
+    except BudgetTooSmall:
+        if not probe.work_capped:
+            raise
+        # the probe, held under this budget, measured the step's work without the parameters'
+        # gradients: measure it with them, so the budget the refusal names works
+        x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
+        work = work_bytes(step, state, x0, param_list, sizes.tape, device)
+        choice = account(replace(sizes, work=max(work, sizes.work)))
+    return choice.plan, choice.step
 
 
 def _after_first_step(

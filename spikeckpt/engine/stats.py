@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from spikeckpt.plans.account import StepBytes
 from spikeckpt.plans.simulate import Cost
 from spikeckpt.storage.base import Ledger
 
@@ -84,6 +85,10 @@ class ScanStats:
         n_chunks: layer-wise chunks (0 for the stack granularity).
         blocks: layer-wise: one :class:`BlockStats` per block, bottom-up (empty for stack).
         backward_chunks: layer-wise (chunk, block) pairs backpropagated.
+        planned: the step as planned for a budget (:class:`~spikeckpt.plans.account.StepBytes`:
+            input, outputs, gradients, activations; None without a budget).
+        note: which memory the storage tier is when it counts against the budget (a CPU
+            run's host tier), None otherwise.
     """
 
     plan: str
@@ -103,6 +108,8 @@ class ScanStats:
     n_chunks: int = 0
     blocks: list[BlockStats] = field(default_factory=list)
     backward_chunks: int = 0
+    planned: StepBytes | None = None
+    note: str | None = None
 
     @property
     def recompute_factor(self) -> float:

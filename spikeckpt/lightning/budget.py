@@ -14,9 +14,16 @@ stacked outputs, the engine's gradient buffers and the activations
 
 What the budget promises: every training step's device peak, the first included (parameters,
 gradients, optimizer state, the input batch while it is on the device, and everything the step
-allocates), stays within ``budget``. Measured steps (:class:`~spikeckpt.MemoryMeter`, with
-what the step holds at entry counted through ``MemoryMeter.track``) are checked against it:
-a step that comes out over makes the callback re-plan down by the overshoot.
+allocates), stays within ``budget``: the one account of :mod:`spikeckpt.plans.account` for
+each wrapped model's step, plus the model, its ``.grad`` and the optimizer state, counted once.
+Measured steps (:class:`~spikeckpt.MemoryMeter`, with what the step holds at entry counted
+through ``MemoryMeter.track``) are checked against it: a step that comes out over makes the
+callback re-plan down by the overshoot.
+
+Out of memory anyway (``max_retries > 0``, opt-in): the callback wraps the module's
+``training_step`` and ``backward`` for the fit (put back at teardown) so a
+``torch.OutOfMemoryError`` re-plans with ``retry_factor`` of the budget and runs the batch
+again. By default it patches nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import ConfigError, SpikeckptError, UsageError
 from spikeckpt.lightning.resources import free_device_bytes, model_bytes, step_resident
 from spikeckpt.planning import BudgetPlanner, PlanChoice
+from spikeckpt.plans.account import tier_note
 from spikeckpt.storage.base import TIER_KINDS
 from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrapping import CheckpointedSequence
@@ -65,7 +73,9 @@ class MemoryBudget(Callback):
             off-device checkpoints); None keeps each wrapped model's own setting.
         margin: safety share of the budget left unplanned (default 0.05).
         remote: allow plans with off-device checkpoints (Double, TwoLevel).
-        max_retries: re-plans with a tighter budget after an out-of-memory error in a step.
+        max_retries: re-plans with a tighter budget after an out-of-memory error in a step
+            (default 0: none). With retries the callback wraps the module's
+            ``training_step`` and ``backward`` for the fit (see the module docstring).
         retry_factor: budget multiplier at each re-plan.
         measure_batches: how many training batches (from the start, and after each re-plan or
             new input shape) are measured with :class:`~spikeckpt.MemoryMeter` and checked
@@ -100,7 +110,7 @@ class MemoryBudget(Callback):
         storage: str | None = None,
         margin: float = 0.05,
         remote: bool = True,
-        max_retries: int = 2,
+        max_retries: int = 0,
         retry_factor: float = 0.8,
         measure_batches: int = 1,
         verbose: bool = True,
@@ -178,7 +188,7 @@ class MemoryBudget(Callback):
         for module in self.modules.values():
             if self.storage is not None:
                 module.set_storage(self.storage)
-        if stage == "fit":
+        if stage == "fit" and self.max_retries > 0:
             self._install_retry(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -186,7 +196,7 @@ class MemoryBudget(Callback):
             undo()
         self._restore.clear()
         for module in self.modules.values():
-            module.planner = None
+            module.set_planner(None)
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self._meter = None
@@ -211,9 +221,27 @@ class MemoryBudget(Callback):
         self.budget_bytes = usable
         self.total_bytes = total
         self.overhead_bytes = overhead
-        modules = len(self.modules)
-        share = usable // modules
-        margin = self.margin
+        self.tier_note = _tier_note({m.storage for m in self.modules.values()}, device)
+        for name, module in self.modules.items():
+            planner = self._planner(trainer, device)
+            if name in self._pending:
+                planner.load_state_dict(self._pending[name])
+            module.set_planner(planner)
+            self.planners[name] = planner
+        self._world_size = trainer.world_size
+        if self.verbose:
+            rank_zero_info(
+                f"MemoryBudget: {format_bytes(total)} budget, {format_bytes(overhead)} for the "
+                f"model, gradients and optimizer, {format_bytes(usable)} for the steps of "
+                f"{len(self.modules)} wrapped module(s) ({', '.join(self.modules)})"
+            )
+            if self.tier_note is not None:
+                rank_zero_info(f"MemoryBudget: {self.tier_note}")
+
+    def _planner(self, trainer: pl.Trainer, device: torch.device) -> BudgetPlanner:
+        """A wrapped model's planner: its share of what the model leaves of the budget, the
+        model's ``.grad`` counted with the model, refusals naming the whole budget."""
+        modules, margin, overhead = len(self.modules), self.margin, self.overhead_bytes
 
         def total_for(need: int) -> int:
             """The budget whose share for one wrapped model is at least ``need`` bytes (and
@@ -227,28 +255,17 @@ class MemoryBudget(Callback):
         )
         if modules > 1:
             context += f", and {modules} wrapped models share the rest"
-        self.tier_note = _tier_note({m.storage for m in self.modules.values()}, device)
-        for name, module in self.modules.items():
-            planner = BudgetPlanner(share, remote=self.remote)
-            planner.total_for = total_for
-            planner.asked_bytes = total
-            planner.context = context
-            if trainer.world_size > 1:
-                planner.reduce_max = self._counting(_reduce_max(trainer, device))
-                planner.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
-            if name in self._pending:
-                planner.load_state_dict(self._pending[name])
-            module.planner = planner
-            self.planners[name] = planner
-        self._world_size = trainer.world_size
-        if self.verbose:
-            rank_zero_info(
-                f"MemoryBudget: {format_bytes(total)} budget, {format_bytes(overhead)} for the "
-                f"model, gradients and optimizer, {format_bytes(usable)} for the steps of "
-                f"{len(self.modules)} wrapped module(s) ({', '.join(self.modules)})"
-            )
-            if self.tier_note is not None:
-                rank_zero_info(f"MemoryBudget: {self.tier_note}")
+        distributed = trainer.world_size > 1
+        return BudgetPlanner(
+            self.budget_bytes // modules,
+            remote=self.remote,
+            grad_in_step=False,
+            total_for=total_for,
+            asked_bytes=self.total_bytes,
+            context=context,
+            reduce_max=self._counting(_reduce_max(trainer, device)) if distributed else None,
+            broadcast=(lambda obj: trainer.strategy.broadcast(obj, src=0)) if distributed else None,
+        )
 
     # -- measuring and logging ---------------------------------------------------------------
     def on_train_batch_start(
@@ -269,21 +286,35 @@ class MemoryBudget(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        prefix = f"{type(self).__name__}.on_train_batch_end"
-        metrics: dict[str, float] = {}
-        measured = False
+        measured = self._end_measuring()
+        if measured is not None:
+            self._check_measured(trainer, batch_idx, measured)
+        if trainer.logger is not None:
+            trainer.logger.log_metrics(self._metrics(measured), step=trainer.global_step)
+        if self.verbose and batch_idx == 0 and trainer.current_epoch == 0:
+            self._print_plans(trainer)
+
+    def _end_measuring(self) -> int | None:
+        """Close this step's meter: its peak (None when the step was not measured); a step
+        that planned a new shape makes the next one measured too."""
+        peak = None
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
-            self.measured_peak_bytes = self._meter.peak_bytes
-            metrics[f"{prefix}/measured_peak_bytes"] = float(self._meter.peak_bytes)
+            peak = self.measured_peak_bytes = self._meter.peak_bytes
             self._meter = None
             self._to_measure -= 1
-            measured = True
         if sum(p.probes for p in self.planners.values()) > self._probes_at_start:
             # a new shape was planned in this step: measure the next step too
-            self._to_measure = max(self._to_measure, 1 if measured else self.measure_batches)
-        if measured and self.measured_peak_bytes is not None:
-            self._check_measured(trainer, batch_idx, self.measured_peak_bytes)
+            again = 1 if peak is not None else self.measure_batches
+            self._to_measure = max(self._to_measure, again)
+        return peak
+
+    def _metrics(self, measured: int | None) -> dict[str, float]:
+        """What the callback logs for this step (Lightning's ``Callback.hook/key`` names)."""
+        prefix = f"{type(self).__name__}.on_train_batch_end"
+        metrics: dict[str, float] = {}
+        if measured is not None:
+            metrics[f"{prefix}/measured_peak_bytes"] = float(measured)
         modeled = self.modeled_step_bytes
         if modeled is not None:
             metrics[f"{prefix}/modeled_step_bytes"] = float(modeled)
@@ -297,26 +328,25 @@ class MemoryBudget(Callback):
                 if isinstance(value, int):
                     metrics[f"{key}.{attribute}"] = float(value)
             stats = self.modules[name].last_stats
-            if stats is not None:
-                for tier, moved in stats.bytes_written.items():
-                    if tier != "device":
-                        metrics[f"{key}.bytes_to_{tier}"] = float(moved)
-        if metrics and trainer.logger is not None:
-            trainer.logger.log_metrics(metrics, step=trainer.global_step)
-        if self.verbose and batch_idx == 0 and trainer.current_epoch == 0:
-            for name, choice in self.plans.items():
-                measured = (
-                    f"; whole step: budget {format_bytes(self.total_bytes)}, modeled "
-                    f"{format_bytes(modeled or 0)}, measured "
-                    f"{format_bytes(self.measured_peak_bytes)}"
-                    if self.measured_peak_bytes is not None
-                    else ""
-                )
-                (
-                    bar.print
-                    if (bar := trainer.progress_bar_callback) and trainer.is_global_zero
-                    else rank_zero_info
-                )(f"MemoryBudget[{name}]: {choice.summary()}{measured}")  # via the bar: own line
+            for tier, moved in (stats.bytes_written if stats is not None else {}).items():
+                if tier != "device":
+                    metrics[f"{key}.bytes_to_{tier}"] = float(moved)
+        return metrics
+
+    def _print_plans(self, trainer: pl.Trainer) -> None:
+        """One line per wrapped model: its plan and the whole step's budget, modeled and
+        measured peak (through the progress bar, on its own line)."""
+        whole = ""
+        if self.measured_peak_bytes is not None:
+            whole = (
+                f"; whole step: budget {format_bytes(self.total_bytes)}, modeled "
+                f"{format_bytes(self.modeled_step_bytes or 0)}, measured "
+                f"{format_bytes(self.measured_peak_bytes)}"
+            )
+        bar = trainer.progress_bar_callback
+        say = bar.print if bar is not None and trainer.is_global_zero else rank_zero_info
+        for name, choice in self.plans.items():
+            say(f"MemoryBudget[{name}]: {choice.summary()}{whole}")
 
     # -- resuming ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -381,8 +411,7 @@ class MemoryBudget(Callback):
             ) from error
         self.retries += 1
         for planner in self.planners.values():
-            planner.budget_bytes = int(planner.budget_bytes * self.retry_factor)
-            planner.choices.clear()
+            planner.replan(int(planner.budget_bytes * self.retry_factor))
         self._to_measure = max(self._to_measure, self.measure_batches)
         gc.collect()
         if torch.cuda.is_available():
@@ -404,10 +433,9 @@ class MemoryBudget(Callback):
         cut = -(-over // len(self.planners))
         self._cut_bytes += cut
         for planner in self.planners.values():
-            planner.budget_bytes = max(planner.budget_bytes - cut, 0)
-            planner.choices.clear()
-            if "came out over" not in planner.context:
-                planner.context += "; measured steps came out over the plans"
+            planner.replan(
+                planner.budget_bytes - cut, context="; measured steps came out over the plans"
+            )
         self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self.replans += 1
         self._to_measure = max(self._to_measure, self.measure_batches)
@@ -436,17 +464,6 @@ def _reduce_max(trainer: pl.Trainer, device: torch.device) -> Callable[[int], in
 
 
 def _tier_note(storages: set[str], device: torch.device) -> str | None:
-    """On a CPU-only run, which memory the storage tier is (None on a GPU)."""
-    if device.type != "cpu":
-        return None
-    notes = []
-    if "host" in storages:
-        notes.append(
-            "CPU run: the host tier is this device's memory, so checkpoints and spike trains "
-            "kept there count against the budget (storage='disk' keeps them off it)"
-        )
-    if "disk" in storages:
-        notes.append("CPU run: the remote tier is the disk: remote checkpoints are off the budget")
-    if "device" in storages:
-        notes.append("CPU run: storage='device' keeps every checkpoint in the budget")
-    return "; ".join(notes)
+    """On a CPU-only run, which memory the storage tiers are (None on a GPU)."""
+    notes = [tier_note(storage, device.type) for storage in sorted(storages)]
+    return "; ".join(n for n in notes if n) or None

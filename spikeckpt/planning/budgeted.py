@@ -1,6 +1,11 @@
 """The budget planner: a plan per input shape so that a wrapped model's training step fits a
-device memory budget (what :class:`~spikeckpt.lightning.MemoryBudget` and ``wrap(plan="auto",
-budget=...)`` install).
+device memory budget (what ``wrap(..., budget=...)`` and
+:class:`~spikeckpt.lightning.MemoryBudget` install).
+
+The step is counted by the one account of :mod:`spikeckpt.plans.account`
+(:class:`~spikeckpt.plans.account.StepBytes`): the stack's plan is chosen (or, given, checked)
+by :func:`~spikeckpt.plans.account.choose_step` / :func:`~spikeckpt.plans.account.check_step`,
+the same functions ``scan(plan="auto", budget=...)`` calls on the same measurements.
 """
 
 from __future__ import annotations
@@ -13,18 +18,17 @@ from torch import Tensor
 
 from spikeckpt import plans
 from spikeckpt.engine.packed import input_nbytes
+from spikeckpt.errors import BudgetTooSmall
 from spikeckpt.planning.choice import (
     Decision,
     PlanChoice,
     Planned,
-    StepBytes,
     choice_from_dict,
     choice_to_dict,
 )
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
     fitting_layer_chunk,
-    host_is_device,
     layerwise_candidate,
     layerwise_may_pay,
     smallest_probed_layerwise,
@@ -37,14 +41,20 @@ from spikeckpt.planning.probe import (
     step_work_bytes,
     trainable_bytes,
 )
-from spikeckpt.plans import CostModel, choose
-from spikeckpt.plans.choose import minimum_budget
-from spikeckpt.plans.layerwise import (
-    BlockSizes,
-    MeasuredWorking,
-    layerwise_cost,
+from spikeckpt.plans import CostModel
+from spikeckpt.plans.account import (
+    StepBytes,
+    StepSizes,
+    check_step,
+    choose_step,
+    host_is_device,
+    refusal,
+    tier_note,
 )
-from spikeckpt.units import format_bytes, parse_bytes
+from spikeckpt.plans.choose import minimum_budget
+from spikeckpt.plans.intervals import fill, needs_intervals
+from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
+from spikeckpt.units import parse_bytes
 
 __all__ = ["BudgetPlanner"]
 
@@ -57,67 +67,98 @@ class _Measured(NamedTuple):
     T: int
     batch: int
     probe: Probe
-    sizes: list[BlockSizes] | None
+    blocks: list[BlockSizes] | None
     working: MeasuredWorking | None
     on_device: bool
     costs: CostModel
-    base: StepBytes
-    grads: int
-    largest_param: int
+    sizes: StepSizes
+    note: str | None
+
+    @property
+    def layer_base(self) -> StepBytes:
+        """The layer-wise step beside its working set: input, outputs and ``.grad`` when the
+        step counts it (the working set holds the running sums)."""
+        s = self.sizes
+        grad = s.grads if s.grad_in_step else 0
+        return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=grad)
 
 
 class BudgetPlanner:
-    """Choose and cache a plan per input shape so a wrapped model fits ``budget`` bytes.
+    """Choose and cache a plan per input shape so a wrapped model's step fits ``budget``.
 
     The first time it sees an input shape it probes the model
     (:func:`~spikeckpt.planning.probe.probe_model`, held under the budget; for a model wrapped
     with ``granularity="layer"`` or ``"auto"`` also the layer-wise working set,
-    :func:`~spikeckpt.planning.probe.layerwise_working_bytes`), models what a training step
-    holds (:class:`StepBytes`: the input train while it is on the device, the stacked
-    outputs and their gradient, the engine's gradient buffers, the plan's activations),
-    picks the plan with the least modeled time whose step fits with
-    :func:`spikeckpt.plans.choose` (layer-wise: the largest chunk that fits), and caches it
-    for that shape. When the storage tier is the device's own memory (the device tier; the
-    host tier on a CPU run), stored checkpoints and trains count as activations and no plan
-    with off-device checkpoints is chosen.
-
-    Across processes (DDP) the planner agrees with the other ranks through two functions set by
-    the caller: ``reduce_max`` (the planned ``T`` and batch are the largest over the ranks) and
-    ``broadcast`` (rank 0's measurements are used), so every rank chooses the same plan.
+    :func:`~spikeckpt.planning.probe.layerwise_working_bytes`), counts what a training step
+    holds (:class:`~spikeckpt.plans.account.StepBytes`: the input train while it is on the
+    device, the stacked outputs and their gradient, the gradients, the plan's activations),
+    picks the plan with the least modeled time whose step fits
+    (:func:`~spikeckpt.plans.account.choose_step`; layer-wise: the largest chunk that fits),
+    and caches it for that shape. A plan given (``plan=Uniform(10)``) is checked instead
+    (:func:`~spikeckpt.plans.account.check_step`) and refused when its step does not fit.
+    When the storage tier is the device's own memory (the device tier; the host tier on a CPU
+    run), stored checkpoints and trains count as activations, no plan with off-device
+    checkpoints is chosen, and the plan's summary and refusals say so.
 
     Args:
-        budget: device bytes (int or a string like ``"2GiB"``) for what this model's step
-            holds beyond the model itself (:class:`StepBytes`).
+        budget: device bytes (int or a string like ``"2GiB"``) for the step.
         remote: allow plans with off-device checkpoints (needs ``storage`` host or disk).
         costs: fixed operation times; None measures them with the probe.
+        plan: ``"auto"`` (choose), or a plan to check against the budget (intervals left
+            open are filled from the probe first).
+        grad_in_step: the parameters' ``.grad`` is part of the step (``wrap``); False when
+            the caller counts it with the model (``MemoryBudget``).
+        total_for: for a caller that counts budgets otherwise (``MemoryBudget``: with the
+            model and a margin): ``bytes this planner needs -> the budget to ask for``; a
+            refusal names that budget.
+        asked_bytes: the caller's budget, for messages (None: ``budget``).
+        context: added to a refusal's account of what a step needs.
+        reduce_max: a distributed caller's ``int -> int`` max over ranks: the planned ``T``
+            and batch are the largest over the ranks.
+        broadcast: a distributed caller's ``obj -> rank 0's obj``: rank 0's measurements are
+            used, so every rank chooses the same plan.
 
     Attributes:
         choices: shape ``(T, B)`` -> :class:`PlanChoice`.
         probes: how many probes ran (a resumed run with known shapes runs none).
-        reduce_max: set by a distributed caller: ``int -> int`` max over ranks.
-        broadcast: set by a distributed caller: ``obj -> rank 0's obj``.
         last: the latest :class:`PlanChoice`.
-        total_for: set by a caller that counts budgets otherwise (``MemoryBudget``: with the
-            model and a margin): ``bytes this planner needs -> the budget to ask for``; a
-            refusal names that budget.
-        asked_bytes: the caller's budget, for messages (None: ``budget_bytes``).
-        context: appended to a refusal's account of what a step needs.
     """
 
     def __init__(
-        self, budget: int | str, *, remote: bool = True, costs: CostModel | None = None
+        self,
+        budget: int | str,
+        *,
+        remote: bool = True,
+        costs: CostModel | None = None,
+        plan: Any = "auto",
+        grad_in_step: bool = True,
+        total_for: Callable[[int], int] | None = None,
+        asked_bytes: int | None = None,
+        context: str = "",
+        reduce_max: Callable[[int], int] | None = None,
+        broadcast: Callable[[Any], Any] | None = None,
     ) -> None:
         self.budget_bytes = parse_bytes(budget)
         self.remote = remote
         self.costs = costs
+        self.plan = plan
+        self.grad_in_step = grad_in_step
+        self.total_for = total_for
+        self.asked_bytes = asked_bytes
+        self.context = context
+        self.reduce_max = reduce_max
+        self.broadcast = broadcast
         self.choices: dict[ShapeKey, PlanChoice] = {}
         self.probes = 0
-        self.reduce_max: Callable[[int], int] | None = None
-        self.broadcast: Callable[[Any], Any] | None = None
         self.last: PlanChoice | None = None
-        self.total_for: Callable[[int], int] | None = None
-        self.asked_bytes: int | None = None
-        self.context = ""
+
+    def replan(self, budget_bytes: int, *, context: str = "") -> None:
+        """Plan again with ``budget_bytes`` from the next forward on (every shape), adding
+        ``context`` to refusals (once)."""
+        self.budget_bytes = max(int(budget_bytes), 0)
+        self.choices.clear()
+        if context and context not in self.context:
+            self.context += context
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
         """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
@@ -141,11 +182,10 @@ class BudgetPlanner:
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
 
     def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
-        """Probe the model and choose, so that the step's planned peak (:class:`StepBytes`:
-        input, outputs, gradient buffers, activations) fits :attr:`budget_bytes`."""
+        """Probe the model and choose, so that the step's planned peak fits the budget."""
         m = self._measure(model, x, state, T, batch)
         stack = self._stack_choice(m) if model.granularity != "layer" else None
-        layer = self._layer_best(m, model.chunk if model.chunk is not None else T)
+        layer = self._layer_best(m, model.chunk)
         if layer is not None and (
             stack is None
             or layer.modeled.time <= stack.modeled.time * (1 + LAYERWISE_TIME_TOLERANCE)
@@ -159,7 +199,7 @@ class BudgetPlanner:
         """Probe the model (and its layer-wise blocks when they may run), held under the
         budget, agreed across ranks, scaled to ``batch``."""
         device = compute_device(model, x)
-        on_device = host_is_device(model.storage, device)
+        on_device = host_is_device(model.storage, device.type)
         x_bytes = input_nbytes(x) if x.device == device else 0
         params = [p for p in model.parameters_for_scan() if p.requires_grad]
         room = max(self.budget_bytes - x_bytes, 0)  # what the probes may hold at once
@@ -172,129 +212,169 @@ class BudgetPlanner:
                 model, x, state, model.granularity == "layer", max_bytes=room
             )
         self.probes += 1
-        sizes = layered.sizes if layered is not None else None
+        blocks = layered.sizes if layered is not None else None
         # layer-wise: the measured working set holds the running sums of the gradients
         working = layered.working if layered is not None else None
         if self.broadcast is not None:
-            probe, sizes, working = self.broadcast((probe, sizes, working))
-        if sizes is not None:
-            sizes = [scaled_sizes(b, batch, probe.batch) for b in sizes]
+            probe, blocks, working = self.broadcast((probe, blocks, working))
+        if blocks is not None:
+            blocks = [scaled_sizes(b, batch, probe.batch) for b in blocks]
         if working is not None:
             working = working.scaled(batch, probe.batch)
         probe = probe.scaled(batch)
-        outputs = 2 * T * probe.output_bytes if model.readout is None else 0
+        sizes = StepSizes(
+            state=probe.state_bytes,
+            tape=probe.step_bytes,
+            work=probe.work_bytes,
+            output=probe.output_bytes,
+            input=x_bytes,
+            stacked=model.readout is None,
+            grads=trainable_bytes(params),
+            largest=max((p.numel() * p.element_size() for p in params), default=0),
+            grad_in_step=self.grad_in_step,
+        )
         return _Measured(
             T=T,
             batch=batch,
             probe=probe,
-            sizes=sizes,
+            blocks=blocks,
             working=working,
             on_device=on_device,
             costs=self.costs or probe.costs(),
-            base=StepBytes(input=x_bytes, outputs=outputs),
-            grads=trainable_bytes(params),
-            largest_param=max((p.numel() * p.element_size() for p in params), default=0),
+            sizes=sizes,
+            note=tier_note(model.storage, device.type),
         )
 
-    def _stack_step(self, m: _Measured) -> StepBytes:
-        """The stack's step beyond its activations: the input, the outputs, and while the
-        engine sums the parameters' gradients over segments, a segment's own gradients
-        beside the running sum, and one parameter's new sum when it is made out of place."""
-        return replace(m.base, gradients=m.grads + m.largest_param)
+    def _stack_plan(self, m: _Measured) -> Any:
+        """The plan given, its open intervals filled from the probe (None for ``"auto"``)."""
+        plan = self.plan
+        if isinstance(plan, str) or not isinstance(plan, plans.Plan):
+            return None
+        if needs_intervals(plan):
+            plan = fill(
+                plan,
+                m.T,
+                state_bytes=m.sizes.state,
+                step_bytes=m.sizes.tape,
+                costs=m.costs,
+                remote=self.remote and not m.on_device,
+            )
+        return plan
 
     def _stack_choice(self, m: _Measured) -> PlanChoice | None:
-        """The fastest stack plan whose step fits (None when none does): its plan's peak and
-        one step's working memory beside :meth:`_stack_step`."""
-        T, probe = m.T, m.probe
-        S, A, work = probe.state_bytes, probe.step_bytes, probe.work_bytes
-        stack_step = self._stack_step(m)
-        stack_budget = self.budget_bytes - stack_step.total
-        remote = self.remote and not m.on_device
+        """The fastest stack plan whose step fits (the plan given, when it fits), or None."""
+        given = self._stack_plan(m)
         try:
-            plan = choose(T, S, A, max(stack_budget - work, 0), remote=remote, costs=m.costs)
-        except plans.BudgetTooSmall:
+            if given is None:
+                remote = self.remote and not m.on_device
+                found = choose_step(
+                    m.T, m.sizes, self.budget_bytes, remote=remote, costs=m.costs, note=m.note
+                )
+            else:
+                found = check_step(
+                    m.T,
+                    m.sizes,
+                    given,
+                    self.budget_bytes,
+                    remote_on_device=m.on_device,
+                    costs=m.costs,
+                    note=m.note,
+                )
+        except BudgetTooSmall:
             return None
-        plan = plan.for_length(T)
-        modeled = plan.cost(T, state_bytes=S, step_bytes=A, costs=m.costs)
-        activations = replace(stack_step, activations=modeled.peak_bytes + work)
-        if isinstance(plan, plans.BPTT):  # one backward call: no running sum
-            activations = replace(activations, gradients=m.grads)
-        return PlanChoice(plan, T, m.batch, stack_budget, probe, modeled, step=activations)
-
-    def _layer_best(self, m: _Measured, preferred: int) -> PlanChoice | None:
-        """Layer-wise with the largest chunk whose modeled (calibrated) peak fits, or None."""
-        if m.sizes is None:
-            return None
-        layer_budget = self.budget_bytes - m.base.total
-        chunk = fitting_layer_chunk(
-            m.T, m.sizes, layer_budget, preferred, remote=not m.on_device, working=m.working
+        room = self.budget_bytes - replace(found.step, activations=0).total
+        return PlanChoice(
+            found.plan, m.T, m.batch, room, m.probe, found.cost, step=found.step, note=m.note
         )
-        if chunk is None:
+
+    def _layer_best(self, m: _Measured, chunk: int | None) -> PlanChoice | None:
+        """Layer-wise with the largest chunk (up to ``chunk``) whose modeled (calibrated) peak
+        fits, or None; a chunk given must fit itself."""
+        if m.blocks is None:
+            return None
+        base = m.layer_base
+        budget = self.budget_bytes - base.total
+        remote = not m.on_device
+        if chunk is not None:
+            cost = layerwise_cost(m.T, chunk, m.blocks, remote=remote, working=m.working)
+            found: int | None = chunk if cost.peak_bytes <= budget else None
+        else:
+            found = fitting_layer_chunk(
+                m.T, m.blocks, budget, m.T, remote=remote, working=m.working
+            )
+        if found is None:
             return None
         modeled = layerwise_cost(
-            m.T, chunk, m.sizes, remote=not m.on_device, costs=m.costs, working=m.working
+            m.T, found, m.blocks, remote=remote, costs=m.costs, working=m.working
         )
-        plan = plans.Uniform(modeled.chunk).for_length(m.T)
         return PlanChoice(
-            plan,
+            plans.Uniform(modeled.chunk).for_length(m.T),
             m.T,
             m.batch,
-            layer_budget,
+            budget,
             m.probe,
             modeled,
             "layer",
             modeled.chunk,
-            replace(m.base, activations=modeled.peak_bytes),
+            replace(base, activations=modeled.peak_bytes),
+            note=m.note,
         )
 
+    def _stack_need(
+        self, model: Planned, x: Any, state: Any, m: _Measured
+    ) -> tuple[StepBytes, int]:
+        """The stack's step beside its activations, and the least activations it needs (of
+        the plan given, or of any plan). The probes were held under this budget; the work is
+        measured without the cap, so that passed back, the capped probes of that run find a
+        plan that fits (the stack's measure only grows with room)."""
+        T, batch, sizes = m.T, m.batch, m.sizes
+        work = sizes.work
+        if m.probe.work_capped:
+            local = int(x.shape[1])  # this rank's batch; A is planned for ``batch``
+            a_local = -(-sizes.tape * local // batch)
+            work = -(-step_work_bytes(model, x, state, a_local) * batch // local)
+        sizes = replace(sizes, work=work)
+        given = self._stack_plan(m)
+        if given is None:
+            return sizes.beside(T), minimum_budget(T, sizes.state, sizes.tape) + work
+        found = check_step(T, sizes, given, 1 << 62, remote_on_device=m.on_device, costs=m.costs)
+        return replace(found.step, activations=0), found.step.activations
+
     def _refuse_all(self, model: Planned, x: Any, state: Any, m: _Measured) -> NoReturn:
-        """Nothing fits: name the smallest budget that does. The probes were held under this
-        budget; the minimum is measured without the cap, so that passed back, the capped
-        probes of that run find a plan that fits (the stack's measure only grows with room;
-        layer-wise, the lengths a probe held under the named budget measures are checked)."""
-        T, batch, probe = m.T, m.batch, m.probe
-        S, A, work = probe.state_bytes, probe.step_bytes, probe.work_bytes
-        local = int(x.shape[1])  # this rank's batch; A is planned for ``batch``
-        needs = []
+        """Nothing fits: name the smallest budget that does (layer-wise: the lengths a probe
+        held under the named budget measures are checked)."""
+        T, batch = m.T, m.batch
+        local = int(x.shape[1])
+        needs: list[tuple[StepBytes, int, Any]] = []
         if model.granularity != "layer":
-            if probe.work_capped:
-                a_local = -(-A * local // batch)
-                work = -(-step_work_bytes(model, x, state, a_local) * batch // local)
-            needs.append((self._stack_step(m), minimum_budget(T, S, A) + work))
-        if m.sizes is not None:
+            needs.append((*self._stack_need(model, x, state, m), self._stack_plan(m)))
+        if m.blocks is not None:
             full = layerwise_candidate(model, x, state, True)
             assert full is not None and full.working is not None  # the capped probe ran
+            base = m.layer_base
             smallest = smallest_probed_layerwise(
                 T,
                 [scaled_sizes(b, batch, local) for b in full.sizes],
                 full.working.scaled(batch, local),
                 remote=not m.on_device,
-                beside=m.base.total,
-                unprobed=m.base.input,
+                beside=base.total,
+                unprobed=base.input,
+                chunk=model.chunk,
             )
-            needs.append((m.base, smallest))
-        step, smallest = min(needs, key=lambda need: need[0].total + need[1])
-        what = "layer-wise, " if model.granularity == "layer" else ""
-        self._refuse(f"{what}T={T}, B={batch}", step, smallest)
-
-    def _refuse(self, what: str, step: StepBytes, smallest: int) -> NoReturn:
-        """Raise :class:`~spikeckpt.BudgetTooSmall` naming a budget that works when passed
-        back: the step's input, outputs and gradient buffers plus the smallest plan's
-        activations, as the caller counts budgets (:attr:`total_for`)."""
+            needs.append((base, smallest, None))
+        step, smallest, given = min(needs, key=lambda need: need[0].total + need[1])
+        what = f"{'layer-wise, ' if model.granularity == 'layer' else ''}T={T}, B={batch}"
         need = step.total + smallest
-        minimum = self.total_for(need) if self.total_for is not None else need
-        asked = self.asked_bytes if self.asked_bytes is not None else self.budget_bytes
-        parts = f"{step.beside()}, smallest plan {format_bytes(smallest)}"
-        if self.budget_bytes <= step.total:
-            head = f"the budget of {format_bytes(asked)} leaves nothing for activations"
-        else:
-            head = f"no checkpointing plan fits the budget of {format_bytes(asked)}"
-        raise plans.BudgetTooSmall(
-            f"{head} for {what}: a step needs {format_bytes(need)} beyond the model ({parts})"
-            f"{self.context}; the smallest budget that fits is {format_bytes(minimum)} "
-            f"({minimum} bytes)",
-            budget_bytes=asked,
-            minimum_bytes=minimum,
+        raise refusal(
+            self.budget_bytes,
+            step,
+            smallest,
+            what=what,
+            asked=self.asked_bytes,
+            minimum=self.total_for(need) if self.total_for is not None else need,
+            note=m.note,
+            context=self.context,
+            plan=given,
         )
 
     def state_dict(self) -> dict[str, Any]:

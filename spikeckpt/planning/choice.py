@@ -1,6 +1,7 @@
-"""What planning decides: :class:`Decision` (how one forward runs), :class:`PlanChoice` (a
-plan chosen for a budget, and why) and :class:`StepBytes` (what a training step holds on the
-device beyond the model), and :class:`Planned`, what a planner needs of a model.
+"""What planning decides: :class:`Decision` (how one forward runs) and :class:`PlanChoice` (a
+plan chosen for a budget, and why, with the step it makes:
+:class:`~spikeckpt.plans.account.StepBytes`), and :class:`Planned`, what a planner needs of a
+model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from spikeckpt.planning.probe import (
     Probed,
 )
 from spikeckpt.plans import Cost, Plan
+from spikeckpt.plans.account import StepBytes
 from spikeckpt.plans.layerwise import (
     LayerwiseCost,
 )
@@ -53,43 +55,6 @@ class Planned(Probed, Protocol):
 
 
 @dataclass(frozen=True)
-class StepBytes:
-    """What one training step of a wrapped model holds on the device beyond the model
-    (parameters, ``.grad`` and optimizer state, which :class:`~spikeckpt.lightning.MemoryBudget`
-    counts once for all models), as planned, in bytes.
-
-    Attributes:
-        input: the input train the step reads while it is on the device (dense bytes, or a
-            packed train's packed bytes; 0 when it stays on the host of a GPU run).
-        outputs: the stacked per-step outputs and their gradient (``readout=None``).
-        gradients: gradient buffers the engine holds beyond ``.grad`` while it accumulates
-            the parameters' gradients over segments (stack: a segment's own gradients beside
-            the running sum, and one parameter's new sum, made out of place; one copy for
-            BPTT; layer-wise: 0, its measured working set holds the running sums, see
-            ``activations``).
-        activations: the plan's modeled device peak: checkpoints, tapes, states (layer-wise:
-            the measured working set of a chunk with the gradient sums, the states, the stored
-            trains when they are device memory).
-    """
-
-    input: int = 0
-    outputs: int = 0
-    gradients: int = 0
-    activations: int = 0
-
-    @property
-    def total(self) -> int:
-        """All of it: the step's planned peak beyond the model."""
-        return self.input + self.outputs + self.gradients + self.activations
-
-    def beside(self) -> str:
-        """What the step holds beside its activations, in words (gradient buffers only when
-        planned apart: layer-wise measures its gradient sums with its working set)."""
-        grads = f", gradient buffers {format_bytes(self.gradients)}" if self.gradients else ""
-        return f"input {format_bytes(self.input)}, outputs {format_bytes(self.outputs)}{grads}"
-
-
-@dataclass(frozen=True)
 class PlanChoice:
     """A plan chosen for a budget, and why.
 
@@ -105,8 +70,10 @@ class PlanChoice:
             :class:`~spikeckpt.plans.Cost`, or a :class:`~spikeckpt.plans.LayerwiseCost`.
         granularity: ``"stack"`` or ``"layer"``.
         chunk: layer-wise steps per chunk (None for the stack).
-        step: what a training step holds beyond the model, as planned (:class:`StepBytes`);
-            ``step.total`` is at most the planner's budget.
+        step: what the training step holds, as planned
+            (:class:`~spikeckpt.plans.account.StepBytes`); ``step.total`` is at most the
+            planner's budget.
+        note: which memory the storage tier is on a CPU run (None on a GPU).
     """
 
     plan: Plan
@@ -118,6 +85,7 @@ class PlanChoice:
     granularity: str = "stack"
     chunk: int | None = None
     step: StepBytes = StepBytes()
+    note: str | None = None
 
     @property
     def modeled_peak_bytes(self) -> int:
@@ -154,7 +122,7 @@ class PlanChoice:
             f"{self.describe()} for T={self.T}, B={self.batch}: modeled peak "
             f"{format_bytes(self.modeled_peak_bytes)} of {format_bytes(self.budget_bytes)}"
             f"{extra}, {self.recompute_factor:.2f} evaluations/step, "
-            f"~{self.time_factor:.2f}x BPTT time"
+            f"~{self.time_factor:.2f}x BPTT time" + (f" ({self.note})" if self.note else "")
         )
 
 
@@ -196,6 +164,7 @@ def choice_to_dict(choice: PlanChoice) -> dict[str, Any]:
         "granularity": choice.granularity,
         "chunk": choice.chunk,
         "step": asdict(choice.step),
+        "note": choice.note,
     }
 
 
@@ -213,4 +182,5 @@ def choice_from_dict(item: dict[str, Any]) -> PlanChoice:
         granularity=granularity,
         chunk=item.get("chunk"),
         step=StepBytes(**item.get("step", {})),
+        note=item.get("note"),
     )

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import torch
-
 from spikeckpt import plans
 from spikeckpt.engine.layerwise import LayerBlock, chunk_for
 from spikeckpt.engine.packed import is_packed, step_of
@@ -26,6 +24,7 @@ from spikeckpt.planning.probe import (
     layerwise_working_bytes,
 )
 from spikeckpt.plans import CostModel, Plan, choose
+from spikeckpt.plans.account import host_is_device
 from spikeckpt.plans.layerwise import (
     BlockSizes,
     MeasuredWorking,
@@ -34,19 +33,12 @@ from spikeckpt.plans.layerwise import (
 )
 from spikeckpt.storage.codecs import is_binary
 
-__all__ = ["LAYERWISE_TIME_TOLERANCE", "host_is_device", "layer_or_stack"]
+__all__ = ["LAYERWISE_TIME_TOLERANCE", "layer_or_stack"]
 
 #: ``granularity="auto"`` accepts a layer-wise modeled time this much above the stack plan's:
 #: the model counts ``2T`` step evaluations against e.g. ``Uniform``'s ``2T - k`` (it keeps its
 #: last segment taped) but not the layer-wise batched synapse op, which measured faster.
 LAYERWISE_TIME_TOLERANCE = 0.05
-
-
-def host_is_device(storage: str, device: torch.device | str) -> bool:
-    """Whether the ``storage`` tier is the compute device's own memory: the device tier, and
-    the host tier of a CPU run (the host *is* the device there: what it holds counts
-    against the budget; only the disk tier is off it)."""
-    return storage == "device" or (storage == "host" and torch.device(device).type == "cpu")
 
 
 class Layered(NamedTuple):
@@ -95,7 +87,7 @@ def layerwise_candidate(
         storage=model.storage,
         readout=model.readout,
         output=model.output,
-        stored_on_device=host_is_device(model.storage, device),
+        stored_on_device=host_is_device(model.storage, device.type),
         max_bytes=max_bytes,
     )
     return Layered(blocks, sizes, working)
@@ -158,8 +150,10 @@ def smallest_probed_layerwise(
     remote: bool,
     beside: int,
     unprobed: int,
+    chunk: int | None = None,
 ) -> int:
-    """The least layer-wise peak that a probe held under it would find enough.
+    """The least layer-wise peak that a probe held under it would find enough (at ``chunk``
+    when one is given, else at the best chunk).
 
     ``working`` was measured at every chunk length; a probe held under a budget measures the
     shorter ones only (:func:`~spikeckpt.planning.probe.layerwise_probe_chunks`), and fewer
@@ -167,11 +161,17 @@ def smallest_probed_layerwise(
     outputs); ``unprobed``: what the probe may not use (the input on the device). Raised
     until the lengths that fit the named budget model no more than it (the lengths only
     grow, so this ends)."""
-    need = _smallest_layerwise(T, sizes, remote=remote, working=working)
+
+    def least(w: MeasuredWorking) -> int:
+        if chunk is not None:
+            return layerwise_cost(T, chunk, sizes, remote=remote, working=w).peak_bytes
+        return _smallest_layerwise(T, sizes, remote=remote, working=w)
+
+    need = least(working)
     while True:
         room = max(beside + need - unprobed, 0)
         probed = working.prefix(len(layerwise_probe_chunks(T, sizes, room)))
-        again = _smallest_layerwise(T, sizes, remote=remote, working=probed)
+        again = least(probed)
         if again <= need:
             return need
         need = again

@@ -1,18 +1,18 @@
 """Measure a model for planning: what one step costs in bytes and seconds, per block too.
 
-"Probe" means this module: :func:`probe_model` runs one step of a wrapped model (state bytes
-``S``, bytes taped per step ``A`` after spike packing, output bytes, input spike density,
-forward/backward step time, the fixed cost of one backward call, the storage tier's copy time)
-and :func:`block_sizes` measures each layer-wise block. Probes change nothing: no gradient is
-accumulated, the RNG is forked, the framework's hidden state is cleaned up.
+"Probe" means this module: :func:`probe_model` measures one step of a wrapped model in the
+engine's one measuring room (:func:`spikeckpt.engine.measure.probe_step`: state bytes ``S``,
+bytes taped per step ``A`` after spike packing, output bytes, working bytes, forward/backward
+step time, the fixed cost of one backward call, the storage tier's copy time) and adds the
+input's spike density; :func:`block_sizes` and :func:`layerwise_working_bytes` measure the
+layer-wise blocks. Probes change nothing: no gradient is accumulated, the RNG is forked, the
+framework's hidden state is cleaned up.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -21,22 +21,28 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.measure import (
+    SEGMENT_PROBE_STEPS,
+    Probe,
+    probe_step,
+    segment_seconds,
+    step_costs,
+    trainable_bytes,
+    work_bytes,
+)
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.packed import chunk_of, is_packed, step_of
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
-from spikeckpt.engine.saved import SavedBytes, measure_step
+from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
-from spikeckpt.plans import CostModel
 from spikeckpt.plans.layerwise import (
     BlockSizes,
     MeasuredWorking,
     layerwise_cost,
     steepest_chord,
 )
-from spikeckpt.storage.base import Ledger
 from spikeckpt.storage.codecs import is_binary
-from spikeckpt.storage.tiers import make_store
 
 __all__ = [
     "LAYERWISE_PROBE_CHUNKS",
@@ -60,6 +66,7 @@ class Probed(Protocol):
     """What a probe needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
 
     pack_tape: bool
+    directory: Any
 
     def step(self, state: Any, x_t: Any) -> tuple[Any, Any]: ...
 
@@ -77,332 +84,52 @@ def compute_device(seq: Any, x: Any) -> torch.device:
     return x.device
 
 
-def trainable_bytes(tensors: Sequence[Tensor]) -> int:
-    """Bytes of the distinct tensors among ``tensors`` that require grad (one gradient each)."""
-    seen: dict[int, Tensor] = {}
-    for t in tensors:
-        if t.requires_grad:
-            seen.setdefault(id(t), t)
-    return sum(t.numel() * t.element_size() for t in seen.values())
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What one step of a wrapped model costs, measured at one batch size.
-
-    Attributes:
-        batch: batch size of the probe.
-        state_bytes: ``S``, bytes of the whole state.
-        step_bytes: ``A``, bytes autograd keeps for one taped step (binary tensors packed).
-        output_bytes: bytes of one step's output (the ``(B, ...)`` slice of ``y``).
-        input_density: fraction of ones in the input step when it is binary, else None.
-        forward_seconds: one untaped step.
-        backward_seconds: backpropagating one taped step.
-        write_seconds: storing one state in the remote tier.
-        read_seconds: loading one state back from the remote tier.
-        segment_seconds: the fixed cost of one backward call over a taped segment, whatever
-            its length (a few steps taped and backpropagated one by one, minus the same steps
-            in one call, per extra call). It makes the planner prefer multi-step tapes.
-        work_bytes: what running one step holds on the device beyond the plan's states and
-            tapes: the larger of one untaped step's peak (its new state, output and
-            temporaries) and one taped step's backward beyond its tape and the parameters'
-            gradients (measured with :class:`~spikeckpt.MemoryMeter`).
-        work_capped: ``work_bytes`` was measured without the parameters' gradients (the
-            probe's ``max_bytes`` had no room for them); :func:`step_work_bytes` measures it
-            with them.
-    """
-
-    batch: int
-    state_bytes: int
-    step_bytes: int
-    output_bytes: int
-    input_density: float | None
-    forward_seconds: float
-    backward_seconds: float
-    write_seconds: float
-    read_seconds: float
-    segment_seconds: float = 0.0
-    work_bytes: int = 0
-    work_capped: bool = False
-
-    def scaled(self, batch: int) -> Probe:
-        """The same probe for another batch size (bytes scale linearly with the batch)."""
-        if batch == self.batch:
-            return self
-
-        def scale(n: int) -> int:
-            return -(-n * batch // self.batch)
-
-        return replace(
-            self,
-            batch=batch,
-            state_bytes=scale(self.state_bytes),
-            step_bytes=scale(self.step_bytes),
-            output_bytes=scale(self.output_bytes),
-            work_bytes=scale(self.work_bytes),
-        )
-
-    def costs(self) -> CostModel:
-        """The probe's times as a :class:`CostModel` (seconds)."""
-        return CostModel(
-            forward=self.forward_seconds,
-            backward=self.backward_seconds,
-            write=self.write_seconds,
-            read=self.read_seconds,
-            segment=self.segment_seconds,
-        )
-
-
-def _median_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def probe_model(
     seq: Probed, x: Any, state: Any, storage: str, *, max_bytes: int | None = None
 ) -> Probe:
-    """Measure one step of ``seq`` on the first step of ``x`` ``(T, B, ...)`` from ``state``.
+    """Measure one step of ``seq`` on the first steps of ``x`` ``(T, B, ...)`` from ``state``
+    (:func:`spikeckpt.engine.measure.probe_step`, the one measuring room), and the input's
+    spike density.
 
     ``x`` may be a packed spike train (its first steps are unpacked on the compute device).
     Changes nothing: gradients are taken with ``torch.autograd.grad`` (no ``.grad`` is
     touched), the RNG is forked, and the framework's per-module state is cleaned up.
-
-    ``max_bytes``: device bytes the probe may hold at once (None: no limit). The probe first
-    tapes one step (``S + A``); the timing runs then tape at most as many steps (up to
-    :data:`SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
-    ``2S + 3G + n * (A + output + input step)`` (``segment_seconds`` sums per-step gradients:
-    a running sum, the new gradients and their sum). When not even two steps fit that way
-    the per-call overhead is taken as 0; when not even one step with ``G`` fits, the backward
-    is timed without the parameters' gradients.
+    ``max_bytes``: device bytes the probe may hold at once (see ``probe_step``).
     """
-    params = seq.parameters_for_scan()
     device = compute_device(seq, x)
     x_t = step_of(x, 0, device)
-    T = int(x.shape[0])
     try:
-        with torch.random.fork_rng(devices=cuda_devices([x_t])), recompute_phase():
-            pack = seq.pack_tape
-            sizes = measure_step(seq.step, state, x_t, params, pack=pack)
-            with torch.no_grad():
-                _, y = seq.step(state, x_t)
-            output_bytes = leaf_bytes(tree_flatten(y)[0])
-            del y
-            steps, timed_params = min(SEGMENT_PROBE_STEPS, T), params
-            if max_bytes is not None:
-                per_step = max(1, sizes.step_bytes) + output_bytes + _nbytes(x_t)
-                room = max_bytes - 2 * sizes.state_bytes
-                grads = trainable_bytes(params)
-                if room - 3 * grads >= 2 * per_step:
-                    steps = min(steps, (room - 3 * grads) // per_step)
-                else:
-                    steps = 1  # no per-call overhead measured
-                    if room - grads < per_step:
-                        timed_params = []  # the backward timed without parameter gradients
-            xs = x_t.unsqueeze(0) if steps == 1 else chunk_of(x, 0, steps, device)
-            costs = step_costs(seq.step, state, xs, timed_params, storage)
-            work = _work_bytes(seq.step, state, xs, timed_params, sizes.step_bytes, device)
+        probe = probe_step(
+            seq.step,
+            state,
+            lambda t: x_t if t == 0 else step_of(x, t, device),
+            int(x.shape[0]),
+            seq.parameters_for_scan(),
+            storage=storage,
+            device=device,
+            directory=getattr(seq, "directory", None) if storage == "disk" else None,
+            pack=bool(getattr(seq, "pack_tape", False)),
+            max_bytes=max_bytes,
+            batch=int(x.shape[1]),
+        )
     finally:
         seq.cleanup()
     density = None
     if x_t.is_floating_point() and x_t.numel() and (is_packed(x) or is_binary(x_t)):
         density = float(x_t.mean())
-    return Probe(
-        batch=int(x.shape[1]),
-        state_bytes=sizes.state_bytes,
-        step_bytes=max(1, sizes.step_bytes),
-        output_bytes=output_bytes,
-        input_density=density,
-        forward_seconds=costs.forward,
-        backward_seconds=costs.backward,
-        write_seconds=costs.write,
-        read_seconds=costs.read,
-        segment_seconds=costs.segment,
-        work_bytes=work,
-        work_capped=len(timed_params) < len(params),
-    )
+    return replace(probe, input_density=density)
 
 
 def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
     """:attr:`Probe.work_bytes` with the parameters' gradients, whatever the budget (one
     untaped step and one taped step with its backward; ``step_bytes`` is ``A``)."""
     device = compute_device(seq, x)
-    x_t = step_of(x, 0, device)
     try:
-        with torch.random.fork_rng(devices=cuda_devices([x_t])), recompute_phase():
-            params = seq.parameters_for_scan()
-            return _work_bytes(seq.step, state, x_t.unsqueeze(0), params, step_bytes, device)
+        return work_bytes(
+            seq.step, state, step_of(x, 0, device), seq.parameters_for_scan(), step_bytes, device
+        )
     finally:
         seq.cleanup()
-
-
-def _work_bytes(
-    step: Callable[[Any, Any], tuple[Any, Any]],
-    state: Any,
-    xs: Tensor,
-    params: list[Tensor],
-    step_bytes: int,
-    device: torch.device,
-) -> int:
-    """:attr:`Probe.work_bytes`: one untaped step's peak, and one taped step's backward peak
-    beyond its tape and the parameters' gradients; the larger."""
-    leaves, treedef = tree_flatten(state)
-    with torch.no_grad(), MemoryMeter(device) as untaped:
-        out = step(state, xs[0])
-        del out
-    wrt_params = [p for p in params if p.requires_grad]
-    with MemoryMeter(device) as taped:
-        found = _taped_grad(step, treedef, xs, 0, 1, leaves, wrt_params)
-        del found
-    backward = taped.peak_bytes - step_bytes - trainable_bytes(wrt_params)
-    return max(untaped.peak_bytes, backward, 0)
-
-
-def step_costs(
-    step: Callable[[Any, Any], tuple[Any, Any]],
-    state: Any,
-    xs: Tensor,
-    params: list[Tensor],
-    storage: str = "device",
-) -> CostModel:
-    """Measure a step's operation times (seconds) as a :class:`~spikeckpt.plans.CostModel`.
-
-    Args:
-        step: ``step(state, x_t) -> (state, y_t)``.
-        state: the state to start from (not changed).
-        xs: ``(n, B, ...)`` inputs; the first step times forward and backward, up to
-            :data:`SEGMENT_PROBE_STEPS` steps time the per-call overhead
-            (:func:`segment_seconds`).
-        params: the parameters the step uses (their ``.grad`` is not touched).
-        storage: tier whose copy time is measured (``"device"``: no copies).
-
-    Example:
-        >>> import torch, spikeckpt
-        >>> from spikeckpt.models import LIFStack
-        >>> net = LIFStack((20, 32, 5))
-        >>> xs = torch.rand(4, 8, 20)
-        >>> from spikeckpt.planning import step_costs
-        >>> costs = step_costs(net.step, net.initial_state(8), xs,
-        ...                    list(net.parameters()), "host")
-        >>> costs.forward > 0 and costs.backward > 0
-        True
-    """
-    x_t = xs[0]
-    leaves, treedef = tree_flatten(state)
-    wrt_params = [p for p in params if p.requires_grad]
-    with torch.no_grad():
-        forward = _median_seconds(lambda: step(state, x_t))
-
-    def one_taped_step() -> None:
-        _taped_grad(step, treedef, xs, 0, 1, leaves, wrt_params)
-
-    one_taped_step()  # warm-up
-    backward = max(_median_seconds(one_taped_step) - forward, 1e-9)
-    segment = segment_seconds(step, state, xs[:SEGMENT_PROBE_STEPS], params)
-    write, read = _copy_seconds(leaves, storage, x_t.device)
-    return CostModel(forward=forward, backward=backward, write=write, read=read, segment=segment)
-
-
-def _taped_grad(
-    step: Callable[[Any, Any], tuple[Any, Any]],
-    treedef: Any,
-    xs: Tensor,
-    a: int,
-    b: int,
-    start: list[Tensor],
-    wrt_params: list[Tensor],
-) -> tuple[list[Tensor], list[Tensor | None]]:
-    """Run steps ``a..b-1`` of ``xs`` taped from the state leaves ``start`` and take the
-    gradients of all outputs (ones) in one ``torch.autograd.grad`` call.
-
-    Returns the final state leaves (detached) and the gradients for the state leaves that
-    require grad followed by ``wrt_params``.
-    """
-    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in start]
-    with torch.enable_grad():
-        current: Any = treedef.unflatten(inputs)
-        outs: list[Tensor] = []
-        for t in range(a, b):
-            current, y = step(current, xs[t])
-            outs += [v for v in tree_flatten(y)[0] if v.requires_grad]
-        last = tree_flatten(current)[0]
-        outs += [v for v in last if v.requires_grad]
-        wrt = [v for v in inputs if v.requires_grad] + wrt_params
-        if not outs or not wrt:
-            return [v.detach() for v in last], []
-        found = torch.autograd.grad(
-            outs, wrt, [torch.ones_like(v) for v in outs], allow_unused=True
-        )
-    return [v.detach() for v in last], list(found)
-
-
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    return b if a is None else a if b is None else a + b
-
-
-#: Steps :func:`segment_seconds` runs (taped in one call, then one call per step).
-SEGMENT_PROBE_STEPS = 16
-
-
-def segment_seconds(
-    step: Callable[[Any, Any], tuple[Any, Any]],
-    state: Any,
-    xs: Tensor,
-    params: list[Tensor],
-    repeats: int = 3,
-) -> float:
-    """Seconds one backward call costs beyond the steps it backpropagates.
-
-    Runs the ``n = len(xs)`` steps of ``xs`` ``(n, B, ...)`` taped and backpropagates them in
-    one ``torch.autograd.grad`` call, then tapes and backpropagates each step on its own (as a
-    schedule of single-step tapes does: one call per step, parameter gradients summed between
-    calls). Returns ``(t_single - t_one) / (n - 1)`` (median of ``repeats``), at least 0; 0
-    when ``n < 2``. Gradients go to fresh tensors: ``.grad`` is untouched.
-    """
-    n = int(xs.shape[0])
-    if n < 2:
-        return 0.0
-    leaves, treedef = tree_flatten(state)
-    wrt_params = [p for p in params if p.requires_grad]
-
-    def one_call() -> None:
-        _taped_grad(step, treedef, xs, 0, n, leaves, wrt_params)
-
-    def per_step() -> None:
-        current, total = leaves, None
-        for t in range(n):
-            current, found = _taped_grad(step, treedef, xs, t, t + 1, current, wrt_params)
-            grads = found[len(found) - len(wrt_params) :] if wrt_params else []
-            # parameter gradients add up between calls, as in the executor
-            total = (
-                grads if total is None else [_add(s, g) for s, g in zip(total, grads, strict=True)]
-            )
-
-    one_call()  # warm-up
-    per_step()
-    single = _median_seconds(per_step, repeats)
-    joint = _median_seconds(one_call, repeats)
-    return max(0.0, (single - joint) / (n - 1))
-
-
-def _copy_seconds(leaves: list[Tensor], storage: str, device: torch.device) -> tuple[float, float]:
-    """Time to write one state to the remote tier and read it back (0 for the device tier)."""
-    if storage == "device":
-        return 0.0, 0.0
-    store = make_store(storage, device, Ledger())
-    try:
-        tensors = [t.detach() for t in leaves]
-        start = time.perf_counter()
-        store.put(0, tensors)
-        store.prefetch(0)
-        store.get(0)
-        round_trip = time.perf_counter() - start
-    finally:
-        store.close()
-    return round_trip / 2, round_trip / 2
 
 
 def block_sizes(

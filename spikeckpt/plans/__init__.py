@@ -2,8 +2,10 @@
 
 This package is pure Python and never imports torch. A plan turns a sequence length ``T``
 into a :class:`Schedule` (a compact, lazily expanded sequence of actions); :func:`simulate`
-validates and counts it; :func:`choose` picks the fastest plan that fits a device memory
-budget.
+validates and counts it; :func:`choose` picks the fastest plan whose checkpoints and tapes fit
+a number of bytes; :mod:`spikeckpt.plans.account` counts a whole training step
+(:class:`StepBytes`) and :func:`choose_step` picks the fastest plan whose step fits a budget,
+the choice ``scan``, ``wrap``, ``MemoryBudget``, the command line and the benchmarks make.
 
 >>> from spikeckpt import plans
 >>> plans.simulate(plans.Revolve(50).schedule(1000)).forward_steps
@@ -11,6 +13,14 @@ budget.
 """
 
 from spikeckpt.errors import BudgetTooSmall, ScheduleError
+from spikeckpt.plans.account import (
+    StepBytes,
+    StepChoice,
+    StepSizes,
+    check_step,
+    choose_step,
+    rank_steps,
+)
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.binomial import advances, beta, reps
 from spikeckpt.plans.bptt import BPTT
@@ -65,6 +75,9 @@ __all__ = [
     "Revolve",
     "Schedule",
     "ScheduleError",
+    "StepBytes",
+    "StepChoice",
+    "StepSizes",
     "Store",
     "Tape",
     "Tier",
@@ -72,10 +85,13 @@ __all__ = [
     "Uniform",
     "advances",
     "beta",
+    "check_step",
     "choose",
+    "choose_step",
     "make_schedule",
     "minimum_budget",
     "rank",
+    "rank_steps",
     "reps",
     "simulate",
 ]

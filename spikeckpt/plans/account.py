@@ -21,7 +21,7 @@ checks a plan given with a budget); both refuse with one
 >>> sizes = StepSizes(state=1024, tape=1024, grads=4096, largest=4096, work=2048)
 >>> choice = choose_step(1000, sizes, 96 * 1024, remote=False)
 >>> choice.plan, choice.step.total <= 96 * 1024
-(Revolve(slots=30, tape=1), True)
+(Uniform(interval=67), True)
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from spikeckpt.errors import BudgetTooSmall, ConfigError
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.bptt import BPTT
-from spikeckpt.plans.choose import choose, minimum_budget
-from spikeckpt.plans.simulate import Cost, CostModel
+from spikeckpt.plans.choose import choose, minimum_budget, rank
+from spikeckpt.plans.schedule import Schedule
+from spikeckpt.plans.simulate import Cost, CostModel, simulate
 from spikeckpt.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "check_step",
     "choose_step",
     "host_is_device",
+    "rank_steps",
     "refusal",
     "step_bytes",
     "tier_note",
@@ -127,10 +129,11 @@ class StepBytes:
 
 @dataclass(frozen=True)
 class StepChoice:
-    """A stack plan for a budget: the plan (intervals filled for ``T``), its modeled cost and
-    the step it makes (``step.total`` at most the budget)."""
+    """A stack plan for a budget: the plan (intervals filled for ``T``; or a ``Schedule``
+    given as it is), its modeled cost and the step it makes (``step.total`` at most the
+    budget)."""
 
-    plan: Plan
+    plan: Plan | Schedule
     cost: Cost
     step: StepBytes
 
@@ -156,7 +159,7 @@ def tier_note(storage: str, device_type: str) -> str | None:
 
 
 def step_bytes(
-    T: int, sizes: StepSizes, plan: Plan, cost: Cost, *, remote_on_device: bool
+    T: int, sizes: StepSizes, plan: Plan | Schedule, cost: Cost, *, remote_on_device: bool
 ) -> StepBytes:
     """The step ``plan`` makes: its modeled ``cost`` (states and tapes on the device; with
     ``remote_on_device`` its remote checkpoints too) and one step's working memory beside
@@ -168,8 +171,8 @@ def step_bytes(
 
 def _steps(T: int, apart: int) -> str:
     if not apart:
-        return f"T={T}"
-    return f"T={T + apart} (step 0 runs apart, taped; the checkpointed run has {T} steps)"
+        return f"T={T} steps"
+    return f"T={T + apart} steps (step 0 runs apart, taped; the checkpointed run has {T})"
 
 
 def refusal(
@@ -182,7 +185,7 @@ def refusal(
     minimum: int | None = None,
     note: str | None = None,
     context: str = "",
-    plan: Plan | None = None,
+    plan: Plan | Schedule | None = None,
 ) -> BudgetTooSmall:
     """The one :class:`~spikeckpt.BudgetTooSmall`: the step ``need`` (input, outputs,
     gradients) and the ``smallest`` activations of any plan (of ``plan``, when the caller
@@ -195,8 +198,9 @@ def refusal(
     asked = budget if asked is None else asked
     minimum = total if minimum is None else minimum
     if plan is not None:
-        head = f"{plan!r} cannot keep the budget of {format_bytes(asked)}"
-        tail = f"a budget that keeps {plan!r} is"
+        name = f"the schedule {plan.plan}" if isinstance(plan, Schedule) else repr(plan)
+        head = f"{name} cannot keep the budget of {format_bytes(asked)}"
+        tail = f"a budget that keeps {name} is"
     elif budget <= need.total:
         head = f"the budget of {format_bytes(asked)} leaves nothing for activations"
         tail = "the smallest budget that fits is"
@@ -207,8 +211,8 @@ def refusal(
     kind = "its plan" if plan is not None else "smallest plan"
     return BudgetTooSmall(
         f"{head} for {what}: a step needs {format_bytes(total)} ({need.beside()}, {kind} "
-        f"{format_bytes(smallest)}){context}{extra}; {tail} {format_bytes(minimum)} "
-        f"({minimum} bytes)",
+        f"{format_bytes(smallest)}){context}{extra}; {tail} {minimum} bytes "
+        f"({format_bytes(minimum)})",
         budget_bytes=asked,
         minimum_bytes=minimum,
     )
@@ -253,10 +257,34 @@ def choose_step(
     return StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
 
 
+def rank_steps(
+    T: int,
+    sizes: StepSizes,
+    budget: int | str,
+    *,
+    remote: bool,
+    costs: CostModel | None = None,
+) -> list[StepChoice]:
+    """Every plan family's best member whose step fits ``budget``, fastest first (the first
+    is :func:`choose_step`'s choice; empty when nothing fits)."""
+    total = parse_bytes(budget)
+    room = total - sizes.beside(T).total - sizes.work
+    if room < 0:
+        return []
+    found = []
+    for candidate in rank(T, sizes.state, sizes.tape, room, remote=remote, costs=costs):
+        plan = candidate.plan.for_length(T)
+        cost = plan.cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
+        found.append(
+            StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
+        )
+    return found
+
+
 def check_step(
     T: int,
     sizes: StepSizes,
-    plan: Plan,
+    plan: Plan | Schedule,
     budget: int | str,
     *,
     remote_on_device: bool,
@@ -275,12 +303,14 @@ def check_step(
             (the budget that keeps this plan).
     """
     total = parse_bytes(budget)
-    plan = plan.for_length(T)
-    cost = plan.cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
+    S, A = sizes.state, sizes.tape
+    if isinstance(plan, Schedule):
+        cost = simulate(plan, state_bytes=S, step_bytes=A, costs=costs)
+    else:
+        plan = plan.for_length(T)
+        cost = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
     step = step_bytes(T, sizes, plan, cost, remote_on_device=remote_on_device)
     if step.total > total:
         beside = replace(step, activations=0)
-        raise refusal(
-            total, beside, step.activations, what=_steps(T, apart), note=note, plan=plan
-        )
+        raise refusal(total, beside, step.activations, what=_steps(T, apart), note=note, plan=plan)
     return StepChoice(plan, cost, step)

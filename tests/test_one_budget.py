@@ -1,0 +1,133 @@
+"""One budget: ``budget`` means the peak device memory of the training step wherever it is given.
+
+The same model, input and budget give the same plan through ``wrap`` and ``scan``; the
+measured peak of the step (:class:`~spikeckpt.MemoryMeter`, the input counted, ``.grad``
+created in the step) is within the budget for every plan the planner picks with the default
+storage on this CPU-only machine (the host tier is the device's memory here: it counts, and the
+plan says so), in both granularities; a refusal names a budget that then works; a budget given
+with an explicit plan is checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import spikeckpt as sc
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.plans import Uniform
+
+snn = pytest.importorskip("snntorch")
+
+T, B, N_IN = 48, 2, 24
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(N_IN, 32), snn.Leaky(beta=0.9), nn.Linear(32, 10), snn.Leaky(beta=0.9)
+    )
+
+
+def _x() -> torch.Tensor:
+    return (torch.rand(T, B, N_IN, generator=torch.Generator().manual_seed(1)) < 0.2).float()
+
+
+def _metered(run: Any, net: nn.Module, x: torch.Tensor) -> tuple[Any, int]:
+    """``run()`` (returns the outputs) and a backward through them, metered with the input
+    counted and every ``.grad`` made in the step."""
+    net.zero_grad(set_to_none=True)
+    with MemoryMeter() as meter:
+        meter.track([x])
+        out = run()
+        ys = out.ys if isinstance(out, sc.ScanResult) else out
+        (ys * torch.arange(1, ys.shape[-1] + 1)).sum().backward()
+        del ys
+    return out, meter.peak_bytes
+
+
+def _smallest(make: Any) -> int:
+    with pytest.raises(sc.BudgetTooSmall, match="smallest budget that fits") as info:
+        make(4096)
+    assert info.value.budget_bytes == 4096
+    return info.value.minimum_bytes
+
+
+@pytest.mark.slow
+def test_wrap_and_scan_pick_the_same_plan_and_keep_the_budget() -> None:
+    net, x = _net(), _x()
+
+    def through_wrap(budget: int) -> tuple[sc.CheckpointedSequence, int]:
+        seq = sc.wrap(net, budget=budget)
+        _, peak = _metered(lambda: seq(x), net, x)
+        return seq, peak
+
+    def through_scan(seq: sc.CheckpointedSequence, budget: int) -> tuple[Any, int]:
+        def run() -> Any:
+            return sc.scan(
+                seq.step, x, seq.initial_state(x[0]), plan="auto", budget=budget,
+                params=seq.parameters_for_scan(),
+            )  # fmt: skip
+
+        out, peak = _metered(run, net, x)
+        return out.stats, peak
+
+    smallest = _smallest(lambda b: through_wrap(b))
+    with pytest.raises(sc.BudgetTooSmall) as by_scan:
+        through_scan(sc.wrap(net), 4096)
+    assert by_scan.value.minimum_bytes == smallest  # the same account refuses the same way
+    for budget in (smallest, smallest * 3 // 2, smallest * 3, 64 << 20):
+        seq, wrap_peak = through_wrap(budget)
+        stats, scan_peak = through_scan(seq, budget)
+        assert seq.last_decision is not None and stats.plan == repr(seq.last_decision.plan)
+        assert wrap_peak <= budget and scan_peak <= budget, (budget, wrap_peak, scan_peak)
+        assert stats.planned == seq.last_stats.planned and stats.planned.total <= budget
+        assert "CPU run" in (stats.note or "") and "CPU run" in (seq.last_stats.note or "")
+
+
+def test_layer_wise_keeps_the_budget_with_the_default_storage() -> None:
+    net, x = _net(), _x()
+
+    def through_wrap(budget: int) -> tuple[sc.CheckpointedSequence, int]:
+        seq = sc.wrap(net, budget=budget, granularity="layer")
+        _, peak = _metered(lambda: seq(x), net, x)
+        return seq, peak
+
+    smallest = _smallest(through_wrap)
+    for budget in (smallest, smallest * 3 // 2, smallest * 3):
+        seq, peak = through_wrap(budget)
+        assert seq.last_decision is not None and seq.last_decision.granularity == "layer"
+        assert peak <= budget, (budget, peak)
+
+
+def test_a_budget_given_with_a_plan_is_checked() -> None:
+    net, x = _net(), _x()
+    with pytest.raises(sc.BudgetTooSmall, match=r"Uniform\(interval=10\) cannot keep") as info:
+        sc.wrap(net, plan=Uniform(10), budget="1KiB")(x)
+    keeps = info.value.minimum_bytes
+    seq = sc.wrap(net, plan=Uniform(10), budget=keeps)
+    _, peak = _metered(lambda: seq(x), net, x)
+    assert seq.last_decision is not None and seq.last_decision.plan == Uniform(10)
+    assert peak <= keeps
+    state = seq.initial_state(x[0])
+    with pytest.raises(sc.BudgetTooSmall, match=r"Uniform\(interval=10\) cannot keep") as by_scan:
+        sc.scan(seq.step, x, state, plan=Uniform(10), budget=1024)
+    assert by_scan.value.minimum_bytes == keeps
+    out, peak = _metered(
+        lambda: sc.scan(seq.step, x, state, plan=Uniform(10), budget=keeps), net, x
+    )
+    assert out.stats.plan == "Uniform(interval=10)" and peak <= keeps
+
+
+def test_the_plan_says_when_the_host_tier_is_the_device() -> None:
+    net, x = _net(), _x()
+    seq = sc.wrap(net, budget="4MiB")
+    seq(x)
+    choice = seq.last_decision.choice
+    assert choice is not None and "host tier is this device's memory" in choice.summary()
+    disk = sc.wrap(net, budget="4MiB", storage="disk")
+    disk(x)
+    assert "off the budget" in (disk.last_stats.note or "")
