@@ -82,8 +82,10 @@ class CheckpointedSequence(nn.Module):
         scan_kwargs: dict[str, Any] | None = None,
         granularity: Granularity = "stack",
         chunk: int | None = None,
+        fuse: bool = True,
     ) -> None:
         super().__init__()
+        self.fuse = fuse
         self.module = module
         self.adapter = adapter
         self.plan = plan
@@ -267,6 +269,7 @@ class CheckpointedSequence(nn.Module):
             params=self.parameters_for_scan(),
             directory=self._engine_kwargs().get("directory"),
             stats=True,
+            fuse=self.fuse,
         )
         if self._blocks[0].index is None:
             return ys, finals[0], stats
@@ -361,6 +364,7 @@ def wrap(
     output: Output = "spikes",
     granularity: Granularity = "stack",
     chunk: int | None = None,
+    fuse: bool = True,
     **scan_kwargs: Any,
 ) -> CheckpointedSequence:
     """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
@@ -394,6 +398,10 @@ def wrap(
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
         chunk: layer-wise only: time steps per chunk (default: the plan's interval, e.g.
             ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``).
+        fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``,
+            ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
+            one fused computation (:mod:`spikeckpt.engine.fused`); False: one call per step.
+            ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
         **scan_kwargs: passed on to :func:`spikeckpt.scan` (``directory``, ``pack_tape``).
             Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``.
 
@@ -429,6 +437,7 @@ def wrap(
         scan_kwargs=scan_kwargs,
         granularity=granularity,
         chunk=chunk,
+        fuse=fuse,
     )
 
 

@@ -52,8 +52,9 @@ def _run(seq: nn.Module, x: Tensor, net: nn.Module) -> tuple[Tensor, list[Tensor
 def test_fast_leaky_steps_are_bitwise_the_adapters(leaky: dict[str, Any]) -> None:
     net = _snn_net(**leaky)
     x = spike_train(40, 3, 30, 0.2)
-    fast = sc.wrap(net, granularity="layer", chunk=7, output="both", readout=None)
-    slow = sc.wrap(net, granularity="layer", chunk=7, output="both", readout=None)
+    # fuse=False: the per-step path, where the fast step runs (fused chunks do not call it)
+    fast = sc.wrap(net, granularity="layer", chunk=7, output="both", readout=None, fuse=False)
+    slow = sc.wrap(net, granularity="layer", chunk=7, output="both", readout=None, fuse=False)
     for block in slow.layer_blocks(True):  # the adapters' own steps
         object.__setattr__(block, "bind", None)
     got = _run(lambda v: torch.cat(fast(v), -1), x, net)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from spikeckpt.adapters.generic import StatefulAdapter, probe, state_arity
+from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
 
 __all__ = ["NorseAdapter", "make_adapter", "move_params"]
@@ -146,6 +147,12 @@ class NorseAdapter(LayerAdapter):
     def extra_params(self) -> list[Tensor]:
         return [t for t in _tensors(self.module.p) if t.requires_grad]
 
+    def chunk_kernel(self) -> NorseKernel | None:
+        """The fused recurrence of a feed-forward cell or sequence module whose activation is
+        Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
+        ``reset_value`` or ``reset_subtract``) or ``li_feed_forward_step``, else None."""
+        return norse_kernel(self.module) if not self.recurrent else None
+
 
 class LILinearAdapter(StatefulAdapter):
     """Norse's ``LILinearCell`` (not an ``SNNCell``): ``z, state = cell(x_t, state)``. Its state
@@ -217,3 +224,41 @@ def is_sequence_stack(module: nn.Module) -> bool:
     """Whether a ``SequentialState`` holds sequence modules (``LIF``, ``Lift``, ...): its plain
     torch layers then see ``(T, B, ...)`` tensors and are stepped on ``x_t[None]``."""
     return any(isinstance(c, (*_SEQUENCE, Lift)) for c in module.children())
+
+
+def norse_kernel(m: nn.Module) -> NorseKernel | None:
+    """The chunk kernel of the Norse cell or sequence module ``m`` (see
+    :meth:`NorseAdapter.chunk_kernel`), or None."""
+    from norse.torch.functional import reset as resets
+    from norse.torch.functional.leaky_integrator import li_feed_forward_step
+    from norse.torch.functional.lif import lif_feed_forward_step
+    from norse.torch.functional.lif_box import lif_box_feed_forward_step
+    from norse.torch.functional.threshold import threshold
+
+    modes: dict[Any, NorseMode] = {
+        lif_feed_forward_step: "lif",
+        lif_box_feed_forward_step: "box",
+        li_feed_forward_step: "li",
+    }
+    mode = modes.get(getattr(m, "activation", None))
+    p = getattr(m, "p", None)
+    dt = getattr(m, "dt", None)
+    if mode is None or p is None or not isinstance(dt, float) or "forward" in vars(m):
+        return None
+    subtract = False
+    if mode == "box":
+        reset = getattr(p, "reset_method", None)
+        if reset not in (resets.reset_value, resets.reset_subtract):
+            return None
+        subtract = reset is resets.reset_subtract
+    spike = None
+    if mode != "li":
+        method = getattr(p, "method", None)
+        if method not in ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc"):
+            return None
+
+        def spike(u: Tensor) -> Tensor:
+            q = m.p
+            return threshold(u, q.method, q.alpha)
+
+    return NorseKernel(lambda: m.p, dt, spike, mode, subtract=subtract)

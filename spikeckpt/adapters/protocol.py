@@ -79,6 +79,14 @@ class LayerAdapter:
         """Tensors requiring grad that the step uses but ``module.parameters()`` does not list."""
         return []
 
+    def chunk_kernel(self) -> Any:
+        """A :class:`~spikeckpt.engine.fused.ChunkKernel` running this neuron over a whole
+        time chunk (the layer-wise granularity fuses it), or None: stepped one call per step.
+        The adapter offers one only for steps it knows to be elementwise and free of random
+        draws; :func:`spikeckpt.adapters.layered.layer_blocks` checks it against :meth:`step`
+        once before using it."""
+        return None
+
     def check(self) -> None:
         """Raise :class:`UnsupportedLayerError` if the layer cannot be stepped exactly *now*.
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatelessAdapter
+from spikeckpt.adapters.kernels import LeakyKernel, Reset, SynapticKernel, clamp_grad
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
 
 __all__ = [
@@ -170,6 +171,12 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def membrane(self, state: State) -> Tensor | None:
         return state.mem
 
+    def chunk_kernel(self) -> LeakyKernel | SynapticKernel | None:
+        """The fused recurrence of a ``Leaky``, ``Lapicque`` or ``Synaptic`` (exactly these
+        classes, ``reset_delay=True``, no ``state_quant``, no ``inhibition``, no random
+        surrogate, the library's own ``forward`` and state function), else None."""
+        return snntorch_kernel(self.module)
+
     def put_state(self, state: State) -> None:
         """Set the state on the module (``init_hidden=True``: the module's own call reads it)."""
         for name, value in zip(self.fields, state, strict=True):
@@ -241,3 +248,62 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
     if isinstance(module, snn.GradedSpikes):
         return StatelessAdapter(module, path)
     raise unsupported(module, path, "this snnTorch layer has no step adapter")
+
+
+#: the reset mechanisms as the kernels name them, per class (``Leaky`` resets to zero before
+#: the decay, ``Lapicque`` and ``Synaptic`` after it)
+_RESETS: dict[type, dict[str, Reset]] = {
+    snn.Leaky: {"subtract": "subtract", "zero": "zero_before", "none": "none"},
+    snn.Lapicque: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
+    snn.Synaptic: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
+}
+#: snnTorch surrogates that draw random numbers in backward (or fail): never fused
+_RANDOM_SURROGATES = ("SSO", "LSO")
+
+
+def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
+    """The chunk kernel for the snnTorch neuron ``m`` (see
+    :meth:`SnnTorchNeuronAdapter.chunk_kernel`), or None."""
+    cls = type(m)
+    resets = _RESETS.get(cls)
+    if resets is None or "forward" in vars(m):
+        return None
+    spike = m.spike_grad
+    name = getattr(spike, "__qualname__", "")
+    if (
+        getattr(m, "state_quant", True)
+        or getattr(m, "inhibition", True)
+        or not getattr(m, "reset_delay", True)
+        or any(name.startswith(bad) for bad in _RANDOM_SURROGATES)
+    ):
+        return None
+    mechanism = m.reset_mechanism
+    function = getattr(m.state_function, "__func__", None)
+    if mechanism not in resets or function is not getattr(cls, _STATE_FUNCTIONS[mechanism]):
+        return None
+    reset = resets[mechanism]
+    if cls is snn.Synaptic:
+        return SynapticKernel(
+            lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor), spike, reset
+        )
+    if cls is snn.Leaky:
+        return LeakyKernel(
+            lambda: (m.beta, m.threshold, m.graded_spikes_factor),
+            lambda beta: beta.clamp(0, 1),
+            clamp_grad,
+            spike,
+            reset,
+        )
+    # Lapicque: mem = z * R * (1 / (R * C)) * time_step + (1 - time_step / (R * C)) * mem
+    return LeakyKernel(
+        lambda: (m.R, m.threshold, m.graded_spikes_factor),
+        lambda R: 1 - (m.time_step / (R * m.C)),
+        None,
+        spike,
+        reset,
+        input_scale=lambda z: z * m.R * (1 / (m.R * m.C)) * m.time_step,
+        frozen=lambda: (m.C, m.time_step),
+    )
+
+
+_STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_base_int"}

@@ -53,8 +53,10 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from spikeckpt.engine.function import Job, run_job
+from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import grad
-from spikeckpt.engine.packed import as_input, chunk_of, is_packed
+from spikeckpt.engine.packed import SparseChunk, as_input, chunk_of, is_packed, sparse_chunk_of
+from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats
@@ -103,7 +105,8 @@ class LayerBlock:
     params: list[Tensor]
     cleanup: Callable[[], None]
     bind: Callable[[], Callable[[State, Tensor], tuple[State, Tensor]]] | None = None
-    sparse_synapse: Callable[[Tensor], Tensor] | None = None
+    sparse_synapse: Callable[[Tensor | SparseChunk], Tensor] | None = None
+    fused: ChunkKernel | None = None
 
 
 def chunk_for(plan: Any, T: int) -> int:
@@ -162,8 +165,10 @@ class _LayerwiseJob(Job):
         device: torch.device,
         cuda: Sequence[int],
         group: int | None = None,
+        fuse: bool = True,
     ) -> None:
         super().__init__(device, cuda, storage, directory, stats)
+        self.fuse = fuse
         self.stats: LayerwiseStats = stats
         self.blocks = list(blocks)
         self.state_defs = state_defs
@@ -215,7 +220,7 @@ class _LayerwiseJob(Job):
 
     # -- running one block over one chunk ------------------------------------------------
     def _run_block(
-        self, b: int, inp: Tensor, leaves: list[Tensor], top: bool
+        self, b: int, inp: Tensor | SparseChunk, leaves: list[Tensor], top: bool
     ) -> tuple[list[Tensor], list[Tensor]]:
         """``(outputs, final state leaves)``; outputs: ``[spikes (k, B, ...)]`` below the top,
         the emitted outputs (spikes / mem / both, each ``(k, B, ...)``) at the top."""
@@ -223,11 +228,26 @@ class _LayerwiseJob(Job):
         if b == 0 and not self.need_x and block.sparse_synapse is not None:
             z = block.sparse_synapse(inp)
         else:
+            assert isinstance(inp, Tensor)
             z = block.synapse(inp)
         state = pytree.tree_unflatten(leaves, self.state_defs[b])
+        want_mem = top and self.output != "spikes"
+        fused = block.fused is not None and self.fuse and block.fused.accepts(leaves, z)
+        if not recomputing():
+            self.stats.blocks[b].count_neuron(block.fused.name if fused else "per-step")
+        if fused:
+            assert block.fused is not None
+            state, y_all, mem_all = run_fused(block.fused, state, z, want_mem)
+            self.stats.forward_steps += z.shape[0]
+            final = pytree.tree_leaves(state)
+            if not top or self.output == "spikes":
+                return [y_all], final
+            assert mem_all is not None
+            if self.output == "mem":
+                return [mem_all], final
+            return [y_all, mem_all], final
         spikes: list[Tensor] = []
         mems: list[Tensor] = []
-        want_mem = top and self.output != "spikes"
         step = block.bind() if block.bind is not None else block.step
         # unbind, not z[t]: the backward of one select per step would allocate and fill a
         # zero (k, B, ...) gradient each time, O(k^2) in the chunk length; unbind's is one stack
@@ -271,7 +291,7 @@ class _LayerwiseJob(Job):
             items: list[Tensor] = []  # the open entry's tensors
             entry, first = 0, 0  # the open entry and its first chunk
             for c, (t0, t1) in enumerate(self.bounds):
-                inp = chunk_of(x, t0, t1, self.device).detach()
+                inp = self._first_input(x, t0, t1)
                 layout: list[tuple[Packed | None, int, int]] = []
                 offset = len(items)
                 for b in range(nb):
@@ -313,11 +333,26 @@ class _LayerwiseJob(Job):
             self.close()
         return outs + [t for s in states for t in s]
 
-    def _measure(self, b: int, inp: Tensor, record: bool) -> Packed | Tensor | None:
+    def _first_input(self, x: Any, t0: int, t1: int) -> Tensor | SparseChunk:
+        """The first block's input over steps ``t0 <= t < t1``: a packed train's chunk as the
+        positions of its ones when the block's ``sparse_synapse`` will read it (no dense
+        chunk is made), else the dense chunk."""
+        block = self.blocks[0]
+        if is_packed(x) and block.sparse_synapse is not None and not self.need_x:
+            return sparse_chunk_of(x, t0, t1, self.device)
+        return chunk_of(x, t0, t1, self.device).detach()
+
+    def _measure(self, b: int, inp: Tensor | SparseChunk, record: bool) -> Packed | Tensor | None:
         """Count block ``b``'s input chunk in the stats; return what to store of it: None for
         the first block (the caller's ``x``, referenced) and without ``record``, the tensor
         itself on the device tier, else its ``Packed`` form (the ``auto`` codec)."""
         st = self.stats.blocks[b]
+        if isinstance(inp, SparseChunk):  # the first block's packed input: binary, counted
+            st.ones += inp.ones
+            st.elements += inp.numel()
+            st.dense_bytes += inp.numel() * inp.dtype.itemsize
+            st.codecs["reference"] = st.codecs.get("reference", 0) + 1
+            return None
         # one pass over the train: the binary test, the count of ones and the mask to pack
         found = binary_mask(inp)
         st.ones += found[1] if found is not None else int(torch.count_nonzero(inp))
@@ -440,14 +475,15 @@ class _LayerwiseJob(Job):
         t0, t1 = self.bounds[c]
         top = b == len(self.blocks) - 1
         train, stored_state = self._stored(c, b)
-        inp = chunk_of(self.x, t0, t1, self.device) if b == 0 else train
+        inp = self._first_input(self.x, t0, t1) if b == 0 else train
         start = self.initial[b] if c == 0 else stored_state
         assert inp is not None and start is not None
         if all(g is None for g in (*g_out, *g_state)):
             return [None], [None] * len(start)
         want_in = b > 0 or self.need_x
         with torch.enable_grad():
-            inp = inp.detach().requires_grad_(want_in and inp.is_floating_point())
+            if isinstance(inp, Tensor):
+                inp = inp.detach().requires_grad_(want_in and inp.is_floating_point())
             leaves = [
                 t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in start
             ]
@@ -462,7 +498,7 @@ class _LayerwiseJob(Job):
                     root_grads.append(g)
             pidx = self.block_params[b]
             wrt = [inp, *leaves, *(self.params[j] for j in pidx)]
-            mask = [t.requires_grad for t in wrt]
+            mask = [isinstance(t, Tensor) and t.requires_grad for t in wrt]
             targets = [t for t, m in zip(wrt, mask, strict=True) if m]
             got: list[Tensor | None] = [None] * len(wrt)
             if roots and targets:
@@ -498,6 +534,7 @@ def layerwise_scan(
     directory: str | os.PathLike[str] | None = None,
     stats: bool = False,
     group: int | None = None,
+    fuse: bool = True,
 ) -> Any:
     """Run a feed-forward stack of blocks over ``x (T, B, ...)`` with layer-wise checkpointing.
 
@@ -519,6 +556,8 @@ def layerwise_scan(
         directory: folder for the disk tier's temporary folder.
         stats: also return a :class:`~spikeckpt.engine.stats.LayerwiseStats`.
         group: chunks per off-device store entry (None: see :data:`GROUP_SHARE`).
+        fuse: run a block's neuron over each chunk with its ``fused`` kernel where it has one
+            and accepts the chunk (:mod:`spikeckpt.engine.fused`); False: one step at a time.
 
     Returns:
         ``(ys, final_states)`` (``ys`` a tensor, or a ``(spikes, mem)`` tuple with
@@ -577,6 +616,7 @@ def layerwise_scan(
         device=next((t.device for t in (*leaves, *params)), x.device) if packed else x.device,
         cuda=cuda_devices((*([] if packed else [x]), *leaves, *params)),
         group=group,
+        fuse=fuse,
     )
     if packed:
         job.referenced = []  # a packed train is immutable: nothing to check in backward

@@ -18,12 +18,14 @@ from torch import Tensor
 from spikeckpt.storage.spiketrain import SpikeTrain, as_spike_train
 
 __all__ = [
+    "SparseChunk",
     "TrainWindow",
     "as_input",
     "chunk_of",
     "drop_first",
     "input_nbytes",
     "is_packed",
+    "sparse_chunk_of",
     "step_of",
 ]
 
@@ -74,6 +76,11 @@ class TrainWindow:
             raise IndexError(f"chunk({a}, {b}) is out of range for a train of T={self.T} steps")
         return self.train.chunk(self.start + a, self.start + b, device)
 
+    def chunk_positions(self, a: int, b: int, device: torch.device | str | None = None) -> Tensor:
+        if not 0 <= a <= b <= self.T:
+            raise IndexError(f"chunk({a}, {b}) is out of range for a train of T={self.T} steps")
+        return self.train.chunk_positions(self.start + a, self.start + b, device)
+
     def __len__(self) -> int:
         return self.T
 
@@ -104,6 +111,46 @@ def chunk_of(x: Any, a: int, b: int, device: torch.device) -> Tensor:
         return x.chunk(a, b, device)
     part = x[a:b]
     return part if part.device == device else part.to(device, non_blocking=True)
+
+
+class SparseChunk:
+    """Steps ``a <= t < b`` of a packed binary train as the positions of its ones: what a
+    synapse that gathers over its input's non-zeros needs, without the dense chunk.
+
+    Attributes:
+        positions: flat row-major positions of the ones in the dense chunk, ``(ones,)`` int64,
+            ascending, on the compute device.
+        shape: the dense chunk's shape ``(b - a, B, ...)``.
+        dtype: the dense chunk's dtype.
+    """
+
+    def __init__(self, positions: Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.positions = positions
+        self.shape = shape
+        self.dtype = dtype
+        self.device = positions.device
+
+    @property
+    def ones(self) -> int:
+        """Number of ones."""
+        return int(self.positions.numel())
+
+    def numel(self) -> int:
+        """Elements of the dense chunk."""
+        return int(self.shape.numel())
+
+    def dense(self) -> Tensor:
+        """The dense chunk ``shape`` (a new tensor)."""
+        out = torch.zeros(self.numel(), dtype=self.dtype, device=self.device)
+        if self.ones:
+            out.index_fill_(0, self.positions, 1)
+        return out.reshape(self.shape)
+
+
+def sparse_chunk_of(x: Any, a: int, b: int, device: torch.device) -> SparseChunk:
+    """Steps ``a <= t < b`` of the packed train ``x`` as a :class:`SparseChunk` on ``device``."""
+    shape = torch.Size((b - a, *x.shape[1:]))
+    return SparseChunk(x.chunk_positions(a, b, device), shape, x.dtype)
 
 
 def input_nbytes(x: Any) -> int:

@@ -31,6 +31,9 @@ class BlockStats:
         codecs: chunks stored per codec (``"bitpack"``, ``"index"``, ``"dense"``;
             ``"reference"`` for the first block, ``"device"`` for the device tier).
         binary: whether every chunk was exactly binary (0/1).
+        neuron_chunks: how the neuron ran, chunks per way in the forward pass: ``"fused"``
+            (its chunk kernel, :mod:`spikeckpt.engine.fused`), ``"compiled"`` (that kernel
+            compiled) or ``"per-step"`` (one call per step).
     """
 
     name: str
@@ -40,6 +43,21 @@ class BlockStats:
     stored_bytes: int = 0
     codecs: dict[str, int] = field(default_factory=dict)
     binary: bool = True
+    neuron_chunks: dict[str, int] = field(default_factory=dict)
+
+    def count_neuron(self, way: str) -> None:
+        """One more chunk run ``way`` (see ``neuron_chunks``)."""
+        self.neuron_chunks[way] = self.neuron_chunks.get(way, 0) + 1
+
+    @property
+    def neuron(self) -> str:
+        """How the neuron ran: ``"fused"``, ``"compiled"``, ``"per-step"``, or the mix, e.g.
+        ``"fused (19 chunks), per-step (1)"``; ``""`` before a run."""
+        ways = sorted(self.neuron_chunks.items(), key=lambda kv: -kv[1])
+        if len(ways) <= 1:
+            return ways[0][0] if ways else ""
+        first, *rest = ways
+        return ", ".join([f"{first[0]} ({first[1]} chunks)", *(f"{w} ({n})" for w, n in rest)])
 
     @property
     def density(self) -> float:

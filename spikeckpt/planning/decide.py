@@ -283,7 +283,8 @@ def _layerwise_candidate(
     if blocks is None:
         return None
     device = compute_device(model, x)
-    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state))
+    fuse = bool(getattr(model, "fuse", True))
+    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state), fuse)
     if not budgeted:
         return _Layered(blocks, sizes)
     unpacked = model.storage == "device"
@@ -298,6 +299,7 @@ def _layerwise_candidate(
         readout=model.readout,
         output=model.output,
         stored_on_device=host_is_device(model.storage, device),
+        fuse=fuse,
         max_bytes=max_bytes,
     )
     return _Layered(blocks, sizes, working)

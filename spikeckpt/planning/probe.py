@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from spikeckpt.engine.fused import run_fused
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.packed import chunk_of, is_packed, step_of
@@ -406,12 +407,14 @@ def _copy_seconds(leaves: list[Tensor], storage: str, device: torch.device) -> t
 
 
 def block_sizes(
-    blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any]
+    blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any], fuse: bool = True
 ) -> list[BlockSizes]:
     """Measure each block for :func:`spikeckpt.plans.layerwise.layerwise_cost` with one taped
     step from ``states`` on the input step ``x_t`` ``(B, ...)``: its state bytes, the bytes
     autograd keeps (``A_b``; parameters excluded), its input and output bytes per step and the
-    density of its input when that is binary. Changes nothing (RNG forked, no gradients)."""
+    density of its input when that is binary. A neuron the run fuses (``fuse`` and a kernel
+    that takes the step) is counted by its fused chunk's growth per step instead
+    (:func:`_fused_step_bytes`). Changes nothing (RNG forked, no gradients)."""
     params = [t for b in blocks for t in b.params]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
@@ -424,18 +427,37 @@ def block_sizes(
             for block, state in zip(blocks, states, strict=True):
                 leaves, spec = pytree.tree_flatten(state)
                 leaves = [t.detach().requires_grad_(is_float(t)) for t in leaves]
-                with SavedBytes(exclude=params) as counter:
+                with SavedBytes(exclude=params) as synapse:
                     z = block.synapse(h.unsqueeze(0))[0]  # the run's own (chunk) synapse op
+                with SavedBytes(exclude=params) as neuron:
                     _, y = block.step(pytree.tree_unflatten(leaves, spec), z)
+                tape = synapse.bytes + neuron.bytes
+                if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
+                    tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z.detach())
                 density = float(h.float().mean()) if is_binary(h) else None
-                sizes.append(
-                    BlockSizes(leaf_bytes(leaves), counter.bytes, _nbytes(h), _nbytes(y), density)
-                )
+                sizes.append(BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density))
                 h = y.detach()
     finally:
         for block in blocks:
             block.cleanup()
     return sizes
+
+
+def _fused_step_bytes(kernel: Any, leaves: list[Tensor], spec: Any, z_t: Tensor) -> int:
+    """A fused neuron's bytes per chunk step: the peak of its forward and backward over 3
+    steps less that over 1 step, halved (what it saves and the backward's temporaries grow
+    by per step), from the state ``leaves`` on the input step ``z_t`` repeated."""
+    peaks = []
+    for k in (1, 3):
+        z = z_t.expand(k, *z_t.shape).clone().requires_grad_(z_t.is_floating_point())
+        with MemoryMeter(z.device) as meter:
+            state = pytree.tree_unflatten(leaves, spec)
+            _, y, _ = run_fused(kernel, state, z, False)
+            if y.requires_grad:
+                torch.autograd.grad(y, [z], torch.ones_like(y), allow_unused=True)
+            del y, state
+        peaks.append(meter.peak_bytes)
+    return max(0, (peaks[1] - peaks[0]) // 2)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -495,6 +517,7 @@ def layerwise_working_bytes(
     output: str,
     stored_on_device: bool,
     max_bytes: int | None = None,
+    fuse: bool = True,
 ) -> MeasuredWorking:
     """Measure a layer-wise training step's working set, for the batch of ``x``, as a
     function of the chunk length (:class:`~spikeckpt.plans.MeasuredWorking`).
@@ -531,6 +554,7 @@ def layerwise_working_bytes(
         stored_on_device: whether the stored trains are device memory (the device tier, or
             the host tier on a CPU run).
         max_bytes: device bytes the probe may hold (None: no limit).
+        fuse: whether the run fuses the neurons that have a chunk kernel (as the probe does).
     """
     T, batch = int(x.shape[0]), int(x.shape[1])
     run = partial(
@@ -543,6 +567,7 @@ def layerwise_working_bytes(
         readout=readout,
         output=output,
         remote=not stored_on_device,
+        fuse=fuse,
     )
     # the tape's growth: the steepest line of a run on two samples without the parameters'
     # gradients and with an input gradient (every block taped alike: more than it holds)
@@ -573,6 +598,7 @@ def _probe_residuals(
     readout: Any,
     output: str,
     remote: bool,
+    fuse: bool = True,
 ) -> list[tuple[int, int]]:
     """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
     the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks``.
@@ -615,6 +641,7 @@ def _probe_residuals(
                         readout=readout,
                         output=output,
                         params=params if training else [],
+                        fuse=fuse,
                     )
                     outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
                     if outs and wrt:

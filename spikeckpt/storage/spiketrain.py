@@ -285,21 +285,46 @@ class SpikeTrain:
             if skip:
                 flat = flat.clone()  # a view would keep the extra leading elements alive
             return flat.reshape(out_shape)
+        out = torch.zeros((b - a) * n, dtype=self.dtype, device=target)
+        positions = self._index_positions(a, b, target)
+        if positions.numel():
+            out.index_fill_(0, positions, 1)
+        return out.reshape(out_shape)
+
+    def chunk_positions(self, a: int, b: int, device: torch.device | str | None = None) -> Tensor:
+        """Where the ones of steps ``a <= t < b`` are: flat row-major positions in the dense
+        chunk ``(b - a, B, ...)``, ``(ones,)`` int64, ascending, on ``device`` (default: here).
+
+        An index-list train reads them off its lists (no dense chunk is made); a bit-packed one
+        unpacks the chunk's bits.
+        """
+        a, b = int(a), int(b)
+        if not 0 <= a <= b <= self.T:
+            raise IndexError(
+                f"chunk_positions({a}, {b}) is out of range for a spike train of T={self.T} "
+                "steps: need 0 <= a <= b <= T"
+            )
+        target = self.device if device is None else torch.device(device)
+        if self.codec == "bitpack":
+            return torch.nonzero(self.chunk(a, b, target).reshape(-1)).reshape(-1)
+        return self._index_positions(a, b, target)
+
+    def _index_positions(self, a: int, b: int, target: torch.device) -> Tensor:
+        """``chunk_positions`` of an index-list train."""
+        n = _numel(self.shape[1:])
         per_step = _blocks_per_step(n)
         k0, k1 = a * per_step, b * per_step
         offsets = self._offsets
         assert offsets is not None
         start, end = int(offsets[k0]), int(offsets[k1])
-        out = torch.zeros((b - a) * n, dtype=self.dtype, device=target)
-        if end > start:
-            local = self._data[start:end].to(target)
-            counts = (offsets[k0 + 1 : k1 + 1] - offsets[k0:k1]).to(target)
-            block = torch.arange(k1 - k0, device=target)
-            base = (block // per_step) * n + (block % per_step) * BLOCK
-            positions = torch.repeat_interleave(base, counts, output_size=end - start)
-            positions += local.long() + _HALF
-            out.index_fill_(0, positions, 1)
-        return out.reshape(out_shape)
+        if end <= start:
+            return torch.zeros(0, dtype=torch.int64, device=target)
+        local = self._data[start:end].to(target)
+        counts = (offsets[k0 + 1 : k1 + 1] - offsets[k0:k1]).to(target)
+        block = torch.arange(k1 - k0, device=target)
+        base = (block // per_step) * n + (block % per_step) * BLOCK
+        positions = torch.repeat_interleave(base, counts, output_size=end - start)
+        return positions + local.long() + _HALF
 
     def dense(self, device: torch.device | str | None = None) -> Tensor:
         """The whole train dense, ``(T, B, ...)`` in ``dtype``, on ``device`` (default: here)."""
