@@ -27,7 +27,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["LeakyKernel", "SynapticKernel", "clamp_grad", "heaviside", "reduce_to", "vjp"]
+__all__ = [
+    "LeakyKernel",
+    "NorseKernel",
+    "SynapticKernel",
+    "clamp_grad",
+    "heaviside",
+    "is_unit",
+    "reduce_to",
+    "vjp",
+]
 
 Spike = Callable[[Tensor], Tensor]
 #: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
@@ -84,6 +93,21 @@ def _same_layout(leaves: Sequence[Tensor], z: Tensor, frozen: Sequence[Tensor] =
     )
 
 
+def _keeps_dtype(kernel: Any, leaves: Sequence[Tensor], z: Tensor) -> bool:
+    """Whether one step keeps the state's dtypes (a parameter of a wider dtype would widen
+    it): tried once per combination of dtypes and dimensions, on one sample of one step."""
+    tensors = (*leaves, z, *kernel.params, *getattr(kernel, "frozen", tuple)())
+    key = tuple((t.dtype, t.dim()) for t in tensors)
+    known = kernel.dtype_checks.get(key)
+    if known is None:
+        with torch.no_grad():
+            one = [t[:1] for t in leaves]  # one sample: every broadcast stays as it is
+            final = kernel.forward(one, z[:1, :1], False, False)[0]
+        known = all(a.dtype == b.dtype for a, b in zip(final, leaves, strict=True))
+        kernel.dtype_checks[key] = known
+    return known
+
+
 def _grads_for(
     pairs: Sequence[tuple[Tensor, Callable[[], Tensor]]], need: Sequence[bool]
 ) -> list[Tensor | None]:
@@ -132,6 +156,7 @@ class LeakyKernel:
         self.reset = reset
         self.input_scale = input_scale
         self.frozen = frozen
+        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -140,7 +165,9 @@ class LeakyKernel:
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         source = self.tensors()[0]
         frozen = (*self.frozen(), *((source,) if self.decay_grad is None else ()))
-        return len(leaves) == 1 and _same_layout(leaves, z, frozen)
+        return (
+            len(leaves) == 1 and _same_layout(leaves, z, frozen) and _keeps_dtype(self, leaves, z)
+        )
 
     def forward(
         self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
@@ -149,31 +176,33 @@ class LeakyKernel:
         decay = self.decay_of(source)
         zin = z if self.input_scale is None else self.input_scale(z)
         mem = leaves[0]
-        # the reset is snnTorch's (mem - thr > 0).float(): 0 or 1, so ``r * v`` is ``v`` or
-        # ``0 * v``, taken with a where() on the boolean spike (bitwise the same values)
-        fired = mem - thr > 0
+        k = zin.shape[0]
+        # states and spikes go straight into their (k + 1)-step buffers (out=: the same
+        # kernels, so the same values); the spike is snnTorch's (mem - thr > 0).float(), and a
+        # reset ``r * v`` is ``v`` or ``0 * v``: a where() on the boolean spike
+        hold = keep or want_mem
+        mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
+        fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
+        if mems is not None:
+            mems[0] = mem
+        torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
-        mems, fires = [mem], [fired]
-        for z_t in zin.unbind(0):
+        for t, z_t in enumerate(zin.unbind(0)):
+            fired, out = fires[t], (mems[t + 1] if mems is not None else None)
             pre = torch.where(fired, mem * 0, mem) if self.reset == "zero_before" else mem
-            base = decay * pre + z_t
             if self.reset == "subtract":
-                mem = base - torch.where(fired, thr, thr_off)
+                mem = torch.sub(decay * pre + z_t, torch.where(fired, thr, thr_off), out=out)
             elif self.reset == "zero_after":
-                mem = base - fired.float() * base
+                base = decay * pre + z_t
+                mem = torch.sub(base, fired.float() * base, out=out)
             else:
-                mem = base
-            fired = mem - thr > 0
-            fires.append(fired)
-            if keep or want_mem:
-                mems.append(mem)
-        all_fired = torch.stack(fires)  # (k + 1, B, ...): the reset entering each step
-        s = all_fired[1:].float()
-        y = s if _is_unit(graded) else s * graded
-        stacked = torch.stack(mems) if keep or want_mem else None
+                mem = torch.add(decay * pre, z_t, out=out)
+            torch.gt(mem - thr, 0, out=fires[t + 1])
+        s = fires[1:].float()
+        y = s if is_unit(graded) else s * graded
         # z only when an input scale's gradient needs it (a view of the chunk, alive anyway)
-        saved = (stacked, all_fired, z if self.input_scale else None) if keep else None
-        return [mem], y, stacked[1:] if want_mem else None, saved  # type: ignore[index]
+        saved = (mems, fires, z if self.input_scale else None) if keep else None
+        return [mem.clone() if mems is not None else mem], y, mems[1:] if want_mem else None, saved
 
     def backward(
         self,
@@ -192,12 +221,12 @@ class LeakyKernel:
         zero = self.reset in ("zero_before", "zero_after")
         thr_grad = graded_grad = None
         if g_y is not None:
-            g_s = g_y if _is_unit(graded) else g_y * graded
+            g_s = g_y if is_unit(graded) else g_y * graded
             g = surrogate_grad(self.spike, mems[1:], thr, g_s)  # dL/du_t
             if want[1]:
                 thr_grad = -reduce_to(g, thr)
             if want[2]:
-                graded_grad = reduce_to(g_y * fired[1:], graded)
+                graded_grad = reduce_product(g_y, fired[1:], graded)
             del g_s
         else:
             g = torch.zeros_like(mems[1:])
@@ -214,7 +243,7 @@ class LeakyKernel:
             if self.reset == "zero_before":
                 carry = carry * keep_old[t]  # type: ignore[index]
         if want[1] and self.reset == "subtract":  # mem_t = base - r_t * thr
-            part = reduce_to(g * fired[:-1], thr)
+            part = reduce_product(g, fired[:-1], thr)
             thr_grad = -part if thr_grad is None else thr_grad - part
         if self.reset == "zero_after":
             g.mul_(keep_old)  # dL/d base_t
@@ -222,7 +251,7 @@ class LeakyKernel:
         if want[0]:
             pre = mems[:-1] * keep_old if self.reset == "zero_before" else mems[:-1]
             assert self.decay_grad is not None  # accepts() refused the chunk otherwise
-            source_grad = self.decay_grad(reduce_to(g * pre, decay), source)
+            source_grad = self.decay_grad(reduce_product(g, pre, decay), source)
             del pre
         g_z = None
         if need_z:
@@ -246,28 +275,61 @@ def _aligned(
     return [g if n else None for g, n in zip(out, need_params, strict=True)]
 
 
-#: the surrogate's backward runs on pieces of at most this many elements, so its temporaries
-#: stay bounded whatever the chunk length
-PIECE_ELEMENTS = 1 << 18
+#: the surrogate's backward and the parameters' gradient products run on pieces of at most
+#: this many elements (256 KiB of float32), so their temporaries stay bounded whatever the
+#: chunk length
+PIECE_ELEMENTS = 1 << 16
+
+
+def _pieces(t: Tensor) -> list[tuple[int, int]]:
+    """``(a, b)`` ranges of ``t``'s first dimension (the chunk's steps): a quarter of the
+    chunk each, and at most :data:`PIECE_ELEMENTS` elements (at least one step), so the
+    temporaries of a vectorised pass stay a small share of the chunk's own tensors."""
+    k = t.shape[0]
+    if not k:
+        return []
+    step = max(1, min(PIECE_ELEMENTS // max(1, t[0].numel()), -(-k // 4)))
+    return [(a, min(k, a + step)) for a in range(0, k, step)]
+
+
+def reduce_product(a: Tensor, b: Tensor, like: Tensor) -> Tensor:
+    """``reduce_to(a * b, like)`` (``b`` may be boolean) without the whole product: summed a
+    few steps at a time along the first dimension."""
+    total: Tensor | None = None
+    for lo, hi in _pieces(a):
+        part = reduce_to(a[lo:hi] * b[lo:hi].to(a.dtype), like)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def surrogate_grad(spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor) -> Tensor:
     """``grad`` (dL/d spike, ``(k, B, ...)``) through ``spike`` at ``mem - thr``: the
     surrogate's own backward (elementwise), a few steps at a time; a new tensor."""
-    k = mem.shape[0]
-    per_step = max(1, mem[0].numel())
-    piece = max(1, min(k, PIECE_ELEMENTS // per_step))
-    if piece >= k:
+    pieces = _pieces(mem)
+    if len(pieces) == 1:
         return vjp(spike, mem - thr, grad)
     out = torch.empty_like(grad, dtype=torch.promote_types(grad.dtype, mem.dtype))
-    for a in range(0, k, piece):
-        out[a : a + piece] = vjp(spike, mem[a : a + piece] - thr, grad[a : a + piece])
+    for a, b in pieces:
+        out[a:b] = vjp(spike, mem[a:b] - thr, grad[a:b])
     return out
 
 
-def _is_unit(graded: Tensor) -> bool:
-    """Whether ``s * graded`` is ``s`` bitwise (a 0-d 1.0 without grad)."""
-    return graded.dim() == 0 and not graded.requires_grad and bool(graded == 1)
+_UNIT: dict[tuple[int, int], bool] = {}
+
+
+def is_unit(graded: Tensor) -> bool:
+    """Whether ``s * graded`` is ``s`` bitwise (a 0-d 1.0 without grad); the value is read
+    once per tensor version (no device sync per step)."""
+    if graded.dim() != 0 or graded.requires_grad:
+        return False
+    key = (id(graded), graded._version)
+    known = _UNIT.get(key)
+    if known is None:
+        if len(_UNIT) > 1024:
+            _UNIT.clear()
+        known = _UNIT[key] = bool(graded == 1)
+    return known
 
 
 class SynapticKernel:
@@ -294,13 +356,14 @@ class SynapticKernel:
         self.tensors = tensors
         self.spike = spike
         self.reset = reset
+        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
 
     @property
     def params(self) -> tuple[Tensor, ...]:
         return self.tensors()
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
-        return len(leaves) == 2 and _same_layout(leaves, z)
+        return len(leaves) == 2 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
 
     def forward(
         self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
@@ -327,7 +390,7 @@ class SynapticKernel:
                 mems.append(mem)
         all_fired = torch.stack(fires)
         s = all_fired[1:].float()
-        y = s if _is_unit(graded) else s * graded
+        y = s if is_unit(graded) else s * graded
         mem_all = torch.stack(mems) if keep or want_mem else None
         saved = (torch.stack(syns), mem_all, all_fired) if keep else None
         return [syn, mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
@@ -348,12 +411,12 @@ class SynapticKernel:
         want = _wanted([alpha, beta, thr, graded], need_params)
         thr_grad = graded_grad = None
         if g_y is not None:
-            g_s = g_y if _is_unit(graded) else g_y * graded
+            g_s = g_y if is_unit(graded) else g_y * graded
             g_m = surrogate_grad(self.spike, mems[1:], thr, g_s)
             if want[2]:
                 thr_grad = -reduce_to(g_m, thr)
             if want[3]:
-                graded_grad = reduce_to(g_y * fired[1:], graded)
+                graded_grad = reduce_product(g_y, fired[1:], graded)
             del g_s
         else:
             g_m = torch.zeros_like(mems[1:])
@@ -373,12 +436,12 @@ class SynapticKernel:
                 torch.add(g_base, carry_s, out=g_syn[t])
             carry_s = a * g_syn[t]
         if want[2] and self.reset == "subtract":
-            part = reduce_to(g_m * fired[:-1], thr)
+            part = reduce_product(g_m, fired[:-1], thr)
             thr_grad = -part if thr_grad is None else thr_grad - part
         if keep_old is not None:
             g_m.mul_(keep_old)  # dL/d base_t
-        alpha_grad = clamp_grad(reduce_to(g_syn * syns[:-1], a), alpha) if want[0] else None
-        beta_grad = clamp_grad(reduce_to(g_m * mems[:-1], b), beta) if want[1] else None
+        alpha_grad = clamp_grad(reduce_product(g_syn, syns[:-1], a), alpha) if want[0] else None
+        beta_grad = clamp_grad(reduce_product(g_m, mems[:-1], b), beta) if want[1] else None
         grads = [alpha_grad, beta_grad, thr_grad, graded_grad]
         return (
             g_syn if need_z else None,

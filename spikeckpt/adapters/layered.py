@@ -7,17 +7,9 @@ act on each sample alone are applied once to the ``(k * B, ...)`` reshaped chunk
 step by step), the neuron's step and membrane, whether the block draws random numbers, its
 parameters and its cleanup. The engine sees only these callables.
 
-**Fast neuron steps.** A layer-wise run evaluates every neuron step twice (forward pass and
-recomputation), so the Python cost of one neuron call decides whether it beats the user's own
-loop. snnTorch's ``Leaky.forward`` spends most of its time on module bookkeeping (it stores
-``mem`` and ``reset`` as module buffers at every call; the adapter then clears them), not on
-its five tensor ops. For a ``Leaky`` in explicit-state form with no hooks, quantisation,
-inhibition or ``output=True``, the block's ``bind`` gives a step that runs exactly those ops
-in the same order on the module's own tensors (``beta``, ``threshold``,
-``graded_spikes_factor``, ``spike_grad``) without touching the module: bitwise the same
-spikes, membranes and gradients, about 2.5x cheaper per call. Before its first use it is
-checked against the adapter's own step on random data (values and every gradient, bitwise);
-any difference (another snnTorch version) and the block keeps the adapter's step.
+**Fused neurons.** A block whose neuron's adapter offers a chunk kernel
+(:meth:`~spikeckpt.adapters.protocol.LayerAdapter.chunk_kernel`) gets it as ``fused``, wrapped
+in :class:`VerifiedKernel`: used only after a check against the adapter's own step.
 
 **Sparse first synapse.** A block whose synapse is one plain ``nn.Linear`` also gets a
 ``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
@@ -100,114 +92,6 @@ def _no_hooks(module: nn.Module) -> bool:
         or getattr(torch_module, "_global_forward_hooks", None)
         or getattr(torch_module, "_global_forward_pre_hooks", None)
     )
-
-
-def _snntorch_leaky(neuron: LayerAdapter) -> Callable[[], Step] | None:
-    """``bind() -> step`` running snnTorch ``Leaky.forward``'s ops without its bookkeeping, or
-    None when the neuron is not a plain explicit-state ``Leaky`` (see the module docstring).
-
-    The ops are those of snnTorch 1.0.0's ``Leaky.forward`` with ``init_hidden=False``:
-    ``reset = spike_grad(mem - threshold).clone().detach()``, then ``_base_sub`` /
-    ``_base_zero`` / ``_base_int`` (whichever is the module's ``state_function``), then
-    ``spk = spike_grad(mem - threshold) * graded_spikes_factor``.
-    """
-    m = getattr(neuron, "module", None)
-    cls = type(m)
-    if cls.__name__ != "Leaky" or not cls.__module__.startswith("snntorch"):
-        return None
-    state_cls = getattr(neuron, "state_cls", None)
-    function = getattr(getattr(m, "state_function", None), "__func__", None)
-    kinds = {getattr(cls, name, None): name for name in ("_base_sub", "_base_zero", "_base_int")}
-    if (
-        state_cls is None
-        or getattr(state_cls, "_fields", None) != ("mem",)
-        or function not in kinds
-        or m.init_hidden  # type: ignore[union-attr]
-        or getattr(m, "state_quant", True)
-        or getattr(m, "inhibition", True)
-        or getattr(m, "output", True)
-        or not getattr(m, "reset_delay", False)
-        or "forward" in vars(m)
-    ):
-        return None
-    kind = kinds[function]
-
-    def bind() -> Step:
-        beta, threshold = m.beta, m.threshold  # type: ignore[union-attr]
-        graded, spike = m.graded_spikes_factor, m.spike_grad  # type: ignore[union-attr]
-
-        def step(state: Any, x: Tensor) -> tuple[Any, Tensor]:
-            mem = state[0]
-            if mem.shape != x.shape:  # snnTorch's own rule (an empty initial state)
-                mem = torch.zeros_like(x, device=mem.device)
-            reset = spike(mem - threshold).detach()
-            if kind == "_base_sub":
-                mem = beta.clamp(0, 1) * mem + x - reset * threshold
-            elif kind == "_base_zero":
-                mem = (1 - reset) * mem
-                mem = beta.clamp(0, 1) * mem + x
-            else:
-                mem = beta.clamp(0, 1) * mem + x
-            return state_cls(mem), spike(mem - threshold) * graded
-
-        return step
-
-    return bind
-
-
-class _FastNeuron:
-    """A neuron's fast ``bind() -> step`` that falls back to the adapter's own step unless a
-    check on random data gives bitwise the same outputs, states and gradients (run once)."""
-
-    def __init__(self, neuron: LayerAdapter, bind: Callable[[], Step]) -> None:
-        self.neuron = neuron
-        self.fast = bind
-        self.verified: bool | None = None
-
-    def __call__(self) -> Step:
-        m = self.neuron.module
-        if self.verified is None:
-            self.verified = self._check()
-        if self.verified and _no_hooks(m) and not getattr(m, "init_hidden", True):
-            return self.fast()
-        return self.neuron.step
-
-    def _check(self) -> bool:
-        """Both steps on random data from a random state: outputs, new state and the gradients
-        of a weighted sum of both with respect to input, state and parameters, bitwise."""
-        neuron = self.neuron
-        m = neuron.module
-        try:
-            floats = [t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()]
-            like = floats[0] if floats else torch.zeros(())
-            params = [p for p in m.parameters() if p.requires_grad]
-            results = []
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                for step in (neuron.step, self.fast()):
-                    torch.manual_seed(0)  # the same data for both (and the same SSO draws)
-                    x = (torch.randn(3, 5) * 2).to(like).requires_grad_()
-                    mem = (torch.randn(3, 5) * 2).to(like).requires_grad_()
-                    state = neuron.init_state(x.detach())
-                    new, y = step(type(state)(mem), x)
-                    outs = [y, new[0]]
-                    weights = [
-                        torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in outs
-                    ]
-                    grads = torch.autograd.grad(outs, [x, mem, *params], weights, allow_unused=True)
-                    results.append([*(o.detach() for o in outs), *grads])
-                    neuron.cleanup()
-        except Exception:  # noqa: BLE001 - anything unexpected: keep the adapter's own step
-            return False
-        return all(
-            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-            for a, b in zip(*results, strict=True)
-        )
-
-
-def _bind(neuron: LayerAdapter) -> Callable[[], Step] | None:
-    """The block's ``bind`` for a neuron with a fast step, else None."""
-    fast = _snntorch_leaky(neuron)
-    return _FastNeuron(neuron, fast) if fast is not None else None
 
 
 class VerifiedKernel:
@@ -430,7 +314,6 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
                 draws_random=_draws_random(block),
                 params=list(params.values()),
                 cleanup=_cleanup(block),
-                bind=_bind(block.neuron),
                 sparse_synapse=_sparse_synapse(block.synapses),
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
             )

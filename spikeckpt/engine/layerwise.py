@@ -89,12 +89,13 @@ class LayerBlock:
         draws_random: whether ``synapse`` or ``step`` draw random numbers (replayed exactly).
         params: the tensors requiring grad that the block uses (its gradients' targets).
         cleanup: drops whatever the framework left on its modules (called after each run).
-        bind: optional ``() -> step``, called once per (chunk, block) run: a step equal to
-            ``step`` (bitwise) with the framework's per-call work taken out of the loop.
         sparse_synapse: optional ``synapse`` for inputs that need no gradient, cheaper on
             sparse inputs (equal to ``synapse`` up to float round-off). The engine uses it for
             the first block when ``x`` needs no gradient, in the forward pass and in the
             recomputation alike (so both compute the same values).
+        fused: optional :class:`~spikeckpt.engine.fused.ChunkKernel` running the neuron over a
+            whole chunk (forward, recomputation and backward) with ``step``'s arithmetic;
+            used where it accepts the chunk (and the run fuses), else ``step`` per step.
     """
 
     name: str
@@ -104,7 +105,6 @@ class LayerBlock:
     draws_random: bool
     params: list[Tensor]
     cleanup: Callable[[], None]
-    bind: Callable[[], Callable[[State, Tensor], tuple[State, Tensor]]] | None = None
     sparse_synapse: Callable[[Tensor | SparseChunk], Tensor] | None = None
     fused: ChunkKernel | None = None
 
@@ -248,7 +248,7 @@ class _LayerwiseJob(Job):
             return [y_all, mem_all], final
         spikes: list[Tensor] = []
         mems: list[Tensor] = []
-        step = block.bind() if block.bind is not None else block.step
+        step = block.step
         # unbind, not z[t]: the backward of one select per step would allocate and fill a
         # zero (k, B, ...) gradient each time, O(k^2) in the chunk length; unbind's is one stack
         for z_t in z.unbind(0):
