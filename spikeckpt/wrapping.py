@@ -21,6 +21,7 @@ from spikeckpt.adapters.layered import layer_blocks
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
+from spikeckpt.engine.compiled import COMPILE_CHOICES, Compile
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.packed import as_input, is_packed, step_of
 from spikeckpt.engine.scan import scan
@@ -83,9 +84,11 @@ class CheckpointedSequence(nn.Module):
         granularity: Granularity = "stack",
         chunk: int | None = None,
         fuse: bool = True,
+        compile: Compile = "auto",
     ) -> None:
         super().__init__()
         self.fuse = fuse
+        self.compile = _check_compile(compile)
         self.module = module
         self.adapter = adapter
         self.plan = plan
@@ -270,6 +273,7 @@ class CheckpointedSequence(nn.Module):
             directory=self._engine_kwargs().get("directory"),
             stats=True,
             fuse=self.fuse,
+            compile=self.compile,
         )
         if self._blocks[0].index is None:
             return ys, finals[0], stats
@@ -365,6 +369,7 @@ def wrap(
     granularity: Granularity = "stack",
     chunk: int | None = None,
     fuse: bool = True,
+    compile: Compile = "auto",
     **scan_kwargs: Any,
 ) -> CheckpointedSequence:
     """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
@@ -402,6 +407,11 @@ def wrap(
             ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
             one fused computation (:mod:`spikeckpt.engine.fused`); False: one call per step.
             ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
+        compile: layer-wise, fused neurons: compile their forward with ``torch.compile``
+            (:mod:`spikeckpt.engine.compiled`): ``"auto"`` (default) on CUDA, where the
+            compiled forward is timed against the eager one on the first chunk and kept when
+            faster (on CPU the compiled recurrence measured slower: eager there); True:
+            always (CPU too); False: never. Without a compiler: eager, with one line.
         **scan_kwargs: passed on to :func:`spikeckpt.scan` (``directory``, ``pack_tape``).
             Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``.
 
@@ -438,7 +448,14 @@ def wrap(
         granularity=granularity,
         chunk=chunk,
         fuse=fuse,
+        compile=compile,
     )
+
+
+def _check_compile(choice: Any) -> Compile:
+    if choice not in COMPILE_CHOICES or not isinstance(choice, (bool, str)):
+        raise ValueError(f"compile must be True, False or 'auto', got {choice!r}")
+    return choice  # type: ignore[no-any-return]
 
 
 def _has_membrane(adapter: LayerAdapter) -> bool:

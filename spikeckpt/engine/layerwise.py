@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.function import Job, run_job
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import grad
@@ -166,9 +167,15 @@ class _LayerwiseJob(Job):
         cuda: Sequence[int],
         group: int | None = None,
         fuse: bool = True,
+        compile: Compile = False,
     ) -> None:
         super().__init__(device, cuda, storage, directory, stats)
         self.fuse = fuse
+        compiling = fuse and wants_compile(compile, device)
+        self.kernels = [
+            compiled_kernel(b.fused, compile) if compiling and b.fused is not None else b.fused
+            for b in blocks
+        ]
         self.stats: LayerwiseStats = stats
         self.blocks = list(blocks)
         self.state_defs = state_defs
@@ -232,12 +239,13 @@ class _LayerwiseJob(Job):
             z = block.synapse(inp)
         state = pytree.tree_unflatten(leaves, self.state_defs[b])
         want_mem = top and self.output != "spikes"
-        fused = block.fused is not None and self.fuse and block.fused.accepts(leaves, z)
+        kernel = self.kernels[b]
+        fused = kernel is not None and self.fuse and kernel.accepts(leaves, z)
         if not recomputing():
-            self.stats.blocks[b].count_neuron(block.fused.name if fused else "per-step")
+            self.stats.blocks[b].count_neuron(kernel.name if kernel and fused else "per-step")
         if fused:
-            assert block.fused is not None
-            state, y_all, mem_all = run_fused(block.fused, state, z, want_mem)
+            assert kernel is not None
+            state, y_all, mem_all = run_fused(kernel, state, z, want_mem)
             self.stats.forward_steps += z.shape[0]
             final = pytree.tree_leaves(state)
             if not top or self.output == "spikes":
@@ -535,6 +543,7 @@ def layerwise_scan(
     stats: bool = False,
     group: int | None = None,
     fuse: bool = True,
+    compile: Compile = False,
 ) -> Any:
     """Run a feed-forward stack of blocks over ``x (T, B, ...)`` with layer-wise checkpointing.
 
@@ -558,6 +567,8 @@ def layerwise_scan(
         group: chunks per off-device store entry (None: see :data:`GROUP_SHARE`).
         fuse: run a block's neuron over each chunk with its ``fused`` kernel where it has one
             and accepts the chunk (:mod:`spikeckpt.engine.fused`); False: one step at a time.
+        compile: compile the fused neurons' forward (:mod:`spikeckpt.engine.compiled`):
+            True, False, or ``"auto"`` (on CUDA, where measured faster on the first chunk).
 
     Returns:
         ``(ys, final_states)`` (``ys`` a tensor, or a ``(spikes, mem)`` tuple with
@@ -617,6 +628,7 @@ def layerwise_scan(
         cuda=cuda_devices((*([] if packed else [x]), *leaves, *params)),
         group=group,
         fuse=fuse,
+        compile=compile,
     )
     if packed:
         job.referenced = []  # a packed train is immutable: nothing to check in backward
