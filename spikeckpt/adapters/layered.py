@@ -37,6 +37,7 @@ from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeL
 from spikeckpt.adapters.protocol import LayerAdapter
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
+from spikeckpt.engine.grad import GradSink
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.packed import SparseChunk
 
@@ -188,12 +189,55 @@ def _cleanup(block: Block) -> Callable[[], None]:
     return cleanup
 
 
+#: a weight's transposed copy for the gather is made a block of input columns at a time when
+#: the weight has more elements than this (4 MiB of float32): no weight-sized temporary
+GATHER_BLOCK = 1 << 20
+
+
+def _gather(
+    weight: Tensor, n_rows: int, rows: Tensor, cols: Tensor, values: Tensor | None
+) -> Tensor:
+    """``flat @ weight.T`` (``(n_rows, out)``) from the non-zeros of ``flat``: a gather-sum
+    over the rows of ``weight.T``; for a large weight, over blocks of its input columns (each
+    block's partial sums added in block order: the same order in forward and recomputation)."""
+    out, n_in = weight.shape
+    if weight.numel() <= GATHER_BLOCK:
+        counts = torch.bincount(rows, minlength=n_rows)
+        return nn.functional.embedding_bag(
+            cols, weight.t().contiguous(), counts.cumsum(0) - counts, mode="sum",
+            per_sample_weights=values,
+        )  # fmt: skip
+    step = max(1, GATHER_BLOCK // out)
+    block = cols // step
+    order = _column_order(block, -(-n_in // step))  # stable: row-major inside each block
+    ends = torch.bincount(block, minlength=-(-n_in // step)).cumsum(0).tolist()
+    z: Tensor | None = None
+    a = 0
+    for i, c0 in enumerate(range(0, n_in, step)):
+        take = order[a : ends[i]]
+        a = ends[i]
+        if not take.numel():
+            continue
+        r = rows[take]
+        counts = torch.bincount(r, minlength=n_rows)
+        part = nn.functional.embedding_bag(
+            cols[take] - c0,
+            weight[:, c0 : c0 + step].t().contiguous(),
+            counts.cumsum(0) - counts,
+            mode="sum",
+            per_sample_weights=None if values is None else values[take],
+        )
+        z = part if z is None else z.add_(part)
+    return weight.new_zeros(n_rows, out) if z is None else z
+
+
 class _GatherLinear(torch.autograd.Function):
     """``flat @ weight.T + bias`` for a ``flat (rows, in)`` input given by its non-zeros
     (``rows``, ``cols`` ascending row-major, ``values`` or None for ones): a gather-sum over
-    the transposed weight; the weight gradient ``grad.T @ flat`` is a gather-sum over the rows
-    of ``grad``, one bag per input column (no weight-sized temporaries kept: the transposed
-    copy lives only during the gather). The input needs no gradient."""
+    the transposed weight (:func:`_gather`); the weight gradient ``grad.T @ flat`` is a
+    gather-sum over the rows of ``grad``, one bag per input column, a block of columns at a
+    time, added into the engine's running sum when it offers a :class:`GradSink`. No
+    weight-sized temporaries. The input needs no gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -204,17 +248,16 @@ class _GatherLinear(torch.autograd.Function):
         rows: Tensor,
         cols: Tensor,
         values: Tensor | None,
+        sink: GradSink | None,
     ) -> Tensor:
-        counts = torch.bincount(rows, minlength=n_rows)
-        z = nn.functional.embedding_bag(
-            cols, weight.t().contiguous(), counts.cumsum(0) - counts, mode="sum",
-            per_sample_weights=values,
-        )  # fmt: skip
+        z = _gather(weight, n_rows, rows, cols, values)
         if bias is not None:
             z.add_(bias)
         ctx.save_for_backward(rows, cols, values)
         ctx.has_bias = bias is not None
         ctx.n_in = weight.shape[1]
+        ctx.weight_shape = weight.shape
+        ctx.sink = sink
         return z
 
     @staticmethod
@@ -224,18 +267,39 @@ class _GatherLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # grad.T @ flat as a gather-sum too: column j of the weight gradient sums the
             # rows of ``grad`` where input j is non-zero (bags over the input's columns, rows
-            # ascending in each); it comes out transposed, (in, out), returned as its view
+            # ascending in each), a block of columns at a time
             order = _column_order(cols, ctx.n_in)
             counts = torch.bincount(cols, minlength=ctx.n_in)
-            grad_w = nn.functional.embedding_bag(
-                rows[order],
-                grad.contiguous(),
-                counts.cumsum(0) - counts,
-                mode="sum",
-                per_sample_weights=None if values is None else values[order],
-            ).t()
+            ends = counts.cumsum(0)
+            rows, grad = rows[order], grad.contiguous()
+            weights = None if values is None else values[order]
+            sink: GradSink | None = ctx.sink if ctx.sink is not None and ctx.sink.active else None
+            target = None if sink is None else sink.target
+            if sink is not None and target is None:  # the first contribution: a new sum
+                target = sink.target = grad.new_zeros(ctx.weight_shape)
+            if target is None:
+                target = grad.new_empty(ctx.weight_shape)
+                add = False
+            else:
+                add = True
+            step = max(1, (1 << 18) // max(1, grad.shape[1]))  # columns per block (1 MiB)
+            for c0 in range(0, ctx.n_in, step):
+                c1 = min(ctx.n_in, c0 + step)
+                a = int(ends[c0 - 1]) if c0 else 0
+                part = nn.functional.embedding_bag(
+                    rows[a : int(ends[c1 - 1])],
+                    grad,
+                    (ends[c0:c1] - counts[c0:c1]) - a,
+                    mode="sum",
+                    per_sample_weights=None if weights is None else weights[a : int(ends[c1 - 1])],
+                ).t()
+                if add:
+                    target[:, c0:c1] += part
+                else:
+                    target[:, c0:c1] = part
+            grad_w = None if sink is not None else target
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
-        return grad_w, grad_b, None, None, None, None
+        return grad_w, grad_b, None, None, None, None, None
 
 
 def _column_order(cols: Tensor, n_in: int) -> Tensor:
@@ -248,7 +312,7 @@ def _column_order(cols: Tensor, n_in: int) -> Tensor:
 
 
 def _sparse_synapse(
-    synapses: Sequence[LayerAdapter],
+    synapses: Sequence[LayerAdapter], sink: GradSink | None = None
 ) -> Callable[[Tensor | SparseChunk], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
     module docstring), or None unless the synapse is exactly one plain ``nn.Linear``. It takes
@@ -289,10 +353,23 @@ def _sparse_synapse(
             where = torch.nonzero(flat)
             rows, cols = where[:, 0], where[:, 1]
             values = flat[rows, cols]
-        z = _GatherLinear.apply(weight, bias, n_rows, rows, cols, values)
+        z = _GatherLinear.apply(weight, bias, n_rows, rows, cols, values, sink)
         return z.reshape(*shape[:-1], z.shape[-1])
 
     return synapse
+
+
+def _weight_sink(
+    synapses: Sequence[LayerAdapter],
+) -> tuple[GradSink | None, tuple[tuple[Tensor, GradSink], ...]]:
+    """A gradient sink for the weight of a block whose synapse is one plain ``nn.Linear``
+    (its sparse synapse adds each chunk's weight gradient into the engine's running sum)."""
+    inner = _batched_inner(synapses[0]) if len(synapses) == 1 else None
+    linear = inner.module if inner is not None else None
+    if type(linear) is not nn.Linear:
+        return None, ()
+    sink = GradSink()
+    return sink, ((linear.weight, sink),)
 
 
 def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
@@ -306,6 +383,7 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
             for t in (*layer.module.parameters(), *layer.extra_params())
         }
         kernel = block.neuron.chunk_kernel()
+        sink, sinks = _weight_sink(block.synapses)
         out.append(
             LayerBlock(
                 name=block.name,
@@ -315,7 +393,8 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
                 draws_random=_draws_random(block),
                 params=list(params.values()),
                 cleanup=_cleanup(block),
-                sparse_synapse=_sparse_synapse(block.synapses),
+                sparse_synapse=_sparse_synapse(block.synapses, sink),
+                sinks=sinks,
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
             )
         )

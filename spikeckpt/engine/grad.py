@@ -14,7 +14,28 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
-__all__ = ["FeedGrads", "grad"]
+__all__ = ["FeedGrads", "GradSink", "grad"]
+
+
+class GradSink:
+    """Where an op's backward may add a parameter's gradient in place, instead of returning a
+    new parameter-sized tensor for the caller to add to its running sum.
+
+    The engine sets :attr:`target` to its running sum of the parameter's gradient (or None
+    before the first contribution) around one backward pass; an op that supports the sink
+    adds its contribution into ``target`` (creating it, parameter-shaped and -strided, when
+    None) and returns no gradient for the parameter; the engine then takes ``target`` as the
+    sum. Sums keep their order: ``sum + contribution``, elementwise, as the plain loop's.
+
+    Attributes:
+        target: the running sum (parameter-shaped) or None.
+        active: whether the engine is collecting through this sink now (an op ignores an
+            inactive sink and returns its gradient as usual).
+    """
+
+    def __init__(self) -> None:
+        self.target: Tensor | None = None
+        self.active = False
 
 
 class FeedGrads(torch.autograd.Function):

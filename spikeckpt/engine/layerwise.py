@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.function import Job, run_job
 from spikeckpt.engine.fused import ChunkKernel, run_fused
-from spikeckpt.engine.grad import grad
+from spikeckpt.engine.grad import GradSink, grad
 from spikeckpt.engine.packed import SparseChunk, as_input, chunk_of, is_packed, sparse_chunk_of
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import READOUTS, Reducer
@@ -97,6 +97,9 @@ class LayerBlock:
         fused: optional :class:`~spikeckpt.engine.fused.ChunkKernel` running the neuron over a
             whole chunk (forward, recomputation and backward) with ``step``'s arithmetic;
             used where it accepts the chunk (and the run fuses), else ``step`` per step.
+        sinks: ``(parameter, sink)`` pairs: the synapse's backward adds that parameter's
+            gradient into the engine's running sum in place (:class:`GradSink`), so no
+            parameter-sized gradient is made per chunk.
     """
 
     name: str
@@ -108,6 +111,7 @@ class LayerBlock:
     cleanup: Callable[[], None]
     sparse_synapse: Callable[[Tensor | SparseChunk], Tensor] | None = None
     fused: ChunkKernel | None = None
+    sinks: tuple[tuple[Tensor, GradSink], ...] = ()
 
 
 def chunk_for(plan: Any, T: int) -> int:
@@ -469,6 +473,23 @@ class _LayerwiseJob(Job):
         g_state = [g if need else None for g, need in zip(sum(carry, []), need_state, strict=True)]
         return [grad_x, *g_state, *grad_p]
 
+    def _open_sinks(self, b: int, grad_p: list[Tensor | None]) -> list[tuple[int, GradSink]]:
+        """Point block ``b``'s gradient sinks at this job's running sums (None before the
+        first contribution; a sum this job does not own is copied first)."""
+        opened = []
+        ids = {id(p): j for j, p in enumerate(self.params)}
+        for param, sink in self.blocks[b].sinks:
+            j = ids.get(id(param))
+            if j is None:
+                continue
+            acc = grad_p[j]
+            if acc is not None and j not in self.owned:
+                acc = grad_p[j] = acc.clone()
+                self.owned.add(j)
+            sink.target, sink.active = acc, True
+            opened.append((j, sink))
+        return opened
+
     def _backward_block(
         self,
         c: int,
@@ -505,13 +526,21 @@ class _LayerwiseJob(Job):
                     roots.append(o)
                     root_grads.append(g)
             pidx = self.block_params[b]
+            sinks = self._open_sinks(b, grad_p)
             wrt = [inp, *leaves, *(self.params[j] for j in pidx)]
             mask = [isinstance(t, Tensor) and t.requires_grad for t in wrt]
             targets = [t for t, m in zip(wrt, mask, strict=True) if m]
             got: list[Tensor | None] = [None] * len(wrt)
-            if roots and targets:
-                it = iter(grad(roots, targets, root_grads))
-                got = [next(it) if m else None for m in mask]
+            try:
+                if roots and targets:
+                    it = iter(grad(roots, targets, root_grads))
+                    got = [next(it) if m else None for m in mask]
+            finally:
+                for j, sink in sinks:  # the sums the synapse added into (or started)
+                    if sink.target is not None:
+                        grad_p[j] = sink.target
+                        self.owned.add(j)
+                    sink.target, sink.active = None, False
         for j, g in zip(pidx, got[1 + len(leaves) :], strict=True):
             acc = grad_p[j]
             if g is None:

@@ -31,27 +31,34 @@ __all__ = [
 
 
 class TrainWindow:
-    """Steps ``start <= t < T`` of a packed train, as a train of ``T - start`` steps (no copy).
+    """Steps ``start <= t < stop`` of a packed train (``stop`` default: its ``T``), as a train
+    of ``stop - start`` steps (no copy).
 
     Has the part of :class:`~spikeckpt.storage.SpikeTrain`'s contract the engine uses:
-    ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step`` and ``chunk``.
+    ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step``, ``chunk`` and
+    ``chunk_positions``.
     """
 
-    def __init__(self, train: SpikeTrain | TrainWindow, start: int) -> None:
+    def __init__(
+        self, train: SpikeTrain | TrainWindow, start: int, stop: int | None = None
+    ) -> None:
         if isinstance(train, TrainWindow):
+            stop = train.start + (train.T if stop is None else stop)
             train, start = train.train, train.start + start
-        if not 0 <= start <= train.T:
-            raise IndexError(f"a window from step {start} of a train of T={train.T} steps")
+        stop = train.T if stop is None else stop
+        if not 0 <= start <= stop <= train.T:
+            raise IndexError(f"a window of steps {start}..{stop} of a train of T={train.T} steps")
         self.train = train
         self.start = start
+        self.stop = stop
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.train.T - self.start, *self.train.shape[1:]))
+        return torch.Size((self.T, *self.train.shape[1:]))
 
     @property
     def T(self) -> int:
-        return self.train.T - self.start
+        return self.stop - self.start
 
     @property
     def dtype(self) -> torch.dtype:

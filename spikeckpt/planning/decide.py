@@ -43,6 +43,7 @@ from spikeckpt.planning.probe import (
     block_sizes,
     compute_device,
     layerwise_probe_chunks,
+    layerwise_seconds,
     layerwise_working_bytes,
     probe_model,
     scaled_sizes,
@@ -257,6 +258,8 @@ class _Layered(NamedTuple):
     blocks: list[LayerBlock]
     sizes: list[BlockSizes]
     working: MeasuredWorking | None = None
+    #: measured ``(seconds per step, seconds per chunk)`` of the training step's run
+    seconds: tuple[float, float] | None = None
 
 
 def _layerwise_candidate(
@@ -302,7 +305,19 @@ def _layerwise_candidate(
         fuse=fuse,
         max_bytes=max_bytes,
     )
-    return _Layered(blocks, sizes, working)
+    allowed = layerwise_probe_chunks(int(x.shape[0]), sizes, max_bytes)  # held like the probe
+    seconds = layerwise_seconds(
+        blocks,
+        x,
+        lambda x_t: model.block_states(model.initial_state(x_t)),
+        device=device,
+        storage=model.storage,
+        readout=model.readout,
+        output=model.output,
+        fuse=fuse,
+        chunks=(allowed[0], allowed[-1]),
+    )
+    return _Layered(blocks, sizes, working, seconds)
 
 
 def _layerwise_may_pay(model: Planned, x: Any) -> bool:
@@ -668,6 +683,7 @@ class BudgetPlanner:
         sizes = layered.sizes if layered is not None else None
         # layer-wise: the measured working set holds the running sums of the gradients
         working = layered.working if layered is not None else None
+        seconds = layered.seconds if layered is not None else None
         if self.broadcast is not None:
             probe, sizes, working = self.broadcast((probe, sizes, working))
         if sizes is not None:
@@ -717,6 +733,7 @@ class BudgetPlanner:
                     costs,
                     base,
                     working,
+                    seconds,
                 )
         if layer is not None and (
             stack is None
@@ -785,9 +802,10 @@ class BudgetPlanner:
         costs: CostModel,
         step: StepBytes,
         working: MeasuredWorking | None,
+        seconds: tuple[float, float] | None = None,
     ) -> PlanChoice:
         modeled = layerwise_cost(
-            T, chunk, sizes, remote=not on_device, costs=costs, working=working
+            T, chunk, sizes, remote=not on_device, costs=costs, working=working, seconds=seconds
         )
         plan = plans.Uniform(modeled.chunk).for_length(T)
         return PlanChoice(

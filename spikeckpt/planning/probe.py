@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from spikeckpt.engine.fused import run_fused
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.meter import MemoryMeter
-from spikeckpt.engine.packed import chunk_of, is_packed, step_of
+from spikeckpt.engine.packed import TrainWindow, chunk_of, is_packed, step_of
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import SavedBytes, measure_step
@@ -488,9 +488,14 @@ LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
 PROBE_SAMPLES = 2
 
 
-def _working(sizes: Sequence[BlockSizes]) -> int:
-    """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``."""
-    return max(b.step_bytes + 2 * b.input_bytes + b.output_bytes for b in sizes)
+def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
+    """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``; with
+    ``sparse_first`` (a packed input its synapse reads as positions, never dense, never
+    differentiated) the first block's input counts nothing."""
+    return max(
+        b.step_bytes + (0 if sparse_first and i == 0 else 2 * b.input_bytes) + b.output_bytes
+        for i, b in enumerate(sizes)
+    )
 
 
 def layerwise_probe_chunks(
@@ -573,15 +578,81 @@ def layerwise_working_bytes(
     # gradients and with an input gradient (every block taped alike: more than it holds)
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
-    tape = run(one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=False)
-    slope = steepest_chord(tape, _working(one))
+    # a packed input never takes a gradient: its run tapes as the training step does (the
+    # parameters' gradient sums, constant in the chunk, are in every point alike)
+    tape = run(
+        one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x)
+    )
+    sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
+    slope = steepest_chord(tape, _working(one, sparse_first))
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     step = run(sizes, layerwise_probe_chunks(T, sizes, max_bytes), samples=batch, training=True)
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
         points.append((k, held))
-    return MeasuredWorking(tuple(points), max(_working(sizes), -(-slope * batch // few)))
+    return MeasuredWorking(
+        tuple(points), max(_working(sizes, sparse_first), -(-slope * batch // few))
+    )
+
+
+def layerwise_seconds(
+    blocks: Sequence[LayerBlock],
+    x: Any,
+    states_for: Callable[[Tensor], list[Any]],
+    *,
+    device: torch.device,
+    storage: str,
+    readout: Any,
+    output: str,
+    fuse: bool = True,
+    chunks: tuple[int, int] = (4, 16),
+) -> tuple[float, float]:
+    """Time the training step's layer-wise run: ``(seconds per step, seconds per chunk)``.
+
+    Runs the engine's layer-wise forward and backward (parameters' gradients returned, not
+    accumulated) on the first ``2 * long`` steps of ``x``, whole batch, at the two chunk
+    lengths ``chunks = (short, long)`` (a warm-up run first: one-time checks of fused
+    kernels, caches), and solves
+    ``t(k) = n * per_step + ceil(n / k) * per_chunk`` from the two times (each the faster of
+    two runs). Fused neurons, synapses and the tier's copies are in the times, as they run.
+    Changes nothing: RNG forked, no ``.grad`` touched, layers skip their side effects.
+    """
+    T = int(x.shape[0])
+    n = max(1, min(T, 2 * chunks[1]))
+    xs = chunk_of(x, 0, n, device).detach() if not is_packed(x) else None
+    params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
+
+    def run(chunk: int) -> float:
+        inputs = xs if xs is not None else TrainWindow(x, 0, n)
+        states = states_for(chunk_of(x, 0, 1, device)[0].detach())
+        start = time.perf_counter()
+        ys, _ = layerwise_scan(
+            blocks, inputs, states, chunk=chunk, storage="host" if storage == "disk" else storage,
+            readout=readout, output=output, params=params, fuse=fuse,
+        )  # fmt: skip
+        outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
+        if outs and params:
+            torch.autograd.grad(outs, params, [torch.ones_like(y) for y in outs], allow_unused=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    short, long_ = min(chunks[0], n), min(chunks[1], n)
+    try:
+        with torch.random.fork_rng(devices=cuda_devices([p for p in params])), recompute_phase():
+            run(long_)  # warm-up
+            t_short = min(run(short) for _ in range(2))
+            t_long = min(run(long_) for _ in range(2)) if long_ != short else t_short
+    finally:
+        for block in blocks:
+            block.cleanup()
+    chunks_short, chunks_long = -(-n // short), -(-n // long_)
+    if chunks_short == chunks_long:
+        return t_long / n, 0.0
+    per_chunk = max(0.0, (t_short - t_long) / (chunks_short - chunks_long))
+    per_step = max(0.0, (t_long - chunks_long * per_chunk) / n)
+    return per_step, per_chunk
 
 
 def _probe_residuals(

@@ -187,12 +187,16 @@ def layerwise_cost(
     remote: bool = True,
     costs: CostModel | None = None,
     working: MeasuredWorking | None = None,
+    seconds: tuple[float, float] | None = None,
 ) -> LayerwiseCost:
     """Model a layer-wise run of ``blocks`` over ``T`` steps in chunks of ``chunk`` steps.
 
     ``costs.write`` / ``costs.read`` are the times to copy one whole stack state; the packed
     trains are charged in proportion to their bytes. ``working``: the measured working set
-    (None: ``chunk * max_b (A_b + 2 I_b + O_b)``).
+    (None: ``chunk * max_b (A_b + 2 I_b + O_b)``). ``seconds``: measured ``(per step, per
+    chunk)`` times of the training step's layer-wise run (its fused neurons, synapses and
+    copies included); the time is then ``T * per_step + chunks * per_chunk`` instead of the
+    model from the stack's step times.
     """
     if T < 1 or chunk < 1:
         raise ValueError(f"need T >= 1 and chunk >= 1, got T={T}, chunk={chunk}")
@@ -210,8 +214,11 @@ def layerwise_cost(
     # the first block's input is the caller's tensor: referenced, never copied
     stored = trains + (n_chunks - 1) * states
     peak = 2 * states + held + (0 if remote else stored)
-    time = T * (2 * costs.forward + costs.backward) + n_chunks * len(blocks) * costs.segment
-    if remote and states > 0:
+    if seconds is not None:
+        time = T * seconds[0] + n_chunks * seconds[1]
+    else:
+        time = T * (2 * costs.forward + costs.backward) + n_chunks * len(blocks) * costs.segment
+    if remote and states > 0 and seconds is None:
         per_byte = (costs.write + costs.read) / states
         time += per_byte * stored
     return LayerwiseCost(
