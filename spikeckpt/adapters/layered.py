@@ -128,6 +128,19 @@ class VerifiedKernel:
         return self.kernel.backward(*args)
 
 
+def _sample_shape(step: torch.Size, params: Sequence[Tensor]) -> tuple[int, ...]:
+    """One sample of a step's shape ``(B, ...)``, each dimension kept only where a parameter
+    varies along it (aligned from the right, as broadcasting aligns them): the smallest input
+    on which the kernel meets every parameter value."""
+    dims = list(step[1:])
+    kept = [1] * len(dims)
+    for p in params:
+        for i in range(1, min(p.dim(), len(dims)) + 1):
+            if p.shape[-i] > 1:
+                kept[-i] = dims[-i]
+    return (1, *kept)
+
+
 def _kernel_matches_step(
     neuron: LayerAdapter, kernel: ChunkKernel, leaves: Sequence[Tensor], z: Tensor
 ) -> bool:
@@ -137,16 +150,17 @@ def _kernel_matches_step(
     from torch.utils import _pytree as pytree
 
     params = [p for p in kernel.params if p.requires_grad]
+    shape = _sample_shape(z.shape[1:], kernel.params)
     spec = pytree.tree_structure(neuron.init_state(z[0, :1]))
     results = []
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             for fused in (False, True):
                 torch.manual_seed(0)
-                x = (torch.randn(4, 1, *z.shape[2:], dtype=leaves[0].dtype) * 2).to(z.device)
+                x = (torch.randn(4, *shape, dtype=leaves[0].dtype) * 2).to(z.device)
                 x.requires_grad_()
                 start = [
-                    (torch.randn(1, *t.shape[1:], dtype=t.dtype) * 2).to(t.device).requires_grad_()
+                    (torch.randn(shape, dtype=t.dtype) * 2).to(t.device).requires_grad_()
                     for t in leaves
                 ]
                 state = pytree.tree_unflatten(start, spec)

@@ -430,10 +430,12 @@ def block_sizes(
                 with SavedBytes(exclude=params) as synapse:
                     z = block.synapse(h.unsqueeze(0))[0]  # the run's own (chunk) synapse op
                 with SavedBytes(exclude=params) as neuron:
-                    _, y = block.step(pytree.tree_unflatten(leaves, spec), z)
+                    new, y = block.step(pytree.tree_unflatten(leaves, spec), z)
                 tape = synapse.bytes + neuron.bytes
+                del new  # the step's graph is freed before the fused chunk is measured
+                y, z = y.detach(), z.detach()
                 if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
-                    tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z.detach())
+                    tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
                 density = float(h.float().mean()) if is_binary(h) else None
                 sizes.append(BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density))
                 h = y.detach()
@@ -444,20 +446,24 @@ def block_sizes(
 
 
 def _fused_step_bytes(kernel: Any, leaves: list[Tensor], spec: Any, z_t: Tensor) -> int:
-    """A fused neuron's bytes per chunk step: the peak of its forward and backward over 3
-    steps less that over 1 step, halved (what it saves and the backward's temporaries grow
-    by per step), from the state ``leaves`` on the input step ``z_t`` repeated."""
+    """A fused neuron's bytes per chunk step, for the batch of ``z_t``: the peak of its
+    forward and backward over 3 steps less that over 1 step, halved (what it saves and the
+    backward's temporaries grow by per step), measured on one sample (the state ``leaves``'
+    first, the input step ``z_t``'s first, repeated) and scaled to the batch."""
+    batch = int(z_t.shape[0]) if z_t.dim() else 1
+    one = [t[:1] for t in leaves]
     peaks = []
     for k in (1, 3):
-        z = z_t.expand(k, *z_t.shape).clone().requires_grad_(z_t.is_floating_point())
+        z = z_t[:1].expand(k, *z_t[:1].shape).clone()
+        z.requires_grad_(z.is_floating_point())
         with MemoryMeter(z.device) as meter:
-            state = pytree.tree_unflatten(leaves, spec)
+            state = pytree.tree_unflatten(one, spec)
             _, y, _ = run_fused(kernel, state, z, False)
             if y.requires_grad:
                 torch.autograd.grad(y, [z], torch.ones_like(y), allow_unused=True)
             del y, state
         peaks.append(meter.peak_bytes)
-    return max(0, (peaks[1] - peaks[0]) // 2)
+    return max(0, (peaks[1] - peaks[0]) * batch // 2)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -580,9 +586,7 @@ def layerwise_working_bytes(
     one = [scaled_sizes(b, few, batch) for b in sizes]
     # a packed input never takes a gradient: its run tapes as the training step does (the
     # parameters' gradient sums, constant in the chunk, are in every point alike)
-    tape = run(
-        one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x)
-    )
+    tape = run(one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x))
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     slope = steepest_chord(tape, _working(one, sparse_first))
     # the step itself at the shortest lengths: the whole batch, as the training step runs
