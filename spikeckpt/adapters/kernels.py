@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.grad import grad as engine_grad
+
 __all__ = [
     "LeakyKernel",
     "NorseKernel",
@@ -59,7 +61,7 @@ def vjp(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> Tensor:
         out = fn(leaf)
         if not out.requires_grad:
             return torch.zeros_like(grad)
-        (got,) = torch.autograd.grad(out, leaf, grad, allow_unused=True)
+        (got,) = engine_grad([out], [leaf], [grad])
     return torch.zeros_like(grad) if got is None else got
 
 
