@@ -1,8 +1,8 @@
 """Blocks for the layer-wise granularity: adapters turned into the engine's plain callables.
 
-:func:`spikeckpt.adapters.sequential.split_blocks` cuts a feed-forward stack into blocks
-(stateless synapse layers, then one neuron); :func:`layer_blocks` turns each into an
-:class:`~spikeckpt.engine.layerwise.LayerBlock`: a synapse over a whole time chunk (layers that
+`spikeckpt.adapters.sequential.split_blocks` cuts a feed-forward stack into blocks
+(stateless synapse layers, then one neuron); [`layer_blocks`][spikeckpt.adapters.layered.layer_blocks] turns each into an
+[`LayerBlock`][spikeckpt.engine.layerwise.LayerBlock]: a synapse over a whole time chunk (layers that
 act on each sample alone are applied once to the ``(k * B, ...)`` reshaped chunk, the others
 step by step), the neuron's step and membrane, whether the block draws random numbers, its
 parameters and its cleanup. The engine sees only these callables.
@@ -20,7 +20,7 @@ checked against the adapter's own step on random data (values and every gradient
 any difference (another snnTorch version) and the block keeps the adapter's step.
 
 **Sparse first synapse.** A block whose synapse is one plain ``nn.Linear`` also gets a
-``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
+``sparse_synapse``: on the CPU, for an input chunk with at most `SPARSE_DENSITY`
 non-zeros, the synaptic input is a gather-sum over the non-zero inputs
 (``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
 a dense matmul, and its weight gradient ``grad.T @ x`` is a gather-sum too (bags over the

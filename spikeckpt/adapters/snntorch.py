@@ -213,7 +213,7 @@ def _check_buffers(adapter: SnnTorchNeuronAdapter) -> None:
 
 
 def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> LayerAdapter:
-    """The adapter for a snnTorch layer, or raise :class:`UnsupportedLayerError`.
+    """The adapter for a snnTorch layer, or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError].
 
     ``adapter_for`` is the registry's lookup (unused: snnTorch's layers hold no children that
     need adapting; containers are stacks, handled by the registry)."""

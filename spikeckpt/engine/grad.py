@@ -2,7 +2,7 @@
 and the parameter gradients accumulated so far fed back in so sums run in plain-loop order.
 
 Both granularities (the schedule executor and the layer-wise job) take their segment
-gradients through :func:`grad`, feeding earlier contributions with :class:`FeedGrads`.
+gradients through `grad`, feeding earlier contributions with `FeedGrads`.
 """
 
 from __future__ import annotations

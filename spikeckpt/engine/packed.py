@@ -1,9 +1,9 @@
 """Packed input trains: how the engine reads its input one step or one chunk at a time.
 
 The engine's time-first input may be a dense tensor ``(T, B, ...)`` or a packed spike train
-(:class:`~spikeckpt.storage.SpikeTrain`; a ``torch.sparse_coo`` train is packed first by
-:func:`as_input`). A packed train stays packed where it is (on the host, or on the device at 1
-bit per element); :func:`step_of` and :func:`chunk_of` unpack one step or one chunk on the
+([`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]; a ``torch.sparse_coo`` train is packed first by
+`as_input`). A packed train stays packed where it is (on the host, or on the device at 1
+bit per element); `step_of` and `chunk_of` unpack one step or one chunk on the
 compute device when the run needs it, so the dense train never exists whole. A packed train
 gets no gradient (it holds spikes, not a differentiable tensor).
 """
@@ -31,7 +31,7 @@ __all__ = [
 class TrainWindow:
     """Steps ``start <= t < T`` of a packed train, as a train of ``T - start`` steps (no copy).
 
-    Has the part of :class:`~spikeckpt.storage.SpikeTrain`'s contract the engine uses:
+    Has the part of [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]'s contract the engine uses:
     ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step`` and ``chunk``.
     """
 
@@ -114,5 +114,5 @@ def input_nbytes(x: Any) -> int:
 
 
 def drop_first(x: Any) -> Any:
-    """``x`` without its first step: ``x[1:]``, or a :class:`TrainWindow` of a packed train."""
+    """``x`` without its first step: ``x[1:]``, or a `TrainWindow` of a packed train."""
     return TrainWindow(x, 1) if is_packed(x) else x[1:]
