@@ -358,7 +358,7 @@ DODGE_DECADES = 0.12
 
 
 def plot_sweep(rows: Sequence[Measurement], path: Path) -> Path:
-    """Save :func:`sweep_figure` as a PNG at ``path``; returns ``path``."""
+    """Save `sweep_figure` as a PNG at ``path``; returns ``path``."""
     plt = _pyplot()
     fig = sweep_figure(rows)
     fig.savefig(path, dpi=110)

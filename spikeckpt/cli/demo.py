@@ -853,7 +853,7 @@ def save_plot(
     batch: int | None = None,
     budget_bytes: int | None = None,
 ) -> Path:
-    """Save :func:`demo_figure` as a PNG at ``path``; returns ``path``."""
+    """Save `demo_figure` as a PNG at ``path``; returns ``path``."""
     import matplotlib.pyplot as plt
 
     figure = demo_figure(rows, T=T, batch=batch, budget_bytes=budget_bytes)
