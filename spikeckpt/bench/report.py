@@ -354,7 +354,7 @@ def _plain_log_axis(axis: Any, values: Sequence[float], fixed: bool = False) -> 
 
 
 #: Sideways spread of a length's points in ``plot_sweep``, in decades of T, over all series.
-DODGE_DECADES = 0.12
+DODGE_DECADES = 0.15
 
 
 def plot_sweep(rows: Sequence[Measurement], path: Path) -> Path:
@@ -392,7 +392,7 @@ def sweep_figure(rows: Sequence[Measurement]) -> Any:
             "linestyle": line,
             "label": mine[0].label,
             "linewidth": 2.0 if reference else 1.2,
-            "markersize": 8 if reference else 6,
+            "markersize": 8 if reference else 5,
             "markerfacecolor": "none" if reference else colour,
             "markeredgewidth": 1.5 if reference else 0.8,
             "alpha": 1.0 if reference else 0.9,
