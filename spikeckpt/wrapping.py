@@ -44,28 +44,28 @@ _INNER = "module"
 
 class CheckpointedSequence(nn.Module):
     """A model whose time loop runs through spikeckpt's engine (checkpointed memory, exact
-    gradients). Build it with :func:`wrap`.
+    gradients). Build it with [`wrap`][spikeckpt.wrapping.wrap].
 
     ``forward(x, return_state=False, state=None)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
-    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see :meth:`forward`);
+    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see [`forward`][spikeckpt.wrapping.CheckpointedSequence.forward]);
     returns the last layer's output per step, ``(T, B, ...)`` (or the reduced value with a
     ``readout``), and with ``return_state`` also the final state.
 
     The module is plumbing: at each forward it asks its planner
-    (:class:`~spikeckpt.planning.Planner` from its own ``plan``, ``budget``, ``granularity``
+    ([`Planner`][spikeckpt.planning.decide.Planner] from its own ``plan``, ``budget``, ``granularity``
     and ``chunk``, or the one set in ``planner``, e.g. by
-    :class:`~spikeckpt.lightning.MemoryBudget`) for a
-    :class:`~spikeckpt.planning.Decision` and runs it: :func:`spikeckpt.scan` (stack) or
-    :func:`~spikeckpt.engine.layerwise.layerwise_scan` (layer-wise).
+    [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget]) for a
+    [`Decision`][spikeckpt.planning.decide.Decision] and runs it: [`spikeckpt.scan`][spikeckpt.engine.scan.scan] (stack) or
+    [`layerwise_scan`][spikeckpt.engine.layerwise.layerwise_scan] (layer-wise).
 
     Attributes:
         module: the original model, registered as a submodule; ``state_dict()`` has exactly the
             original model's keys, so checkpoints load into either.
-        adapter: the :class:`~spikeckpt.adapters.LayerAdapter` that steps it.
+        adapter: the `LayerAdapter` that steps it.
         planner: a planner that overrides the model's own (``decide(model, x, state)``), or
             None.
         last_decision: how the last forward ran (granularity, plan, chunk).
-        last_stats: the last run's :class:`~spikeckpt.ScanStats` (plan, forward steps, bytes
+        last_stats: the last run's [`ScanStats`][spikeckpt.engine.stats.ScanStats] (plan, forward steps, bytes
             written off the device, peaks; a layer-wise run's has per-block spike figures).
     """
 
@@ -187,8 +187,8 @@ class CheckpointedSequence(nn.Module):
 
         Args:
             x: the input sequence: a tensor, or a packed spike train (a
-                :class:`~spikeckpt.storage.SpikeTrain`, or a ``torch.sparse_coo`` tensor with
-                0/1 values, packed with :func:`~spikeckpt.storage.as_spike_train`). A packed
+                [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain], or a ``torch.sparse_coo`` tensor with
+                0/1 values, packed with [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train]). A packed
                 train stays packed where it is (on the host, or on the device at 1 bit per
                 element) and is unpacked on the model's device one step (stack) or one chunk
                 (layer-wise) at a time; it gets no gradient. Packed trains are always time
@@ -372,7 +372,7 @@ def wrap(
     compile: Compile = "auto",
     **scan_kwargs: Any,
 ) -> CheckpointedSequence:
-    """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
+    """Wrap ``model`` so its time loop runs through [`spikeckpt.scan`][spikeckpt.engine.scan.scan].
 
     Args:
         model: an ``nn.Sequential`` of layers and neurons (snnTorch neurons, Norse cells),
@@ -388,32 +388,32 @@ def wrap(
         budget: device memory budget for ``plan="auto"`` (bytes or ``"2GiB"``).
         output: per step, ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's
             membrane potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
-        granularity: ``"stack"`` (default: the whole model is one step of :func:`scan`; any
-            recurrence), ``"layer"`` (layer-wise, :mod:`spikeckpt.engine.layerwise`: each
+        granularity: ``"stack"`` (default: the whole model is one step of [`scan`][spikeckpt.engine.scan.scan]; any
+            recurrence), ``"layer"`` (layer-wise, `spikeckpt.engine.layerwise`: each
             block's input spike train stored packed in ``storage``, blocks recomputed one at a
             time per time chunk; the model must be a flat ``nn.Sequential`` of blocks, stateless
             synapse layers then one neuron, else ``UnsupportedLayerError`` says why) or
             ``"auto"`` (when the model splits into such blocks, the readout is not callable
-            and the input is exactly binary, :class:`spikeckpt.planning.Planner` measures one
+            and the input is exactly binary, [`spikeckpt.planning.Planner`][spikeckpt.planning.decide.Planner] measures one
             step per block and models the layer-wise run; it is used when its modeled device
             peak fits the budget, or the stack plan's own modeled peak without one, and its
             modeled time is at most 5% above the stack plan's; stack otherwise; decided once
             per ``(T, B)``). With layer-wise, ``seq.last_stats`` is a
-            :class:`~spikeckpt.engine.stats.LayerwiseStats` (spike density per block, bytes
+            [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] (spike density per block, bytes
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
         chunk: layer-wise only: time steps per chunk (default: the plan's interval, e.g.
             ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``).
         fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``,
             ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
-            one fused computation (:mod:`spikeckpt.engine.fused`); False: one call per step.
+            one fused computation (`spikeckpt.engine.fused`); False: one call per step.
             ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
         compile: layer-wise, fused neurons: compile their forward with ``torch.compile``
-            (:mod:`spikeckpt.engine.compiled`): ``"auto"`` (default) on CUDA, where the
+            (`spikeckpt.engine.compiled`): ``"auto"`` (default) on CUDA, where the
             compiled forward is timed against the eager one on the first chunk and kept when
             faster (on CPU the compiled recurrence measured slower: eager there); True:
             always (CPU too); False: never. Without a compiler: eager, with one line.
-        **scan_kwargs: passed on to :func:`spikeckpt.scan` (``directory``, ``pack_tape``).
-            Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``.
+        **scan_kwargs: passed on to [`spikeckpt.scan`][spikeckpt.engine.scan.scan] (``directory``, ``pack_tape``).
+            Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in ``seq.last_stats``.
 
     Raises:
         UnsupportedLayerError: a layer cannot be stepped; the message names it (its path in
@@ -465,5 +465,5 @@ def _has_membrane(adapter: LayerAdapter) -> bool:
 
 
 def unwrap(seq: nn.Module) -> nn.Module:
-    """The original model of a :class:`CheckpointedSequence` (``seq`` itself otherwise)."""
+    """The original model of a [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] (``seq`` itself otherwise)."""
     return seq.module if isinstance(seq, CheckpointedSequence) else seq

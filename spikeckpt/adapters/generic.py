@@ -1,28 +1,28 @@
 """Adapters for plain ``torch.nn`` layers, for your own layers and neurons, and for RNN cells.
 
-- :class:`StatelessAdapter`: Linear, Conv, Flatten, Dropout, pooling, padding, activations,
+- `StatelessAdapter`: Linear, Conv, Flatten, Dropout, pooling, padding, activations,
   LayerNorm/GroupNorm, BatchNorm/InstanceNorm, Identity, ... : state ``()``, ``y_t = module(x_t)``.
   BatchNorm in training mode with running statistics updates them once per step in the forward
   pass, as the plain loop does, and never in recomputation (nor in shape probes): the statistics
   buffers are detached from the module while the engine recomputes
-  (:func:`spikeckpt.engine.phase.recomputing`), which leaves the output unchanged (training mode
+  (`spikeckpt.engine.phase.recomputing`), which leaves the output unchanged (training mode
   normalises with the batch's own statistics).
-- :class:`CustomLayerAdapter`: a module of yours with ``forward(x)`` and no state: stepped as a
+- `CustomLayerAdapter`: a module of yours with ``forward(x)`` and no state: stepped as a
   stateless layer without registration. A module that keeps state on itself between calls
   (assigns ``self.something`` in ``forward``) is detected at its first step and named.
-- :class:`StatefulAdapter`: a module of yours whose ``forward`` takes the state after the input,
+- `StatefulAdapter`: a module of yours whose ``forward`` takes the state after the input,
   recognised by its arity: ``forward(x, state) -> (y, state)``, or ``forward(x, s1, s2, ...) ->
   (y, s1, s2, ...)`` (argument names do not matter). The initial state comes from its
   ``initial_state(x_t)`` / ``init_state(x_t)`` method when it has one; else, when its second
   argument defaults to ``None``, it is ``None`` (the module builds its own state at step 0, as in
   your loop); else it is zeros shaped like the state one step returns.
-- :class:`RNNCellAdapter`: ``nn.RNNCell`` / ``nn.GRUCell`` (state ``h``), ``nn.LSTMCell``
+- `RNNCellAdapter`: ``nn.RNNCell`` / ``nn.GRUCell`` (state ``h``), ``nn.LSTMCell``
   (state ``(h, c)``); ``y_t = h``.
 
 A module of yours (a class not defined by torch, snnTorch or Norse) whose ``forward(x)`` runs
 layers that keep state (neurons), or loops over time, is a model with its own time loop: it
-raises :class:`~spikeckpt.errors.UnsupportedLayerError` showing how to hand the loop body to
-:func:`spikeckpt.scan` (see ``docs/own-model.md``).
+raises [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] showing how to hand the loop body to
+[`spikeckpt.scan`][spikeckpt.engine.scan.scan] (see ``docs/own-model.md``).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ RUNNING_STATS_TYPES: tuple[type, ...] = (
 )
 
 #: ``torch.nn`` layer types stepped as pure functions of one time step's input (the one
-#: definition; :data:`PER_SAMPLE_TYPES` is the per-sample subset).
+#: definition; `PER_SAMPLE_TYPES` is the per-sample subset).
 STATELESS_TYPES: tuple[type, ...] = (
     *PER_SAMPLE_TYPES,
     *_types(
@@ -167,7 +167,7 @@ _PROBING: ContextVar[bool] = ContextVar("spikeckpt_probing", default=False)
 
 
 def probing() -> bool:
-    """``True`` inside :func:`probe`: a call that only learns shapes and must change nothing."""
+    """``True`` inside `probe`: a call that only learns shapes and must change nothing."""
     return _PROBING.get()
 
 
@@ -288,8 +288,8 @@ class CustomLayerAdapter(StatelessAdapter):
     Every step checks that the call left the module (and its submodules) as it found them:
     an attribute assigned in ``forward`` (``self.mem = ...``, ``self.calls += 1``) or a buffer
     changed in place is state kept between calls, which a checkpointed run would replay out of
-    order: it raises :class:`~spikeckpt.errors.UnsupportedLayerError` naming the attribute.
-    BatchNorm's running statistics are not state (see :class:`StatelessAdapter`).
+    order: it raises [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] naming the attribute.
+    BatchNorm's running statistics are not state (see `StatelessAdapter`).
     """
 
     def _snapshot(self) -> dict[tuple[int, str], Any]:
@@ -492,7 +492,7 @@ or build it as an nn.Sequential / Norse SequentialState of its layers and wrap t
 
 
 def own_loop_error(module: nn.Module, path: str, why: str) -> UnsupportedLayerError:
-    """The error for a module that runs its own time loop, showing the way to :func:`scan`."""
+    """The error for a module that runs its own time loop, showing the way to [`scan`][spikeckpt.engine.scan.scan]."""
     return unsupported(module, path, f"{why}.\n{_OWN_LOOP_ROUTE}")
 
 

@@ -1,6 +1,6 @@
 """Chunk kernels: the LIF family's recurrence over a time chunk, forward and backward by hand.
 
-Each kernel implements :class:`spikeckpt.engine.fused.ChunkKernel` for one family of neuron
+Each kernel implements `ChunkKernel` for one family of neuron
 steps, in plain tensor ops with the framework's own arithmetic (the same operations on the same
 operands in the same order as the framework's step, so states and spikes are bitwise equal);
 its backward runs the state gradient back through the chunk with the derivatives written out,
@@ -9,10 +9,10 @@ for the whole chunk (it is elementwise). Gradients agree with autograd through t
 to float32 round-off: the state gradient's sums run in autograd's order where two terms meet
 (bitwise there), parameter gradients are summed over the whole chunk at once.
 
-The kernels import no framework: the adapters (:mod:`spikeckpt.adapters.snntorch`,
-:mod:`spikeckpt.adapters.norse`) read the modules' parameters and pick the kernel and options,
+The kernels import no framework: the adapters (`spikeckpt.adapters.snntorch`,
+`spikeckpt.adapters.norse`) read the modules' parameters and pick the kernel and options,
 and check a kernel against the module's own step once before using it
-(:func:`spikeckpt.adapters.layered.verified_kernel`).
+(`spikeckpt.adapters.layered.VerifiedKernel`).
 
 Notation (per element, step ``t`` of the chunk): ``z_t`` synaptic input, ``r_t`` the reset
 (spike of the membrane entering the step, no gradient), ``u_t`` the membrane less the
@@ -131,7 +131,7 @@ class LeakyKernel:
         decay_of: ``source -> decay`` (``Leaky``: ``beta.clamp(0, 1)``).
         decay_grad: ``(grad of decay, source) -> grad of source``, or None when the source
             never needs one.
-        spike: the surrogate spike function (its forward must be :func:`heaviside`).
+        spike: the surrogate spike function (its forward must be `heaviside`).
         reset: the reset mechanism.
         input_scale: ``z (k, B, ...) -> zin``, elementwise (None: the identity).
         frozen: ``() -> tensors`` the step also reads, which must not require grad (the chunk
@@ -285,7 +285,7 @@ PIECE_ELEMENTS = 1 << 16
 
 def _pieces(t: Tensor) -> list[tuple[int, int]]:
     """``(a, b)`` ranges of ``t``'s first dimension (the chunk's steps): a quarter of the
-    chunk each, and at most :data:`PIECE_ELEMENTS` elements (at least one step), so the
+    chunk each, and at most `PIECE_ELEMENTS` elements (at least one step), so the
     temporaries of a vectorised pass stay a small share of the chunk's own tensors."""
     k = t.shape[0]
     if not k:
@@ -452,7 +452,7 @@ class SynapticKernel:
         )
 
 
-#: Norse's feed-forward steps the :class:`NorseKernel` reproduces
+#: Norse's feed-forward steps the `NorseKernel` reproduces
 NorseMode = Literal["lif", "box", "li"]
 
 

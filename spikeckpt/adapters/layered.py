@@ -1,18 +1,18 @@
 """Blocks for the layer-wise granularity: adapters turned into the engine's plain callables.
 
-:func:`spikeckpt.adapters.sequential.split_blocks` cuts a feed-forward stack into blocks
-(stateless synapse layers, then one neuron); :func:`layer_blocks` turns each into an
-:class:`~spikeckpt.engine.layerwise.LayerBlock`: a synapse over a whole time chunk (layers that
+`spikeckpt.adapters.sequential.split_blocks` cuts a feed-forward stack into blocks
+(stateless synapse layers, then one neuron); [`layer_blocks`][spikeckpt.adapters.layered.layer_blocks] turns each into an
+[`LayerBlock`][spikeckpt.engine.layerwise.LayerBlock]: a synapse over a whole time chunk (layers that
 act on each sample alone are applied once to the ``(k * B, ...)`` reshaped chunk, the others
 step by step), the neuron's step and membrane, whether the block draws random numbers, its
 parameters and its cleanup. The engine sees only these callables.
 
 **Fused neurons.** A block whose neuron's adapter offers a chunk kernel
-(:meth:`~spikeckpt.adapters.protocol.LayerAdapter.chunk_kernel`) gets it as ``fused``, wrapped
-in :class:`VerifiedKernel`: used only after a check against the adapter's own step.
+(`chunk_kernel`) gets it as ``fused``, wrapped
+in `VerifiedKernel`: used only after a check against the adapter's own step.
 
 **Sparse first synapse.** A block whose synapse is one plain ``nn.Linear`` also gets a
-``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
+``sparse_synapse``: on the CPU, for an input chunk with at most `SPARSE_DENSITY`
 non-zeros, the synaptic input is a gather-sum over the non-zero inputs
 (``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
 a dense matmul, and its weight gradient ``grad.T @ x`` is a gather-sum too (bags over the
@@ -96,7 +96,7 @@ def _no_hooks(module: nn.Module) -> bool:
 
 
 class VerifiedKernel:
-    """A neuron's :class:`~spikeckpt.engine.fused.ChunkKernel`, used only after a check
+    """A neuron's `ChunkKernel`, used only after a check
     against the neuron's own step (run once, at the first chunk, on random data shaped like
     one sample of it): spikes, states and membranes bitwise, gradients with respect to the
     input, the state and every parameter within float32 round-off. A kernel that fails the
@@ -248,9 +248,9 @@ def _gather(
 class _GatherLinear(torch.autograd.Function):
     """``flat @ weight.T + bias`` for a ``flat (rows, in)`` input given by its non-zeros
     (``rows``, ``cols`` ascending row-major, ``values`` or None for ones): a gather-sum over
-    the transposed weight (:func:`_gather`); the weight gradient ``grad.T @ flat`` is a
+    the transposed weight (`_gather`); the weight gradient ``grad.T @ flat`` is a
     gather-sum over the rows of ``grad``, one bag per input column, a block of columns at a
-    time, added into the engine's running sum when it offers a :class:`GradSink`. No
+    time, added into the engine's running sum when it offers a `GradSink`. No
     weight-sized temporaries. The input needs no gradient."""
 
     @staticmethod
@@ -330,7 +330,7 @@ def _sparse_synapse(
 ) -> Callable[[Tensor | SparseChunk], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
     module docstring), or None unless the synapse is exactly one plain ``nn.Linear``. It takes
-    the dense chunk or a packed train's :class:`~spikeckpt.engine.packed.SparseChunk`."""
+    the dense chunk or a packed train's `SparseChunk`."""
     if len(synapses) != 1:
         return None
     inner = _batched_inner(synapses[0])

@@ -183,7 +183,7 @@ def type_of_li_state() -> type:
 
 def stack_options(module: nn.Module) -> dict[str, Any] | None:
     """For a ``SequentialState``: how to build its stack (keyword arguments of
-    :meth:`~spikeckpt.adapters.sequential.StackAdapter.from_sequential`); else ``None``.
+    `from_sequential`); else ``None``.
 
     Norse passes one state per position (``stateful_flags``: its ``stateful_layers``, a module
     Norse calls without a state is stepped without one); in sequence mode its plain layers see
@@ -199,7 +199,7 @@ def stack_options(module: nn.Module) -> dict[str, Any] | None:
 
 def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> LayerAdapter:
     """The adapter for a Norse layer other than ``SequentialState`` (see
-    :func:`stack_options`), or raise :class:`UnsupportedLayerError` (``adapter_for``: the
+    `stack_options`), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (``adapter_for``: the
     registry's lookup, for the module inside ``Lift``)."""
     if isinstance(module, SequentialState):
         raise TypeError("a SequentialState is a stack: the registry builds it (stack_options)")
@@ -228,7 +228,7 @@ def is_sequence_stack(module: nn.Module) -> bool:
 
 def norse_kernel(m: nn.Module) -> NorseKernel | None:
     """The chunk kernel of the Norse cell or sequence module ``m`` (see
-    :meth:`NorseAdapter.chunk_kernel`), or None."""
+    `NorseAdapter.chunk_kernel`), or None."""
     from norse.torch.functional import reset as resets
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step

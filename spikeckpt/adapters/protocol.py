@@ -1,6 +1,6 @@
 """The adapter protocol: what an adapter is, and the error for a layer that has none.
 
-An *adapter* turns one layer (an ``nn.Module``) into the two things :func:`spikeckpt.scan` needs:
+An *adapter* turns one layer (an ``nn.Module``) into the two things [`spikeckpt.scan`][spikeckpt.engine.scan.scan] needs:
 
 - ``init_state(x_t) -> state``: the layer's state before the first step, given an example input
   of one time step ``x_t`` (shape ``(B, ...)``, the layer's own input); a tensor, a tuple, a
@@ -9,8 +9,8 @@ An *adapter* turns one layer (an ``nn.Module``) into the two things :func:`spike
   outputs, no state left inside the module (``y_t`` has shape ``(B, ...)``).
 
 This module imports no other adapter module: the built-in adapters import it, and the registry
-(:mod:`spikeckpt.adapters.registry`) imports them. Adapters that adapt children (stacks, Norse
-``SequentialState`` / ``Lift``) receive the registry's lookup as an :data:`AdapterFor` argument.
+(`spikeckpt.adapters.registry`) imports them. Adapters that adapt children (stacks, Norse
+``SequentialState`` / ``Lift``) receive the registry's lookup as an `AdapterFor` argument.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ State = Any
 class LayerAdapter:
     """Base class of every adapter: one layer stepped one time step at a time.
 
-    Subclasses override :meth:`init_state` and :meth:`step`; the other methods have defaults.
+    Subclasses override `init_state` and `step`; the other methods have defaults.
 
     Attributes:
         module: the adapted layer (the user's module, not a copy).
@@ -80,15 +80,15 @@ class LayerAdapter:
         return []
 
     def chunk_kernel(self) -> Any:
-        """A :class:`~spikeckpt.engine.fused.ChunkKernel` running this neuron over a whole
+        """A `ChunkKernel` running this neuron over a whole
         time chunk (the layer-wise granularity fuses it), or None: stepped one call per step.
         The adapter offers one only for steps it knows to be elementwise and free of random
-        draws; :func:`spikeckpt.adapters.layered.layer_blocks` checks it against :meth:`step`
+        draws; `spikeckpt.adapters.layered.layer_blocks` checks it against `step`
         once before using it."""
         return None
 
     def check(self) -> None:
-        """Raise :class:`UnsupportedLayerError` if the layer cannot be stepped exactly *now*.
+        """Raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] if the layer cannot be stepped exactly *now*.
 
         Called at every forward (a layer's mode may change after wrapping, e.g. ``.train()``).
         """
@@ -129,7 +129,7 @@ def describe(module: nn.Module) -> str:
 def unsupported(module: nn.Module, path: str, reason: str) -> UnsupportedLayerError:
     """Build the error for a layer that cannot be stepped: its path, type and the reason.
 
-    :func:`spikeckpt.adapters.registry.adapter_for` appends the list of supported layers.
+    `spikeckpt.adapters.registry.adapter_for` appends the list of supported layers.
     """
     where = repr(path) if path else "<root>"
     return UnsupportedLayerError(f"layer {where} ({describe(module)}) cannot be wrapped: {reason}")

@@ -229,7 +229,7 @@ class Block:
 
 def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """Split a wrapped model into feed-forward blocks (stateless layers, then one stateful
-    layer), or raise :class:`~spikeckpt.errors.UnsupportedLayerError` (also a ``TypeError``)
+    layer), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (also a ``TypeError``)
     saying why the model is not a feed-forward stack of such blocks.
 
     Accepted: a flat ``nn.Sequential`` / Norse ``SequentialState`` whose layers are stateless
@@ -352,7 +352,7 @@ def _check_synapse(layer: LayerAdapter, why: str) -> None:
 
 def _is_sequential(m: nn.Module) -> bool:
     """An ``nn.Sequential`` whose forward is ``nn.Sequential``'s (a subclass with a forward of
-    its own is a module of yours: see :mod:`spikeckpt.adapters.generic`)."""
+    its own is a module of yours: see `spikeckpt.adapters.generic`)."""
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 

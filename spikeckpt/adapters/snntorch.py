@@ -233,7 +233,7 @@ def _check_buffers(adapter: SnnTorchNeuronAdapter) -> None:
 
 
 def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> LayerAdapter:
-    """The adapter for a snnTorch layer, or raise :class:`UnsupportedLayerError`.
+    """The adapter for a snnTorch layer, or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError].
 
     ``adapter_for`` is the registry's lookup (unused: snnTorch's layers hold no children that
     need adapting; containers are stacks, handled by the registry)."""
@@ -276,7 +276,7 @@ _RANDOM_SURROGATES = ("SSO", "LSO")
 
 def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
     """The chunk kernel for the snnTorch neuron ``m`` (see
-    :meth:`SnnTorchNeuronAdapter.chunk_kernel`), or None."""
+    `SnnTorchNeuronAdapter.chunk_kernel`), or None."""
     cls = type(m)
     resets = _RESETS.get(cls)
     if resets is None or "forward" in vars(m):
@@ -349,7 +349,7 @@ def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
     / ``_base_zero`` / ``_base_int``, then ``spike_grad(mem - threshold) *
     graded_spikes_factor`` (the product skipped for a 0-d factor of 1 without grad: the same
     values, one autograd node fewer). Bitwise the module's spikes, membranes and gradients,
-    about 2.5x cheaper per call; :func:`_same_results` checks it once before it is used.
+    about 2.5x cheaper per call; `_same_results` checks it once before it is used.
     """
     cls = type(m)
     if cls is not snn.Leaky or "forward" in vars(m):

@@ -1,6 +1,6 @@
 """``torch.compile`` for the engine's hot loops, where it pays: one switch, one fallback.
 
-A fused chunk kernel's forward (:mod:`spikeckpt.engine.fused`) is a loop of a few elementwise
+A fused chunk kernel's forward (`spikeckpt.engine.fused`) is a loop of a few elementwise
 ops per step; compiled, it becomes one kernel per chunk (Triton on CUDA, C++ on CPU). Whether
 that pays depends on the device:
 
@@ -16,7 +16,7 @@ Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches
 code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
 so later runs pay far less. When no compiler is available (no C++ compiler on CPU, no Triton
 on CUDA, a torch without ``torch.compile``) or compiling fails, the kernel runs eagerly and
-one line says so (a :class:`UserWarning`, once per reason).
+one line says so (a `UserWarning`, once per reason).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def wants_compile(choice: Compile, device: torch.device) -> bool:
 
 
 class CompiledKernel:
-    """A :class:`~spikeckpt.engine.fused.ChunkKernel` whose forward runs compiled.
+    """A `ChunkKernel` whose forward runs compiled.
 
     The backward stays eager (its loop is one or two ops per step; it calls autograd for the
     surrogate's derivative). With ``measure`` (``compile="auto"``) the first chunk of each
@@ -170,7 +170,7 @@ _CACHE: dict[int, tuple[ChunkKernel, CompiledKernel]] = {}
 
 
 def compiled_kernel(kernel: ChunkKernel, choice: Compile) -> CompiledKernel:
-    """The one :class:`CompiledKernel` of ``kernel`` (its compiled code is kept with it)."""
+    """The one `CompiledKernel` of ``kernel`` (its compiled code is kept with it)."""
     found = _CACHE.get(id(kernel))
     if found is None or found[0] is not kernel:
         found = (kernel, CompiledKernel(kernel, measure=choice == "auto"))

@@ -1,14 +1,14 @@
-"""One executor for every schedule: runs the actions of :mod:`spikeckpt.plans.schedule` on tensors.
+"""One executor for every schedule: runs the actions of [`spikeckpt.plans.schedule`][spikeckpt.plans.schedule] on tensors.
 
 The executor works on flat lists of tensors (state leaves) and a step function
 ``fn(t, leaves, x_leaves, check) -> (leaves, y_leaves)``. It keeps the current state, the
-stored checkpoints (through :class:`~spikeckpt.storage.base.StateStore` tiers), the live tapes
-and the running gradients, and counts memory in a :class:`~spikeckpt.storage.base.Ledger`.
+stored checkpoints (through [`StateStore`][spikeckpt.storage.base.StateStore] tiers), the live tapes
+and the running gradients, and counts memory in a [`Ledger`][spikeckpt.storage.base.Ledger].
 
-Ledger convention (the simulator's, see :mod:`spikeckpt.plans.simulate`): after every action,
+Ledger convention (the simulator's, see `spikeckpt.plans.simulate`): after every action,
 ``ledger["device"]`` = bytes of the device checkpoints + bytes of the prefetch buffers + bytes
 of the working state when it is not itself a device checkpoint + bytes saved by the live tapes
-(counted by :class:`~spikeckpt.engine.saved.SavedBytes` for the first two steps of each taped
+(counted by `SavedBytes` for the first two steps of each taped
 segment, the second step's count charged for each later step; every step with ``pack_tape``).
 Remote states are counted under the remote tier's name (``"host"`` or
 ``"disk"``) at their unpacked size; with ``storage="device"`` remote states are device memory
@@ -74,7 +74,7 @@ class Executor:
     Args:
         fn: the flat step ``fn(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
         inputs: time-first input leaves, each ``(T, ...)``; may live off the compute device. A
-            packed train (:mod:`spikeckpt.engine.packed`) is unpacked one step at a time on
+            packed train (`spikeckpt.engine.packed`) is unpacked one step at a time on
             the compute device (``x.step(t, device)``) and gets no gradient.
         input_grad: which input leaves need a gradient (never a packed train).
         params: tensors (requiring grad) whose gradients are accumulated.

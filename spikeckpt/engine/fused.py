@@ -3,14 +3,14 @@
 The layer-wise engine hands each block's neuron a chunk of ``k`` steps of synaptic input
 ``z (k, B, ...)``. Stepped under autograd, every step records a small graph that backward then
 walks node by node: for the small tensors of one SNN step that bookkeeping, not the arithmetic,
-is the cost. A :class:`ChunkKernel` runs the chunk's recurrence instead with plain tensor ops,
+is the cost. A `ChunkKernel` runs the chunk's recurrence instead with plain tensor ops,
 without autograd, in its forward pass (states and spikes bitwise the framework's own step's)
 and again, keeping what its gradients need, in the recomputation; its backward runs the state
-gradient back through the chunk with hand-derived formulas. :func:`run_fused` wraps a kernel in
-one :class:`torch.autograd.Function` node per chunk.
+gradient back through the chunk with hand-derived formulas. `run_fused` wraps a kernel in
+one `torch.autograd.Function` node per chunk.
 
 The engine knows kernels only through this protocol; the adapters build them for the neurons
-they know (:mod:`spikeckpt.adapters.kernels`).
+they know (`spikeckpt.adapters.kernels`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ChunkKernel(Protocol):
         self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
     ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
         """``(final leaves, y (k, B, ...), mem (k, B, ...) or None, saved)``; ``saved`` (with
-        ``keep``): a tuple of tensors (or None) that :meth:`backward` gets back; ``mem`` the
+        ``keep``): a tuple of tensors (or None) that `backward` gets back; ``mem`` the
         membrane after each step."""
 
     def backward(

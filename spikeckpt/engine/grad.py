@@ -2,7 +2,7 @@
 and the parameter gradients accumulated so far fed back in so sums run in plain-loop order.
 
 Both granularities (the schedule executor and the layer-wise job) take their segment
-gradients through :func:`grad`, feeding earlier contributions with :class:`FeedGrads`.
+gradients through `grad`, feeding earlier contributions with `FeedGrads`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class GradSink:
     """Where an op's backward may add a parameter's gradient in place, instead of returning a
     new parameter-sized tensor for the caller to add to its running sum.
 
-    The engine sets :attr:`target` to its running sum of the parameter's gradient (or None
+    The engine sets `target` to its running sum of the parameter's gradient (or None
     before the first contribution) around one backward pass; an op that supports the sink
     adds its contribution into ``target`` (creating it, parameter-shaped and -strided, when
     None) and returns no gradient for the parameter; the engine then takes ``target`` as the

@@ -1,8 +1,8 @@
 """Layer-wise granularity: spike trains stored packed off the device, each block recomputed alone.
 
 For a feed-forward stack of blocks (each a synapse, then one stateful neuron, given to the
-engine as plain callables: :class:`LayerBlock`), :func:`layerwise_scan` runs the time loop as
-one job of the engine's autograd Function (:mod:`spikeckpt.engine.function`), with the
+engine as plain callables: [`LayerBlock`][spikeckpt.engine.layerwise.LayerBlock]), [`layerwise_scan`][spikeckpt.engine.layerwise.layerwise_scan] runs the time loop as
+one job of the engine's autograd Function (`spikeckpt.engine.function`), with the
 engine's readout, RNG replay, stats and gradient pieces.
 
 Forward (no tape), time chunk by time chunk (``chunk`` steps each) and, inside a chunk, block by
@@ -94,11 +94,11 @@ class LayerBlock:
             sparse inputs (equal to ``synapse`` up to float round-off). The engine uses it for
             the first block when ``x`` needs no gradient, in the forward pass and in the
             recomputation alike (so both compute the same values).
-        fused: optional :class:`~spikeckpt.engine.fused.ChunkKernel` running the neuron over a
+        fused: optional `ChunkKernel` running the neuron over a
             whole chunk (forward, recomputation and backward) with ``step``'s arithmetic;
             used where it accepts the chunk (and the run fuses), else ``step`` per step.
         sinks: ``(parameter, sink)`` pairs: the synapse's backward adds that parameter's
-            gradient into the engine's running sum in place (:class:`GradSink`), so no
+            gradient into the engine's running sum in place (`GradSink`), so no
             parameter-sized gradient is made per chunk.
     """
 
@@ -389,7 +389,7 @@ class _LayerwiseJob(Job):
     def _entry_full(self, c: int, first: int, items: list[Tensor]) -> bool:
         """Whether the open entry (chunks ``first .. c``) ends with chunk ``c``: always at the
         last chunk and on the device tier; every ``group`` chunks when it is given; else
-        when one more chunk like these would take it past :data:`GROUP_SHARE` of the first
+        when one more chunk like these would take it past `GROUP_SHARE` of the first
         chunk's dense input trains."""
         if c == len(self.bounds) - 1 or self.store.kind == "device":
             return True
@@ -578,9 +578,9 @@ def layerwise_scan(
 
     Args:
         blocks: the blocks bottom-up (built by the adapters:
-            :func:`spikeckpt.adapters.layered.layer_blocks`).
+            [`spikeckpt.adapters.layered.layer_blocks`][spikeckpt.adapters.layered.layer_blocks]).
         x: the input train, time first. Binary inputs are best; anything works. A packed
-            train (a :class:`~spikeckpt.storage.SpikeTrain`, or a ``torch.sparse_coo`` train)
+            train (a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain], or a ``torch.sparse_coo`` train)
             stays packed where it is (host or device) and is unpacked one chunk at a time on
             the compute device (``x.chunk(a, b, device)``); it gets no gradient.
         states: one initial state per block (its neuron's state structure).
@@ -592,11 +592,11 @@ def layerwise_scan(
         output: the top block's per-step output: ``"spikes"``, ``"mem"`` or ``"both"``.
         params: tensors to differentiate (default: every block's ``params``).
         directory: folder for the disk tier's temporary folder.
-        stats: also return a :class:`~spikeckpt.engine.stats.LayerwiseStats`.
-        group: chunks per off-device store entry (None: see :data:`GROUP_SHARE`).
+        stats: also return a [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats].
+        group: chunks per off-device store entry (None: see `GROUP_SHARE`).
         fuse: run a block's neuron over each chunk with its ``fused`` kernel where it has one
-            and accepts the chunk (:mod:`spikeckpt.engine.fused`); False: one step at a time.
-        compile: compile the fused neurons' forward (:mod:`spikeckpt.engine.compiled`):
+            and accepts the chunk (`spikeckpt.engine.fused`); False: one step at a time.
+        compile: compile the fused neurons' forward (`spikeckpt.engine.compiled`):
             True, False, or ``"auto"`` (on CUDA, where measured faster on the first chunk).
 
     Returns:

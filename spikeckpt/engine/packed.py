@@ -1,9 +1,9 @@
 """Packed input trains: how the engine reads its input one step or one chunk at a time.
 
 The engine's time-first input may be a dense tensor ``(T, B, ...)`` or a packed spike train
-(:class:`~spikeckpt.storage.SpikeTrain`; a ``torch.sparse_coo`` train is packed first by
-:func:`as_input`). A packed train stays packed where it is (on the host, or on the device at 1
-bit per element); :func:`step_of` and :func:`chunk_of` unpack one step or one chunk on the
+([`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]; a ``torch.sparse_coo`` train is packed first by
+`as_input`). A packed train stays packed where it is (on the host, or on the device at 1
+bit per element); `step_of` and `chunk_of` unpack one step or one chunk on the
 compute device when the run needs it, so the dense train never exists whole. A packed train
 gets no gradient (it holds spikes, not a differentiable tensor).
 """
@@ -34,7 +34,7 @@ class TrainWindow:
     """Steps ``start <= t < stop`` of a packed train (``stop`` default: its ``T``), as a train
     of ``stop - start`` steps (no copy).
 
-    Has the part of :class:`~spikeckpt.storage.SpikeTrain`'s contract the engine uses:
+    Has the part of [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]'s contract the engine uses:
     ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step``, ``chunk`` and
     ``chunk_positions``.
     """
@@ -155,7 +155,7 @@ class SparseChunk:
 
 
 def sparse_chunk_of(x: Any, a: int, b: int, device: torch.device) -> SparseChunk:
-    """Steps ``a <= t < b`` of the packed train ``x`` as a :class:`SparseChunk` on ``device``."""
+    """Steps ``a <= t < b`` of the packed train ``x`` as a `SparseChunk` on ``device``."""
     shape = torch.Size((b - a, *x.shape[1:]))
     return SparseChunk(x.chunk_positions(a, b, device), shape, x.dtype)
 
@@ -168,5 +168,5 @@ def input_nbytes(x: Any) -> int:
 
 
 def drop_first(x: Any) -> Any:
-    """``x`` without its first step: ``x[1:]``, or a :class:`TrainWindow` of a packed train."""
+    """``x`` without its first step: ``x[1:]``, or a `TrainWindow` of a packed train."""
     return TrainWindow(x, 1) if is_packed(x) else x[1:]

@@ -3,7 +3,7 @@
 The engine evaluates every step once in the forward phase and again, some steps several
 times, while it recomputes in the backward phase. A layer that updates something outside its
 outputs on each call (``BatchNorm``'s running statistics) must do so only in the first
-evaluation: it asks :func:`recomputing`, which is ``True`` inside :func:`recompute_phase`
+evaluation: it asks `recomputing`, which is ``True`` inside `recompute_phase`
 (the engine enters it for its whole backward phase).
 """
 

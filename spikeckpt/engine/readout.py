@@ -1,10 +1,10 @@
 """Readouts: the outputs a run builds from the per-step outputs ``y_t``, and their gradients.
 
-One :class:`Reducer` serves both granularities: the schedule executor emits one step at a time
-(:meth:`Reducer.emit`), the layer-wise job one chunk of steps at a time
-(:meth:`Reducer.emit_chunk`); sums run in time order either way, so both give the plain
-loop's values bitwise. In the backward pass :meth:`Reducer.y_grad` gives ``dL/dy_t`` per step
-and :meth:`Reducer.chunk_grad` per chunk.
+One `Reducer` serves both granularities: the schedule executor emits one step at a time
+(`Reducer.emit`), the layer-wise job one chunk of steps at a time
+(`Reducer.emit_chunk`); sums run in time order either way, so both give the plain
+loop's values bitwise. In the backward pass `Reducer.y_grad` gives ``dL/dy_t`` per step
+and `Reducer.chunk_grad` per chunk.
 """
 
 from __future__ import annotations

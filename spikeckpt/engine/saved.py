@@ -1,6 +1,6 @@
 """Bytes autograd saves for taped steps: counted (and binary tensors packed) by one hook pair.
 
-:func:`measure_step` uses it to measure one step: ``S`` (state bytes) and ``A`` (bytes autograd saves).
+`measure_step` uses it to measure one step: ``S`` (state bytes) and ``A`` (bytes autograd saves).
 
 ``A`` is counted with ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves
 for backward adds ``numel * element_size`` bytes, except tensors whose storage is a parameter's
@@ -53,7 +53,7 @@ class SavedBytes:
 
     With ``pack``, every saved tensor that is exactly binary (floating or bool, contiguous, at
     least ``min_numel`` elements) is kept bit-packed or as an index list
-    (:func:`spikeckpt.storage.codecs.pack`) and counted at its packed size; it is rebuilt
+    ([`spikeckpt.storage.codecs.pack`][spikeckpt.storage.codecs.pack]) and counted at its packed size; it is rebuilt
     bitwise on use. Other tensors are kept as detached aliases (no copy; detaching avoids the
     reference cycle an identity hook creates for saved outputs).
 
@@ -96,7 +96,7 @@ class SavedBytes:
 
 @dataclass(frozen=True)
 class StepSizes:
-    """Result of :func:`measure_step`.
+    """Result of `measure_step`.
 
     Attributes:
         state_bytes: ``S``, bytes of the state's tensors.

@@ -1,11 +1,11 @@
 """``spikeckpt.scan``: run a step function over time with a checkpointing plan and exact gradients.
 
-``scan`` wraps the whole time loop in one custom :class:`torch.autograd.Function`. Its forward
+``scan`` wraps the whole time loop in one custom `torch.autograd.Function`. Its forward
 runs the schedule's forward phase (untaped steps, stores, and the taped segments a plan keeps
 from the forward pass); its backward runs the backward phase (loads, recomputation,
-backpropagation of each taped segment with :func:`torch.autograd.grad`, carrying the state
+backpropagation of each taped segment with `torch.autograd.grad`, carrying the state
 gradient and accumulating parameter and input gradients). See
-:mod:`spikeckpt.engine.executor` for the memory ledger convention.
+`spikeckpt.engine.executor` for the memory ledger convention.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class _StepFn:
 
 
 class _Job(Job):
-    """The schedule executor's run as a :class:`~spikeckpt.engine.function.Job`.
+    """The schedule executor's run as a `Job`.
 
     Function inputs: (*initial state leaves, *input leaves, *params); outputs:
     (*readout outputs, *final state leaves).
@@ -451,7 +451,7 @@ _RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._Inst
 def _guard_running_stats(modules: Sequence[nn.Module]) -> None:
     """Give every BatchNorm/InstanceNorm layer the step reaches a pair of forward hooks (once)
     that keep its running statistics out of recomputed calls: while the engine recomputes
-    (:func:`~spikeckpt.engine.phase.recomputing`), a training-mode call runs with its
+    (`recomputing`), a training-mode call runs with its
     statistics buffers set aside, so they are updated once per step, in the forward phase, as
     in the plain loop. The outputs are unchanged: training mode normalises with the batch's own
     statistics."""
@@ -480,7 +480,7 @@ def _stats_aside(module: nn.Module, args: Any) -> None:
 
 
 def _stats_back(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook (always called): put back what :func:`_stats_aside` set aside."""
+    """Forward hook (always called): put back what `_stats_aside` set aside."""
     stack = module.__dict__.get("_spikeckpt_kept")
     kept = stack.pop() if stack else None
     if kept and "track_running_stats" in kept:
@@ -500,9 +500,9 @@ def _resolve_schedule(
     reserve: Callable[[int], int] = lambda S: 0,
 ) -> Schedule:
     """The schedule to run. ``"auto"`` and plans that leave their intervals open
-    (:func:`spikeckpt.plans.intervals.needs_intervals`) are planned from ``measure()``
+    (`spikeckpt.plans.intervals.needs_intervals`) are planned from ``measure()``
     (``S``, ``A``) and ``timings()`` (the measured operation times), once per ``measured``
-    key (the step, shapes and tier: see :func:`_plan_key`; None: every time); ``"auto"``
+    key (the step, shapes and tier: see `_plan_key`; None: every time); ``"auto"``
     keeps ``reserve(S)`` bytes of the budget for the gradients."""
     if isinstance(plan, Schedule):
         if plan.T != T:
@@ -609,7 +609,7 @@ _PLANNED: OrderedDict[Any, Any] = OrderedDict()
 
 
 def _cache_key(plan: Any, T: int) -> tuple[Any, int] | None:
-    """``(plan, T)`` for plans hashed by value (:class:`spikeckpt.plans.base.Plan`), else None."""
+    """``(plan, T)`` for plans hashed by value (`spikeckpt.plans.base.Plan`), else None."""
     from spikeckpt.plans.base import Plan
 
     if not isinstance(plan, Plan) or type(plan).__hash__ is not Plan.__hash__:
@@ -685,8 +685,8 @@ def scan(
         inputs: ``(T, ...)`` time-first tensor (``x_t = inputs[t]``), or a sequence of ``T``
             per-step inputs (tensors or pytrees of tensors; they are stacked). May live on the
             host while the state is on the device: each step's slice is moved. Or a packed
-            spike train: a :class:`~spikeckpt.storage.SpikeTrain` (or a ``torch.sparse_coo``
-            train, packed with :func:`~spikeckpt.storage.as_spike_train`), on the host or on
+            spike train: a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] (or a ``torch.sparse_coo``
+            train, packed with [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train]), on the host or on
             the device; each step is unpacked on the device when it runs (``x.step(t,
             device)``), so the dense train never exists whole. A packed train gets no
             gradient.
@@ -699,9 +699,9 @@ def scan(
         plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
             ``"auto"`` (measures one step for ``S``/``A`` and the step's operation times, and
             calls ``plans.choose`` with ``budget`` less the gradients' share:
-            :func:`~spikeckpt.engine.saved.backward_reserve`). A plan built without intervals
+            `backward_reserve`). A plan built without intervals
             (``Double()``, ``Uniform()``, ``TwoLevel(s)``) gets them from the same
-            measurements (:func:`spikeckpt.plans.intervals.fill`). Both are measured once
+            measurements (`spikeckpt.plans.intervals.fill`). Both are measured once
             per step function, shapes, ``T`` and tier (a few dozen step evaluations).
         storage: where ``"remote"`` checkpoints go: ``"host"`` (CPU RAM), ``"disk"`` (files in
             a temporary folder under ``directory``) or ``"device"``.
@@ -714,17 +714,17 @@ def scan(
             ``functools.partial`` arguments (recursively through functions it reaches), and
             tensors requiring grad among them. Tensors the step reaches otherwise are not
             seen (scan warns when it finds any: pass them here).
-        stats: also return a :class:`ScanStats`.
+        stats: also return a [`ScanStats`][spikeckpt.engine.stats.ScanStats].
         budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``):
             checkpoints, tapes and the gradients the backward pass holds.
         directory: parent folder for the disk tier's files (default: the system temp folder);
-            only with ``storage="disk"`` (:func:`~spikeckpt.storage.tiers.check_storage`).
+            only with ``storage="disk"`` (`check_storage`).
         pack_tape: keep the exactly-binary tensors autograd saves in taped steps (spikes fed
             to a Linear layer) bit-packed or as index lists; gradients are unchanged. Off by
             default: scanning every saved tensor costs time (about +60% per step for a
             2x256 LIF net on CPU); turn it on when the tape, not the time, is the limit.
         spikes: the inputs must be spike trains (exactly 0 or 1); anything else raises
-            :class:`~spikeckpt.NotBinaryError` naming the value found.
+            [`NotBinaryError`][spikeckpt.errors.NotBinaryError] naming the value found.
 
     Returns:
         ``(ys, final_state)`` or ``(ys, final_state, stats)``; ``ys`` has the structure of

@@ -1,8 +1,8 @@
 """What a run did: one stats type for every granularity.
 
-:class:`ScanStats` is what :func:`spikeckpt.scan` returns with ``stats=True`` and what a
+[`ScanStats`][spikeckpt.engine.stats.ScanStats] is what [`spikeckpt.scan`][spikeckpt.engine.scan.scan] returns with ``stats=True`` and what a
 wrapped model keeps in ``last_stats``; a layer-wise run reports the same fields as a
-:class:`LayerwiseStats` (``granularity == "layer"``, plus the per-block spike-train figures in
+[`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] (``granularity == "layer"``, plus the per-block spike-train figures in
 ``blocks``). Backward-phase fields fill in when backward runs.
 """
 
@@ -32,7 +32,7 @@ class BlockStats:
             ``"reference"`` for the first block, ``"device"`` for the device tier).
         binary: whether every chunk was exactly binary (0/1).
         neuron_chunks: how the neuron ran, chunks per way in the forward pass: ``"fused"``
-            (its chunk kernel, :mod:`spikeckpt.engine.fused`), ``"compiled"`` (that kernel
+            (its chunk kernel, `spikeckpt.engine.fused`), ``"compiled"`` (that kernel
             compiled) or ``"per-step"`` (one call per step).
     """
 
@@ -92,14 +92,14 @@ class ScanStats:
         forward_steps: step evaluations, forward pass and recomputation (layer-wise: neuron
             steps summed over blocks).
         backward_steps: steps backpropagated (``T`` after backward; layer-wise: per block).
-        predicted: the simulator's :class:`~spikeckpt.plans.simulate.Cost` of the schedule.
+        predicted: the simulator's [`Cost`][spikeckpt.plans.simulate.Cost] of the schedule.
         ledger: executor ledger: ``peak["device"]`` follows the simulator's convention,
             remote tiers count states at their unpacked size (stack granularity).
         storage_ledger: the tiers' own ledger (actual bytes held and moved, after codecs).
         completed: whether backward ran to the end.
         chunk: layer-wise steps per chunk (0 for the stack granularity).
         n_chunks: layer-wise chunks (0 for the stack granularity).
-        blocks: layer-wise: one :class:`BlockStats` per block, bottom-up (empty for stack).
+        blocks: layer-wise: one [`BlockStats`][spikeckpt.engine.stats.BlockStats] per block, bottom-up (empty for stack).
         backward_chunks: layer-wise (chunk, block) pairs backpropagated.
     """
 
@@ -154,6 +154,6 @@ class ScanStats:
 
 @dataclass
 class LayerwiseStats(ScanStats):
-    """A layer-wise run's :class:`ScanStats` (``granularity == "layer"``): the same fields."""
+    """A layer-wise run's [`ScanStats`][spikeckpt.engine.stats.ScanStats] (``granularity == "layer"``): the same fields."""
 
     granularity: str = "layer"

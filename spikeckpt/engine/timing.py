@@ -1,15 +1,15 @@
 """Measured operation times of one step, for plans that leave their intervals to the engine.
 
-:func:`spikeckpt.scan` runs ``plan="auto"`` and plans built without intervals (``Double()``,
-``Uniform()``, ``TwoLevel(s)``; :func:`spikeckpt.plans.intervals.fill`) with intervals chosen
+[`spikeckpt.scan`][spikeckpt.engine.scan.scan] runs ``plan="auto"`` and plans built without intervals (``Double()``,
+``Uniform()``, ``TwoLevel(s)``; `spikeckpt.plans.intervals.fill`) with intervals chosen
 from the state and tape sizes and from these times: one untaped step, backpropagating one
 taped step, the fixed cost of one backward call, and one state's write to and read from the
-storage tier. :func:`measure_costs` takes a few dozen step evaluations (``steps`` steps a few
-times, taped and untaped); :func:`spikeckpt.scan` caches the plan it fills per step function,
+storage tier. `measure_costs` takes a few dozen step evaluations (``steps`` steps a few
+times, taped and untaped); [`spikeckpt.scan`][spikeckpt.engine.scan.scan] caches the plan it fills per step function,
 shapes, ``T`` and tier, so a training loop measures once.
 
 Measuring changes nothing: the RNG is forked, gradients go to fresh tensors (no ``.grad`` is
-touched), and the steps run inside :func:`~spikeckpt.engine.phase.recompute_phase`, so layers
+touched), and the steps run inside `recompute_phase`, so layers
 with side effects (BatchNorm's running statistics) skip them.
 """
 
@@ -71,7 +71,7 @@ def measure_costs(
 
     Args:
         step: the user's ``step(state, x_t) -> (state, y_t)``.
-        state_def, leaves: the initial state as a :class:`TreeDef` and its leaves.
+        state_def, leaves: the initial state as a `TreeDef` and its leaves.
         in_def, inputs: the per-step input structure and the time-first input leaves.
         params: tensors requiring grad that the step uses.
         storage: the tier whose write and read are timed (``"device"``: none).
@@ -79,7 +79,7 @@ def measure_costs(
         directory: the disk tier's parent folder.
 
     Returns:
-        A :class:`~spikeckpt.plans.CostModel` in seconds: ``forward`` (one untaped step),
+        A [`CostModel`][spikeckpt.plans.simulate.CostModel] in seconds: ``forward`` (one untaped step),
         ``backward`` (one taped step's forward and backward, minus ``forward``), ``segment``
         (one backward call beyond its steps), ``write`` and ``read`` (one state).
     """

@@ -1,6 +1,6 @@
 """State pytrees: flatten a state (tensor, tuple, NamedTuple, dict, nested) to a list of tensors.
 
-The executor works on flat lists of tensors ("leaves"); :class:`TreeDef` remembers how to
+The executor works on flat lists of tensors ("leaves"); `TreeDef` remembers how to
 rebuild the user's structure. A bare tensor, a flat tuple/list/NamedTuple of tensors and nested
 tuples/lists/NamedTuples of tensors (a stack's per-layer states) take a fast path (no
 ``torch.utils._pytree`` call per step: its flatten and unflatten cost about 30 us per step for
@@ -93,7 +93,7 @@ def _compile_nested(spec: _Nested) -> tuple[Any, Any]:
 class TreeDef:
     """How to rebuild a structure from its leaves.
 
-    Build one with :func:`tree_flatten`. ``unflatten(leaves)`` rebuilds; ``flatten(obj)``
+    Build one with `tree_flatten`. ``unflatten(leaves)`` rebuilds; ``flatten(obj)``
     flattens an object of the same structure (it returns ``None`` when the structure differs,
     so callers can raise a precise error).
     """
@@ -166,7 +166,7 @@ class TreeDef:
 
 
 def tree_flatten(obj: Any) -> tuple[list[Any], TreeDef]:
-    """Flatten ``obj`` into its leaves and a :class:`TreeDef` (leaves may be non-tensors)."""
+    """Flatten ``obj`` into its leaves and a `TreeDef` (leaves may be non-tensors)."""
     if isinstance(obj, Tensor):
         return [obj], TreeDef("tensor", None, None, 1, [""])
     if (type(obj) in (tuple, list) or _is_namedtuple(obj)) and all(

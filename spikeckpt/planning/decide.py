@@ -1,26 +1,26 @@
 """Decide how a wrapped model runs: granularity (stack or layer-wise), plan and chunk.
 
-This is the one place those decisions are made; the wrapper, :class:`MemoryBudget` and the
+This is the one place those decisions are made; the wrapper, [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] and the
 command line all ask a planner here. A planner is called at every forward of a
-:class:`~spikeckpt.CheckpointedSequence` with ``decide(model, x, state)`` (``x`` time first)
-and returns a :class:`Decision`; decisions are cached per input shape ``(T, B)``.
+[`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] with ``decide(model, x, state)`` (``x`` time first)
+and returns a [`Decision`][spikeckpt.planning.decide.Decision]; decisions are cached per input shape ``(T, B)``.
 
-- :class:`Planner` (what :func:`spikeckpt.wrap` installs) follows the model's own ``plan``,
+- [`Planner`][spikeckpt.planning.decide.Planner] (what [`spikeckpt.wrap`][spikeckpt.wrapping.wrap] installs) follows the model's own ``plan``,
   ``budget``, ``granularity`` and ``chunk``: a given plan runs as given, except that a plan
   built without intervals (``Double()``, ``Uniform()``, ``TwoLevel(s)``) gets them from one
-  probe (:func:`~spikeckpt.planning.probe.probe_model`: sizes and step, call and copy times)
-  through :func:`spikeckpt.plans.intervals.fill`; ``plan="auto"`` with a budget is chosen by
-  :func:`spikeckpt.scan` (:func:`spikeckpt.plans.choose` on the measured sizes and times);
+  probe ([`probe_model`][spikeckpt.planning.probe.probe_model]: sizes and step, call and copy times)
+  through `spikeckpt.plans.intervals.fill`; ``plan="auto"`` with a budget is chosen by
+  [`spikeckpt.scan`][spikeckpt.engine.scan.scan] (`spikeckpt.plans.choose` on the measured sizes and times);
   without a budget, 90% of the free CUDA memory on a GPU, ``Uniform(ceil(sqrt(T)))`` on the
   CPU. With ``granularity="layer"`` and a budget, the chunk is the largest that fits it.
-- :class:`BudgetPlanner` (what the Lightning callback installs) plans to a budget with the
-  full probe (:func:`~spikeckpt.planning.probe.probe_model`: sizes and measured step, call and
+- [`BudgetPlanner`][spikeckpt.planning.decide.BudgetPlanner] (what the Lightning callback installs) plans to a budget with the
+  full probe ([`probe_model`][spikeckpt.planning.probe.probe_model]: sizes and measured step, call and
   copy times), agrees across DDP ranks, and remembers its choices in a checkpoint.
 
-Both decide the granularity the same way (:func:`layer_or_stack`): with ``granularity="auto"``
+Both decide the granularity the same way (`layer_or_stack`): with ``granularity="auto"``
 layer-wise runs when the model splits into feed-forward blocks, the readout is not callable,
 the input is exactly binary, its modeled device peak fits (the budget, else the stack plan's
-own modeled peak) and its modeled time is at most :data:`LAYERWISE_TIME_TOLERANCE` above the
+own modeled peak) and its modeled time is at most `LAYERWISE_TIME_TOLERANCE` above the
 stack plan's.
 """
 
@@ -84,7 +84,7 @@ LAYERWISE_TIME_TOLERANCE = 0.05
 
 
 class Planned(Probed, Protocol):
-    """What a planner needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
+    """What a planner needs of a model (a [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] has it)."""
 
     storage: str
     readout: Any
@@ -113,7 +113,7 @@ class Planned(Probed, Protocol):
 @dataclass(frozen=True)
 class StepBytes:
     """What one training step of a wrapped model holds on the device beyond the model
-    (parameters, ``.grad`` and optimizer state, which :class:`~spikeckpt.lightning.MemoryBudget`
+    (parameters, ``.grad`` and optimizer state, which [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget]
     counts once for all models), as planned, in bytes.
 
     Attributes:
@@ -160,10 +160,10 @@ class PlanChoice:
             budget less the input, the outputs and the gradient buffers of ``step``).
         probe: the measurements used.
         modeled: the modeled cost (counts, ``peak_bytes``, ``time`` in seconds): a
-            :class:`~spikeckpt.plans.Cost`, or a :class:`~spikeckpt.plans.LayerwiseCost`.
+            [`Cost`][spikeckpt.plans.simulate.Cost], or a [`LayerwiseCost`][spikeckpt.plans.layerwise.LayerwiseCost].
         granularity: ``"stack"`` or ``"layer"``.
         chunk: layer-wise steps per chunk (None for the stack).
-        step: what a training step holds beyond the model, as planned (:class:`StepBytes`);
+        step: what a training step holds beyond the model, as planned (`StepBytes`);
             ``step.total`` is at most the planner's budget.
     """
 
@@ -226,7 +226,7 @@ class Decision:
             engine measures one step and chooses) ; for layer-wise, the plan it was compared to.
         chunk: layer-wise steps per chunk (None for the stack).
         budget: device bytes for ``plan="auto"`` (None otherwise).
-        choice: the budget planner's :class:`PlanChoice` (None for a model's own plan).
+        choice: the budget planner's [`PlanChoice`][spikeckpt.planning.decide.PlanChoice] (None for a model's own plan).
     """
 
     granularity: str
@@ -273,13 +273,13 @@ def _layerwise_candidate(
 ) -> _Layered | None:
     """The blocks and their sizes when layer-wise can run, else None.
 
-    ``budgeted=False``: the sizes :func:`block_sizes` measures (what a model's own
-    :class:`Planner` compares with the stack plan). ``budgeted=True`` (the
-    :class:`BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
+    ``budgeted=False``: the sizes [`block_sizes`][spikeckpt.planning.probe.block_sizes] measures (what a model's own
+    [`Planner`][spikeckpt.planning.decide.Planner] compares with the stack plan). ``budgeted=True`` (the
+    [`BudgetPlanner`][spikeckpt.planning.decide.BudgetPlanner]'s): made safe for a budget: stored spike trains are counted at
     the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
     density of hidden spikes grows as the model trains, and index lists with it), dense with
     the device tier (it stores them unpacked); ``working`` is the training step's working set
-    as :func:`~spikeckpt.planning.probe.layerwise_working_bytes` measures it (held under
+    as `layerwise_working_bytes` measures it (held under
     ``max_bytes``; the parameters' gradient sums included).
     """
     blocks = model.layer_blocks(required)
@@ -346,7 +346,7 @@ def _fitting_chunk(
 ) -> int | None:
     """The largest chunk ``<= preferred`` whose modeled layer-wise peak fits ``limit``, or
     None. With the trains and chunk states off the device the peak grows with the chunk
-    (:func:`~spikeckpt.plans.layerwise.fitting_chunk` bisects); on the device the stored
+    ([`fitting_chunk`][spikeckpt.plans.layerwise.fitting_chunk] bisects); on the device the stored
     chunk states shrink as the chunk grows, so the peak is not monotonic: chunks are tried
     from the longest down."""
     if remote:
@@ -381,7 +381,7 @@ def _smallest_probed_layerwise(
     """The least layer-wise peak that a probe held under it would find enough.
 
     ``working`` was measured at every chunk length; a probe held under a budget measures the
-    shorter ones only (:func:`~spikeckpt.planning.probe.layerwise_probe_chunks`), and fewer
+    shorter ones only (`layerwise_probe_chunks`), and fewer
     lengths can model more at some chunks. ``beside``: the step's other bytes (input,
     outputs); ``unprobed``: what the probe may not use (the input on the device). Raised
     until the lengths that fit the named budget model no more than it (the lengths only
@@ -450,7 +450,7 @@ class Planner:
             and a budget, the largest that fits up to that).
 
     Attributes:
-        decisions: shape ``(T, B)`` -> the :class:`Decision` for ``granularity="auto"``.
+        decisions: shape ``(T, B)`` -> the [`Decision`][spikeckpt.planning.decide.Decision] for ``granularity="auto"``.
         filled: ``(plan, T, B)`` -> the plan with the intervals it was given.
         chunks: ``(T, B)`` -> the layer-wise chunk chosen for the budget.
     """
@@ -522,7 +522,7 @@ class Planner:
         return self.chunks[(T, B)]
 
     def decide(self, model: Planned, x: Any, state: Any) -> Decision:
-        """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
+        """The [`Decision`][spikeckpt.planning.decide.Decision] for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
         from ``state``."""
         if isinstance(self.plan, str) and self.plan == "auto" and self.budget is not None:
             return self._within_budget(model, x, state, self.budget)
@@ -551,8 +551,8 @@ class Planner:
         return self.decisions[key]
 
     def _within_budget(self, model: Planned, x: Any, state: Any, budget: int) -> Decision:
-        """``plan="auto"`` with a budget: the step model :class:`MemoryBudget` plans with
-        (:class:`BudgetPlanner`: input on the device, outputs, gradient buffers, activations),
+        """``plan="auto"`` with a budget: the step model [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] plans with
+        ([`BudgetPlanner`][spikeckpt.planning.decide.BudgetPlanner]: input on the device, outputs, gradient buffers, activations),
         plus the parameters' ``.grad`` that the first backward creates, all within ``budget``.
         A refusal names the budget that works when passed back to ``wrap``."""
         if self.budgeted is None:
@@ -590,13 +590,13 @@ class BudgetPlanner:
     """Choose and cache a plan per input shape so a wrapped model fits ``budget`` bytes.
 
     The first time it sees an input shape it probes the model
-    (:func:`~spikeckpt.planning.probe.probe_model`, held under the budget; for a model wrapped
+    ([`probe_model`][spikeckpt.planning.probe.probe_model], held under the budget; for a model wrapped
     with ``granularity="layer"`` or ``"auto"`` also the layer-wise working set,
-    :func:`~spikeckpt.planning.probe.layerwise_working_bytes`), models what a training step
-    holds (:class:`StepBytes`: the input train while it is on the device, the stacked
+    `layerwise_working_bytes`), models what a training step
+    holds (`StepBytes`: the input train while it is on the device, the stacked
     outputs and their gradient, the engine's gradient buffers, the plan's activations),
     picks the plan with the least modeled time whose step fits with
-    :func:`spikeckpt.plans.choose` (layer-wise: the largest chunk that fits), and caches it
+    `spikeckpt.plans.choose` (layer-wise: the largest chunk that fits), and caches it
     for that shape. When the storage tier is the device's own memory (the device tier; the
     host tier on a CPU run), stored checkpoints and trains count as activations and no plan
     with off-device checkpoints is chosen.
@@ -607,16 +607,16 @@ class BudgetPlanner:
 
     Args:
         budget: device bytes (int or a string like ``"2GiB"``) for what this model's step
-            holds beyond the model itself (:class:`StepBytes`).
+            holds beyond the model itself (`StepBytes`).
         remote: allow plans with off-device checkpoints (needs ``storage`` host or disk).
         costs: fixed operation times; None measures them with the probe.
 
     Attributes:
-        choices: shape ``(T, B)`` -> :class:`PlanChoice`.
+        choices: shape ``(T, B)`` -> [`PlanChoice`][spikeckpt.planning.decide.PlanChoice].
         probes: how many probes ran (a resumed run with known shapes runs none).
         reduce_max: set by a distributed caller: ``int -> int`` max over ranks.
         broadcast: set by a distributed caller: ``obj -> rank 0's obj``.
-        last: the latest :class:`PlanChoice`.
+        last: the latest [`PlanChoice`][spikeckpt.planning.decide.PlanChoice].
         total_for: set by a caller that counts budgets otherwise (``MemoryBudget``: with the
             model and a margin): ``bytes this planner needs -> the budget to ask for``; a
             refusal names that budget.
@@ -640,7 +640,7 @@ class BudgetPlanner:
         self.context = ""
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
-        """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
+        """The [`Decision`][spikeckpt.planning.decide.Decision] for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
         T, batch = int(x.shape[0]), int(x.shape[1])
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
@@ -661,8 +661,8 @@ class BudgetPlanner:
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
 
     def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
-        """Probe the model and choose, so that the step's planned peak (:class:`StepBytes`:
-        input, outputs, gradient buffers, activations) fits :attr:`budget_bytes`."""
+        """Probe the model and choose, so that the step's planned peak (`StepBytes`:
+        input, outputs, gradient buffers, activations) fits `budget_bytes`."""
         device = compute_device(model, x)
         on_device = host_is_device(model.storage, device)
         remote = self.remote and not on_device
@@ -771,9 +771,9 @@ class BudgetPlanner:
         self._refuse(f"{what}T={T}, B={batch}", step, smallest)
 
     def _refuse(self, what: str, step: StepBytes, smallest: int) -> NoReturn:
-        """Raise :class:`~spikeckpt.BudgetTooSmall` naming a budget that works when passed
+        """Raise [`BudgetTooSmall`][spikeckpt.errors.BudgetTooSmall] naming a budget that works when passed
         back: the step's input, outputs and gradient buffers plus the smallest plan's
-        activations, as the caller counts budgets (:attr:`total_for`)."""
+        activations, as the caller counts budgets (`total_for`)."""
         need = step.total + smallest
         minimum = self.total_for(need) if self.total_for is not None else need
         asked = self.asked_bytes if self.asked_bytes is not None else self.budget_bytes

@@ -1,9 +1,9 @@
 """Measure a model for planning: what one step costs in bytes and seconds, per block too.
 
-"Probe" means this module: :func:`probe_model` runs one step of a wrapped model (state bytes
+"Probe" means this module: [`probe_model`][spikeckpt.planning.probe.probe_model] runs one step of a wrapped model (state bytes
 ``S``, bytes taped per step ``A`` after spike packing, output bytes, input spike density,
 forward/backward step time, the fixed cost of one backward call, the storage tier's copy time)
-and :func:`block_sizes` measures each layer-wise block. Probes change nothing: no gradient is
+and [`block_sizes`][spikeckpt.planning.probe.block_sizes] measures each layer-wise block. Probes change nothing: no gradient is
 accumulated, the RNG is forked, the framework's hidden state is cleaned up.
 """
 
@@ -58,7 +58,7 @@ __all__ = [
 
 
 class Probed(Protocol):
-    """What a probe needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
+    """What a probe needs of a model (a [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] has it)."""
 
     scan_kwargs: dict[str, Any]
 
@@ -107,9 +107,9 @@ class Probe:
         work_bytes: what running one step holds on the device beyond the plan's states and
             tapes: the larger of one untaped step's peak (its new state, output and
             temporaries) and one taped step's backward beyond its tape and the parameters'
-            gradients (measured with :class:`~spikeckpt.MemoryMeter`).
+            gradients (measured with [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter]).
         work_capped: ``work_bytes`` was measured without the parameters' gradients (the
-            probe's ``max_bytes`` had no room for them); :func:`step_work_bytes` measures it
+            probe's ``max_bytes`` had no room for them); `step_work_bytes` measures it
             with them.
     """
 
@@ -144,7 +144,7 @@ class Probe:
         )
 
     def costs(self) -> CostModel:
-        """The probe's times as a :class:`CostModel` (seconds)."""
+        """The probe's times as a [`CostModel`][spikeckpt.plans.simulate.CostModel] (seconds)."""
         return CostModel(
             forward=self.forward_seconds,
             backward=self.backward_seconds,
@@ -174,7 +174,7 @@ def probe_model(
 
     ``max_bytes``: device bytes the probe may hold at once (None: no limit). The probe first
     tapes one step (``S + A``); the timing runs then tape at most as many steps (up to
-    :data:`SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
+    `SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
     ``2S + 3G + n * (A + output + input step)`` (``segment_seconds`` sums per-step gradients:
     a running sum, the new gradients and their sum). When not even two steps fit that way
     the per-call overhead is taken as 0; when not even one step with ``G`` fits, the backward
@@ -228,7 +228,7 @@ def probe_model(
 
 
 def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
-    """:attr:`Probe.work_bytes` with the parameters' gradients, whatever the budget (one
+    """`Probe.work_bytes` with the parameters' gradients, whatever the budget (one
     untaped step and one taped step with its backward; ``step_bytes`` is ``A``)."""
     device = compute_device(seq, x)
     x_t = step_of(x, 0, device)
@@ -248,7 +248,7 @@ def _work_bytes(
     step_bytes: int,
     device: torch.device,
 ) -> int:
-    """:attr:`Probe.work_bytes`: one untaped step's peak, and one taped step's backward peak
+    """`Probe.work_bytes`: one untaped step's peak, and one taped step's backward peak
     beyond its tape and the parameters' gradients; the larger."""
     leaves, treedef = tree_flatten(state)
     with torch.no_grad(), MemoryMeter(device) as untaped:
@@ -269,14 +269,14 @@ def step_costs(
     params: list[Tensor],
     storage: str = "device",
 ) -> CostModel:
-    """Measure a step's operation times (seconds) as a :class:`~spikeckpt.plans.CostModel`.
+    """Measure a step's operation times (seconds) as a [`CostModel`][spikeckpt.plans.simulate.CostModel].
 
     Args:
         step: ``step(state, x_t) -> (state, y_t)``.
         state: the state to start from (not changed).
         xs: ``(n, B, ...)`` inputs; the first step times forward and backward, up to
-            :data:`SEGMENT_PROBE_STEPS` steps time the per-call overhead
-            (:func:`segment_seconds`).
+            `SEGMENT_PROBE_STEPS` steps time the per-call overhead
+            (`segment_seconds`).
         params: the parameters the step uses (their ``.grad`` is not touched).
         storage: tier whose copy time is measured (``"device"``: no copies).
 
@@ -344,7 +344,7 @@ def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return b if a is None else a if b is None else a + b
 
 
-#: Steps :func:`segment_seconds` runs (taped in one call, then one call per step).
+#: Steps `segment_seconds` runs (taped in one call, then one call per step).
 SEGMENT_PROBE_STEPS = 16
 
 
@@ -409,12 +409,12 @@ def _copy_seconds(leaves: list[Tensor], storage: str, device: torch.device) -> t
 def block_sizes(
     blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any], fuse: bool = True
 ) -> list[BlockSizes]:
-    """Measure each block for :func:`spikeckpt.plans.layerwise.layerwise_cost` with one taped
+    """Measure each block for [`spikeckpt.plans.layerwise.layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] with one taped
     step from ``states`` on the input step ``x_t`` ``(B, ...)``: its state bytes, the bytes
     autograd keeps (``A_b``; parameters excluded), its input and output bytes per step and the
     density of its input when that is binary. A neuron the run fuses (``fuse`` and a kernel
     that takes the step) is counted by its fused chunk's growth per step instead
-    (:func:`_fused_step_bytes`). Changes nothing (RNG forked, no gradients)."""
+    (`_fused_step_bytes`). Changes nothing (RNG forked, no gradients)."""
     params = [t for b in blocks for t in b.params]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
@@ -487,7 +487,7 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
     )
 
 
-#: Chunk lengths :func:`layerwise_working_bytes` runs (each over two chunks).
+#: Chunk lengths `layerwise_working_bytes` runs (each over two chunks).
 LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
 #: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
 #: has more than one value per channel; one when the batch is 1).
@@ -507,8 +507,8 @@ def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
 def layerwise_probe_chunks(
     T: int, sizes: Sequence[BlockSizes], max_bytes: int | None = None
 ) -> list[int]:
-    """The chunk lengths :func:`layerwise_working_bytes` measures for ``T`` steps under
-    ``max_bytes`` (those of :data:`LAYERWISE_PROBE_CHUNKS` up to ``T / 2`` and, with a limit,
+    """The chunk lengths `layerwise_working_bytes` measures for ``T`` steps under
+    ``max_bytes`` (those of `LAYERWISE_PROBE_CHUNKS` up to ``T / 2`` and, with a limit,
     up to where three times the cost model's working set fits it; at least 1)."""
     longest = max(1, T // 2)
     if max_bytes is not None:
@@ -531,22 +531,22 @@ def layerwise_working_bytes(
     fuse: bool = True,
 ) -> MeasuredWorking:
     """Measure a layer-wise training step's working set, for the batch of ``x``, as a
-    function of the chunk length (:class:`~spikeckpt.plans.MeasuredWorking`).
+    function of the chunk length ([`MeasuredWorking`][spikeckpt.plans.layerwise.MeasuredWorking]).
 
     The working set is what a step holds besides its block states and stored trains: one
     block's recomputed chunk, its tape, the gradients handed between blocks, and the running
     sums of the parameters' gradients. The cost model of
-    :func:`~spikeckpt.plans.layerwise.layerwise_cost` counts ``chunk * max_b (A_b + 2 I_b +
+    [`layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] counts ``chunk * max_b (A_b + 2 I_b +
     O_b)`` from one step's saved tensors; what the engine really allocates differs (the
     chunk's synaptic input, the stacked spikes and their gradients are more; the first
     block's tape without an input gradient, and the gradient sums, which peak while the other
     blocks' tapes are gone, are less than counted apart). This runs the engine's own
     layer-wise forward and backward, as the training step does (the whole batch, the
     parameters' gradients, an input gradient only when ``x`` requires grad), on the first
-    steps of ``x`` at the chunk lengths of :data:`LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
+    steps of ``x`` at the chunk lengths of `LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
     longer ones only while ``max_bytes`` allows them at three times the cost model's bytes per
     step), two chunks each (the second chunk's gradients are summed out of place, as in a
-    long run), under :class:`~spikeckpt.MemoryMeter`, and subtracts the modeled states and
+    long run), under [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], and subtracts the modeled states and
     stored trains. The peak is piecewise linear in the chunk (short chunks peak while the
     gradient sums are held, long ones while a long tape is), so the result is the measured
     bytes at the measured lengths (never falling as the chunk grows), the chords between
@@ -558,7 +558,7 @@ def layerwise_working_bytes(
         blocks: the model's layer-wise blocks.
         x: the input ``(T, B, ...)`` (dense or packed).
         states_for: ``x_t (B, ...) -> one initial state per block`` at ``x_t``'s batch.
-        sizes: :func:`block_sizes` at the batch of ``x``.
+        sizes: [`block_sizes`][spikeckpt.planning.probe.block_sizes] at the batch of ``x``.
         device: the compute device (``MemoryMeter`` measures it).
         storage: the tier the run stores its trains in (``"disk"`` is probed as ``"host"``).
         readout, output: the run's readout and output.

@@ -1,8 +1,8 @@
 """Checkpointing plans as data: schedules, a validating cost simulator, and a planner.
 
 This package is pure Python and never imports torch. A plan turns a sequence length ``T``
-into a :class:`Schedule` (a compact, lazily expanded sequence of actions); :func:`simulate`
-validates and counts it; :func:`choose` picks the fastest plan that fits a device memory
+into a [`Schedule`][spikeckpt.plans.schedule.Schedule] (a compact, lazily expanded sequence of actions); [`simulate`][spikeckpt.plans.simulate.simulate]
+validates and counts it; [`choose`][spikeckpt.plans.choose.choose] picks the fastest plan that fits a device memory
 budget.
 
 >>> from spikeckpt import plans

@@ -4,14 +4,14 @@
 the transfer costs its segment lengths depend on) to be filled in for a sequence. Their own
 ``for_length(T)`` falls back on ``ceil(sqrt(T))``-style defaults; when the engine knows the
 state's bytes ``S``, the bytes one taped step keeps ``A`` and the measured operation times
-(:class:`~spikeckpt.plans.CostModel`), :func:`fill` picks them from those instead:
+([`CostModel`][spikeckpt.plans.simulate.CostModel]), `fill` picks them from those instead:
 
 - ``Uniform()``: the checkpoint interval with the least modeled device peak (about
-  ``sqrt(T*S/A)``); among the intervals within :data:`TOLERANCE` of that peak, the fastest
+  ``sqrt(T*S/A)``); among the intervals within `TOLERANCE` of that peak, the fastest
   (fewer backward calls).
 - ``Double()`` (either interval missing): every ``(K, k)`` pair on a grid whose modeled peak
   is at most the least peak of ``Uniform`` for the same ``T`` (above it, plain ``Uniform`` is
-  the better plan). Among those whose modeled time is within :data:`TOLERANCE` of the recompute
+  the better plan). Among those whose modeled time is within `TOLERANCE` of the recompute
   floor ``T*(2*forward + backward)`` (two evaluations and one backward per step, no transfers,
   no calls), the one with the least peak; when none is (transfers too slow for this ``T``),
   the fastest. The memory-only default (``k = sqrt(K*S/A)``) evaluates about three times per
@@ -47,7 +47,7 @@ TOLERANCE = 0.05
 
 
 def needs_intervals(plan: object) -> bool:
-    """Whether ``plan`` leaves intervals (or TwoLevel's costs) for :func:`fill` to choose."""
+    """Whether ``plan`` leaves intervals (or TwoLevel's costs) for `fill` to choose."""
     if type(plan) is Uniform:
         return plan.interval is None
     if type(plan) is Double:
@@ -120,7 +120,7 @@ def fill(
     """``plan`` with the intervals it leaves open chosen for ``T`` steps (see the module).
 
     Args:
-        plan: any plan; only those :func:`needs_intervals` accepts are changed.
+        plan: any plan; only those `needs_intervals` accepts are changed.
         T: steps.
         state_bytes: ``S``, bytes of one state.
         step_bytes: ``A``, bytes autograd keeps for one taped step.

@@ -127,7 +127,7 @@ def is_binary(tensor: Tensor) -> bool:
 
 def binary_mask(tensor: Tensor) -> tuple[Tensor, int] | None:
     """``(flat bool mask of the ones, count of ones)`` if ``tensor`` is exactly binary, else
-    None: one pass that :func:`pack` can reuse (``pack(tensor, found=...)``)."""
+    None: one pass that [`pack`][spikeckpt.storage.codecs.pack] can reuse (``pack(tensor, found=...)``)."""
     return _scan(tensor)
 
 
@@ -151,7 +151,7 @@ def pack(tensor: Tensor, codec: str = "auto", *, found: object = _UNSCANNED) -> 
 
     ``"bitpack"`` and ``"index"`` raise ``NotBinaryError`` on tensors that are not exactly
     binary; ``"auto"`` stores those dense. Runs on the tensor's device, vectorised.
-    ``found``: what :func:`binary_mask` returned for this very tensor (saves a pass).
+    ``found``: what `binary_mask` returned for this very tensor (saves a pass).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}: use one of {', '.join(map(repr, CODECS))}")

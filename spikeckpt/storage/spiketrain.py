@@ -1,7 +1,7 @@
 """``SpikeTrain``: a time-first binary train ``(T, B, ...)`` kept bit-packed or as index lists.
 
 A spike train of ``T`` steps is stored in one of two exact layouts (see
-:mod:`spikeckpt.storage.codecs` for the codecs they come from):
+`spikeckpt.storage.codecs` for the codecs they come from):
 
 - ``"bitpack"``: the codec's bit-pack of the whole train in row-major (time-first) order,
   ``(ceil(N / 8),)`` uint8 for ``N = T * B * ...`` elements: 1 bit per element. Step ``t`` is the
@@ -14,7 +14,7 @@ A spike train of ``T`` steps is stored in one of two exact layouts (see
 
 ``codec="auto"`` picks whichever of the two takes fewer bytes (bit-pack on ties). Round trips
 are exact: ``dense()`` gives back every element bitwise, with the dtype and shape passed in
-(``-0.0`` and any value other than 0 and 1 are refused with :class:`~spikeckpt.NotBinaryError`).
+(``-0.0`` and any value other than 0 and 1 are refused with [`NotBinaryError`][spikeckpt.errors.NotBinaryError]).
 
 **Contract the engine relies on** (``wrap`` / ``scan`` will take a ``SpikeTrain`` in place of
 the dense input ``x``; anything else is a convenience):
@@ -32,7 +32,7 @@ Unpacked steps are new contiguous tensors (never views of the train), so freeing
 their memory. ``to``, ``pin_memory`` and pickling (``torch.save``, DataLoader workers) keep the
 type; ``torch.load`` needs no ``weights_only=False`` (the class is registered as safe).
 ``to_sparse_coo`` / ``from_sparse_coo`` convert to and from a ``torch.sparse_coo`` train with
-0/1 values, exactly. :func:`as_spike_train` turns a dense tensor, a sparse COO tensor or a
+0/1 values, exactly. [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train] turns a dense tensor, a sparse COO tensor or a
 ``SpikeTrain`` into a ``SpikeTrain``.
 """
 
@@ -64,8 +64,8 @@ _HALF = BLOCK // 2
 class SpikeTrain:
     """A binary train ``(T, B, ...)`` stored packed; see the module docstring for the layouts.
 
-    Build one with :meth:`from_dense`, :meth:`from_sparse_coo`, :meth:`from_indices` or
-    :func:`as_spike_train`, not with the constructor.
+    Build one with [`from_dense`][spikeckpt.storage.spiketrain.SpikeTrain.from_dense], [`from_sparse_coo`][spikeckpt.storage.spiketrain.SpikeTrain.from_sparse_coo], [`from_indices`][spikeckpt.storage.spiketrain.SpikeTrain.from_indices] or
+    [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train], not with the constructor.
 
     Attributes:
         codec: ``"bitpack"`` or ``"index"``.
@@ -100,7 +100,7 @@ class SpikeTrain:
 
         The payload stays on ``x``'s device. Raises ``NotBinaryError`` (naming the first
         offending value) when ``x`` is not exactly 0/1, ``ValueError`` for a bad ``codec`` or
-        a 0-d ``x``, ``TypeError`` for a sparse ``x`` (use :meth:`from_sparse_coo`).
+        a 0-d ``x``, ``TypeError`` for a sparse ``x`` (use [`from_sparse_coo`][spikeckpt.storage.spiketrain.SpikeTrain.from_sparse_coo]).
         """
         _check_codec(codec)
         if not isinstance(x, Tensor):
@@ -412,7 +412,7 @@ class SpikeTrain:
 
 
 def as_spike_train(x: Tensor | SpikeTrain, codec: str = "auto") -> SpikeTrain:
-    """``x`` as a :class:`SpikeTrain`: returned as it is, packed from a dense tensor, or from a
+    """``x`` as a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]: returned as it is, packed from a dense tensor, or from a
     ``torch.sparse_coo`` tensor (values exactly 0 or 1). Raises ``NotBinaryError`` otherwise."""
     if isinstance(x, SpikeTrain):
         return x

@@ -120,7 +120,7 @@ def make_store(
 
     ``directory`` (disk only) is the folder under which the disk tier makes its own temporary
     folder (created if missing); default: the system temporary folder. Unknown tiers and a
-    ``directory`` with another tier raise ``ValueError`` as in :func:`check_storage`.
+    ``directory`` with another tier raise ``ValueError`` as in `check_storage`.
     """
     _check_kind(kind)
     if directory is not None:
