@@ -12,7 +12,7 @@ torch.Size([100, 8, 5])
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -25,7 +25,7 @@ from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.packed import as_input, is_packed, step_of
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
-from spikeckpt.errors import UnsupportedLayerError
+from spikeckpt.errors import UnlistedParamsError, UnsupportedLayerError
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.schedule import Schedule
@@ -82,6 +82,7 @@ class CheckpointedSequence(nn.Module):
         scan_kwargs: dict[str, Any] | None = None,
         granularity: Granularity = "stack",
         chunk: int | None = None,
+        params: Sequence[Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -95,6 +96,8 @@ class CheckpointedSequence(nn.Module):
         self.scan_kwargs = dict(scan_kwargs or {})
         self.granularity = _check_granularity(granularity)
         self.chunk = chunk
+        #: tensors to differentiate besides the model's parameters (``wrap(..., params=...)``)
+        self.extra_params: list[Tensor] = _check_params(params)
         self.planner: Planner | BudgetPlanner | None = None
         self.last_stats: ScanStats | None = None
         self.last_decision: Decision | None = None
@@ -121,10 +124,11 @@ class CheckpointedSequence(nn.Module):
         return self.adapter.init_state(x_t)
 
     def parameters_for_scan(self) -> list[Tensor]:
-        """The tensors the engine differentiates: the model's parameters and any tensors the
-        framework keeps outside them (Norse's ``p``) that require grad."""
+        """The tensors the engine differentiates: the model's parameters, the tensors requiring
+        grad that its layers hold outside them (Norse's ``p``, tensor attributes such as a
+        neuron's ``self.beta = torch.full(..., requires_grad=True)``) and ``params``."""
         seen: dict[int, Tensor] = {}
-        for t in [*self.module.parameters(), *self.adapter.extra_params()]:
+        for t in [*self.module.parameters(), *self.adapter.extra_params(), *self.extra_params]:
             seen.setdefault(id(t), t)
         return list(seen.values())
 
@@ -242,11 +246,28 @@ class CheckpointedSequence(nn.Module):
                     stats=True,
                     **self._engine_kwargs(),
                 )
+        except UnlistedParamsError as err:
+            raise self._unlisted(err, x, state) from None
         finally:
             self.adapter.cleanup()
         if self.batch_first and self.readout is None:
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
         return (ys, final) if return_state else ys
+
+    def _unlisted(self, err: UnlistedParamsError, x: Any, state: State) -> UnlistedParamsError:
+        """``err`` (the stack granularity's: the whole step used tensors it was not given)
+        with the layer that uses them, found by stepping the layers one by one."""
+        where = _layers_using(self.adapter, state, step_of(x, 0, self.device_for(x)), err.tensors)
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in err.tensors[:5])  # type: ignore[attr-defined]
+        names = ", ".join(repr(w) for w in where)
+        layer = f"layer{'s' if len(where) > 1 else ''} {names}" if where else "the model"
+        return UnlistedParamsError(
+            f"{layer} use{'' if len(where) > 1 else 's'} {len(err.tensors)} tensor(s) requiring grad that are neither "
+            f"parameters of the model nor tensor attributes of its modules (shapes {shapes}); "
+            "they would get no gradient. Register them as nn.Parameter, or pass them: "
+            "spikeckpt.wrap(model, ..., params=[tensor, ...])",
+            err.tensors,
+        )
 
     def _run_layerwise(self, x: Tensor, state: State, decision: Decision) -> Any:
         if callable(self.readout):
@@ -306,6 +327,65 @@ def _check_plan(plan: Any) -> None:
     )
 
 
+def _check_params(params: Sequence[Tensor] | None) -> list[Tensor]:
+    """``wrap(..., params=...)``: a sequence of tensors (those requiring grad are kept)."""
+    if params is None:
+        return []
+    if isinstance(params, Tensor) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"params must be a list of tensors (params=[tensor, ...]), got {type(params).__name__}"
+        )
+    params = list(params)
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params must be tensors, got a {type(p).__name__} in the list")
+    return params
+
+
+def _layers_using(
+    adapter: LayerAdapter, state: State, x_t: Tensor, tensors: list[Any]
+) -> list[str]:
+    """The paths of the layers whose step (from ``state``, input ``x_t`` detached) uses one of
+    ``tensors``: a diagnostic run (random state forked, running statistics kept, the
+    framework's leftovers cleared); empty when none is found."""
+    import torch
+
+    from spikeckpt.engine.grad import unseen_leaves
+    from spikeckpt.engine.phase import recompute_phase
+
+    wanted = {id(t) for t in tensors}
+
+    def uses(roots: Any) -> bool:
+        leaves = [t for t in _tree_leaves(roots) if isinstance(t, Tensor)]
+        return any(id(t) in wanted for t in unseen_leaves(leaves, []))
+
+    def walk(adapter: LayerAdapter, state: State, x_t: Any) -> tuple[list[str], Any]:
+        if not isinstance(adapter, StackAdapter):
+            new, y = adapter.step(state, x_t)
+            return ([adapter.path or "<root>"] if uses((new, y)) else []), y
+        found: list[str] = []
+        for i, layer in enumerate(adapter.layers):  # one step of each layer from its state
+            paths, x_t = walk(layer, state[adapter.slots[i]], x_t)
+            found += paths
+            x_t = _tree_map(lambda t: t.detach(), x_t)
+        return found, x_t
+
+    devices = [x_t.device.index or 0] if x_t.is_cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices), recompute_phase(), torch.enable_grad():
+            return walk(adapter, state, x_t.detach())[0]
+    except Exception:  # noqa: BLE001 - a diagnostic only: the caller's error is what matters
+        return []
+    finally:
+        adapter.cleanup()
+
+
+def _tree_leaves(tree: Any) -> list[Any]:
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
 def _check_granularity(granularity: str) -> str:
     if granularity not in _GRANULARITIES:
         raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
@@ -361,6 +441,7 @@ def wrap(
     output: Output = "spikes",
     granularity: Granularity = "stack",
     chunk: int | None = None,
+    params: Sequence[Tensor] | None = None,
     **scan_kwargs: Any,
 ) -> CheckpointedSequence:
     """Wrap ``model`` so its time loop runs through [`spikeckpt.scan`][spikeckpt.engine.scan.scan].
@@ -394,8 +475,13 @@ def wrap(
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
         chunk: layer-wise only: time steps per chunk (default: the plan's interval, e.g.
             ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``).
-        **scan_kwargs: passed on to [`spikeckpt.scan`][spikeckpt.engine.scan.scan] (``directory``, ``pack_tape``).
-            Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in ``seq.last_stats``.
+        params: tensors requiring grad that the model uses besides what is found: its
+            parameters and the leaf tensors requiring grad held as attributes of its modules
+            (``self.beta = torch.full(..., requires_grad=True)``) or in Norse's ``p``. A tensor
+            requiring grad that the model uses and that is none of these raises
+            :class:`~spikeckpt.UnlistedParamsError` naming the layer: pass it here.
+        **scan_kwargs: passed on to :func:`spikeckpt.scan` (``directory``, ``pack_tape``).
+            Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``.
 
     Raises:
         UnsupportedLayerError: a layer cannot be stepped; the message names it (its path in
@@ -407,6 +493,7 @@ def wrap(
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
     _check_plan(plan)
     _check_granularity(granularity)
+    _check_params(params)
     check_storage(storage, scan_kwargs.get("directory"))
     if budget is not None:
         parse_bytes(budget)  # a budget that cannot be read fails here, not at the first forward
@@ -429,6 +516,7 @@ def wrap(
         scan_kwargs=scan_kwargs,
         granularity=granularity,
         chunk=chunk,
+        params=params,
     )
 
 

@@ -144,7 +144,10 @@ class NorseAdapter(LayerAdapter):
         return _field(state, "v")
 
     def extra_params(self) -> list[Tensor]:
-        return [t for t in _tensors(self.module.p) if t.requires_grad]
+        found = {id(t): t for t in _tensors(self.module.p) if t.requires_grad}
+        for t in super().extra_params():
+            found.setdefault(id(t), t)
+        return list(found.values())
 
 
 class LILinearAdapter(StatefulAdapter):

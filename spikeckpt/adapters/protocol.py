@@ -30,6 +30,7 @@ __all__ = [
     "Predicate",
     "Registration",
     "State",
+    "attribute_tensors",
     "describe",
     "unsupported",
 ]
@@ -76,8 +77,11 @@ class LayerAdapter:
         return None
 
     def extra_params(self) -> list[Tensor]:
-        """Tensors requiring grad that the step uses but ``module.parameters()`` does not list."""
-        return []
+        """Tensors requiring grad that the step uses but ``module.parameters()`` does not list.
+
+        Default: :func:`attribute_tensors` of the module (a hand-written neuron's
+        ``self.beta = torch.full(..., requires_grad=True)``)."""
+        return attribute_tensors(self.module)
 
     def check(self) -> None:
         """Raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] if the layer cannot be stepped exactly *now*.
@@ -94,6 +98,30 @@ class LayerAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.module).__name__} at {self.path or '<root>'!r})"
+
+
+def attribute_tensors(module: nn.Module) -> list[Tensor]:
+    """Leaf tensors requiring grad that ``module`` or its submodules hold as plain attributes
+    (not registered parameters), directly or in a tuple, list or dict attribute (NamedTuples
+    too, nested once): ``self.beta = torch.full((n,), 0.9, requires_grad=True)``. Tensors a
+    framework leaves on a module after a call carry a graph (not leaves) and are not listed."""
+    found: dict[int, Tensor] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, Tensor):
+            if value.requires_grad and value.is_leaf:
+                found.setdefault(id(value), value)
+        elif depth < 2 and isinstance(value, (tuple, list)):
+            for item in value[:1000]:
+                visit(item, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for item in list(value.values())[:1000]:
+                visit(item, depth + 1)
+
+    for m in module.modules():
+        for value in vars(m).values():
+            visit(value, 0)
+    return list(found.values())
 
 
 #: ``adapter_for(module, path) -> LayerAdapter``: the registry's lookup, passed to adapters of

@@ -53,11 +53,12 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from spikeckpt.engine.function import Job, run_job
-from spikeckpt.engine.grad import grad
+from spikeckpt.engine.grad import grad, unseen_leaves
 from spikeckpt.engine.packed import as_input, chunk_of, is_packed
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats
+from spikeckpt.errors import UnlistedParamsError
 from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
@@ -190,6 +191,11 @@ class _LayerwiseJob(Job):
         self.need_state: list[bool] = []
         self.referenced = [0]  # backward reads x: it must not change in place before then
         self.owned: set[int] = set()  # parameter gradients that are sums this job allocated
+        #: the forward pass's readout ("max"/"min" keep the index that gets the gradient)
+        self.reducer: Reducer | None = None
+        #: blocks whose taped graph was searched for tensors requiring grad outside their
+        #: ``params`` (once per run, at the block's first backward chunk)
+        self.searched: set[int] = set()
 
     # One store entry (a file on disk) holds what ``group`` consecutive chunks keep: their
     # input trains of blocks 1.. (packed here, so the codec figures are per block) and every
@@ -210,6 +216,7 @@ class _LayerwiseJob(Job):
         self.entry_data = None
         self.x = None
         self.initial = []
+        self.reducer = None
         for block in self.blocks:
             block.cleanup()
 
@@ -267,6 +274,8 @@ class _LayerwiseJob(Job):
                 self.storage, self.device, self.stats.storage_ledger, self.directory
             )
         reducer = Reducer(self.readout, self.T)
+        if record:
+            self.reducer = reducer
         try:
             items: list[Tensor] = []  # the open entry's tensors
             entry, first = 0, 0  # the open entry and its first chunk
@@ -400,7 +409,7 @@ class _LayerwiseJob(Job):
         x = self.x
         assert x is not None
         n = self.n_outputs
-        reducer = Reducer(self.readout, self.T)
+        reducer = self.reducer if self.reducer is not None else Reducer(self.readout, self.T)
         out_grads = list(grads[:n])
         carry = _split(grads[n:], self.n_leaves)
         grad_x = torch.zeros_like(x) if self.need_x else None
@@ -425,6 +434,29 @@ class _LayerwiseJob(Job):
         need_state = self.need_state
         g_state = [g if need else None for g, need in zip(sum(carry, []), need_state, strict=True)]
         return [grad_x, *g_state, *grad_p]
+
+    def _search_params(self, b: int, roots: list[Tensor], own: list[Tensor]) -> None:
+        """Find the leaf tensors requiring grad in block ``b``'s taped graph that are not in
+        its ``params``: another block's params (or ones given to the run) join its list; any
+        other raises :class:`~spikeckpt.errors.UnlistedParamsError` naming the block."""
+        self.searched.add(b)
+        pidx = self.block_params[b]
+        found = unseen_leaves(roots, [*own, *(self.params[j] for j in pidx)])
+        if not found:
+            return
+        ids = {id(p): j for j, p in enumerate(self.params)}
+        strangers = [t for t in found if id(t) not in ids]
+        pidx.extend(ids[id(t)] for t in found if id(t) in ids)
+        if strangers:
+            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in strangers[:5])
+            raise UnlistedParamsError(
+                f"layer-wise run: block {self.blocks[b].name!r} uses {len(strangers)} tensor(s) "
+                f"requiring grad that are not among the parameters it differentiates (shapes "
+                f"{shapes}); they would get no gradient. Register them as nn.Parameter, hold "
+                "them as attributes of the block's modules, or pass them: "
+                "wrap(model, ..., params=[tensor, ...]) (layerwise_scan(..., params=[...]))",
+                strangers,
+            )
 
     def _backward_block(
         self,
@@ -460,6 +492,8 @@ class _LayerwiseJob(Job):
                 if g is not None and o.requires_grad:
                     roots.append(o)
                     root_grads.append(g)
+            if b not in self.searched:
+                self._search_params(b, [*outs, *final], [inp, *leaves])
             pidx = self.block_params[b]
             wrt = [inp, *leaves, *(self.params[j] for j in pidx)]
             mask = [t.requires_grad for t in wrt]
@@ -513,9 +547,13 @@ def layerwise_scan(
             local interval) or None / ``"auto"`` (``ceil(sqrt(T))``).
         storage: ``"host"`` (packed in CPU memory), ``"disk"`` (packed files) or ``"device"``
             (references, no packing) for the spike trains and chunk-boundary states.
-        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"`` or ``"last"``.
+        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"`` or ``"min"`` (the extremum over time, with ``max(0)``'s gradient).
         output: the top block's per-step output: ``"spikes"``, ``"mem"`` or ``"both"``.
-        params: tensors to differentiate (default: every block's ``params``).
+        params: tensors to differentiate (default: every block's ``params``); a block that
+            uses one of them outside its own ``params`` is differentiated with respect to it
+            too (found in its taped graph). A tensor requiring grad that a block uses and
+            that is in neither raises :class:`~spikeckpt.errors.UnlistedParamsError`.
         directory: folder for the disk tier's temporary folder.
         stats: also return a [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats].
         group: chunks per off-device store entry (None: see `GROUP_SHARE`).
@@ -526,7 +564,8 @@ def layerwise_scan(
     """
     if readout not in READOUTS:
         raise ValueError(
-            f"layer-wise granularity supports readout None, 'sum', 'mean' or 'last', got "
+            f"layer-wise granularity supports readout None, 'sum', 'mean', 'last', 'max' or "
+            f"'min', got "
             f"{readout!r}; use granularity='stack' for a callable readout"
         )
     if output not in _OUTPUTS:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
@@ -24,14 +23,16 @@ from torch import Tensor, nn
 
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.function import Job, run_job
+from spikeckpt.engine.grad import unseen_leaves
 from spikeckpt.engine.packed import as_input, drop_first, is_packed, step_of
 from spikeckpt.engine.phase import recomputing
-from spikeckpt.engine.readout import Readout, ReadoutFn, Reducer, check_readout
+from spikeckpt.engine.readout import Readout, ReadoutFn, Reducer, check_readout, take_extremum
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import backward_reserve, measure_step
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.engine.timing import measure_costs
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
+from spikeckpt.errors import UnlistedParamsError
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.plans.simulate import Cost, CostModel, simulate
 from spikeckpt.storage.codecs import require_binary
@@ -173,50 +174,34 @@ class _StepFn:
         *,
         no_grad_path: bool = False,
     ) -> None:
-        """Warn once if the step uses leaf tensors requiring grad that are not in ``params``.
+        """Raise :class:`~spikeckpt.errors.UnlistedParamsError` if the step uses leaf tensors
+        requiring grad that are not in ``params`` (they would get no gradient).
 
-        ``no_grad_path``: scan saw nothing requiring grad and runs without a tape, so these
-        tensors get no gradient and ``backward()`` of the outputs fails: the warning says so.
+        ``no_grad_path``: scan saw nothing requiring grad and would run without a tape.
         """
         if any(isinstance(t, Tensor) and t.grad_fn is not None for t in user):
             return  # only walk the graph of a step that starts from fresh leaves
         self.scanned_closures = True
         known = [*self.params, *user, *xs, *(x._base for x in xs if x._base is not None)]
-        stack = [t.grad_fn for t in new if isinstance(t, Tensor) and t.grad_fn is not None]
-        # Node wrappers may be transient: keep them alive so their ids are not reused.
-        visited: list[Any] = []
-        seen: set[int] = set()
-        found: list[Tensor] = []
-        while stack and len(visited) < 20000:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            visited.append(node)
-            seen.add(id(node))
-            variable = getattr(node, "variable", None)
-            if variable is not None and not any(variable is k for k in (*known, *found)):
-                found.append(variable)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        strangers = len(found)
-        if not strangers:
+        found = unseen_leaves(new, known)
+        if not found:
             return
-        shapes = ", ".join(str(tuple(v.shape)) for v in found[:5])
-        if no_grad_path:
-            warnings.warn(
-                f"scan: nothing scan sees requires grad, so it runs without gradients, but the "
-                f"step uses {strangers} tensor(s) requiring grad (shapes {shapes}) that it "
-                "could not find; the outputs will not require grad and backward() will fail. "
-                "Pass them with scan(..., params=[...]) (found by default: parameters of "
-                "modules reachable from the step's self, closure, defaults and globals).",
-                stacklevel=6,
-            )
-            return
-        warnings.warn(
-            f"scan: the step uses {strangers} tensor(s) requiring grad (shapes {shapes}) that "
-            "are not in `params`; they will get no gradient. Pass them with "
-            "scan(..., params=[...]) (found by default: parameters of modules reachable from "
-            "the step's self, closure, defaults and globals).",
-            stacklevel=6,
+        shapes = ", ".join(f"{tuple(v.shape)} {v.dtype}" for v in found[:5])
+        where = (
+            "nothing scan sees requires grad, so it would run without gradients and backward() "
+            "would fail, but the step"
+            if no_grad_path
+            else "the step"
+        )
+        raise UnlistedParamsError(
+            f"scan: {where} uses {len(found)} tensor(s) requiring grad that are not in "
+            f"`params` (shapes {shapes}); they would get no gradient. Pass them with "
+            "scan(..., params=[*your_params, tensor, ...]), or from spikeckpt.wrap with "
+            "wrap(model, ..., params=[tensor, ...]) (found by default: parameters of modules "
+            "reachable from the step's self, closure, defaults and globals, and leaf tensors "
+            "requiring grad held as attributes of those modules; registering the tensor as an "
+            "nn.Parameter also works).",
+            found,
         )
 
 
@@ -385,7 +370,8 @@ def _reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
     """Tensors requiring grad reachable from ``step``: parameters of the modules it is, is
     bound to, closes over, takes as defaults or ``partial`` arguments, or names as globals
     (through the functions and containers it reaches, a few levels deep), tensors requiring
-    grad among those, and tensors requiring grad in NamedTuple attributes of those modules
+    grad among those, leaf tensors requiring grad held as attributes of those modules (a neuron's
+    ``self.beta = torch.full(..., requires_grad=True)``) or in their NamedTuple attributes
     (Norse keeps neuron parameters in ``module.p``); and the modules reached (submodules
     included)."""
     import functools
@@ -414,6 +400,8 @@ def _reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
                 for value in vars(m).values():
                     if isinstance(value, tuple):
                         visit(value, depth + 1)
+                    elif isinstance(value, Tensor) and value.is_leaf:
+                        add(value)  # a tensor attribute, e.g. self.beta = torch.full(...)
         elif isinstance(obj, functools.partial):
             for item in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(item, depth + 1)
@@ -705,16 +693,20 @@ def scan(
             per step function, shapes, ``T`` and tier (a few dozen step evaluations).
         storage: where ``"remote"`` checkpoints go: ``"host"`` (CPU RAM), ``"disk"`` (files in
             a temporary folder under ``directory``) or ``"device"``.
-        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``:
-            reduced in the loop (O(1) memory); or ``fold(acc, y_t, t) -> acc`` (``acc`` is
-            ``None`` at ``t = 0``), which returns the last ``acc``.
+        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"``, ``"min"``: reduced in the loop (O(1) memory; ``"max"`` is
+            ``ys.max(0).values`` with its gradient, which goes to the first of tied maxima);
+            or ``fold(acc, y_t, t) -> acc`` (``acc`` is ``None`` at ``t = 0``), which returns
+            the last ``acc``.
         params: tensors whose gradients scan computes. Default: the parameters of every
             ``nn.Module`` reachable from ``step``: ``step`` itself, its bound ``self``, the
             variables it closes over, its default arguments, the globals it names,
-            ``functools.partial`` arguments (recursively through functions it reaches), and
-            tensors requiring grad among them. Tensors the step reaches otherwise are not
-            seen (scan warns when it finds any: pass them here).
-        stats: also return a [`ScanStats`][spikeckpt.engine.stats.ScanStats].
+            ``functools.partial`` arguments (recursively through functions it reaches),
+            tensors requiring grad among them, and leaf tensors requiring grad held as
+            attributes of those modules. Tensors the step reaches otherwise are not seen:
+            scan raises :class:`~spikeckpt.errors.UnlistedParamsError` when the step uses
+            any (pass them here).
+        stats: also return a :class:`ScanStats`.
         budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``):
             checkpoints, tapes and the gradients the backward pass holds.
         directory: parent folder for the disk tier's files (default: the system temp folder);
@@ -907,6 +899,19 @@ def _scan_after_step0(
             return (s, fold(acc, y, int(t)), t + 1), None
 
         carry0: Any = (state1, acc0, t0)
+    elif readout in ("max", "min"):  # max(0)'s value and gradient (to the first of ties)
+        acc0 = y0
+        kind = readout
+
+        def fold_step(carry: Any, x_t: Any) -> tuple[Any, None]:
+            s, acc = carry
+            s, y = step(s, x_t)
+            return (
+                s,
+                tree_map(lambda a, b: torch.where(take_extremum(kind, b, a), b, a), acc, y),
+            ), None
+
+        carry0 = (state1, acc0)
     else:  # "sum" / "mean": the reducer's order, y_0 + y_1 + ...
         acc0 = y0
 
