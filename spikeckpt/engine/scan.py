@@ -164,6 +164,12 @@ class _StepFn:
                     f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
                     f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
                     "the state's shapes and dtypes must stay the same at every step"
+                    + (
+                        " (under torch.autocast scan takes the dtypes step 0 returns, unless "
+                        "the plan is a Schedule built for all T steps: build it for T-1)"
+                        if leaf.dtype != dtype and t == 0
+                        else ""
+                    )
                 )
 
     def _warn_closures(
@@ -684,6 +690,9 @@ def scan(
             own state), empty tensors (snnTorch's ``init_leaky()``) and 0-d tensors (Norse's
             ``initial_state(x).v``): step 0 then runs first, taped as in the plain loop, and
             the checkpointed run starts from its state (``stats`` describe steps ``1..T-1``).
+            Under ``torch.autocast`` step 0 runs first too (unless ``plan`` is a
+            ``Schedule`` for ``T`` steps): the state takes the dtypes step 0 returns (a
+            float32 membrane from a bf16 input, in snnTorch), as in the plain loop.
         plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
             ``"auto"`` (measures one step for ``S``/``A`` and the step's operation times, and
             calls ``plans.choose`` with ``budget`` less the gradients' share:
@@ -727,7 +736,9 @@ def scan(
     inputs = as_input(inputs)
     in_leaves, in_def, T = _time_leaves(inputs)
     state_leaves, state_def = tree_flatten(state)
-    if _unshaped(state_leaves) and _SHAPED.get() != id(state):
+    if (_unshaped(state_leaves) or _autocast_first(plan, T, state_leaves, in_leaves)) and (
+        _SHAPED.get() != id(state)
+    ):
         return _scan_after_step0(
             step,
             inputs,
@@ -823,6 +834,20 @@ def _unshaped(leaves: list[Any]) -> bool:
     return any(
         t is None or (isinstance(t, Tensor) and (t.dim() == 0 or t.numel() == 0)) for t in leaves
     )
+
+
+def _autocast_first(plan: Any, T: int, state: list[Any], inputs: list[Any]) -> bool:
+    """Whether scan runs step 0 first because autocast is on (the step may return the state in
+    another dtype than the initial state's, as snnTorch's neurons do: a float32 membrane from
+    a bf16 input): the plain loop then carries the dtypes step 0 gives, and so does scan.
+    Not with a ``Schedule`` built for ``T`` steps (it would not fit ``T - 1``)."""
+    if isinstance(plan, Schedule) and plan.T == T:
+        return False
+    device = next(
+        (t.device for t in (*state, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
+    )
+    kinds = {"cpu", device.type if device is not None else "cpu"}
+    return any(torch.is_autocast_enabled(kind) for kind in kinds)
 
 
 def _scan_after_step0(
