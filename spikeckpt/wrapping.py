@@ -79,6 +79,7 @@ class CheckpointedSequence(nn.Module):
         batch_first: bool = False,
         budget: int | str | None = None,
         output: Output = "spikes",
+        as_call: bool = False,
         scan_kwargs: dict[str, Any] | None = None,
         granularity: Granularity = "stack",
         chunk: int | None = None,
@@ -93,6 +94,10 @@ class CheckpointedSequence(nn.Module):
         self.batch_first = batch_first
         self.budget = budget
         self.output = output
+        #: each step's output is what the model's own per-step call returns (``wrap`` with
+        #: ``output=None`` for a net whose last snnTorch neuron has ``output=True``: ``(spk,
+        #: mem)``, ``(spk, syn, mem)``, ...); ``output`` is then ``"both"``
+        self.as_call = as_call
         self.scan_kwargs = dict(scan_kwargs or {})
         self.granularity = _check_granularity(granularity)
         self.chunk = chunk
@@ -114,6 +119,9 @@ class CheckpointedSequence(nn.Module):
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         """One time step of the whole model: ``(state, x_t (B, ...)) -> (state, y_t)``."""
         state, y = self.adapter.step(state, x_t)
+        if self.as_call and self.output == "both":
+            extra = self.adapter.call_outputs(state)
+            return state, (y if extra is None else (y, *extra))
         if self.output == "spikes":
             return state, y
         mem = self.adapter.membrane(state)
@@ -277,10 +285,15 @@ class CheckpointedSequence(nn.Module):
             )
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
+        states = self.block_states(state)
+        spec = None
+        if self.as_call and self.output == "both":
+            # the top neuron's call outputs after the spikes, as extra outputs of the run
+            blocks, spec = _call_blocks(blocks, self._blocks[-1].neuron, states[-1])
         ys, finals, stats = layerwise_scan(
             blocks,
             x,
-            self.block_states(state),
+            states,
             chunk=decision.chunk,
             storage=self.storage,
             readout=self.readout,
@@ -289,6 +302,8 @@ class CheckpointedSequence(nn.Module):
             directory=self._engine_kwargs().get("directory"),
             stats=True,
         )
+        if spec is not None:
+            ys = (ys[0], *_pytree().tree_unflatten(list(ys[1:]), spec))
         if self._blocks[0].index is None:
             return ys, finals[0], stats
         final = list(state)  # a stack: put each block's state at its layer
@@ -325,6 +340,28 @@ def _check_plan(plan: Any) -> None:
         f"plan must be a plan object (spikeckpt.plans.BPTT(), Uniform(10), Revolve(8), "
         f"Double(), ...), a Schedule or 'auto', got {plan!r}"
     )
+
+
+def _pytree() -> Any:
+    from torch.utils import _pytree
+
+    return _pytree
+
+
+def _call_blocks(
+    blocks: list[LayerBlock], neuron: LayerAdapter, state: State
+) -> tuple[list[LayerBlock], Any]:
+    """``blocks`` with the top block's ``membrane`` giving the leaves of the neuron's
+    ``call_outputs`` (the layer-wise run returns them after the spikes), and their structure."""
+    import dataclasses
+
+    tree = _pytree()
+    spec = tree.tree_flatten(neuron.call_outputs(state))[1]
+
+    def outputs(s: State) -> tuple[Tensor, ...]:
+        return tuple(tree.tree_leaves(neuron.call_outputs(s)))
+
+    return [*blocks[:-1], dataclasses.replace(blocks[-1], membrane=outputs)], spec
 
 
 def _check_params(params: Sequence[Tensor] | None) -> list[Tensor]:
@@ -438,7 +475,7 @@ def wrap(
     batch_first: bool = False,
     budget: int | str | None = None,
     *,
-    output: Output = "spikes",
+    output: Output | None = None,
     granularity: Granularity = "stack",
     chunk: int | None = None,
     params: Sequence[Tensor] | None = None,
@@ -458,8 +495,12 @@ def wrap(
             ``fold(acc, y_t, t)``; reduces inside the loop.
         batch_first: inputs and outputs are ``(B, T, ...)``.
         budget: device memory budget for ``plan="auto"`` (bytes or ``"2GiB"``).
-        output: per step, ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's
-            membrane potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
+        output: per step, ``None`` (default: what the model's own per-step call returns:
+            the last layer's output, or the tuple an snnTorch net ending with an
+            ``output=True`` neuron returns, ``spk, mem = net(x_t)`` (``spk, syn, mem`` for
+            ``Synaptic``, ...), stacked over time: ``spk_rec, mem_rec = seq(x)``),
+            ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's membrane
+            potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
         granularity: ``"stack"`` (default: the whole model is one step of [`scan`][spikeckpt.engine.scan.scan]; any
             recurrence), ``"layer"`` (layer-wise, `spikeckpt.engine.layerwise`: each
             block's input spike train stored packed in ``storage``, blocks recomputed one at a
@@ -489,8 +530,8 @@ def wrap(
     """
     if isinstance(model, CheckpointedSequence):
         raise TypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
-    if output not in _OUTPUTS:
-        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    if output is not None and output not in _OUTPUTS:
+        raise ValueError(f"output must be None or one of {_OUTPUTS}, got {output!r}")
     _check_plan(plan)
     _check_granularity(granularity)
     _check_params(params)
@@ -499,7 +540,9 @@ def wrap(
         parse_bytes(budget)  # a budget that cannot be read fails here, not at the first forward
     adapter = adapter_for(model, "")
     adapter.cleanup()
-    if output != "spikes" and not _has_membrane(adapter):
+    as_call = output is None and adapter.returns_more
+    output = ("both" if as_call else "spikes") if output is None else output
+    if output != "spikes" and not as_call and not _has_membrane(adapter):
         raise ValueError(
             f"output={output!r} needs the last layer to be a neuron with a membrane potential "
             f"(got {adapter!r})"
@@ -513,6 +556,7 @@ def wrap(
         batch_first=batch_first,
         budget=budget,
         output=output,
+        as_call=as_call,
         scan_kwargs=scan_kwargs,
         granularity=granularity,
         chunk=chunk,

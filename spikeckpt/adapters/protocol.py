@@ -76,6 +76,18 @@ class LayerAdapter:
         """The membrane potential ``(B, ...)`` in ``state`` (for ``output="mem"``), or None."""
         return None
 
+    @property
+    def returns_more(self) -> bool:
+        """Whether the layer's own per-step call returns more than ``y_t``
+        (:meth:`call_outputs` is then not None)."""
+        return False
+
+    def call_outputs(self, state: State) -> tuple[Any, ...] | None:
+        """What the layer's own per-step call returns after ``y_t``, from the state after the
+        step, when it returns more than ``y_t`` (snnTorch ``output=True``: ``spk, mem =
+        lif(x)`` gives ``(mem,)``); None when the call returns ``y_t`` alone."""
+        return None
+
     def extra_params(self) -> list[Tensor]:
         """Tensors requiring grad that the step uses but ``module.parameters()`` does not list.
 

@@ -84,7 +84,9 @@ class LayerBlock:
         synapse: the block's input over a chunk ``(k, B, ...)`` -> the neuron's input
             ``(k, B, ...)`` (stateless; may batch over time).
         step: the neuron's pure step ``(state, z_t (B, ...)) -> (state, y_t (B, ...))``.
-        membrane: ``state -> membrane potential (B, ...)``, or None when it has none.
+        membrane: ``state -> membrane potential (B, ...)``, or None when it has none (or a
+            tuple of ``(B, ...)`` tensors: each is an output of its own with ``output="mem"``
+            or ``"both"``, e.g. snnTorch's ``(syn, mem)`` after the spikes).
         draws_random: whether ``synapse`` or ``step`` draw random numbers (replayed exactly).
         params: the tensors requiring grad that the block uses (its gradients' targets).
         cleanup: drops whatever the framework left on its modules (called after each run).
@@ -233,7 +235,7 @@ class _LayerwiseJob(Job):
             z = block.synapse(inp)
         state = pytree.tree_unflatten(leaves, self.state_defs[b])
         spikes: list[Tensor] = []
-        mems: list[Tensor] = []
+        mems: list[Any] = []
         want_mem = top and self.output != "spikes"
         step = block.bind() if block.bind is not None else block.step
         # unbind, not z[t]: the backward of one select per step would allocate and fill a
@@ -253,9 +255,15 @@ class _LayerwiseJob(Job):
         final = pytree.tree_leaves(state)
         if not top or self.output == "spikes":
             return [torch.stack(spikes)], final
+        # a membrane given as a tuple of tensors is several outputs, each stacked
+        stacked = (
+            [torch.stack(list(m)) for m in zip(*mems, strict=True)]
+            if isinstance(mems[0], tuple)
+            else [torch.stack(mems)]
+        )
         if self.output == "mem":
-            return [torch.stack(mems)], final
-        return [torch.stack(spikes), torch.stack(mems)], final
+            return stacked, final
+        return [torch.stack(spikes), *stacked], final
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, needs: Sequence[bool], tensors: Sequence[Tensor]) -> list[Tensor]:
