@@ -579,6 +579,7 @@ def _plan_key(
     """What a plan filled from measurements depends on: the step's code and the shapes,
     dtypes and devices of the state, the per-step inputs and the parameters (so a training
     loop that builds a new closure or bound method per call still hits the cache)."""
+    step = getattr(step, "__wrapped__", step)  # scan(..., steps=n) wraps the user's step
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
     code = getattr(func, "__code__", None) or type(step)
@@ -670,6 +671,7 @@ def scan(
     directory: str | os.PathLike | None = None,
     pack_tape: bool = False,
     spikes: bool = False,
+    steps: int | None = None,
 ) -> Any:
     """Run ``step`` over time with checkpointed memory; gradients equal the plain loop's.
 
@@ -726,6 +728,11 @@ def scan(
             2x256 LIF net on CPU); turn it on when the tape, not the time, is the limit.
         spikes: the inputs must be spike trains (exactly 0 or 1); anything else raises
             [`NotBinaryError`][spikeckpt.errors.NotBinaryError] naming the value found.
+        steps: a constant input: ``inputs`` is then *one* step's input (``(B, ...)``, or a
+            pytree of tensors), fed to ``step`` at each of ``steps`` time steps, as a loop
+            ``for t in range(steps): ... step(state, x)`` does (snnTorch tutorial 5's
+            static image). No ``(T, B, ...)`` copy is made; an input that requires grad gets
+            the gradient of every step, summed as the plain loop sums it.
 
     Returns:
         ``(ys, final_state)`` or ``(ys, final_state, stats)``; ``ys`` has the structure of
@@ -733,6 +740,8 @@ def scan(
     """
     check_storage(storage, directory, probe=False)
     check_readout(readout)
+    if steps is not None:
+        step, inputs, params = _constant_input(step, inputs, steps, params)
     inputs = as_input(inputs)
     in_leaves, in_def, T = _time_leaves(inputs)
     state_leaves, state_def = tree_flatten(state)
@@ -821,6 +830,41 @@ def scan(
     )
     outs = run_job(job, [*state_leaves, *in_leaves, *param_list])
     return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats if stats else None)
+
+
+def _constant_input(
+    step: Callable[[Any, Any], Any], x: Any, steps: Any, params: Sequence[Tensor] | None
+) -> tuple[Callable[[Any, Any], Any], Any, Sequence[Tensor] | None]:
+    """``scan(..., steps=n)``: ``(step', inputs', params')`` for one input ``x`` fed at every
+    step. The inputs are ``x`` expanded to ``(n, ...)`` (a view: no copy), detached; when
+    ``x`` has leaves that require grad, ``step'`` feeds ``x`` itself and those leaves join
+    ``params``, so their gradient sums over the steps like a parameter's."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int (the number of time steps), got {steps!r}")
+    if is_packed(x) or (isinstance(x, Tensor) and x.is_sparse):
+        raise ValueError(
+            "steps= takes one dense step's input (B, ...) fed at every step; a packed spike "
+            "train is a whole (T, B, ...) sequence: pass it without steps="
+        )
+    tree = torch.utils._pytree
+    leaves = tree.tree_leaves(x)
+    if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
+        raise TypeError(
+            f"with steps=, inputs must be one step's input: a tensor or a pytree of tensors, "
+            f"got {type(x).__name__}"
+        )
+    expanded = tree.tree_map(lambda v: v.detach().expand(steps, *v.shape), x)
+    learn = [leaf for leaf in leaves if leaf.requires_grad]
+    if not learn:
+        return step, expanded, params
+
+    def constant_step(state: Any, x_t: Any) -> Any:
+        return step(state, x)
+
+    constant_step.__wrapped__ = step  # type: ignore[attr-defined]  # the plan cache's key
+    if params is not None:
+        params = [*params, *learn]
+    return constant_step, expanded, params
 
 
 #: ``id`` of the state a ``_scan_after_step0`` call passes on: shaped by step 0 already (its
