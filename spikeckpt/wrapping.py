@@ -266,12 +266,16 @@ class CheckpointedSequence(nn.Module):
         """``err`` (the stack granularity's: the whole step used tensors it was not given)
         with the layer that uses them, found by stepping the layers one by one."""
         where = _layers_using(self.adapter, state, step_of(x, 0, self.device_for(x)), err.tensors)
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in err.tensors[:5])  # type: ignore[attr-defined]
+        found: list[Tensor] = [t for t in err.tensors if isinstance(t, Tensor)]
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found[:5])
         names = ", ".join(repr(w) for w in where)
-        layer = f"layer{'s' if len(where) > 1 else ''} {names}" if where else "the model"
+        if len(where) > 1:
+            who = f"layers {names} use"
+        else:
+            who = f"layer {names} uses" if where else "the model uses"
         return UnlistedParamsError(
-            f"{layer} use{'' if len(where) > 1 else 's'} {len(err.tensors)} tensor(s) requiring grad that are neither "
-            f"parameters of the model nor tensor attributes of its modules (shapes {shapes}); "
+            f"{who} {len(err.tensors)} tensor(s) requiring grad that are neither parameters "
+            f"of the model nor tensor attributes of its modules (shapes {shapes}); "
             "they would get no gradient. Register them as nn.Parameter, or pass them: "
             "spikeckpt.wrap(model, ..., params=[tensor, ...])",
             err.tensors,
@@ -393,7 +397,7 @@ def _layers_using(
     wanted = {id(t) for t in tensors}
 
     def uses(roots: Any) -> bool:
-        leaves = [t for t in _tree_leaves(roots) if isinstance(t, Tensor)]
+        leaves = [t for t in _pytree().tree_leaves(roots) if isinstance(t, Tensor)]
         return any(id(t) in wanted for t in unseen_leaves(leaves, []))
 
     def walk(adapter: LayerAdapter, state: State, x_t: Any) -> tuple[list[str], Any]:
@@ -415,12 +419,6 @@ def _layers_using(
         return []
     finally:
         adapter.cleanup()
-
-
-def _tree_leaves(tree: Any) -> list[Any]:
-    from torch.utils import _pytree
-
-    return _pytree.tree_leaves(tree)
 
 
 def _check_granularity(granularity: str) -> str:
