@@ -38,6 +38,18 @@ with warnings.catch_warnings():
 
 T, B = 7, 3
 CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def _forget_neurons() -> Any:
+    """snnTorch keeps every neuron ever built in a class-level list that ``utils.reset``
+    walks, and a ``DeltaLeaky`` never called breaks it there (its ``mem`` is None): later
+    tests in this process must not see this test's neurons."""
+    before = list(snn.SpikingNeuron.instances)
+    yield
+    snn.SpikingNeuron.instances[:] = before
+
+
 GRANULARITIES = ["stack", "layer"]
 
 # ----------------------------------------------------------------------------- helpers
