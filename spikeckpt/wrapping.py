@@ -518,9 +518,9 @@ def wrap(
             parameters and the leaf tensors requiring grad held as attributes of its modules
             (``self.beta = torch.full(..., requires_grad=True)``) or in Norse's ``p``. A tensor
             requiring grad that the model uses and that is none of these raises
-            :class:`~spikeckpt.UnlistedParamsError` naming the layer: pass it here.
-        **scan_kwargs: passed on to :func:`spikeckpt.scan` (``directory``, ``pack_tape``).
-            Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``.
+            [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the layer: pass it here.
+        **scan_kwargs: passed on to [`spikeckpt.scan`][spikeckpt.engine.scan.scan] (``directory``, ``pack_tape``).
+            Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in ``seq.last_stats``.
 
     Raises:
         UnsupportedLayerError: a layer cannot be stepped; the message names it (its path in

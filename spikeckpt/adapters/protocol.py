@@ -79,7 +79,7 @@ class LayerAdapter:
     @property
     def returns_more(self) -> bool:
         """Whether the layer's own per-step call returns more than ``y_t``
-        (:meth:`call_outputs` is then not None)."""
+        (`call_outputs` is then not None)."""
         return False
 
     def call_outputs(self, state: State) -> tuple[Any, ...] | None:
@@ -91,7 +91,7 @@ class LayerAdapter:
     def extra_params(self) -> list[Tensor]:
         """Tensors requiring grad that the step uses but ``module.parameters()`` does not list.
 
-        Default: :func:`attribute_tensors` of the module (a hand-written neuron's
+        Default: `attribute_tensors` of the module (a hand-written neuron's
         ``self.beta = torch.full(..., requires_grad=True)``)."""
         return attribute_tensors(self.module)
 

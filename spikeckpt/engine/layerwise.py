@@ -446,7 +446,7 @@ class _LayerwiseJob(Job):
     def _search_params(self, b: int, roots: list[Tensor], own: list[Tensor]) -> None:
         """Find the leaf tensors requiring grad in block ``b``'s taped graph that are not in
         its ``params``: another block's params (or ones given to the run) join its list; any
-        other raises :class:`~spikeckpt.errors.UnlistedParamsError` naming the block."""
+        other raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the block."""
         self.searched.add(b)
         pidx = self.block_params[b]
         found = unseen_leaves(roots, [*own, *(self.params[j] for j in pidx)])
@@ -561,7 +561,7 @@ def layerwise_scan(
         params: tensors to differentiate (default: every block's ``params``); a block that
             uses one of them outside its own ``params`` is differentiated with respect to it
             too (found in its taped graph). A tensor requiring grad that a block uses and
-            that is in neither raises :class:`~spikeckpt.errors.UnlistedParamsError`.
+            that is in neither raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError].
         directory: folder for the disk tier's temporary folder.
         stats: also return a [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats].
         group: chunks per off-device store entry (None: see `GROUP_SHARE`).

@@ -1,16 +1,16 @@
 """Readouts: the outputs a run builds from the per-step outputs ``y_t``, and their gradients.
 
-One :class:`Reducer` serves both granularities: the schedule executor emits one step at a time
-(:meth:`Reducer.emit`), the layer-wise job one chunk of steps at a time
-(:meth:`Reducer.emit_chunk`); sums run in time order either way, so both give the plain
-loop's values bitwise. In the backward pass :meth:`Reducer.y_grad` gives ``dL/dy_t`` per step
-and :meth:`Reducer.chunk_grad` per chunk.
+One `Reducer` serves both granularities: the schedule executor emits one step at a time
+(`Reducer.emit`), the layer-wise job one chunk of steps at a time
+(`Reducer.emit_chunk`); sums run in time order either way, so both give the plain
+loop's values bitwise. In the backward pass `Reducer.y_grad` gives ``dL/dy_t`` per step
+and `Reducer.chunk_grad` per chunk.
 
 ``"max"`` / ``"min"`` are ``ys.max(0).values`` / ``ys.min(0).values`` of the stacked outputs,
 with their gradient: torch sends it to one index per element, the first of tied extrema (the
 first NaN when there is one), and so does the reducer (it keeps that index, ``(B, ...)``
 int64 per output, until backward). A fold ``torch.maximum(acc, y_t)`` would split the gradient
-between ties instead: :func:`take_extremum` is the fold that agrees with ``max(0)``.
+between ties instead: `take_extremum` is the fold that agrees with ``max(0)``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Reducer:
 
     ``None``: stacked ``(T, ...)`` per output leaf. ``"sum"``: ``y_0 + y_1 + ...`` in time order.
     ``"mean"``: that sum divided by ``T``. ``"last"``: ``y_{T-1}``. ``"max"`` / ``"min"``: the
-    extremum over time, with the index that gets the gradient (see :func:`take_extremum`).
+    extremum over time, with the index that gets the gradient (see `take_extremum`).
     """
 
     def __init__(self, kind: str | None, T: int) -> None:
@@ -76,7 +76,7 @@ class Reducer:
         self.T = T
         self.acc: list[Tensor] | None = None
         #: ``"max"`` / ``"min"``: per output leaf, the step ``(B, ...)`` int64 whose value the
-        #: extremum is (kept after :meth:`outputs` for the backward pass)
+        #: extremum is (kept after `outputs` for the backward pass)
         self.index: list[Tensor] = []
 
     def emit(self, t: int, ys: Sequence[Tensor]) -> None:

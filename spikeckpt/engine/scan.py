@@ -180,7 +180,7 @@ class _StepFn:
         *,
         no_grad_path: bool = False,
     ) -> None:
-        """Raise :class:`~spikeckpt.errors.UnlistedParamsError` if the step uses leaf tensors
+        """Raise [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] if the step uses leaf tensors
         requiring grad that are not in ``params`` (they would get no gradient).
 
         ``no_grad_path``: scan saw nothing requiring grad and would run without a tape.
@@ -715,9 +715,9 @@ def scan(
             ``functools.partial`` arguments (recursively through functions it reaches),
             tensors requiring grad among them, and leaf tensors requiring grad held as
             attributes of those modules. Tensors the step reaches otherwise are not seen:
-            scan raises :class:`~spikeckpt.errors.UnlistedParamsError` when the step uses
+            scan raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] when the step uses
             any (pass them here).
-        stats: also return a :class:`ScanStats`.
+        stats: also return a [`ScanStats`][spikeckpt.engine.stats.ScanStats].
         budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``):
             checkpoints, tapes and the gradients the backward pass holds.
         directory: parent folder for the disk tier's files (default: the system temp folder);
