@@ -16,6 +16,7 @@ from spikeckpt.errors import (
     ScheduleError,
     SpikeckptError,
     StorageError,
+    UnlistedParamsError,
     UnsupportedLayerError,
 )
 from spikeckpt.units import format_bytes, parse_bytes
@@ -46,6 +47,7 @@ __all__ = [
     "SpikeTrain",
     "SpikeckptError",
     "StorageError",
+    "UnlistedParamsError",
     "UnsupportedLayerError",
     "format_bytes",
     "pack",

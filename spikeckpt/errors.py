@@ -35,3 +35,17 @@ class NotBinaryError(SpikeckptError, ValueError):
 
 class StorageError(SpikeckptError, OSError):
     """A storage tier cannot hold a checkpoint (disk full, folder not writable, ...)."""
+
+
+class UnlistedParamsError(SpikeckptError, ValueError):
+    """A step uses tensors that require grad but are not among the tensors the engine
+    differentiates: they would get no gradient. The message names their shapes (and the layer
+    where it is known) and the fix: ``scan(..., params=[...])`` / ``wrap(..., params=[...])``.
+
+    Attributes:
+        tensors: the tensors found (leaves of the step's autograd graph).
+    """
+
+    def __init__(self, message: str, tensors: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.tensors = list(tensors or [])

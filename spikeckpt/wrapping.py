@@ -12,7 +12,7 @@ torch.Size([100, 8, 5])
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -26,7 +26,7 @@ from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.packed import as_input, is_packed, step_of
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
-from spikeckpt.errors import UnsupportedLayerError
+from spikeckpt.errors import UnlistedParamsError, UnsupportedLayerError
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.schedule import Schedule
@@ -80,9 +80,11 @@ class CheckpointedSequence(nn.Module):
         batch_first: bool = False,
         budget: int | str | None = None,
         output: Output = "spikes",
+        as_call: bool = False,
         scan_kwargs: dict[str, Any] | None = None,
         granularity: Granularity = "stack",
         chunk: int | None = None,
+        params: Sequence[Tensor] | None = None,
         fuse: bool = True,
         compile: Compile = "auto",
     ) -> None:
@@ -97,9 +99,15 @@ class CheckpointedSequence(nn.Module):
         self.batch_first = batch_first
         self.budget = budget
         self.output = output
+        #: each step's output is what the model's own per-step call returns (``wrap`` with
+        #: ``output=None`` for a net whose last snnTorch neuron has ``output=True``: ``(spk,
+        #: mem)``, ``(spk, syn, mem)``, ...); ``output`` is then ``"both"``
+        self.as_call = as_call
         self.scan_kwargs = dict(scan_kwargs or {})
         self.granularity = _check_granularity(granularity)
         self.chunk = chunk
+        #: tensors to differentiate besides the model's parameters (``wrap(..., params=...)``)
+        self.extra_params: list[Tensor] = _check_params(params)
         self.planner: Planner | BudgetPlanner | None = None
         self.last_stats: ScanStats | None = None
         self.last_decision: Decision | None = None
@@ -116,6 +124,9 @@ class CheckpointedSequence(nn.Module):
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         """One time step of the whole model: ``(state, x_t (B, ...)) -> (state, y_t)``."""
         state, y = self.adapter.step(state, x_t)
+        if self.as_call and self.output == "both":
+            extra = self.adapter.call_outputs(state)
+            return state, (y if extra is None else (y, *extra))
         if self.output == "spikes":
             return state, y
         mem = self.adapter.membrane(state)
@@ -126,10 +137,11 @@ class CheckpointedSequence(nn.Module):
         return self.adapter.init_state(x_t)
 
     def parameters_for_scan(self) -> list[Tensor]:
-        """The tensors the engine differentiates: the model's parameters and any tensors the
-        framework keeps outside them (Norse's ``p``) that require grad."""
+        """The tensors the engine differentiates: the model's parameters, the tensors requiring
+        grad that its layers hold outside them (Norse's ``p``, tensor attributes such as a
+        neuron's ``self.beta = torch.full(..., requires_grad=True)``) and ``params``."""
         seen: dict[int, Tensor] = {}
-        for t in [*self.module.parameters(), *self.adapter.extra_params()]:
+        for t in [*self.module.parameters(), *self.adapter.extra_params(), *self.extra_params]:
             seen.setdefault(id(t), t)
         return list(seen.values())
 
@@ -247,11 +259,32 @@ class CheckpointedSequence(nn.Module):
                     stats=True,
                     **self._engine_kwargs(),
                 )
+        except UnlistedParamsError as err:
+            raise self._unlisted(err, x, state) from None
         finally:
             self.adapter.cleanup()
         if self.batch_first and self.readout is None:
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
         return (ys, final) if return_state else ys
+
+    def _unlisted(self, err: UnlistedParamsError, x: Any, state: State) -> UnlistedParamsError:
+        """``err`` (the stack granularity's: the whole step used tensors it was not given)
+        with the layer that uses them, found by stepping the layers one by one."""
+        where = _layers_using(self.adapter, state, step_of(x, 0, self.device_for(x)), err.tensors)
+        found: list[Tensor] = [t for t in err.tensors if isinstance(t, Tensor)]
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found[:5])
+        names = ", ".join(repr(w) for w in where)
+        if len(where) > 1:
+            who = f"layers {names} use"
+        else:
+            who = f"layer {names} uses" if where else "the model uses"
+        return UnlistedParamsError(
+            f"{who} {len(err.tensors)} tensor(s) requiring grad that are neither parameters "
+            f"of the model nor tensor attributes of its modules (shapes {shapes}); "
+            "they would get no gradient. Register them as nn.Parameter, or pass them: "
+            "spikeckpt.wrap(model, ..., params=[tensor, ...])",
+            err.tensors,
+        )
 
     def _run_layerwise(self, x: Tensor, state: State, decision: Decision) -> Any:
         if callable(self.readout):
@@ -261,10 +294,15 @@ class CheckpointedSequence(nn.Module):
             )
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
+        states = self.block_states(state)
+        spec = None
+        if self.as_call and self.output == "both":
+            # the top neuron's call outputs after the spikes, as extra outputs of the run
+            blocks, spec = _call_blocks(blocks, self._blocks[-1].neuron, states[-1])
         ys, finals, stats = layerwise_scan(
             blocks,
             x,
-            self.block_states(state),
+            states,
             chunk=decision.chunk,
             storage=self.storage,
             readout=self.readout,
@@ -275,6 +313,8 @@ class CheckpointedSequence(nn.Module):
             fuse=self.fuse,
             compile=self.compile,
         )
+        if spec is not None:
+            ys = (ys[0], *_pytree().tree_unflatten(list(ys[1:]), spec))
         if self._blocks[0].index is None:
             return ys, finals[0], stats
         final = list(state)  # a stack: put each block's state at its layer
@@ -311,6 +351,83 @@ def _check_plan(plan: Any) -> None:
         f"plan must be a plan object (spikeckpt.plans.BPTT(), Uniform(10), Revolve(8), "
         f"Double(), ...), a Schedule or 'auto', got {plan!r}"
     )
+
+
+def _pytree() -> Any:
+    from torch.utils import _pytree
+
+    return _pytree
+
+
+def _call_blocks(
+    blocks: list[LayerBlock], neuron: LayerAdapter, state: State
+) -> tuple[list[LayerBlock], Any]:
+    """``blocks`` with the top block's ``membrane`` giving the leaves of the neuron's
+    ``call_outputs`` (the layer-wise run returns them after the spikes), and their structure.
+    That block's neuron runs one step at a time (a fused kernel emits the membrane only)."""
+    import dataclasses
+
+    tree = _pytree()
+    spec = tree.tree_flatten(neuron.call_outputs(state))[1]
+
+    def outputs(s: State) -> tuple[Tensor, ...]:
+        return tuple(tree.tree_leaves(neuron.call_outputs(s)))
+
+    top = dataclasses.replace(blocks[-1], membrane=outputs, fused=None)
+    return [*blocks[:-1], top], spec
+
+
+def _check_params(params: Sequence[Tensor] | None) -> list[Tensor]:
+    """``wrap(..., params=...)``: a sequence of tensors (those requiring grad are kept)."""
+    if params is None:
+        return []
+    if isinstance(params, Tensor) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"params must be a list of tensors (params=[tensor, ...]), got {type(params).__name__}"
+        )
+    params = list(params)
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params must be tensors, got a {type(p).__name__} in the list")
+    return params
+
+
+def _layers_using(
+    adapter: LayerAdapter, state: State, x_t: Tensor, tensors: list[Any]
+) -> list[str]:
+    """The paths of the layers whose step (from ``state``, input ``x_t`` detached) uses one of
+    ``tensors``: a diagnostic run (random state forked, running statistics kept, the
+    framework's leftovers cleared); empty when none is found."""
+    import torch
+
+    from spikeckpt.engine.grad import unseen_leaves
+    from spikeckpt.engine.phase import recompute_phase
+
+    wanted = {id(t) for t in tensors}
+
+    def uses(roots: Any) -> bool:
+        leaves = [t for t in _pytree().tree_leaves(roots) if isinstance(t, Tensor)]
+        return any(id(t) in wanted for t in unseen_leaves(leaves, []))
+
+    def walk(adapter: LayerAdapter, state: State, x_t: Any) -> tuple[list[str], Any]:
+        if not isinstance(adapter, StackAdapter):
+            new, y = adapter.step(state, x_t)
+            return ([adapter.path or "<root>"] if uses((new, y)) else []), y
+        found: list[str] = []
+        for i, layer in enumerate(adapter.layers):  # one step of each layer from its state
+            paths, x_t = walk(layer, state[adapter.slots[i]], x_t)
+            found += paths
+            x_t = _tree_map(lambda t: t.detach(), x_t)
+        return found, x_t
+
+    devices = [x_t.device.index or 0] if x_t.is_cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices), recompute_phase(), torch.enable_grad():
+            return walk(adapter, state, x_t.detach())[0]
+    except Exception:  # noqa: BLE001 - a diagnostic only: the caller's error is what matters
+        return []
+    finally:
+        adapter.cleanup()
 
 
 def _check_granularity(granularity: str) -> str:
@@ -365,9 +482,10 @@ def wrap(
     batch_first: bool = False,
     budget: int | str | None = None,
     *,
-    output: Output = "spikes",
+    output: Output | None = None,
     granularity: Granularity = "stack",
     chunk: int | None = None,
+    params: Sequence[Tensor] | None = None,
     fuse: bool = True,
     compile: Compile = "auto",
     **scan_kwargs: Any,
@@ -386,8 +504,12 @@ def wrap(
             ``fold(acc, y_t, t)``; reduces inside the loop.
         batch_first: inputs and outputs are ``(B, T, ...)``.
         budget: device memory budget for ``plan="auto"`` (bytes or ``"2GiB"``).
-        output: per step, ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's
-            membrane potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
+        output: per step, ``None`` (default: what the model's own per-step call returns:
+            the last layer's output, or the tuple an snnTorch net ending with an
+            ``output=True`` neuron returns, ``spk, mem = net(x_t)`` (``spk, syn, mem`` for
+            ``Synaptic``, ...), stacked over time: ``spk_rec, mem_rec = seq(x)``),
+            ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's membrane
+            potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
         granularity: ``"stack"`` (default: the whole model is one step of [`scan`][spikeckpt.engine.scan.scan]; any
             recurrence), ``"layer"`` (layer-wise, `spikeckpt.engine.layerwise`: each
             block's input spike train stored packed in ``storage``, blocks recomputed one at a
@@ -403,6 +525,11 @@ def wrap(
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
         chunk: layer-wise only: time steps per chunk (default: the plan's interval, e.g.
             ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``).
+        params: tensors requiring grad that the model uses besides what is found: its
+            parameters and the leaf tensors requiring grad held as attributes of its modules
+            (``self.beta = torch.full(..., requires_grad=True)``) or in Norse's ``p``. A tensor
+            requiring grad that the model uses and that is none of these raises
+            [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the layer: pass it here.
         fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``,
             ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
             one fused computation (`spikeckpt.engine.fused`); False: one call per step.
@@ -421,16 +548,19 @@ def wrap(
     """
     if isinstance(model, CheckpointedSequence):
         raise TypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
-    if output not in _OUTPUTS:
-        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    if output is not None and output not in _OUTPUTS:
+        raise ValueError(f"output must be None or one of {_OUTPUTS}, got {output!r}")
     _check_plan(plan)
     _check_granularity(granularity)
+    _check_params(params)
     check_storage(storage, scan_kwargs.get("directory"))
     if budget is not None:
         parse_bytes(budget)  # a budget that cannot be read fails here, not at the first forward
     adapter = adapter_for(model, "")
     adapter.cleanup()
-    if output != "spikes" and not _has_membrane(adapter):
+    as_call = output is None and adapter.returns_more
+    output = ("both" if as_call else "spikes") if output is None else output
+    if output != "spikes" and not as_call and not _has_membrane(adapter):
         raise ValueError(
             f"output={output!r} needs the last layer to be a neuron with a membrane potential "
             f"(got {adapter!r})"
@@ -444,9 +574,11 @@ def wrap(
         batch_first=batch_first,
         budget=budget,
         output=output,
+        as_call=as_call,
         scan_kwargs=scan_kwargs,
         granularity=granularity,
         chunk=chunk,
+        params=params,
         fuse=fuse,
         compile=compile,
     )

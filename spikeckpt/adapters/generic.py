@@ -477,7 +477,7 @@ A model with its own time loop: move the loop body into a step function and let
 spikeckpt.scan run the loop (parameters are found on the step's self and closure;
 initial states stay as you write them: init_leaky(), None, initial_state(x)):
 
-    def forward(self, x):                          # x: (T, B, ...)
+    def forward(self, x):                          # x: (T, B, ...), x[t] at step t
         state = (self.lif1.init_leaky(), self.lif2.init_leaky())   # or (None, None) in Norse
         def step(state, x_t):                      # the body of your loop
             mem1, mem2 = state
@@ -485,7 +485,12 @@ initial states stay as you write them: init_leaky(), None, initial_state(x)):
             spk2, mem2 = self.lif2(self.fc2(spk1), mem2)
             return (mem1, mem2), (spk2, mem2)      # (new state, what you recorded)
         (spk2, mem2), _ = spikeckpt.scan(step, x, state, plan=spikeckpt.plans.Revolve(8))
-        return spk2, mem2
+        return spk2, mem2                          # each (T, B, ...), like torch.stack(rec)
+
+If your loop feeds the same x (B, ...) at every step (snnTorch tutorial 5:
+`for step in range(num_steps): cur1 = self.fc1(x)`), say so, or scan runs over x's
+batch axis: spikeckpt.scan(step, x, state, steps=self.num_steps, plan=...) feeds x at
+each of num_steps steps (or pass x.expand(num_steps, *x.shape): a view, no copy).
 
 or build it as an nn.Sequential / Norse SequentialState of its layers and wrap that
 (see the "Bring your own model" page of the docs)."""

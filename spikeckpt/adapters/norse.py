@@ -144,8 +144,23 @@ class NorseAdapter(LayerAdapter):
     def membrane(self, state: State) -> Tensor | None:
         return _field(state, "v")
 
+    def check(self) -> None:
+        if self.sequence and getattr(self.module, "record_states", False):
+            raise unsupported(
+                self.module,
+                self.path,
+                "record_states=True makes its call return every step's state stacked over "
+                "time instead of the final state, which a wrapped model returns (it keeps a "
+                "few states, not T); set record_states=False, and for the membrane over time "
+                "use spikeckpt.wrap(..., output='mem') or 'both', or spikeckpt.scan with a step "
+                "that returns the state as its output",
+            )
+
     def extra_params(self) -> list[Tensor]:
-        return [t for t in _tensors(self.module.p) if t.requires_grad]
+        found = {id(t): t for t in _tensors(self.module.p) if t.requires_grad}
+        for t in super().extra_params():
+            found.setdefault(id(t), t)
+        return list(found.values())
 
     def chunk_kernel(self) -> NorseKernel | None:
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
@@ -187,13 +202,15 @@ def stack_options(module: nn.Module) -> dict[str, Any] | None:
 
     Norse passes one state per position (``stateful_flags``: its ``stateful_layers``, a module
     Norse calls without a state is stepped without one); in sequence mode its plain layers see
-    ``(T, B, ...)`` tensors."""
+    ``(T, B, ...)`` tensors; ``return_hidden=True`` makes each step's output the list of every
+    position's output (the wrapped model returns each one over time, in Norse's order)."""
     if not isinstance(module, SequentialState):
         return None
     flags = getattr(module, "stateful_layers", None)
     return {
         "sequence_mode": is_sequence_stack(module),
         "stateful_flags": list(flags) if flags is not None else [True] * len(module),
+        "return_hidden": bool(getattr(module, "return_hidden", False)),
     }
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "Predicate",
     "Registration",
     "State",
+    "attribute_tensors",
     "describe",
     "unsupported",
 ]
@@ -75,9 +76,24 @@ class LayerAdapter:
         """The membrane potential ``(B, ...)`` in ``state`` (for ``output="mem"``), or None."""
         return None
 
+    @property
+    def returns_more(self) -> bool:
+        """Whether the layer's own per-step call returns more than ``y_t``
+        (`call_outputs` is then not None)."""
+        return False
+
+    def call_outputs(self, state: State) -> tuple[Any, ...] | None:
+        """What the layer's own per-step call returns after ``y_t``, from the state after the
+        step, when it returns more than ``y_t`` (snnTorch ``output=True``: ``spk, mem =
+        lif(x)`` gives ``(mem,)``); None when the call returns ``y_t`` alone."""
+        return None
+
     def extra_params(self) -> list[Tensor]:
-        """Tensors requiring grad that the step uses but ``module.parameters()`` does not list."""
-        return []
+        """Tensors requiring grad that the step uses but ``module.parameters()`` does not list.
+
+        Default: `attribute_tensors` of the module (a hand-written neuron's
+        ``self.beta = torch.full(..., requires_grad=True)``)."""
+        return attribute_tensors(self.module)
 
     def chunk_kernel(self) -> Any:
         """A `ChunkKernel` running this neuron over a whole
@@ -102,6 +118,30 @@ class LayerAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.module).__name__} at {self.path or '<root>'!r})"
+
+
+def attribute_tensors(module: nn.Module) -> list[Tensor]:
+    """Leaf tensors requiring grad that ``module`` or its submodules hold as plain attributes
+    (not registered parameters), directly or in a tuple, list or dict attribute (NamedTuples
+    too, nested once): ``self.beta = torch.full((n,), 0.9, requires_grad=True)``. Tensors a
+    framework leaves on a module after a call carry a graph (not leaves) and are not listed."""
+    found: dict[int, Tensor] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, Tensor):
+            if value.requires_grad and value.is_leaf:
+                found.setdefault(id(value), value)
+        elif depth < 2 and isinstance(value, (tuple, list)):
+            for item in value[:1000]:
+                visit(item, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for item in list(value.values())[:1000]:
+                visit(item, depth + 1)
+
+    for m in module.modules():
+        for value in vars(m).values():
+            visit(value, 0)
+    return list(found.values())
 
 
 #: ``adapter_for(module, path) -> LayerAdapter``: the registry's lookup, passed to adapters of

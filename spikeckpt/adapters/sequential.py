@@ -50,6 +50,8 @@ class StackAdapter(LayerAdapter):
         layers: one adapter per position.
         slots: for each position, the position whose state entry it reads and writes (itself,
             or the first position of a repeated module whose state lives on the module).
+        return_hidden: ``y_t`` is the list of every position's output, in order (Norse's
+            ``SequentialState(..., return_hidden=True)``), not the last one's.
     """
 
     def __init__(
@@ -59,8 +61,10 @@ class StackAdapter(LayerAdapter):
         layers: Sequence[LayerAdapter],
         *,
         explicit_states: bool = False,
+        return_hidden: bool = False,
     ) -> None:
         super().__init__(module, path)
+        self.return_hidden = return_hidden
         self.layers = list(layers)
         self.stateful = any(layer.stateful for layer in self.layers)
         self.state_on_module = any(layer.state_on_module for layer in self.layers)
@@ -116,6 +120,7 @@ class StackAdapter(LayerAdapter):
         *,
         sequence_mode: bool = False,
         stateful_flags: Sequence[bool] | None = None,
+        return_hidden: bool = False,
     ) -> StackAdapter:
         """Adapters for every position of ``module`` (``adapter_for``: the registry's lookup).
 
@@ -123,7 +128,8 @@ class StackAdapter(LayerAdapter):
         layers are applied to ``x_t[None]``: they were written for ``(T, B, ...)`` tensors.
         ``stateful_flags`` (Norse's ``SequentialState.stateful_layers``): a module of yours
         that Norse calls without a state is stepped as a stateless layer, as Norse calls it.
-        Norse passes one state per position (``explicit_states``).
+        Norse passes one state per position (``explicit_states``). ``return_hidden``: the
+        step's output is every position's output (Norse's ``return_hidden=True``).
         """
         layers = []
         for i, (name, child) in enumerate(positions(module)):
@@ -139,7 +145,13 @@ class StackAdapter(LayerAdapter):
             if sequence_mode and type(adapter) is StatelessAdapter and adapter.module is child:
                 adapter = TimeLiftedAdapter(adapter)
             layers.append(adapter)
-        return cls(module, path, layers, explicit_states=stateful_flags is not None)
+        return cls(
+            module,
+            path,
+            layers,
+            explicit_states=stateful_flags is not None,
+            return_hidden=return_hidden,
+        )
 
     def init_state(self, x_t: Tensor, given: Sequence[Any] | None = None) -> State:
         """Each position's initial state (``given[i]`` where given and not None); runs one
@@ -176,12 +188,24 @@ class StackAdapter(LayerAdapter):
         given = [s if self.slots[i] == i else None for i, s in enumerate(state)]
         return self.init_state(x_t, given=given)
 
-    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         new = list(state)
+        hidden: list[Any] = []
         for i, layer in enumerate(self.layers):
             j = self.slots[i]
             new[j], x_t = layer.step(new[j], x_t)
-        return tuple(new), x_t
+            if self.return_hidden:
+                hidden.append(x_t)
+        return tuple(new), (hidden if self.return_hidden else x_t)
+
+    @property
+    def returns_more(self) -> bool:
+        return bool(self.layers) and not self.return_hidden and self.layers[-1].returns_more
+
+    def call_outputs(self, state: State) -> tuple[Any, ...] | None:
+        if not self.returns_more:
+            return None
+        return self.layers[-1].call_outputs(state[self.slots[-1]])
 
     def membrane(self, state: State) -> Tensor | None:
         if not self.layers:
@@ -242,6 +266,14 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """
     why = "layer-wise granularity needs a feed-forward stack of blocks (synapse layers such as "
     why += "Linear/Conv/Flatten/Dropout, then one neuron); "
+    if isinstance(adapter, StackAdapter) and adapter.return_hidden:
+        raise unsupported(
+            adapter.module,
+            adapter.path,
+            why + "with return_hidden=True it returns every layer's output, and layer-wise "
+            "runs keep the top block's alone; use granularity='stack' (every layer's output "
+            "over time, in Norse's order)",
+        )
     if not isinstance(adapter, StackAdapter):
         if not adapter.stateful:
             raise unsupported(adapter.module, adapter.path, why + "this layer has no state")

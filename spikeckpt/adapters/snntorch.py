@@ -190,6 +190,26 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         surrogate, the library's own ``forward`` and state function), else None."""
         return snntorch_kernel(self.module)
 
+    def call_outputs(self, state: State) -> tuple[Any, ...] | None:
+        """With ``init_hidden=True``, what ``net(x_t)`` returns after the spikes when this
+        neuron ends the net: ``output=True`` gives the state fields in snnTorch's order
+        (``spk, mem``; ``spk, syn, mem``; Alpha ``spk, syn_exc, syn_inh, mem``); ``DeltaLeaky``
+        always returns ``spk, (mem, mem_prev)``. None otherwise (the call returns ``spk``;
+        with ``init_hidden=False`` the call takes and returns the state explicitly, and the
+        wrapped model returns the spikes: ``output="both"`` adds the membrane)."""
+        if not self.returns_more:
+            return None
+        if self._packed:
+            return (tuple(state),)
+        return tuple(getattr(state, name) for name in self.fields if name != "spk")
+
+    @property
+    def returns_more(self) -> bool:
+        m = self.module
+        return bool(getattr(m, "init_hidden", False)) and (
+            self._packed or bool(getattr(m, "output", False))
+        )
+
     def put_state(self, state: State) -> None:
         """Set the state on the module (``init_hidden=True``: the module's own call reads it)."""
         for name, value in zip(self.fields, state, strict=True):

@@ -14,8 +14,6 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
-__all__ = ["FeedGrads", "GradSink", "grad"]
-
 
 class GradSink:
     """Where an op's backward may add a parameter's gradient in place, instead of returning a
@@ -36,6 +34,9 @@ class GradSink:
     def __init__(self) -> None:
         self.target: Tensor | None = None
         self.active = False
+
+
+__all__ = ["FeedGrads", "GradSink", "grad", "unseen_leaves"]
 
 
 class FeedGrads(torch.autograd.Function):
@@ -117,3 +118,29 @@ def grad(
     ):
         return engine(outputs, inputs, grads)
     return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+def unseen_leaves(
+    roots: Sequence[Any], known: Sequence[Tensor], limit: int = 20000
+) -> list[Tensor]:
+    """The leaf tensors requiring grad in the autograd graph of ``roots`` (tensors; others are
+    skipped) that are not (by identity) in ``known``: tensors a step uses without the engine
+    differentiating them. Walks at most ``limit`` graph nodes."""
+    stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+    # Node wrappers may be transient: keep them alive so their ids are not reused.
+    visited: list[Any] = []
+    seen: set[int] = set()
+    known_ids = {id(t) for t in known}
+    found: list[Tensor] = []
+    while stack and len(visited) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        visited.append(node)
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in known_ids:
+            known_ids.add(id(variable))
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found

@@ -55,12 +55,13 @@ from torch.utils import _pytree as pytree
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.function import Job, run_job
 from spikeckpt.engine.fused import ChunkKernel, run_fused
-from spikeckpt.engine.grad import GradSink, grad
+from spikeckpt.engine.grad import GradSink, grad, unseen_leaves
 from spikeckpt.engine.packed import SparseChunk, as_input, chunk_of, is_packed, sparse_chunk_of
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import READOUTS, Reducer
 from spikeckpt.engine.rng import RngState, cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats
+from spikeckpt.errors import UnlistedParamsError
 from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
@@ -86,7 +87,9 @@ class LayerBlock:
         synapse: the block's input over a chunk ``(k, B, ...)`` -> the neuron's input
             ``(k, B, ...)`` (stateless; may batch over time).
         step: the neuron's pure step ``(state, z_t (B, ...)) -> (state, y_t (B, ...))``.
-        membrane: ``state -> membrane potential (B, ...)``, or None when it has none.
+        membrane: ``state -> membrane potential (B, ...)``, or None when it has none (or a
+            tuple of ``(B, ...)`` tensors: each is an output of its own with ``output="mem"``
+            or ``"both"``, e.g. snnTorch's ``(syn, mem)`` after the spikes).
         draws_random: whether ``synapse`` or ``step`` draw random numbers (replayed exactly).
         params: the tensors requiring grad that the block uses (its gradients' targets).
         cleanup: drops whatever the framework left on its modules (called after each run).
@@ -206,6 +209,11 @@ class _LayerwiseJob(Job):
         self.need_state: list[bool] = []
         self.referenced = [0]  # backward reads x: it must not change in place before then
         self.owned: set[int] = set()  # parameter gradients that are sums this job allocated
+        #: the forward pass's readout ("max"/"min" keep the index that gets the gradient)
+        self.reducer: Reducer | None = None
+        #: blocks whose taped graph was searched for tensors requiring grad outside their
+        #: ``params`` (once per run, at the block's first backward chunk)
+        self.searched: set[int] = set()
 
     # One store entry (a file on disk) holds what ``group`` consecutive chunks keep: their
     # input trains of blocks 1.. (packed here, so the codec figures are per block) and every
@@ -226,6 +234,7 @@ class _LayerwiseJob(Job):
         self.entry_data = None
         self.x = None
         self.initial = []
+        self.reducer = None
         for block in self.blocks:
             block.cleanup()
 
@@ -259,7 +268,7 @@ class _LayerwiseJob(Job):
                 return [mem_all], final
             return [y_all, mem_all], final
         spikes: list[Tensor] = []
-        mems: list[Tensor] = []
+        mems: list[Any] = []
         step = block.step
         # unbind, not z[t]: the backward of one select per step would allocate and fill a
         # zero (k, B, ...) gradient each time, O(k^2) in the chunk length; unbind's is one stack
@@ -278,9 +287,15 @@ class _LayerwiseJob(Job):
         final = pytree.tree_leaves(state)
         if not top or self.output == "spikes":
             return [torch.stack(spikes)], final
+        # a membrane given as a tuple of tensors is several outputs, each stacked
+        stacked = (
+            [torch.stack(list(m)) for m in zip(*mems, strict=True)]
+            if isinstance(mems[0], tuple)
+            else [torch.stack(mems)]
+        )
         if self.output == "mem":
-            return [torch.stack(mems)], final
-        return [torch.stack(spikes), torch.stack(mems)], final
+            return stacked, final
+        return [torch.stack(spikes), *stacked], final
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, needs: Sequence[bool], tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -299,6 +314,8 @@ class _LayerwiseJob(Job):
                 self.storage, self.device, self.stats.storage_ledger, self.directory
             )
         reducer = Reducer(self.readout, self.T)
+        if record:
+            self.reducer = reducer
         try:
             items: list[Tensor] = []  # the open entry's tensors
             entry, first = 0, 0  # the open entry and its first chunk
@@ -447,7 +464,7 @@ class _LayerwiseJob(Job):
         x = self.x
         assert x is not None
         n = self.n_outputs
-        reducer = Reducer(self.readout, self.T)
+        reducer = self.reducer if self.reducer is not None else Reducer(self.readout, self.T)
         out_grads = list(grads[:n])
         carry = _split(grads[n:], self.n_leaves)
         grad_x = torch.zeros_like(x) if self.need_x else None
@@ -490,6 +507,29 @@ class _LayerwiseJob(Job):
             opened.append((j, sink))
         return opened
 
+    def _search_params(self, b: int, roots: list[Tensor], own: list[Tensor]) -> None:
+        """Find the leaf tensors requiring grad in block ``b``'s taped graph that are not in
+        its ``params``: another block's params (or ones given to the run) join its list; any
+        other raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the block."""
+        self.searched.add(b)
+        pidx = self.block_params[b]
+        found = unseen_leaves(roots, [*own, *(self.params[j] for j in pidx)])
+        if not found:
+            return
+        ids = {id(p): j for j, p in enumerate(self.params)}
+        strangers = [t for t in found if id(t) not in ids]
+        pidx.extend(ids[id(t)] for t in found if id(t) in ids)
+        if strangers:
+            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in strangers[:5])
+            raise UnlistedParamsError(
+                f"layer-wise run: block {self.blocks[b].name!r} uses {len(strangers)} tensor(s) "
+                f"requiring grad that are not among the parameters it differentiates (shapes "
+                f"{shapes}); they would get no gradient. Register them as nn.Parameter, hold "
+                "them as attributes of the block's modules, or pass them: "
+                "wrap(model, ..., params=[tensor, ...]) (layerwise_scan(..., params=[...]))",
+                strangers,
+            )
+
     def _backward_block(
         self,
         c: int,
@@ -525,6 +565,8 @@ class _LayerwiseJob(Job):
                 if g is not None and o.requires_grad:
                     roots.append(o)
                     root_grads.append(g)
+            if b not in self.searched:
+                self._search_params(b, [*outs, *final], [inp, *leaves])
             pidx = self.block_params[b]
             sinks = self._open_sinks(b, grad_p)
             wrt = [inp, *leaves, *(self.params[j] for j in pidx)]
@@ -588,9 +630,13 @@ def layerwise_scan(
             local interval) or None / ``"auto"`` (``ceil(sqrt(T))``).
         storage: ``"host"`` (packed in CPU memory), ``"disk"`` (packed files) or ``"device"``
             (references, no packing) for the spike trains and chunk-boundary states.
-        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"`` or ``"last"``.
+        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"`` or ``"min"`` (the extremum over time, with ``max(0)``'s gradient).
         output: the top block's per-step output: ``"spikes"``, ``"mem"`` or ``"both"``.
-        params: tensors to differentiate (default: every block's ``params``).
+        params: tensors to differentiate (default: every block's ``params``); a block that
+            uses one of them outside its own ``params`` is differentiated with respect to it
+            too (found in its taped graph). A tensor requiring grad that a block uses and
+            that is in neither raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError].
         directory: folder for the disk tier's temporary folder.
         stats: also return a [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats].
         group: chunks per off-device store entry (None: see `GROUP_SHARE`).
@@ -605,7 +651,8 @@ def layerwise_scan(
     """
     if readout not in READOUTS:
         raise ValueError(
-            f"layer-wise granularity supports readout None, 'sum', 'mean' or 'last', got "
+            f"layer-wise granularity supports readout None, 'sum', 'mean', 'last', 'max' or "
+            f"'min', got "
             f"{readout!r}; use granularity='stack' for a callable readout"
         )
     if output not in _OUTPUTS:

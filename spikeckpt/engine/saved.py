@@ -118,6 +118,9 @@ def measure_step(
 ) -> StepSizes:
     """Run ``step(state, x_t)`` once with a tape and measure ``S`` and ``A``.
 
+    ``S`` is the larger of the state's bytes before and after the step (under autocast the
+    step may return the state in another dtype; an unshaped initial state grows at step 0).
+
     The state's floating leaves are detached and made to require grad (as in an interior taped
     segment). The global RNG is left untouched when ``fork_rng`` is true. ``pack``: count
     binary saved tensors at their packed size (as ``scan(..., pack_tape=True)`` keeps them).
@@ -132,6 +135,11 @@ def measure_step(
     ):
         with SavedBytes(exclude=params, pack=pack) as counter:
             out = step(treedef.unflatten(leaves), x_t)
+        if isinstance(out, tuple) and len(out) == 2:
+            # the state the run carries: step 0 may set its shape (an empty init_leaky())
+            # or dtype (a float32 membrane from a bf16 input under autocast)
+            after = [t for t in tree_flatten(out[0])[0] if isinstance(t, Tensor)]
+            state_bytes = max(state_bytes, leaf_bytes(after))
         del out
     return StepSizes(state_bytes=state_bytes, step_bytes=counter.bytes)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
@@ -24,14 +23,16 @@ from torch import Tensor, nn
 
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.function import Job, run_job
+from spikeckpt.engine.grad import unseen_leaves
 from spikeckpt.engine.packed import as_input, drop_first, is_packed, step_of
 from spikeckpt.engine.phase import recomputing
-from spikeckpt.engine.readout import Readout, ReadoutFn, Reducer, check_readout
+from spikeckpt.engine.readout import Readout, ReadoutFn, Reducer, check_readout, take_extremum
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import backward_reserve, measure_step
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.engine.timing import measure_costs
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
+from spikeckpt.errors import UnlistedParamsError
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.plans.simulate import Cost, CostModel, simulate
 from spikeckpt.storage.codecs import require_binary
@@ -163,6 +164,12 @@ class _StepFn:
                     f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
                     f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
                     "the state's shapes and dtypes must stay the same at every step"
+                    + (
+                        " (under torch.autocast scan takes the dtypes step 0 returns, unless "
+                        "the plan is a Schedule built for all T steps: build it for T-1)"
+                        if leaf.dtype != dtype and t == 0
+                        else ""
+                    )
                 )
 
     def _warn_closures(
@@ -173,50 +180,34 @@ class _StepFn:
         *,
         no_grad_path: bool = False,
     ) -> None:
-        """Warn once if the step uses leaf tensors requiring grad that are not in ``params``.
+        """Raise [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] if the step uses leaf tensors
+        requiring grad that are not in ``params`` (they would get no gradient).
 
-        ``no_grad_path``: scan saw nothing requiring grad and runs without a tape, so these
-        tensors get no gradient and ``backward()`` of the outputs fails: the warning says so.
+        ``no_grad_path``: scan saw nothing requiring grad and would run without a tape.
         """
         if any(isinstance(t, Tensor) and t.grad_fn is not None for t in user):
             return  # only walk the graph of a step that starts from fresh leaves
         self.scanned_closures = True
         known = [*self.params, *user, *xs, *(x._base for x in xs if x._base is not None)]
-        stack = [t.grad_fn for t in new if isinstance(t, Tensor) and t.grad_fn is not None]
-        # Node wrappers may be transient: keep them alive so their ids are not reused.
-        visited: list[Any] = []
-        seen: set[int] = set()
-        found: list[Tensor] = []
-        while stack and len(visited) < 20000:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            visited.append(node)
-            seen.add(id(node))
-            variable = getattr(node, "variable", None)
-            if variable is not None and not any(variable is k for k in (*known, *found)):
-                found.append(variable)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        strangers = len(found)
-        if not strangers:
+        found = unseen_leaves(new, known)
+        if not found:
             return
-        shapes = ", ".join(str(tuple(v.shape)) for v in found[:5])
-        if no_grad_path:
-            warnings.warn(
-                f"scan: nothing scan sees requires grad, so it runs without gradients, but the "
-                f"step uses {strangers} tensor(s) requiring grad (shapes {shapes}) that it "
-                "could not find; the outputs will not require grad and backward() will fail. "
-                "Pass them with scan(..., params=[...]) (found by default: parameters of "
-                "modules reachable from the step's self, closure, defaults and globals).",
-                stacklevel=6,
-            )
-            return
-        warnings.warn(
-            f"scan: the step uses {strangers} tensor(s) requiring grad (shapes {shapes}) that "
-            "are not in `params`; they will get no gradient. Pass them with "
-            "scan(..., params=[...]) (found by default: parameters of modules reachable from "
-            "the step's self, closure, defaults and globals).",
-            stacklevel=6,
+        shapes = ", ".join(f"{tuple(v.shape)} {v.dtype}" for v in found[:5])
+        where = (
+            "nothing scan sees requires grad, so it would run without gradients and backward() "
+            "would fail, but the step"
+            if no_grad_path
+            else "the step"
+        )
+        raise UnlistedParamsError(
+            f"scan: {where} uses {len(found)} tensor(s) requiring grad that are not in "
+            f"`params` (shapes {shapes}); they would get no gradient. Pass them with "
+            "scan(..., params=[*your_params, tensor, ...]), or from spikeckpt.wrap with "
+            "wrap(model, ..., params=[tensor, ...]) (found by default: parameters of modules "
+            "reachable from the step's self, closure, defaults and globals, and leaf tensors "
+            "requiring grad held as attributes of those modules; registering the tensor as an "
+            "nn.Parameter also works).",
+            found,
         )
 
 
@@ -385,7 +376,8 @@ def _reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
     """Tensors requiring grad reachable from ``step``: parameters of the modules it is, is
     bound to, closes over, takes as defaults or ``partial`` arguments, or names as globals
     (through the functions and containers it reaches, a few levels deep), tensors requiring
-    grad among those, and tensors requiring grad in NamedTuple attributes of those modules
+    grad among those, leaf tensors requiring grad held as attributes of those modules (a neuron's
+    ``self.beta = torch.full(..., requires_grad=True)``) or in their NamedTuple attributes
     (Norse keeps neuron parameters in ``module.p``); and the modules reached (submodules
     included)."""
     import functools
@@ -414,6 +406,8 @@ def _reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
                 for value in vars(m).values():
                     if isinstance(value, tuple):
                         visit(value, depth + 1)
+                    elif isinstance(value, Tensor) and value.is_leaf:
+                        add(value)  # a tensor attribute, e.g. self.beta = torch.full(...)
         elif isinstance(obj, functools.partial):
             for item in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(item, depth + 1)
@@ -585,6 +579,7 @@ def _plan_key(
     """What a plan filled from measurements depends on: the step's code and the shapes,
     dtypes and devices of the state, the per-step inputs and the parameters (so a training
     loop that builds a new closure or bound method per call still hits the cache)."""
+    step = getattr(step, "__wrapped__", step)  # scan(..., steps=n) wraps the user's step
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
     code = getattr(func, "__code__", None) or type(step)
@@ -676,6 +671,7 @@ def scan(
     directory: str | os.PathLike | None = None,
     pack_tape: bool = False,
     spikes: bool = False,
+    steps: int | None = None,
 ) -> Any:
     """Run ``step`` over time with checkpointed memory; gradients equal the plain loop's.
 
@@ -696,6 +692,9 @@ def scan(
             own state), empty tensors (snnTorch's ``init_leaky()``) and 0-d tensors (Norse's
             ``initial_state(x).v``): step 0 then runs first, taped as in the plain loop, and
             the checkpointed run starts from its state (``stats`` describe steps ``1..T-1``).
+            Under ``torch.autocast`` step 0 runs first too (unless ``plan`` is a
+            ``Schedule`` for ``T`` steps): the state takes the dtypes step 0 returns (a
+            float32 membrane from a bf16 input, in snnTorch), as in the plain loop.
         plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
             ``"auto"`` (measures one step for ``S``/``A`` and the step's operation times, and
             calls ``plans.choose`` with ``budget`` less the gradients' share:
@@ -705,15 +704,19 @@ def scan(
             per step function, shapes, ``T`` and tier (a few dozen step evaluations).
         storage: where ``"remote"`` checkpoints go: ``"host"`` (CPU RAM), ``"disk"`` (files in
             a temporary folder under ``directory``) or ``"device"``.
-        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``:
-            reduced in the loop (O(1) memory); or ``fold(acc, y_t, t) -> acc`` (``acc`` is
-            ``None`` at ``t = 0``), which returns the last ``acc``.
+        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"``, ``"min"``: reduced in the loop (O(1) memory; ``"max"`` is
+            ``ys.max(0).values`` with its gradient, which goes to the first of tied maxima);
+            or ``fold(acc, y_t, t) -> acc`` (``acc`` is ``None`` at ``t = 0``), which returns
+            the last ``acc``.
         params: tensors whose gradients scan computes. Default: the parameters of every
             ``nn.Module`` reachable from ``step``: ``step`` itself, its bound ``self``, the
             variables it closes over, its default arguments, the globals it names,
-            ``functools.partial`` arguments (recursively through functions it reaches), and
-            tensors requiring grad among them. Tensors the step reaches otherwise are not
-            seen (scan warns when it finds any: pass them here).
+            ``functools.partial`` arguments (recursively through functions it reaches),
+            tensors requiring grad among them, and leaf tensors requiring grad held as
+            attributes of those modules. Tensors the step reaches otherwise are not seen:
+            scan raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] when the step uses
+            any (pass them here).
         stats: also return a [`ScanStats`][spikeckpt.engine.stats.ScanStats].
         budget: device memory budget for ``plan="auto"`` (bytes or a string like ``"2GiB"``):
             checkpoints, tapes and the gradients the backward pass holds.
@@ -725,6 +728,11 @@ def scan(
             2x256 LIF net on CPU); turn it on when the tape, not the time, is the limit.
         spikes: the inputs must be spike trains (exactly 0 or 1); anything else raises
             [`NotBinaryError`][spikeckpt.errors.NotBinaryError] naming the value found.
+        steps: a constant input: ``inputs`` is then *one* step's input (``(B, ...)``, or a
+            pytree of tensors), fed to ``step`` at each of ``steps`` time steps, as a loop
+            ``for t in range(steps): ... step(state, x)`` does (snnTorch tutorial 5's
+            static image). No ``(T, B, ...)`` copy is made; an input that requires grad gets
+            the gradient of every step, summed as the plain loop sums it.
 
     Returns:
         ``(ys, final_state)`` or ``(ys, final_state, stats)``; ``ys`` has the structure of
@@ -732,10 +740,14 @@ def scan(
     """
     check_storage(storage, directory, probe=False)
     check_readout(readout)
+    if steps is not None:
+        step, inputs, params = _constant_input(step, inputs, steps, params)
     inputs = as_input(inputs)
     in_leaves, in_def, T = _time_leaves(inputs)
     state_leaves, state_def = tree_flatten(state)
-    if _unshaped(state_leaves) and _SHAPED.get() != id(state):
+    if (_unshaped(state_leaves) or _autocast_first(plan, T, state_leaves, in_leaves)) and (
+        _SHAPED.get() != id(state)
+    ):
         return _scan_after_step0(
             step,
             inputs,
@@ -820,6 +832,41 @@ def scan(
     return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats if stats else None)
 
 
+def _constant_input(
+    step: Callable[[Any, Any], Any], x: Any, steps: Any, params: Sequence[Tensor] | None
+) -> tuple[Callable[[Any, Any], Any], Any, Sequence[Tensor] | None]:
+    """``scan(..., steps=n)``: ``(step', inputs', params')`` for one input ``x`` fed at every
+    step. The inputs are ``x`` expanded to ``(n, ...)`` (a view: no copy), detached; when
+    ``x`` has leaves that require grad, ``step'`` feeds ``x`` itself and those leaves join
+    ``params``, so their gradient sums over the steps like a parameter's."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int (the number of time steps), got {steps!r}")
+    if is_packed(x) or (isinstance(x, Tensor) and x.is_sparse):
+        raise ValueError(
+            "steps= takes one dense step's input (B, ...) fed at every step; a packed spike "
+            "train is a whole (T, B, ...) sequence: pass it without steps="
+        )
+    tree = torch.utils._pytree
+    leaves = tree.tree_leaves(x)
+    if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
+        raise TypeError(
+            f"with steps=, inputs must be one step's input: a tensor or a pytree of tensors, "
+            f"got {type(x).__name__}"
+        )
+    expanded = tree.tree_map(lambda v: v.detach().expand(steps, *v.shape), x)
+    learn = [leaf for leaf in leaves if leaf.requires_grad]
+    if not learn:
+        return step, expanded, params
+
+    def constant_step(state: Any, x_t: Any) -> Any:
+        return step(state, x)
+
+    constant_step.__wrapped__ = step  # type: ignore[attr-defined]  # the plan cache's key
+    if params is not None:
+        params = [*params, *learn]
+    return constant_step, expanded, params
+
+
 #: ``id`` of the state a ``_scan_after_step0`` call passes on: shaped by step 0 already (its
 #: 0-d leaves stay 0-d), so that scan runs it as it is
 _SHAPED: ContextVar[int] = ContextVar("spikeckpt_shaped_state", default=-1)
@@ -831,6 +878,20 @@ def _unshaped(leaves: list[Any]) -> bool:
     return any(
         t is None or (isinstance(t, Tensor) and (t.dim() == 0 or t.numel() == 0)) for t in leaves
     )
+
+
+def _autocast_first(plan: Any, T: int, state: list[Any], inputs: list[Any]) -> bool:
+    """Whether scan runs step 0 first because autocast is on (the step may return the state in
+    another dtype than the initial state's, as snnTorch's neurons do: a float32 membrane from
+    a bf16 input): the plain loop then carries the dtypes step 0 gives, and so does scan.
+    Not with a ``Schedule`` built for ``T`` steps (it would not fit ``T - 1``)."""
+    if isinstance(plan, Schedule) and plan.T == T:
+        return False
+    device = next(
+        (t.device for t in (*state, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
+    )
+    kinds = {"cpu", device.type if device is not None else "cpu"}
+    return any(torch.is_autocast_enabled(kind) for kind in kinds)
 
 
 def _scan_after_step0(
@@ -907,6 +968,19 @@ def _scan_after_step0(
             return (s, fold(acc, y, int(t)), t + 1), None
 
         carry0: Any = (state1, acc0, t0)
+    elif readout in ("max", "min"):  # max(0)'s value and gradient (to the first of ties)
+        acc0 = y0
+        kind = readout
+
+        def fold_step(carry: Any, x_t: Any) -> tuple[Any, None]:
+            s, acc = carry
+            s, y = step(s, x_t)
+            return (
+                s,
+                tree_map(lambda a, b: torch.where(take_extremum(kind, b, a), b, a), acc, y),
+            ), None
+
+        carry0 = (state1, acc0)
     else:  # "sum" / "mean": the reducer's order, y_0 + y_1 + ...
         acc0 = y0
 
