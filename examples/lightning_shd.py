@@ -12,7 +12,9 @@ it importing Lightning:
 from __future__ import annotations
 
 import argparse
+import logging
 import tempfile
+import warnings
 
 import lightning.pytorch as pl
 import snntorch as snn
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 import spikeckpt
-from spikeckpt.data import SHDDataModule
+from spikeckpt.data import SHDDataModule, write_synthetic_shd
 from spikeckpt.lightning import MemoryBudget
 from spikeckpt.planning import probe_model
 
@@ -54,6 +56,10 @@ def main() -> None:
     # Small tensors: one thread is fastest, and on a busy machine two threads per process
     # fighting other jobs for the cores ran these examples 5-10 times slower.
     torch.set_num_threads(1)
+    # Only this script's own lines: no Lightning start-up notes and tips (info level), nor a
+    # deprecation warning that Lightning's own code triggers with recent torch.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", help="folder with SHD/ (default: a temporary folder)")
     parser.add_argument("--epochs", type=int, default=1)
@@ -61,16 +67,16 @@ def main() -> None:
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.root is None:  # synthetic files in the real format, 40 training recordings
+            write_synthetic_shd(tmp, samples=40)
         data = SHDDataModule(
             args.root or tmp,
             dt_us=10_000,  # 10 ms bins
             duration_us=1_000_000,  # every batch 1 s: T = 100 steps
             channels=140,  # merge 5 neighbouring channels of 700
             batch_size=16,
-            # synthetic files in the real format only without --root; an explicit --root must
-            # hold the real files (DataNotFoundError says what is missing otherwise)
-            synthetic=args.root is None,
-            synthetic_samples=40,
+            # an explicit --root must hold the real files (DataNotFoundError says what is
+            # missing otherwise)
             download=False,
             packed=True,  # batches are packed spike trains: 1 bit per element or less
         )
@@ -100,18 +106,27 @@ def main() -> None:
             enable_progress_bar=False,
             default_root_dir=tmp,
         )
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, train_dataloaders=data.train_dataloader())  # no validation here
         source = "synthetic" if data.is_synthetic else "real"
+        recordings = len(data.train_set) + len(data.val_set)
 
     fmt = spikeckpt.format_bytes
-    print(f"SHD ({source} files): T={data.T} steps of 10 ms, {data.channels} channels")
-    print(f"budget for activations: {fmt(callback.budget_bytes)} (plain BPTT needs {fmt(bptt)})")
+    print(
+        f"SHD ({source} files): {recordings} training recordings, T={data.T} steps of 10 ms, "
+        f"{data.channels} channels"
+    )
+    print(
+        f"device budget for a training step: {fmt(callback.total_bytes)}; for the wrapped "
+        f"model's steps, after the model, gradients, Adam and a 5% margin: "
+        f"{fmt(callback.budget_bytes)} (plain BPTT's activations, estimated: {fmt(bptt)})"
+    )
+    # One plan per (T, batch) shape: the last, smaller batch of an epoch gets its own.
+    print("plans chosen, callback.planners['net'].choices:")
+    choices = callback.planners["net"].choices
+    for _, per_shape in sorted(choices.items(), key=lambda item: (item[0][0], -item[0][1])):
+        print(f"  {per_shape.summary()}")
     # callback.plans: wrapped module name -> the latest PlanChoice (the last batch's shape)
-    for name, choice in callback.plans.items():
-        print(f"callback.plans[{name!r}] (last batch): {choice.plan!r}")
-        # one plan per (T, batch) shape: the last, smaller batch gets its own
-        for (T, batch), per_shape in callback.planners[name].choices.items():
-            print(f"  T={T}, B={batch}: {per_shape.summary()}")
+    print(f"callback.plans['net'] (the last batch's): {callback.plans['net'].plan!r}")
     print(f"measured peak of the first training step: {fmt(callback.measured_peak_bytes)}")
 
 

@@ -60,10 +60,10 @@ def main() -> None:
         (a - p.grad).abs().max().item() for a, p in zip(loop_grads, net.parameters(), strict=True)
     )
 
-    print(f"T={T}, batch {B}: {IN}-{HID}-{OUT} Leaky network")
-    print(f"tutorial loop peak memory: {spikeckpt.format_bytes(loop_mem.peak_bytes)}")
-    print(f"wrapped (Revolve(8))     : {spikeckpt.format_bytes(wrap_mem.peak_bytes)}")
-    print(f"max gradient difference  : {diff:.3g}")
+    print(f"T={T}, batch {B}: {IN}-{HID}-{OUT} Leaky network; peak memory of a training step:")
+    print(f"  tutorial loop: {spikeckpt.format_bytes(loop_mem.peak_bytes)}")
+    print(f"  wrapped, {seq.plan!r}: {spikeckpt.format_bytes(wrap_mem.peak_bytes)}")
+    print(f"max gradient difference: {diff:.3g}")
 
 
 if __name__ == "__main__":

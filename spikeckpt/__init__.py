@@ -19,6 +19,7 @@ from spikeckpt.errors import (
     ScheduleError,
     SpikeckptError,
     StorageError,
+    UnlistedParamsError,
     UnsupportedLayerError,
     UsageError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "SpikeTrain",
     "SpikeckptError",
     "StorageError",
+    "UnlistedParamsError",
     "UnsupportedLayerError",
     "UsageError",
     "format_bytes",

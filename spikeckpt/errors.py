@@ -1,6 +1,6 @@
 """Exceptions shared by every layer. Pure Python: importing this module never imports torch.
 
-Every error spikeckpt raises on purpose is a :class:`SpikeckptError`; each class is also the
+Every error spikeckpt raises on purpose is a [`SpikeckptError`][spikeckpt.errors.SpikeckptError]; each class is also the
 built-in exception it stands for (a bad value is a ``ValueError``, a wrong type a
 ``TypeError``), so ``except ValueError`` keeps working. ``tests/test_errors.py`` reads every
 ``raise`` statement of the package and holds it to this.
@@ -63,3 +63,17 @@ class StorageError(SpikeckptError, OSError):
 class MissingDependencyError(SpikeckptError, ModuleNotFoundError):
     """An optional package a feature needs is not installed: the message names the extra to
     install (``pip install "spikeckpt[data]"``)."""
+
+
+class UnlistedParamsError(SpikeckptError, ValueError):
+    """A step uses tensors that require grad but are not among the tensors the engine
+    differentiates: they would get no gradient. The message names their shapes (and the layer
+    where it is known) and the fix: ``scan(..., params=[...])`` / ``wrap(..., params=[...])``.
+
+    Attributes:
+        tensors: the tensors found (leaves of the step's autograd graph).
+    """
+
+    def __init__(self, message: str, tensors: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.tensors = list(tensors or [])

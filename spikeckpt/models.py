@@ -91,8 +91,8 @@ class LIFStack(nn.Module):
 
         The layers share this module's parameters (the ``Linear`` modules themselves and
         ``beta_logits``), so gradients of either form land in the same tensors. The sequential
-        form is what :func:`spikeckpt.wrap` splits into blocks for the layer-wise granularity;
-        its plain loop computes bitwise what :meth:`step` computes.
+        form is what [`spikeckpt.wrap`][spikeckpt.wrapping.wrap] splits into blocks for the layer-wise granularity;
+        its plain loop computes bitwise what [`step`][spikeckpt.models.LIFStack.step] computes.
         """
         layers: list[nn.Module] = []
         for index, synapse in enumerate(self.synapses):
@@ -110,11 +110,11 @@ class LIFStack(nn.Module):
 
 
 class LIFNeuron(nn.Module):
-    """One LIF layer of :class:`LIFStack` as a neuron module: ``forward(x, state) -> (s, state)``.
+    """One LIF layer of [`LIFStack`][spikeckpt.models.LIFStack] as a neuron module: ``forward(x, state) -> (s, state)``.
 
     ``x`` is the synaptic input ``(B, n)``; ``state`` is ``(membrane (B, n), spikes (B, n))``
-    (zeros from :meth:`initial_state`). The decay is ``sigmoid(beta_logits[index])``; the
-    parameter is shared with the :class:`LIFStack` it came from.
+    (zeros from [`initial_state`][spikeckpt.models.LIFNeuron.initial_state]). The decay is ``sigmoid(beta_logits[index])``; the
+    parameter is shared with the [`LIFStack`][spikeckpt.models.LIFStack] it came from.
     """
 
     def __init__(self, beta_logits: nn.Parameter, index: int, threshold: float = 1.0) -> None:
@@ -142,7 +142,7 @@ def spike_train(T: int, batch: int, channels: int, density: float, *, seed: int 
 
 
 def lif_stack_sizes(widths: Sequence[int], *, batch: int) -> tuple[int, int]:
-    """Measured ``(S, A)`` in bytes of one :class:`LIFStack` step at ``batch`` (float32)."""
+    """Measured ``(S, A)`` in bytes of one [`LIFStack`][spikeckpt.models.LIFStack] step at ``batch`` (float32)."""
     from spikeckpt.engine.saved import measure_step
 
     model = LIFStack(widths)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -23,11 +23,17 @@ from spikeckpt.adapters.layered import layer_blocks
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
+from spikeckpt.engine.compiled import COMPILE_CHOICES, Compile
+from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
-from spikeckpt.engine.packed import as_input, is_packed, step_of
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
-from spikeckpt.errors import ConfigError, ConfigTypeError, UnsupportedLayerError
+from spikeckpt.errors import (
+    ConfigError,
+    ConfigTypeError,
+    UnlistedParamsError,
+    UnsupportedLayerError,
+)
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.schedule import Schedule
@@ -45,28 +51,28 @@ _INNER = "module"
 
 class CheckpointedSequence(nn.Module):
     """A model whose time loop runs through spikeckpt's engine (checkpointed memory, exact
-    gradients). Build it with :func:`wrap`.
+    gradients). Build it with [`wrap`][spikeckpt.wrapping.wrap].
 
     ``forward(x, *, state=None, return_state=False)``: ``x`` is ``(T, B, ...)`` (``(B, T, ...)``
-    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see :meth:`forward`);
+    with ``batch_first``), or a packed spike train ``(T, B, ...)`` (see [`forward`][spikeckpt.wrapping.CheckpointedSequence.forward]);
     returns the last layer's output per step, ``(T, B, ...)`` (or the reduced value with a
     ``readout``), and with ``return_state`` also the final state.
 
     The module is plumbing: at each forward it asks its planner
-    (:class:`~spikeckpt.planning.Planner` from its own ``plan``, ``budget``, ``granularity``
+    ([`Planner`][spikeckpt.planning.decide.Planner] from its own ``plan``, ``budget``, ``granularity``
     and ``chunk``, or the one set in ``planner``, e.g. by
-    :class:`~spikeckpt.lightning.MemoryBudget`) for a
-    :class:`~spikeckpt.planning.Decision` and runs it: :func:`spikeckpt.scan` (stack) or
-    :func:`~spikeckpt.engine.layerwise.layerwise_scan` (layer-wise).
+    [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget]) for a
+    [`Decision`][spikeckpt.planning.decide.Decision] and runs it: [`spikeckpt.scan`][spikeckpt.engine.scan.scan] (stack) or
+    [`layerwise_scan`][spikeckpt.engine.layerwise.layerwise_scan] (layer-wise).
 
     Attributes:
         module: the original model, registered as a submodule; ``state_dict()`` has exactly the
             original model's keys, so checkpoints load into either.
-        adapter: the :class:`~spikeckpt.adapters.LayerAdapter` that steps it.
+        adapter: the `LayerAdapter` that steps it.
         planner: a planner that overrides the model's own (``decide(model, x, state)``), or
             None.
         last_decision: how the last forward ran (granularity, plan, chunk).
-        last_stats: the last run's :class:`~spikeckpt.ScanStats` (plan, forward steps, bytes
+        last_stats: the last run's [`ScanStats`][spikeckpt.engine.stats.ScanStats] (plan, forward steps, bytes
             written off the device, peaks; a layer-wise run's has per-block spike figures).
     """
 
@@ -81,12 +87,18 @@ class CheckpointedSequence(nn.Module):
         batch_first: bool = False,
         budget: int | str | None = None,
         output: Output = "spikes",
+        as_call: bool = False,
         granularity: Granularity = "stack",
         chunk: int | None = None,
         directory: str | os.PathLike[str] | None = None,
         pack_tape: bool = False,
+        params: Sequence[Tensor] | None = None,
+        fuse: bool = True,
+        compile: Compile = "auto",
     ) -> None:
         super().__init__()
+        self.fuse = fuse
+        self.compile = _check_compile(compile)
         self.module = module
         self.adapter = adapter
         self.plan = plan
@@ -95,10 +107,16 @@ class CheckpointedSequence(nn.Module):
         self.batch_first = batch_first
         self.budget = budget
         self.output = output
+        #: each step's output is what the model's own per-step call returns (``wrap`` with
+        #: ``output=None`` for a net whose last snnTorch neuron has ``output=True``: ``(spk,
+        #: mem)``, ``(spk, syn, mem)``, ...); ``output`` is then ``"both"``
+        self.as_call = as_call
         self.directory = directory
         self.pack_tape = pack_tape
         self.granularity = _check_granularity(granularity)
         self.chunk = chunk
+        #: tensors to differentiate besides the model's parameters (``wrap(..., params=...)``)
+        self.extra_params: list[Tensor] = _check_params(params)
         self.planner: Planner | BudgetPlanner | None = None
         self.last_stats: ScanStats | None = None
         self.last_decision: Decision | None = None
@@ -115,6 +133,9 @@ class CheckpointedSequence(nn.Module):
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         """One time step of the whole model: ``(state, x_t (B, ...)) -> (state, y_t)``."""
         state, y = self.adapter.step(state, x_t)
+        if self.as_call and self.output == "both":
+            extra = self.adapter.call_outputs(state)
+            return state, (y if extra is None else (y, *extra))
         if self.output == "spikes":
             return state, y
         mem = self.adapter.membrane(state)
@@ -125,10 +146,11 @@ class CheckpointedSequence(nn.Module):
         return self.adapter.init_state(x_t)
 
     def parameters_for_scan(self) -> list[Tensor]:
-        """The tensors the engine differentiates: the model's parameters and any tensors the
-        framework keeps outside them (Norse's ``p``) that require grad."""
+        """The tensors the engine differentiates: the model's parameters, the tensors requiring
+        grad that its layers hold outside them (Norse's ``p``, tensor attributes such as a
+        neuron's ``self.beta = torch.full(..., requires_grad=True)``) and ``params``."""
         seen: dict[int, Tensor] = {}
-        for t in [*self.module.parameters(), *self.adapter.extra_params()]:
+        for t in [*self.module.parameters(), *self.adapter.extra_params(), *self.extra_params]:
             seen.setdefault(id(t), t)
         return list(seen.values())
 
@@ -192,14 +214,14 @@ class CheckpointedSequence(nn.Module):
 
         Args:
             x: the input sequence: a tensor, or a packed spike train (a
-                :class:`~spikeckpt.storage.SpikeTrain`, or a ``torch.sparse_coo`` tensor with
-                0/1 values, packed with :func:`~spikeckpt.storage.as_spike_train`). A packed
+                [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain], or a ``torch.sparse_coo`` tensor with
+                0/1 values, packed with [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train]). A packed
                 train stays packed where it is (on the host, or on the device at 1 bit per
                 element) and is unpacked on the model's device one step (stack) or one chunk
                 (layer-wise) at a time; it gets no gradient. Packed trains are always time
                 first: with ``batch_first=True`` a packed train is refused
-                (:class:`~spikeckpt.ConfigError`); the outputs of a packed train are time
-                first too.
+                ([`ConfigError`][spikeckpt.errors.ConfigError]); the outputs of a packed train
+                are time first too.
             state: initial state (same structure as the returned one; for stacks a tuple or
                 list with ``None`` for layers that start fresh). Default: zeros / Norse's own.
             return_state: also return the final state. Models whose own call returns
@@ -255,6 +277,8 @@ class CheckpointedSequence(nn.Module):
                     pack_tape=self.pack_tape,
                 )
                 (ys, final), self.last_stats = out, out.stats
+        except UnlistedParamsError as err:
+            raise self._unlisted(err, x, state) from None
         finally:
             self.adapter.cleanup()
         if decision.choice is not None:  # planned for a budget: the step as planned
@@ -264,26 +288,54 @@ class CheckpointedSequence(nn.Module):
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
         return (ys, final) if return_state else ys
 
+    def _unlisted(self, err: UnlistedParamsError, x: Any, state: State) -> UnlistedParamsError:
+        """``err`` (the stack granularity's: the whole step used tensors it was not given)
+        with the layer that uses them, found by stepping the layers one by one."""
+        where = _layers_using(self.adapter, state, step_of(x, 0, self.device_for(x)), err.tensors)
+        found: list[Tensor] = [t for t in err.tensors if isinstance(t, Tensor)]
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found[:5])
+        names = ", ".join(repr(w) for w in where)
+        if len(where) > 1:
+            who = f"layers {names} use"
+        else:
+            who = f"layer {names} uses" if where else "the model uses"
+        return UnlistedParamsError(
+            f"{who} {len(err.tensors)} tensor(s) requiring grad that are neither parameters "
+            f"of the model nor tensor attributes of its modules (shapes {shapes}); "
+            "they would get no gradient. Register them as nn.Parameter, or pass them: "
+            "spikeckpt.wrap(model, ..., params=[tensor, ...])",
+            err.tensors,
+        )
+
     def _run_layerwise(self, x: Tensor, state: State, decision: Decision) -> Any:
         if callable(self.readout):
             raise ConfigError(
-                "granularity='layer' supports readout None, 'sum', 'mean' or 'last'; a callable "
-                "readout needs granularity='stack'"
+                "granularity='layer' supports the named readouts; a callable readout needs "
+                "granularity='stack'"
             )
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
+        states = self.block_states(state)
+        spec = None
+        if self.as_call and self.output == "both":
+            # the top neuron's call outputs after the spikes, as extra outputs of the run
+            blocks, spec = _call_blocks(blocks, self._blocks[-1].neuron, states[-1])
         out = layerwise_scan(
             blocks,
             x,
-            self.block_states(state),
+            states,
             chunk=decision.chunk,
             storage=self.storage,
             readout=self.readout,
             output=self.output,
             params=self.parameters_for_scan(),
             directory=self._directory(),
+            fuse=self.fuse,
+            compile=self.compile,
         )
         (ys, finals), stats = out, out.stats
+        if spec is not None:
+            ys = (ys[0], *_pytree().tree_unflatten(list(ys[1:]), spec))
         if self._blocks[0].index is None:
             return ys, finals[0], stats
         final = list(state)  # a stack: put each block's state at its layer
@@ -293,19 +345,19 @@ class CheckpointedSequence(nn.Module):
 
     def _directory(self) -> str | os.PathLike[str] | None:
         """The disk tier's folder, only with the disk tier (``storage`` may have been changed
-        since wrapping: :meth:`set_storage`)."""
+        since wrapping: `set_storage`)."""
         return self.directory if self.storage == "disk" else None
 
     def set_planner(self, planner: Planner | BudgetPlanner | None) -> None:
         """Decide every forward with ``planner`` from now on (None: the model's own ``plan``,
         ``budget``, ``granularity`` and ``chunk``); what
-        :class:`~spikeckpt.lightning.MemoryBudget` installs for a fit."""
+        [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] installs for a fit."""
         self.planner = planner
 
     def set_storage(self, storage: str) -> None:
         """Keep remote checkpoints (and layer-wise trains) in ``storage`` from the next
         forward on: ``"host"``, ``"disk"`` or ``"device"`` (what
-        :class:`~spikeckpt.lightning.MemoryBudget` ``(storage=...)`` calls)."""
+        [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] ``(storage=...)`` calls)."""
         check_storage(storage, self.directory if storage == "disk" else None)
         self.storage = storage
 
@@ -334,12 +386,89 @@ def _check_plan(plan: Any) -> None:
     )
 
 
+def _pytree() -> Any:
+    from spikeckpt.engine import tree
+
+    return tree
+
+
+def _call_blocks(
+    blocks: list[LayerBlock], neuron: LayerAdapter, state: State
+) -> tuple[list[LayerBlock], Any]:
+    """``blocks`` with the top block's ``membrane`` giving the leaves of the neuron's
+    ``call_outputs`` (the layer-wise run returns them after the spikes), and their structure.
+    That block's neuron runs one step at a time (a fused kernel emits the membrane only)."""
+    import dataclasses
+
+    tree = _pytree()
+    spec = tree.tree_flatten(neuron.call_outputs(state))[1]
+
+    def outputs(s: State) -> tuple[Tensor, ...]:
+        return tuple(tree.tree_leaves(neuron.call_outputs(s)))
+
+    top = dataclasses.replace(blocks[-1], membrane=outputs, fused=None)
+    return [*blocks[:-1], top], spec
+
+
+def _check_params(params: Sequence[Tensor] | None) -> list[Tensor]:
+    """``wrap(..., params=...)``: a sequence of tensors (those requiring grad are kept)."""
+    if params is None:
+        return []
+    if isinstance(params, Tensor) or not isinstance(params, Iterable):
+        raise ConfigTypeError(
+            f"params must be a list of tensors (params=[tensor, ...]), got {type(params).__name__}"
+        )
+    params = list(params)
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise ConfigTypeError(f"params must be tensors, got a {type(p).__name__} in the list")
+    return params
+
+
+def _layers_using(
+    adapter: LayerAdapter, state: State, x_t: Tensor, tensors: list[Any]
+) -> list[str]:
+    """The paths of the layers whose step (from ``state``, input ``x_t`` detached) uses one of
+    ``tensors``: a diagnostic run (random state forked, running statistics kept, the
+    framework's leftovers cleared); empty when none is found."""
+    import torch
+
+    from spikeckpt.engine.grad import unseen_leaves
+    from spikeckpt.engine.phase import recompute_phase
+
+    wanted = {id(t) for t in tensors}
+
+    def uses(roots: Any) -> bool:
+        leaves = [t for t in _pytree().tree_leaves(roots) if isinstance(t, Tensor)]
+        return any(id(t) in wanted for t in unseen_leaves(leaves, []))
+
+    def walk(adapter: LayerAdapter, state: State, x_t: Any) -> tuple[list[str], Any]:
+        if not isinstance(adapter, StackAdapter):
+            new, y = adapter.step(state, x_t)
+            return ([adapter.path or "<root>"] if uses((new, y)) else []), y
+        found: list[str] = []
+        for i, layer in enumerate(adapter.layers):  # one step of each layer from its state
+            paths, x_t = walk(layer, state[adapter.slots[i]], x_t)
+            found += paths
+            x_t = _tree_map(lambda t: t.detach(), x_t)
+        return found, x_t
+
+    devices = [x_t.device.index or 0] if x_t.is_cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices), recompute_phase(), torch.enable_grad():
+            return walk(adapter, state, x_t.detach())[0]
+    except Exception:  # noqa: BLE001 - a diagnostic only: the caller's error is what matters
+        return []
+    finally:
+        adapter.cleanup()
+
+
 def _check_options(granularity: str, readout: Any, chunk: int | None, pack_tape: bool) -> None:
     """Every option runs in the granularity asked for, or is refused here."""
     if callable(readout) and granularity == "layer":
         raise ConfigError(
-            "granularity='layer' supports readout None, 'sum', 'mean' or 'last'; a callable "
-            "readout needs granularity='stack' (or 'auto', which then runs the stack)"
+            "granularity='layer' supports the named readouts; a callable readout needs "
+            "granularity='stack' (or 'auto', which then runs the stack)"
         )
     if chunk is not None and granularity == "stack":
         raise ConfigError(
@@ -378,9 +507,9 @@ def _check_granularity(granularity: str) -> str:
 
 
 def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
-    from torch.utils import _pytree
+    from spikeckpt.engine.tree import tree_map
 
-    return _pytree.tree_map(fn, tree)
+    return tree_map(fn, tree)
 
 
 def _strip_prefix(
@@ -423,13 +552,16 @@ def wrap(
     batch_first: bool = False,
     budget: int | str | None = None,
     *,
-    output: Output = "spikes",
+    output: Output | None = None,
     granularity: Granularity = "stack",
     chunk: int | None = None,
     directory: str | os.PathLike[str] | None = None,
     pack_tape: bool = False,
+    params: Sequence[Tensor] | None = None,
+    fuse: bool = True,
+    compile: Compile = "auto",
 ) -> CheckpointedSequence:
-    """Wrap ``model`` so its time loop runs through :func:`spikeckpt.scan`.
+    """Wrap ``model`` so its time loop runs through [`spikeckpt.scan`][spikeckpt.engine.scan.scan].
 
     Args:
         model: an ``nn.Sequential`` of layers and neurons (snnTorch neurons, Norse cells),
@@ -442,33 +574,55 @@ def wrap(
         readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"`` or
             ``fold(acc, y_t, t)``; reduces inside the loop.
         batch_first: inputs and outputs are ``(B, T, ...)``.
-        budget: device memory budget for ``plan="auto"`` (bytes or ``"2GiB"``).
-        output: per step, ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's
-            membrane potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
-        granularity: ``"stack"`` (default: the whole model is one step of :func:`scan`; any
-            recurrence), ``"layer"`` (layer-wise, :mod:`spikeckpt.engine.layerwise`: each
+        budget: the training step's peak device memory (bytes or ``"2GiB"``; the one account
+            of `spikeckpt.plans.account`: the input while it is on the device, outputs,
+            ``.grad`` and the engine's gradient buffers, activations and checkpoints, the host
+            tier's too on a CPU run): ``plan="auto"`` chooses within it, a plan given is
+            checked against it. Parsed here, once.
+        output: per step, ``None`` (default: what the model's own per-step call returns:
+            the last layer's output, or the tuple an snnTorch net ending with an
+            ``output=True`` neuron returns, ``spk, mem = net(x_t)`` (``spk, syn, mem`` for
+            ``Synaptic``, ...), stacked over time: ``spk_rec, mem_rec = seq(x)``),
+            ``"spikes"`` (the last layer's output), ``"mem"`` (the last layer's membrane
+            potential) or ``"both"`` (a ``(spikes, mem)`` tuple).
+        granularity: ``"stack"`` (default: the whole model is one step of [`scan`][spikeckpt.engine.scan.scan]; any
+            recurrence), ``"layer"`` (layer-wise, `spikeckpt.engine.layerwise`: each
             block's input spike train stored packed in ``storage``, blocks recomputed one at a
             time per time chunk; the model must be a flat ``nn.Sequential`` of blocks, stateless
             synapse layers then one neuron, else ``UnsupportedLayerError`` says why) or
             ``"auto"`` (when the model splits into such blocks, the readout is not callable
-            and the input is exactly binary, :class:`spikeckpt.planning.Planner` measures one
+            and the input is exactly binary, [`spikeckpt.planning.Planner`][spikeckpt.planning.decide.Planner] measures one
             step per block and models the layer-wise run; it is used when its modeled device
             peak fits the budget, or the stack plan's own modeled peak without one, and its
             modeled time is at most 5% above the stack plan's; stack otherwise; decided once
             per ``(T, B)``). With layer-wise, ``seq.last_stats`` is a
-            :class:`~spikeckpt.engine.stats.LayerwiseStats` (spike density per block, bytes
+            [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] (spike density per block, bytes
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
         chunk: layer-wise time steps per chunk (default: the plan's interval, e.g.
             ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``); refused with
             ``granularity="stack"``, which has no chunks.
         directory: parent folder of the disk tier's files (``storage="disk"`` only).
         pack_tape: keep the binary tensors autograd saves in taped steps packed (see
-            :func:`spikeckpt.scan`); the stack granularity's tape only: refused with
-            ``granularity="layer"`` or ``"auto"`` (layer-wise keeps one block's chunk taped
-            and stores its spike trains packed already).
+            [`scan`][spikeckpt.engine.scan.scan]); the stack granularity's tape only: refused
+            with ``granularity="layer"`` or ``"auto"`` (layer-wise keeps one block's chunk
+            taped and stores its spike trains packed already).
+        params: tensors requiring grad that the model uses besides what is found: its
+            parameters and the leaf tensors requiring grad held as attributes of its modules
+            (``self.beta = torch.full(..., requires_grad=True)``) or in Norse's ``p``. A tensor
+            requiring grad that the model uses and that is none of these raises
+            [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the layer: pass it here.
+        fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``,
+            ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
+            one fused computation (`spikeckpt.engine.fused`); False: one call per step.
+            ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
+        compile: layer-wise, fused neurons: compile their forward with ``torch.compile``
+            (`spikeckpt.engine.compiled`): ``"auto"`` (default) on CUDA, where the
+            compiled forward is timed against the eager one on the first chunk and kept when
+            faster (on CPU the compiled recurrence measured slower: eager there); True:
+            always (CPU too); False: never. Without a compiler: eager, with one line.
 
-    Every forward keeps its :class:`~spikeckpt.ScanStats` in ``seq.last_stats``. An unknown
-    keyword is a ``TypeError`` here, not at the first forward.
+    Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in
+    ``seq.last_stats``. An unknown keyword is a ``TypeError`` here, not at the first forward.
 
     Raises:
         UnsupportedLayerError: a layer cannot be stepped; the message names it (its path in
@@ -477,17 +631,20 @@ def wrap(
     """
     if isinstance(model, CheckpointedSequence):
         raise ConfigTypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
-    if output not in _OUTPUTS:
-        raise ConfigError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    if output is not None and output not in _OUTPUTS:
+        raise ConfigError(f"output must be None or one of {_OUTPUTS}, got {output!r}")
     _check_plan(plan)
     _check_granularity(granularity)
     _check_options(granularity, readout, chunk, pack_tape)
+    _check_params(params)
     check_storage(storage, directory)
     if budget is not None:  # parsed once, here: a budget that cannot be read fails at wrap
         budget = parse_bytes(budget)
     adapter = adapter_for(model, "")
     adapter.cleanup()
-    if output != "spikes" and not _has_membrane(adapter):
+    as_call = output is None and adapter.returns_more
+    output = ("both" if as_call else "spikes") if output is None else output
+    if output != "spikes" and not as_call and not _has_membrane(adapter):
         raise ConfigError(
             f"output={output!r} needs the last layer to be a neuron with a membrane potential "
             f"(got {adapter!r})"
@@ -501,11 +658,21 @@ def wrap(
         batch_first=batch_first,
         budget=budget,
         output=output,
+        as_call=as_call,
         granularity=granularity,
         chunk=chunk,
         directory=directory,
         pack_tape=pack_tape,
+        params=params,
+        fuse=fuse,
+        compile=compile,
     )
+
+
+def _check_compile(choice: Any) -> Compile:
+    if choice not in COMPILE_CHOICES or not isinstance(choice, (bool, str)):
+        raise ConfigError(f"compile must be True, False or 'auto', got {choice!r}")
+    return choice  # type: ignore[no-any-return]
 
 
 def _has_membrane(adapter: LayerAdapter) -> bool:
@@ -515,5 +682,5 @@ def _has_membrane(adapter: LayerAdapter) -> bool:
 
 
 def unwrap(seq: nn.Module) -> nn.Module:
-    """The original model of a :class:`CheckpointedSequence` (``seq`` itself otherwise)."""
+    """The original model of a [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] (``seq`` itself otherwise)."""
     return seq.module if isinstance(seq, CheckpointedSequence) else seq

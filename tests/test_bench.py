@@ -70,9 +70,11 @@ def _cells(line: str) -> list[str]:
 
 
 def test_markdown_is_a_table_with_equal_cell_counts(quick_run: tuple[Path, str, str]) -> None:
-    out, table, printed = quick_run
-    lines = table.splitlines()
+    out, markdown, printed = quick_run
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
     assert len(lines) == 2 + len(json.loads((out / "bench.json").read_text())["rows"])
+    notes = markdown.splitlines()[len(lines) :]  # a blank line, then the notes as a list
+    assert all(line.startswith("- ") for line in notes[1:]) and notes[:1] in ([], [""])
     counts = {len(_cells(line)) for line in lines}
     assert counts == {len(report.SWEEP_HEADER)}, counts
     assert set(_cells(lines[1])) == {"---"}
@@ -89,21 +91,25 @@ def test_console_tables_fit_80_columns_with_whole_plan_names(
     out, _, _ = quick_run
     rows = [Measurement(**row) for row in json.loads((out / "bench.json").read_text())["rows"]]
     long = Measurement(**{**vars(rows[-1]), "T": 99999, "strategy": "twolevel"})
-    long.plan = "TwoLevel(slots=64, write_cost=12.345, read_cost=23.456, forward_cost=1.0, " \
-        "backward_cost=2.109, remote_interval=None)"  # fmt: skip
+    long.plan = "TwoLevel(slots=64, write_cost=12.345, read_cost=23.456, backward_cost=2.109)"
     rows.append(long)
     console = Console(width=80, record=True, file=io.StringIO())
     report.print_tables(console, report.sweep_tables(rows, console.width))
     text = console.export_text()
     assert all(len(line) <= 80 for line in text.splitlines())
     assert "…" not in text
+    lines = text.splitlines()
     for row in rows:
-        plan = report.short_plan(row.plan)
-        assert any(
-            line.startswith(f"{row.strategy} ") and plan in line for line in text.splitlines()
-        ), plan
-    assert "TwoLevel(slots=64)" in text and "T = 99999 steps" in text
-    assert "peak" in text and "rel |dg|" in text  # every column is somewhere
+        if len(row.plan) <= report.PLAN_WIDTH:  # on the strategy's line, whole
+            assert any(line.startswith(f"{row.strategy} ") and row.plan in line for line in lines)
+    # a longer plan wraps between its arguments: every argument is there, none cut
+    first = next(i for i, line in enumerate(lines) if "TwoLevel(slots=64," in line)
+    assert "write_cost=12.345," in lines[first]
+    assert "read_cost=23.456, backward_cost=2.109)" in lines[first + 1]
+    assert "T = 99999 steps" in text
+    for column in ("peak", "peak/BPTT", "time/BPTT", "rel |dg|"):  # every column, named so
+        assert column in text, column
+    assert "x BPTT" not in text
 
 
 def test_plot_styles_are_distinct_and_units_readable() -> None:
@@ -152,5 +158,71 @@ def test_max_length_double_disk_beats_bptt(tmp_path: Path) -> None:
     assert double.best > bptt.best
     assert double.best_row is not None and double.best_row.peak_bytes is not None
     assert double.best_row.peak_bytes <= budget
-    assert "Double" in double.best_row.plan
+    row = double.best_row  # a Double, or named for what it is when it keeps no remote checkpoint
+    assert "Double" in row.plan or (
+        "keeps no remote checkpoint" in row.note and "Uniform(" in row.plan
+    )
     assert math.isfinite(double.best / bptt.best)
+
+
+def test_strategy_names_are_known_without_torch() -> None:
+    from spikeckpt.bench import STRATEGY_NAMES
+
+    assert tuple(STRATEGIES) == STRATEGY_NAMES  # what --strategies checks while parsing
+
+
+def _row(
+    strategy: str, T: int, peak: int, budget: int | None = None, **extra: object
+) -> Measurement:
+    return Measurement(
+        strategy, strategy, T, 16, 4, "Uniform(interval=4)", True, peak_bytes=peak,
+        budget_bytes=budget, modeled_bytes=extra.pop("modeled", None), **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_peak_over_its_budget_gets_a_note_that_says_why() -> None:
+    rows = [
+        _row("bptt", 48, 67 * 1024),
+        _row("uniform", 48, 29 * 1024, 24 * 1024, modeled=23 * 1024),
+        _row("revolve", 48, 20 * 1024, 24 * 1024, modeled=19 * 1024),
+        _row("double-host", 16, 21 * 1024, 24 * 1024, note="at T=16 ... it is Uniform(interval=8)"),
+        _row("double-disk", 16, 21 * 1024, 24 * 1024, note="at T=16 ... it is Uniform(interval=8)"),
+    ]
+    notes = report.sweep_notes(rows)
+    assert notes[0].startswith("measured peak over the row's budget: T=48 uniform +5.00 KiB.")
+    assert "revolve" not in notes[0]  # within its budget
+    assert "checkpoints and tapes" in notes[0] and "gradient buffers" in notes[0]  # why
+    assert notes[1] == "double-host, double-disk: at T=16 ... it is Uniform(interval=8)"
+    assert report.sweep_notes(rows[:1]) == []
+
+
+def test_quick_run_prints_its_notes(quick_run: tuple[Path, str, str]) -> None:
+    _, markdown, printed = quick_run
+    assert "notes:" in printed and "save_on_cpu: on a CPU-only machine" in printed
+    assert "- save_on_cpu: on a CPU-only machine" in markdown
+    for line in printed.splitlines():  # the figures are in the tables, once
+        assert not line.strip().startswith("T=16 bptt:"), line
+
+
+def test_plot_shows_every_series_where_they_coincide() -> None:
+    names = ["bptt", "uniform-sqrt", "uniform", "revolve", "double-host", "double-disk"]
+    rows = [
+        _row(name, T, (67 if name == "bptt" else 25) * 1024, time_s=0.01)
+        for T in (16, 48)
+        for name in names
+    ]  # five strategies with the very same figures
+    figure = report.sweep_figure(rows)
+    memory = figure.axes[0]
+    points = {
+        (x, y)
+        for line in memory.lines
+        for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True)
+    }
+    assert len(points) == len(rows)  # no point hides another
+    markers = {line.get_marker() for line in memory.lines}
+    assert len(markers) == len(names)
+    for line in memory.lines:  # each point stays near its length (within 20%)
+        for x, T in zip(line.get_xdata(), (16, 48), strict=True):
+            assert abs(x / T - 1) < 0.2
+    labels = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert len(labels) == len(names)

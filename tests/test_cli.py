@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from spikeckpt.cli import build_parser, main
-from spikeckpt.cli._args import Budget, plan_name, split_value_problem
+from spikeckpt.cli._args import Budget, split_value_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_DEMO_EXTRAS = all(importlib.util.find_spec(m) for m in ("lightning", "snntorch", "tonic"))
@@ -146,6 +146,116 @@ def test_bad_arguments_stop_at_once_and_say_why(
     assert "Traceback" not in err
 
 
+# ---------------------------------------------------------- paths, checked while parsing
+
+#: A child process: run the command line, then say whether anything slow was imported.
+_NO_SLOW_IMPORTS = """
+import json, sys
+from spikeckpt.cli import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as stop:
+    status = stop.code
+slow = [m for m in ("torch", "lightning", "tonic", "h5py") if m in sys.modules]
+print(json.dumps({"status": status, "slow": slow}))
+"""
+
+
+def _early(argv: list[str], cwd: Path) -> tuple[int, list[str], str]:
+    """``(status, slow modules imported, stderr)`` of the command line in a fresh process."""
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_SLOW_IMPORTS, *argv],
+        cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cwd / "cache")},
+    )  # fmt: skip
+    import json
+
+    report = json.loads(result.stdout.splitlines()[-1])
+    return report["status"], report["slow"], result.stderr
+
+
+def test_bad_folders_are_refused_before_anything_slow(tmp_path: Path) -> None:
+    """``--out`` and ``--root`` name the option and what is wrong with the path, at once."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cases = [
+        (["demo", "--out", str(a_file)], f"argument --out: {a_file} is a file, not a folder"),
+        (["demo", "--out", str(a_file / "plots")],
+         f"argument --out: cannot create {a_file / 'plots'}: {a_file} is a file, not a folder"),
+        (["bench", "--out", str(a_file)], f"argument --out: {a_file} is a file, not a folder"),
+        (["demo", "--root", str(a_file)], f"argument --root: {a_file} is a file, not a folder"),
+        (["data", "synth", "--dataset", "shd", "--root", str(a_file)],
+         f"spikeckpt data synth: error: argument --root: {a_file} is a file, not a folder"),
+    ]  # fmt: skip
+    if Path("/proc/self").is_dir():  # a folder no one can create, even root
+        cases.append((["demo", "--out", "/proc/spikeckpt/out"], "argument --out: cannot create"))
+    for argv, message in cases:
+        status, slow, err = _early(argv, tmp_path)
+        assert status == 2, (argv, err)
+        assert message in " ".join(err.split()), (argv, err)
+        assert "Traceback" not in err and "Errno" not in err, err
+        assert slow == [], (argv, slow)  # refused before torch, Lightning or tonic
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing created
+
+
+def test_data_folder_errors_come_before_anything_slow(tmp_path: Path) -> None:
+    """No SHD files, or the .h5 files without the .zip archives tonic checks for: the demo
+    says which files and the fix before importing torch."""
+    status, slow, err = _early(["demo", "--root", str(tmp_path / "none")], tmp_path)
+    assert status == 2 and slow == []
+    assert f"no SHD files under {tmp_path / 'none' / 'SHD'}" in " ".join(err.split())
+    shd = tmp_path / "unzipped" / "SHD"
+    shd.mkdir(parents=True)
+    for name in ("shd_train.h5", "shd_test.h5"):
+        (shd / name).write_bytes(b"")
+    status, slow, err = _early(["demo", "--root", str(tmp_path / "unzipped")], tmp_path)
+    flat = " ".join(err.split())
+    assert status == 2 and slow == [], err
+    assert "shd_train.h5.zip and shd_test.h5.zip" in flat
+    assert f"`touch {shd / 'shd_train.h5.zip'} {shd / 'shd_test.h5.zip'}` fixes it" in flat
+
+
+def test_every_command_takes_the_same_devices() -> None:
+    parsers = _parsers()
+    choices = {
+        prog: action.choices
+        for prog, parser in parsers.items()
+        for action in parser._actions
+        if "--device" in action.option_strings
+    }
+    assert set(choices) == {"spikeckpt demo", "spikeckpt bench"}
+    assert all(tuple(c) == ("cpu", "cuda", "gpu") for c in choices.values()), choices
+
+
+def test_plan_model_too_large_is_one_line(tmp_path: Path) -> None:
+    argv = ["plan", "--T", "1000", "--budget", "5%", "--model", "1000000,1000000,10"]
+    result = subprocess.run(
+        [sys.executable, "-m", "spikeckpt", *argv], cwd=tmp_path, capture_output=True,
+        text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "weights alone take 3.64 TiB" in lines[0]
+    assert "give --state-bytes and --step-bytes instead" in lines[0]
+
+
+def test_plan_names_a_double_without_remote_checkpoint_for_what_it_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--T", "10000", "--budget", "500B", "--state-bytes", "1", "--step-bytes",
+            "1", "--write-cost", "2", "--read-cost", "2"]  # fmt: skip
+    status, out, _ = _exit(argv, capsys)
+    assert status == 0
+    table = out.split("\nDouble: ")[0]
+    assert "Double(" not in table  # not listed as a Double ...
+    assert (
+        "Double: the fastest that fits, Double(remote_interval=10000, local_interval=464), "
+        "keeps no remote checkpoint at T=10000: it is Uniform(interval=464)"
+    ) in out  # ... but named for what it is
+    assert "time/BPTT" in out and "x BPTT" not in out
+
+
 def test_split_value_problem_leaves_good_values_alone() -> None:
     options = {"--budget"}
     assert split_value_problem(["--budget", "1GB", "--T", "5"], options) is None
@@ -159,12 +269,18 @@ def test_budget_resolves_shares_and_bytes() -> None:
     assert str(Budget(share=0.05)) == "5%"
 
 
-def test_plan_names_are_whole_and_drop_cost_copies() -> None:
+def test_plans_print_as_their_repr_whole_without_defaults() -> None:
+    """One notation everywhere: the plan's own repr, every argument that is not its default."""
     from spikeckpt import plans
 
-    assert plan_name(plans.Uniform(200)) == "Uniform(interval=200)"
-    assert plan_name(plans.Double(64, 8)) == "Double(remote_interval=64, local_interval=8)"
-    assert plan_name(plans.TwoLevel(12, write_cost=2.0, read_cost=3.0)) == "TwoLevel(slots=12)"
+    assert repr(plans.Uniform(200)) == "Uniform(interval=200)"
+    assert repr(plans.Uniform()) == "Uniform()"
+    assert repr(plans.Double(64, 8)) == "Double(remote_interval=64, local_interval=8)"
+    two = plans.TwoLevel(12, write_cost=2.0, read_cost=3.0)
+    assert repr(two) == "TwoLevel(slots=12, write_cost=2.0, read_cost=3.0)"
+    assert repr(plans.TwoLevel(12)) == "TwoLevel(slots=12)"
+    for plan in (plans.Uniform(200), plans.Double(64, 8), two, plans.Revolve(3, tape=4)):
+        assert eval(repr(plan), vars(plans)) == plan  # noqa: S307 - whole: it builds the plan
 
 
 def test_demo_gpu_on_a_cpu_machine_is_a_clear_error(
@@ -219,6 +335,71 @@ def test_demo_budget_too_small_exits_3_before_training(
     assert status == 3
     assert "the smallest budget that fits is" in out
     assert "epoch 1/" not in out  # stopped before training
+    assert not (tmp_path / "o").exists()  # the output folder: only made to write the plot
+
+
+@needs_demo_extras
+@pytest.mark.slow
+def test_demo_training_accuracy_is_computed_like_validation_accuracy(tmp_path: Path) -> None:
+    """With a learning rate of 0 the weights stay put: the training accuracy shown at the end
+    of an epoch (the epoch's running mean) equals the accuracy computed on the same recordings
+    the way validation computes it."""
+    import lightning.pytorch as pl
+
+    from spikeckpt.cli.demo import build_network, classifier_class, quiet_lightning
+    from spikeckpt.data import SHDDataModule, write_synthetic_shd
+
+    write_synthetic_shd(tmp_path, samples=24)
+    data = SHDDataModule(tmp_path, dt_us=50_000, duration_us=1_000_000, batch_size=5,
+                         download=False, packed=True)  # fmt: skip
+    with quiet_lightning():
+        model = classifier_class()(build_network("snntorch", 700, 8, 20), lr=0.0)
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0,
+                             default_root_dir=str(tmp_path))  # fmt: skip
+        trainer.fit(model, datamodule=data)
+        shown = float(trainer.progress_bar_metrics["train_acc"])
+        measured = trainer.validate(model, dataloaders=data.train_dataloader(), verbose=False)
+    assert shown == pytest.approx(measured[0]["val_acc"], abs=1e-6)
+
+
+@needs_demo_extras
+@pytest.mark.slow
+def test_demo_on_a_file_that_is_not_hdf5_names_it(tmp_path: Path) -> None:
+    from spikeckpt.data import write_synthetic_shd
+
+    shd = write_synthetic_shd(tmp_path, samples=4)
+    (shd / "SPIKECKPT_SYNTHETIC.json").unlink()  # as if these were the real files
+    (shd / "shd_train.h5").write_bytes(b"\x00" * 512)
+    result = subprocess.run(
+        [sys.executable, "-m", "spikeckpt", "demo", "--root", str(tmp_path), "--out", "o"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"{shd / 'shd_train.h5'} is not an HDF5 file" in result.stderr
+    assert "download shd_train.h5.zip again" in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_demo_figure_has_the_budget_values_and_the_shape() -> None:
+    from spikeckpt.cli.demo import StepMeasurement, demo_figure
+
+    rows = [
+        StepMeasurement("BPTT()", 184 * 2**20, 0.5, 0.0, 215 * 2**20),
+        StepMeasurement("Uniform(interval=200)", 38 * 2**20, 0.65, 0.0, 46 * 2**20),
+    ]
+    figure = demo_figure(rows, T=1000, batch=32, budget_bytes=46 * 2**20)
+    memory, seconds = figure.axes
+    assert "T=1000, batch 32" in figure._suptitle.get_text()
+    texts = [t.get_text() for axis in (memory, seconds) for t in axis.texts]
+    for shown in ("184.00 MiB", "38.00 MiB", "0.50 s", "0.65 s", "budget 46.00 MiB"):
+        assert shown in texts, (shown, texts)
+    budget_lines = [line for line in memory.lines if line.get_linestyle() == "--"]
+    assert len(budget_lines) == 1 and budget_lines[0].get_ydata()[0] == pytest.approx(46)
+    assert "measured" in memory.get_ylabel() and "measured" in seconds.get_ylabel()
 
 
 # ------------------------------------------------------------------------------- data synth
@@ -272,15 +453,26 @@ def test_demo_run_measures_the_plan_it_reports(tmp_path: Path) -> None:
     assert summary["synthetic"]
     bptt, chosen = summary["rows"]
     assert not isinstance(summary["plan"], BPTT)
-    assert chosen.plan == plan_name(summary["plan"])  # the table shows the plan it measured
+    assert chosen.plan == repr(summary["plan"])  # the table shows the plan it measured
     assert summary["choice"].batch == 8  # ... chosen for the measured batch's shape
     assert chosen.peak_bytes < bptt.peak_bytes
     assert chosen.max_grad_diff <= 1e-5
     assert summary["measured_peak_bytes"] <= summary["budget_bytes"]
     assert summary["plot"].exists() and summary["plot"].stat().st_size > 1000
     assert (tmp_path / "data" / "SHD" / "shd_train.h5").exists()
-    text = console.export_text()
-    assert f"plan for T=50, B=8: {chosen.plan}," in text
+    text = " ".join(console.export_text().split())
+    assert f"plan chosen by MemoryBudget for T=50, batch 8: {chosen.plan} (" in text
+    # counts as --samples counts them: 16 training recordings, split for validation; 4 test
+    data = summary["data"]
+    counts = re.search(r"16 training recordings \((\d+) to train on, (\d+) held out", text)
+    assert counts and int(counts[1]) + int(counts[2]) == 16, text
+    assert "and 4 test recordings; batches of 8" in text
+    # every figure once, labelled estimated or measured
+    for figure in (bptt.estimated_bytes, chosen.estimated_bytes):
+        assert figure is not None
+    assert text.count("estimated") >= 2 and "measured" in text
+    assert "peak/BPTT" in text and "time/BPTT" in text  # the ratios, named as in bench
+    assert data.synthetic
 
 
 @needs_demo_extras
@@ -326,7 +518,9 @@ def test_demo_in_a_clean_checkout(tmp_path: Path) -> None:
         assert noise not in out + result.stderr, noise
     assert "epoch 1/1" in out
     # our summaries on lines of their own; the plan in the table is the plan reported
-    plan = re.search(r"^plan for T=20, B=8: (\w+\([^)]*\)),", out, re.MULTILINE)
+    plan = re.search(
+        r"^plan chosen by MemoryBudget for T=20, batch 8: (\w+\([^)]*\))", out, re.MULTILINE
+    )
     assert plan, out
     rows = [line.split() for line in out.splitlines() if line.startswith(plan.group(1))]
     assert rows, f"the table does not show {plan.group(1)} whole:\n{out}"

@@ -19,6 +19,7 @@ h5py = pytest.importorskip("h5py")
 pytest.importorskip("lightning")
 
 from spikeckpt.data import (  # noqa: E402
+    DataFileError,
     DataNotFoundError,
     NMNISTDataModule,
     SHDDataModule,
@@ -311,6 +312,38 @@ def test_missing_archive_placeholder_is_explained(tmp_path: Path) -> None:
     (tmp_path / "SHD" / "shd_train.h5.zip").unlink()
     with pytest.raises(DataNotFoundError, match="touch"):
         SHDDataModule(tmp_path, download=False).setup()
+
+
+def test_unreadable_h5_names_the_file_and_the_fix(tmp_path: Path) -> None:
+    write_synthetic_shd(tmp_path, samples=4)
+    broken = tmp_path / "SHD" / "shd_train.h5"
+    broken.write_bytes(b"<html>not found</html>")  # e.g. a download that saved an error page
+    with pytest.raises(DataFileError) as info:
+        SHDDataModule(tmp_path, download=False).setup()
+    message = str(info.value)
+    assert f"{broken} is not an HDF5 file" in message
+    assert "shd_train.h5.zip again" in message and "spikeckpt data synth" in message
+    assert isinstance(info.value, SpikeckptError)
+
+
+def test_an_interrupted_synthetic_write_leaves_nothing_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spikeckpt.data import synthetic
+
+    def cut_short(tmp: Path, *args: Any) -> None:
+        tmp.write_bytes(b"half an HDF5 file")
+        raise KeyboardInterrupt  # Ctrl-C while h5py writes
+
+    with monkeypatch.context() as patch:
+        patch.setattr(synthetic, "_write_shd_layout", cut_short)
+        with pytest.raises(KeyboardInterrupt):
+            write_synthetic_shd(tmp_path, samples=4)
+    location = tmp_path / "SHD"
+    assert sorted(p.name for p in location.iterdir()) == [MARKER]  # no .tmp, no .h5
+    assert synthetic.synthetic_marker(location)["complete"] is False
+    write_synthetic_shd(tmp_path, samples=4)  # ours: written again, not refused as real data
+    assert synthetic.synthetic_marker(location)["complete"] is True
 
 
 def test_synthetic_true_writes_and_uses_files(

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "spikeckpt"
 
 #: Python's protocols: abstract methods, unreachable code, attribute and sequence/mapping
-#: access (``hasattr``, ``for`` loops, ``in``), and argparse's ``type=`` functions (argparse
-#: turns an ``ArgumentTypeError`` into a usage message).
+#: access (``hasattr``, ``for`` loops, ``in``), Ctrl-C, and argparse's ``type=`` functions
+#: (argparse turns an ``ArgumentTypeError`` into a usage message).
 PROTOCOL: tuple[type[BaseException], ...] = (
     NotImplementedError,
     AssertionError,
@@ -35,6 +35,7 @@ PROTOCOL: tuple[type[BaseException], ...] = (
     IndexError,
     KeyError,
     StopIteration,
+    KeyboardInterrupt,  # Ctrl-C, raised again after the command line's own cleanup
     argparse.ArgumentTypeError,
 )
 

@@ -1,7 +1,9 @@
-"""Every script in examples/ runs end to end on synthetic data in under a minute.
+"""Every script in examples/ runs end to end on synthetic data in under a minute, quietly.
 
 They run as a user runs them (no thread settings from here): each example sets one torch
-thread itself, which keeps it fast on a busy machine.
+thread itself, which keeps it fast on a busy machine. Quiet: an example prints only its own
+lines (nothing on stderr: no library banners, tips or warnings) and names plans as their
+``repr``, whole.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ EXPECTED: dict[str, list[str]] = {
         "completed: True",
     ],
     "lightning_shd.py": [
-        "SHD (synthetic files): T=100",
+        "SHD (synthetic files): 40 training recordings, T=100",
         "callback.plans['net']",
-        "T=100, B=16: Uniform(",
+        "  Uniform(interval=25) for T=100, B=16: modeled peak",
         "measured peak of the first training step:",
     ],
-    "norse_wrap.py": ["max gradient difference"],
-    "plan_table.py": ["T = 10,000 steps", "Revolve"],
-    "snntorch_wrap.py": ["max gradient difference"],
+    "norse_wrap.py": [
+        "wrapped, Double(remote_interval=50, local_interval=10):",
+        "max gradient difference",
+    ],
+    "plan_table.py": ["T = 10,000 steps", "Revolve(slots=498)", "Double(remote_interval=42,"],
+    "snntorch_wrap.py": ["wrapped, Revolve(slots=8):", "max gradient difference"],
 }
 NEEDS = {
     "lightning_shd.py": ("lightning", "snntorch", "tonic"),
@@ -75,3 +80,4 @@ def test_example_runs(script: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     for text in EXPECTED[script.name]:
         assert text in result.stdout, (text, result.stdout)
+    assert result.stderr == "", result.stderr  # only its own lines, on stdout

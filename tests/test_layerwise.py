@@ -18,10 +18,11 @@ import spikeckpt as sc
 from spikeckpt.adapters.layered import layer_blocks
 from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import split_blocks
-from spikeckpt.engine.layerwise import chunk_for, layerwise_scan
+from spikeckpt.engine.layerwise import layerwise_scan
 from spikeckpt.engine.stats import LayerwiseStats
 from spikeckpt.errors import BudgetTooSmall, UnsupportedLayerError
 from spikeckpt.planning import block_sizes
+from spikeckpt.planning.granularity import chunk_for
 from spikeckpt.plans import Double, Revolve, Uniform
 from spikeckpt.plans.layerwise import layerwise_cost
 

@@ -45,41 +45,58 @@ def _run(seq: nn.Module, x: Tensor, net: nn.Module) -> tuple[Tensor, list[Tensor
     return y.detach(), [p.grad.clone() for p in net.parameters() if p.grad is not None]
 
 
+def _neurons(seq: nn.Module) -> list[Any]:
+    """The snnTorch neuron adapters of a wrapped stack."""
+    from spikeckpt.adapters.snntorch import SnnTorchNeuronAdapter
+
+    return [a for a in seq.adapter.layers if isinstance(a, SnnTorchNeuronAdapter)]
+
+
 @pytest.mark.parametrize(
     "leaky",
     [{}, {"reset_mechanism": "zero"}, {"learn_beta": True, "learn_threshold": True}],
     ids=["subtract", "zero", "learnable"],
 )
-def test_fast_leaky_steps_are_bitwise_the_adapters(leaky: dict[str, Any]) -> None:
+@pytest.mark.parametrize("granularity", ["layer", "stack"])
+def test_fast_leaky_steps_are_bitwise_the_adapters(leaky: dict[str, Any], granularity: str) -> None:
     net = _snn_net(**leaky)
     x = spike_train(40, 3, 30, 0.2)
-    fast = sc.wrap(net, granularity="layer", chunk=7, output="both", readout=None)
-    slow = sc.wrap(net, granularity="layer", chunk=7, output="both", readout=None)
-    for block in slow.layer_blocks(True):  # the adapters' own steps
-        object.__setattr__(block, "bind", None)
+    # fuse=False: the per-step path, where the fast step runs (fused chunks do not call it)
+    options: dict[str, Any] = {"output": "both", "readout": None, "granularity": granularity}
+    if granularity == "layer":
+        options.update(chunk=7, fuse=False)
+    else:
+        options.update(plan=sc.plans.Uniform(7))
+    fast = sc.wrap(net, **options)
+    slow = sc.wrap(net, **options)
+    for neuron in _neurons(slow):  # the modules' own calls
+        neuron.fast_verified = False
     got = _run(lambda v: torch.cat(fast(v), -1), x, net)
     want = _run(lambda v: torch.cat(slow(v), -1), x, net)
-    assert all(b.bind is not None and b.bind.verified for b in fast.layer_blocks(True))
+    assert all(n.fast_verified for n in _neurons(fast))
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(g, w) for g, w in zip(got[1], want[1], strict=True))
 
 
 def test_fast_leaky_falls_back_when_it_differs() -> None:
-    from spikeckpt.adapters.layered import _FastNeuron
+    from spikeckpt.adapters.snntorch import _same_results
 
     net = _snn_net()
-    block = sc.wrap(net, granularity="layer").layer_blocks(True)[0]
-    assert block.bind is not None
-    good = block.bind.fast
+    neuron = _neurons(sc.wrap(net))[0]
+    good = neuron._fast
 
-    def off() -> Any:
-        step = good()
-        return lambda state, x: (lambda s, y: (s, y * 0.5))(*step(state, x))
+    def off(state: Any, x: Tensor) -> Any:
+        new, y = good(state, x)
+        return new, y * 0.5
 
-    check = _FastNeuron(block.bind.neuron, off)
-    assert check() == block.bind.neuron.step and check.verified is False
-    net[1].register_forward_hook(lambda *args: None)  # hooks must run: the module's own call
-    assert block.bind() == block.bind.neuron.step
+    assert _same_results(neuron.module_step, good, neuron)
+    assert not _same_results(neuron.module_step, off, neuron)
+    neuron._fast = off
+    calls: list[int] = []
+    net[1].register_forward_hook(lambda *args: calls.append(1))  # hooks run: the module's call
+    state = neuron.init_state(torch.zeros(2, 24))
+    neuron.step(state, torch.ones(2, 24))
+    assert calls == [1] and neuron.fast_verified is None  # not even checked with a hook on
 
 
 def test_sparse_first_synapse_equals_the_linear_on_sparse_and_dense_chunks() -> None:

@@ -456,3 +456,30 @@ def test_measured_working_never_falls_and_bounds_every_point(
     for length, bytes_ in zip(lengths, held, strict=True):
         assert working(length) == bytes_
     assert working(k + 1) - working(k) <= working.slope
+
+
+@settings(max_examples=60, deadline=None)
+@given(T=st.integers(1, 300), K=st.integers(1, 400), k=st.integers(1, 400))
+def test_a_double_without_remote_checkpoint_runs_as_the_uniform_it_is(
+    T: int, K: int, k: int
+) -> None:
+    """``as_run`` names a Double by what it runs: with ``K >= T`` it writes no remote
+    checkpoint and its schedule, counts and peak are exactly ``Uniform(k)``'s."""
+    plan = Double(K, min(k, K))
+    ran = plan.as_run(T)
+    if min(K, T) < T:
+        assert ran == plan.for_length(T)
+        assert plan.cost(T).remote_writes > 0
+        return
+    assert isinstance(ran, Uniform) and ran.interval == min(k, K, T)
+    assert list(plan.schedule(T)) == list(ran.schedule(T))
+    assert plan.cost(T, state_bytes=3, step_bytes=5) == ran.cost(T, state_bytes=3, step_bytes=5)
+    assert Uniform(7).as_run(T) == Uniform(7).for_length(T)  # other plans: for_length
+
+
+def test_plan_repr_lists_every_argument_that_is_not_its_default() -> None:
+    assert repr(Uniform()) == "Uniform()"
+    assert repr(Double(state_bytes=4, step_bytes=8)) == "Double(state_bytes=4, step_bytes=8)"
+    two = TwoLevel(8, write_cost=2.5, read_cost=1.5, remote_interval=40)
+    assert repr(two) == "TwoLevel(slots=8, write_cost=2.5, read_cost=1.5, remote_interval=40)"
+    assert eval(repr(two), {"TwoLevel": TwoLevel}) == two  # noqa: S307 - whole, rebuildable

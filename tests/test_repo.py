@@ -74,7 +74,8 @@ def test_cli_plan_prints_a_plan_and_fails_clearly_when_nothing_fits() -> None:
         check=False,
     )
     assert small.returncode == 3
-    assert "smallest budget that fits is 3072 bytes" in small.stdout
+    # the one account: 2 states and a tape (3072 bytes) and the state's carried gradient
+    assert "smallest budget that fits is 4096 bytes" in small.stdout
     bad = subprocess.run(
         [
             sys.executable,

@@ -462,7 +462,7 @@ def test_integer_leaves_unused_outputs_and_sequence_inputs() -> None:
         torch.testing.assert_close(r, x.grad)
 
 
-def test_closure_params_are_found_and_unreachable_ones_warn() -> None:
+def test_closure_params_are_found_and_unreachable_ones_are_refused() -> None:
     w = torch.randn(4, 4, requires_grad=True)
 
     def step(v: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -487,7 +487,7 @@ def test_closure_params_are_found_and_unreachable_ones_warn() -> None:
         v = torch.tanh(v @ holder.w + x)
         return v, v
 
-    with pytest.warns(UserWarning, match="not in `params`"):
+    with pytest.raises(sc.UnlistedParamsError, match="not in `params`"):  # not a warning
         sc.scan(hidden, inputs, v0, plan=P.Uniform(3))
 
 
@@ -579,7 +579,7 @@ def test_error_bad_arguments() -> None:
     with pytest.raises(ValueError, match="storage"):
         sc.scan(_tiny, torch.ones(5, 2), v, plan=P.BPTT(), storage="tape")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="readout"):
-        sc.scan(_tiny, torch.ones(5, 2), v, plan=P.BPTT(), readout="max")  # type: ignore[arg-type]
+        sc.scan(_tiny, torch.ones(5, 2), v, plan=P.BPTT(), readout="median")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="state leaf"):
         sc.scan(_tiny, torch.ones(5, 2), (v, 3), plan=P.BPTT())
     with pytest.raises(sc.ScheduleError):

@@ -373,7 +373,7 @@ class SAE(nn.Module):
 
     def wrapped(self, x: Tensor, plan: Any) -> Tensor:  # after: two wrapped loops
         xs = x.expand(self.num_steps, *x.shape)
-        spk_rec = sc.wrap(self.encoder, plan=plan)(xs)  # (T, B, latent)
+        spk_rec, _mem = sc.wrap(self.encoder, plan=plan)(xs)  # what encoder(x) returned
         decode = nn.Sequential(self.linearNet, self.decoder)
         return sc.wrap(decode, plan=plan, output="mem", readout="last")(spk_rec)
 

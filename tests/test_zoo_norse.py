@@ -113,10 +113,6 @@ def as_sequential_state(net: ConvNet4) -> nn.Module:
     )
 
 
-def running_max(acc: Tensor | None, v: Tensor, t: int) -> Tensor:
-    return v if acc is None else torch.maximum(acc, v)
-
-
 def _frames() -> Tensor:
     return torch.rand(T, B, 1, 16, 16) * 8
 
@@ -129,11 +125,12 @@ def test_convnet4_with_its_own_loop(plan: Any) -> None:
 
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_convnet4_max_over_time_readout(plan: Any) -> None:
-    """``task/mnist.py``: ``torch.max(voltages, 0)``, reduced inside the loop."""
+    """``task/mnist.py``: ``torch.max(voltages, 0)``, reduced inside the loop
+    (``readout="max"``: max(0)'s gradient, ties included; test_zoo_edges has ties)."""
     check(
         ConvNet4,
         lambda m, x: torch.max(m(x), 0).values,
-        lambda m, x: m.scanned(x, plan, readout=running_max),
+        lambda m, x: m.scanned(x, plan, readout="max"),
         _frames(),
         "Norse ConvNet4, max readout",
     )
@@ -204,8 +201,9 @@ class LIFConvNet(_lightning_base()):  # type: ignore[misc]
             out_c, sc_ = self.classification(out_f, sc_)
             return (sf, sc_), out_c + 0.001 * torch.randn(x.shape[0], 10, device=x.device)
 
-        xs = x.expand(self.seq_length, *x.shape)
-        y_hat, _ = sc.scan(step, xs, (None, None), plan=self.plan, readout=running_max)
+        y_hat, _ = sc.scan(
+            step, x, (None, None), steps=self.seq_length, plan=self.plan, readout="max"
+        )
         return y_hat
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:

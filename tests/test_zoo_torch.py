@@ -419,15 +419,16 @@ def test_scan_finds_parameters_of_globals_and_norse_p() -> None:
     assert cell.p.tau.grad is not None
 
 
-def test_scan_warns_when_the_no_grad_path_misses_a_parameter() -> None:
+def test_scan_refuses_when_the_no_grad_path_misses_a_parameter() -> None:
     hidden = types.SimpleNamespace(w=nn.Parameter(torch.ones(4)))
 
     def step(v: Tensor, x_t: Tensor) -> tuple[Tensor, Tensor]:
         return v, x_t * hidden.w
 
-    with pytest.warns(UserWarning, match="backward\\(\\) will fail"):
-        ys, _ = sc.scan(step, torch.rand(T, B, 4), torch.zeros(B), plan=Uniform(3))
-    assert not ys.requires_grad
+    with pytest.raises(sc.UnlistedParamsError, match="backward\\(\\) would fail"):
+        sc.scan(step, torch.rand(T, B, 4), torch.zeros(B), plan=Uniform(3))
+    ys, _ = sc.scan(step, torch.rand(T, B, 4), torch.zeros(B), plan=Uniform(3), params=[hidden.w])
+    assert ys.requires_grad
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # no_grad on purpose: no warning
         sc.scan(step, torch.rand(T, B, 4), torch.zeros(B), plan=Uniform(3))

@@ -1,6 +1,6 @@
 """Adapters: turn a layer into an initial-state builder and a pure step function.
 
-See :mod:`spikeckpt.adapters.protocol` for the protocol and :mod:`spikeckpt.adapters.registry`
+See `spikeckpt.adapters.protocol` for the protocol and `spikeckpt.adapters.registry`
 for the lookup. snnTorch and Norse adapters live in ``adapters/snntorch.py`` and
 ``adapters/norse.py`` and are imported only when a layer of that framework is found, so
 ``import spikeckpt.adapters`` needs torch alone.

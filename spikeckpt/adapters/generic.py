@@ -1,37 +1,36 @@
 """Adapters for plain ``torch.nn`` layers, for your own layers and neurons, and for RNN cells.
 
-- :class:`StatelessAdapter`: Linear, Conv, Flatten, Dropout, pooling, padding, activations,
+- `StatelessAdapter`: Linear, Conv, Flatten, Dropout, pooling, padding, activations,
   LayerNorm/GroupNorm, BatchNorm/InstanceNorm, Identity, ... : state ``()``, ``y_t = module(x_t)``.
   BatchNorm in training mode with running statistics updates them once per step in the forward
   pass, as the plain loop does, and never in recomputation (nor in shape probes): the statistics
   buffers are detached from the module while the engine recomputes
-  (:func:`spikeckpt.engine.phase.recomputing`), which leaves the output unchanged (training mode
+  (`spikeckpt.engine.phase.recomputing`), which leaves the output unchanged (training mode
   normalises with the batch's own statistics).
-- :class:`CustomLayerAdapter`: a module of yours with ``forward(x)`` and no state: stepped as a
+- `CustomLayerAdapter`: a module of yours with ``forward(x)`` and no state: stepped as a
   stateless layer without registration. A module that keeps state on itself between calls
   (assigns ``self.something`` in ``forward``) is detected at its first step and named.
-- :class:`StatefulAdapter`: a module of yours whose ``forward`` takes the state after the input,
+- `StatefulAdapter`: a module of yours whose ``forward`` takes the state after the input,
   recognised by its arity: ``forward(x, state) -> (y, state)``, or ``forward(x, s1, s2, ...) ->
   (y, s1, s2, ...)`` (argument names do not matter). The initial state comes from its
   ``initial_state(x_t)`` / ``init_state(x_t)`` method when it has one; else, when its second
   argument defaults to ``None``, it is ``None`` (the module builds its own state at step 0, as in
   your loop); else it is zeros shaped like the state one step returns.
-- :class:`RNNCellAdapter`: ``nn.RNNCell`` / ``nn.GRUCell`` (state ``h``), ``nn.LSTMCell``
+- `RNNCellAdapter`: ``nn.RNNCell`` / ``nn.GRUCell`` (state ``h``), ``nn.LSTMCell``
   (state ``(h, c)``); ``y_t = h``.
 
 A module of yours (a class not defined by torch, snnTorch or Norse) whose ``forward(x)`` runs
 layers that keep state (neurons), or loops over time, is a model with its own time loop: it
-raises :class:`~spikeckpt.errors.UnsupportedLayerError` showing how to hand the loop body to
-:func:`spikeckpt.scan` (see ``docs/own-model.md``).
+raises [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] showing how to hand the loop body to
+[`spikeckpt.scan`][spikeckpt.engine.scan.scan] (see ``docs/own-model.md``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dis
 import inspect
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -45,7 +44,8 @@ from spikeckpt.adapters.protocol import (
     State,
     unsupported,
 )
-from spikeckpt.engine.phase import recomputing
+from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
+from spikeckpt.engine.tree import tree_map
 from spikeckpt.errors import UnsupportedLayerError
 
 __all__ = [
@@ -136,14 +136,8 @@ PER_SAMPLE_TYPES: tuple[type, ...] = (
     *(t for t in _ACTIVATIONS if t is not getattr(nn, "RReLU", None)),
 )
 
-#: Layers that update running statistics in training mode (``track_running_stats=True``).
-RUNNING_STATS_TYPES: tuple[type, ...] = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.instancenorm._InstanceNorm,
-)
-
 #: ``torch.nn`` layer types stepped as pure functions of one time step's input (the one
-#: definition; :data:`PER_SAMPLE_TYPES` is the per-sample subset).
+#: definition; `PER_SAMPLE_TYPES` is the per-sample subset).
 STATELESS_TYPES: tuple[type, ...] = (
     *PER_SAMPLE_TYPES,
     *_types(
@@ -167,7 +161,7 @@ _PROBING: ContextVar[bool] = ContextVar("spikeckpt_probing", default=False)
 
 
 def probing() -> bool:
-    """``True`` inside :func:`probe`: a call that only learns shapes and must change nothing."""
+    """``True`` inside `probe`: a call that only learns shapes and must change nothing."""
     return _PROBING.get()
 
 
@@ -182,44 +176,6 @@ def probe(fn: Any, *args: Any) -> Any:
             return fn(*args)
     finally:
         _PROBING.reset(token)
-
-
-_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def _updates_stats(m: nn.Module) -> bool:
-    return m.training and bool(getattr(m, "track_running_stats", False))
-
-
-@contextlib.contextmanager
-def frozen_running_stats(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside, BatchNorm/InstanceNorm layers in training mode do not update their running
-    statistics: BatchNorm (``SyncBatchNorm`` too) runs with ``track_running_stats`` off,
-    InstanceNorm with its statistics buffers set aside (``None``); both are put back on exit.
-
-    In training mode these layers normalise with the batch's own statistics, so the outputs
-    and gradients are the same (bitwise) as with the statistics tracked.
-    """
-    saved: list[tuple[nn.Module, dict[str, Any] | None]] = []
-    try:
-        for m in modules:
-            if not _updates_stats(m):
-                continue
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                saved.append((m, None))
-                m.track_running_stats = False
-            else:
-                kept = {k: m._buffers[k] for k in _STAT_BUFFERS if m._buffers.get(k) is not None}
-                saved.append((m, kept))
-                for k in kept:
-                    m._buffers[k] = None
-        yield
-    finally:
-        for m, kept in saved:
-            if kept is None:
-                m.track_running_stats = True
-            else:
-                m._buffers.update(kept)
 
 
 def _side_effects_off() -> bool:
@@ -288,8 +244,8 @@ class CustomLayerAdapter(StatelessAdapter):
     Every step checks that the call left the module (and its submodules) as it found them:
     an attribute assigned in ``forward`` (``self.mem = ...``, ``self.calls += 1``) or a buffer
     changed in place is state kept between calls, which a checkpointed run would replay out of
-    order: it raises :class:`~spikeckpt.errors.UnsupportedLayerError` naming the attribute.
-    BatchNorm's running statistics are not state (see :class:`StatelessAdapter`).
+    order: it raises [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] naming the attribute.
+    BatchNorm's running statistics are not state (see `StatelessAdapter`).
     """
 
     def _snapshot(self) -> dict[tuple[int, str], Any]:
@@ -361,13 +317,7 @@ def state_arity(module: nn.Module) -> int:
 
 
 def _zeros_like_tree(tree: Any) -> Any:
-    return torch.utils._pytree.tree_map(
-        lambda t: torch.zeros_like(t) if isinstance(t, Tensor) else t, tree
-    )
-
-
-def _has_none(tree: Any) -> bool:
-    return tree is None or any(leaf is None for leaf in torch.utils._pytree.tree_leaves(tree))
+    return tree_map(lambda t: torch.zeros_like(t) if isinstance(t, Tensor) else t, tree)
 
 
 class StatefulAdapter(LayerAdapter):
@@ -477,7 +427,7 @@ A model with its own time loop: move the loop body into a step function and let
 spikeckpt.scan run the loop (parameters are found on the step's self and closure;
 initial states stay as you write them: init_leaky(), None, initial_state(x)):
 
-    def forward(self, x):                          # x: (T, B, ...)
+    def forward(self, x):                          # x: (T, B, ...), x[t] at step t
         state = (self.lif1.init_leaky(), self.lif2.init_leaky())   # or (None, None) in Norse
         def step(state, x_t):                      # the body of your loop
             mem1, mem2 = state
@@ -485,14 +435,19 @@ initial states stay as you write them: init_leaky(), None, initial_state(x)):
             spk2, mem2 = self.lif2(self.fc2(spk1), mem2)
             return (mem1, mem2), (spk2, mem2)      # (new state, what you recorded)
         (spk2, mem2), _ = spikeckpt.scan(step, x, state, plan=spikeckpt.plans.Revolve(8))
-        return spk2, mem2
+        return spk2, mem2                          # each (T, B, ...), like torch.stack(rec)
+
+If your loop feeds the same x (B, ...) at every step (snnTorch tutorial 5:
+`for step in range(num_steps): cur1 = self.fc1(x)`), say so, or scan runs over x's
+batch axis: spikeckpt.scan(step, x, state, steps=self.num_steps, plan=...) feeds x at
+each of num_steps steps (or pass x.expand(num_steps, *x.shape): a view, no copy).
 
 or build it as an nn.Sequential / Norse SequentialState of its layers and wrap that
 (see the "Bring your own model" page of the docs)."""
 
 
 def own_loop_error(module: nn.Module, path: str, why: str) -> UnsupportedLayerError:
-    """The error for a module that runs its own time loop, showing the way to :func:`scan`."""
+    """The error for a module that runs its own time loop, showing the way to [`scan`][spikeckpt.engine.scan.scan]."""
     return unsupported(module, path, f"{why}.\n{_OWN_LOOP_ROUTE}")
 
 

@@ -1,26 +1,18 @@
 """Blocks for the layer-wise granularity: adapters turned into the engine's plain callables.
 
-:func:`spikeckpt.adapters.sequential.split_blocks` cuts a feed-forward stack into blocks
-(stateless synapse layers, then one neuron); :func:`layer_blocks` turns each into an
-:class:`~spikeckpt.engine.layerwise.LayerBlock`: a synapse over a whole time chunk (layers that
+`spikeckpt.adapters.sequential.split_blocks` cuts a feed-forward stack into blocks
+(stateless synapse layers, then one neuron); [`layer_blocks`][spikeckpt.adapters.layered.layer_blocks] turns each into an
+[`LayerBlock`][spikeckpt.engine.layerwise.LayerBlock]: a synapse over a whole time chunk (layers that
 act on each sample alone are applied once to the ``(k * B, ...)`` reshaped chunk, the others
 step by step), the neuron's step and membrane, whether the block draws random numbers, its
 parameters and its cleanup. The engine sees only these callables.
 
-**Fast neuron steps.** A layer-wise run evaluates every neuron step twice (forward pass and
-recomputation), so the Python cost of one neuron call decides whether it beats the user's own
-loop. snnTorch's ``Leaky.forward`` spends most of its time on module bookkeeping (it stores
-``mem`` and ``reset`` as module buffers at every call; the adapter then clears them), not on
-its five tensor ops. For a ``Leaky`` in explicit-state form with no hooks, quantisation,
-inhibition or ``output=True``, the block's ``bind`` gives a step that runs exactly those ops
-in the same order on the module's own tensors (``beta``, ``threshold``,
-``graded_spikes_factor``, ``spike_grad``) without touching the module: bitwise the same
-spikes, membranes and gradients, about 2.5x cheaper per call. Before its first use it is
-checked against the adapter's own step on random data (values and every gradient, bitwise);
-any difference (another snnTorch version) and the block keeps the adapter's step.
+**Fused neurons.** A block whose neuron's adapter offers a chunk kernel
+(`chunk_kernel`) gets it as ``fused``, wrapped
+in `VerifiedKernel`: used only after a check against the adapter's own step.
 
 **Sparse first synapse.** A block whose synapse is one plain ``nn.Linear`` also gets a
-``sparse_synapse``: on the CPU, for an input chunk with at most :data:`SPARSE_DENSITY`
+``sparse_synapse``: on the CPU, for an input chunk with at most `SPARSE_DENSITY`
 non-zeros, the synaptic input is a gather-sum over the non-zero inputs
 (``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
 a dense matmul, and its weight gradient ``grad.T @ x`` is a gather-sum too (bags over the
@@ -37,12 +29,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter
 from spikeckpt.adapters.sequential import Block
+from spikeckpt.engine.fused import ChunkKernel, run_fused
+from spikeckpt.engine.grad import GradSink
+from spikeckpt.engine.inputs import SparseChunk
 from spikeckpt.engine.layerwise import LayerBlock
 
 __all__ = ["SPARSE_DENSITY", "layer_blocks"]
@@ -99,112 +95,104 @@ def _no_hooks(module: nn.Module) -> bool:
     )
 
 
-def _snntorch_leaky(neuron: LayerAdapter) -> Callable[[], Step] | None:
-    """``bind() -> step`` running snnTorch ``Leaky.forward``'s ops without its bookkeeping, or
-    None when the neuron is not a plain explicit-state ``Leaky`` (see the module docstring).
+class VerifiedKernel:
+    """A neuron's `ChunkKernel`, used only after a check
+    against the neuron's own step (run once, at the first chunk, on random data shaped like
+    one sample of it): spikes, states and membranes bitwise, gradients with respect to the
+    input, the state and every parameter within float32 round-off. A kernel that fails the
+    check (another framework version, an option it does not model) is never used: the block
+    keeps its per-step call, and ``last_stats`` says so."""
 
-    The ops are those of snnTorch 1.0.0's ``Leaky.forward`` with ``init_hidden=False``:
-    ``reset = spike_grad(mem - threshold).clone().detach()``, then ``_base_sub`` /
-    ``_base_zero`` / ``_base_int`` (whichever is the module's ``state_function``), then
-    ``spk = spike_grad(mem - threshold) * graded_spikes_factor``.
-    """
-    m = getattr(neuron, "module", None)
-    cls = type(m)
-    if cls.__name__ != "Leaky" or not cls.__module__.startswith("snntorch"):
-        return None
-    state_cls = getattr(neuron, "state_cls", None)
-    function = getattr(getattr(m, "state_function", None), "__func__", None)
-    kinds = {getattr(cls, name, None): name for name in ("_base_sub", "_base_zero", "_base_int")}
-    if (
-        state_cls is None
-        or getattr(state_cls, "_fields", None) != ("mem",)
-        or function not in kinds
-        or m.init_hidden  # type: ignore[union-attr]
-        or getattr(m, "state_quant", True)
-        or getattr(m, "inhibition", True)
-        or getattr(m, "output", True)
-        or not getattr(m, "reset_delay", False)
-        or "forward" in vars(m)
-    ):
-        return None
-    kind = kinds[function]
-
-    def bind() -> Step:
-        beta, threshold = m.beta, m.threshold  # type: ignore[union-attr]
-        graded, spike = m.graded_spikes_factor, m.spike_grad  # type: ignore[union-attr]
-
-        def step(state: Any, x: Tensor) -> tuple[Any, Tensor]:
-            mem = state[0]
-            if mem.shape != x.shape:  # snnTorch's own rule (an empty initial state)
-                mem = torch.zeros_like(x, device=mem.device)
-            reset = spike(mem - threshold).detach()
-            if kind == "_base_sub":
-                mem = beta.clamp(0, 1) * mem + x - reset * threshold
-            elif kind == "_base_zero":
-                mem = (1 - reset) * mem
-                mem = beta.clamp(0, 1) * mem + x
-            else:
-                mem = beta.clamp(0, 1) * mem + x
-            return state_cls(mem), spike(mem - threshold) * graded
-
-        return step
-
-    return bind
-
-
-class _FastNeuron:
-    """A neuron's fast ``bind() -> step`` that falls back to the adapter's own step unless a
-    check on random data gives bitwise the same outputs, states and gradients (run once)."""
-
-    def __init__(self, neuron: LayerAdapter, bind: Callable[[], Step]) -> None:
+    def __init__(self, neuron: LayerAdapter, kernel: ChunkKernel) -> None:
         self.neuron = neuron
-        self.fast = bind
+        self.kernel = kernel
+        self.name = kernel.name
+        self.membrane = kernel.membrane
         self.verified: bool | None = None
 
-    def __call__(self) -> Step:
-        m = self.neuron.module
-        if self.verified is None:
-            self.verified = self._check()
-        if self.verified and _no_hooks(m) and not getattr(m, "init_hidden", True):
-            return self.fast()
-        return self.neuron.step
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return self.kernel.params
 
-    def _check(self) -> bool:
-        """Both steps on random data from a random state: outputs, new state and the gradients
-        of a weighted sum of both with respect to input, state and parameters, bitwise."""
-        neuron = self.neuron
-        m = neuron.module
-        try:
-            floats = [t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()]
-            like = floats[0] if floats else torch.zeros(())
-            params = [p for p in m.parameters() if p.requires_grad]
-            results = []
-            with torch.random.fork_rng(devices=[]), torch.enable_grad():
-                for step in (neuron.step, self.fast()):
-                    torch.manual_seed(0)  # the same data for both (and the same SSO draws)
-                    x = (torch.randn(3, 5) * 2).to(like).requires_grad_()
-                    mem = (torch.randn(3, 5) * 2).to(like).requires_grad_()
-                    state = neuron.init_state(x.detach())
-                    new, y = step(type(state)(mem), x)
-                    outs = [y, new[0]]
-                    weights = [
-                        torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in outs
-                    ]
-                    grads = torch.autograd.grad(outs, [x, mem, *params], weights, allow_unused=True)
-                    results.append([*(o.detach() for o in outs), *grads])
-                    neuron.cleanup()
-        except Exception:  # noqa: BLE001 - anything unexpected: keep the adapter's own step
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        if not self.kernel.accepts(leaves, z):
             return False
-        return all(
-            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-            for a, b in zip(*results, strict=True)
-        )
+        if self.verified is None:
+            self.verified = _kernel_matches_step(self.neuron, self.kernel, leaves, z)
+        return self.verified
+
+    def forward(self, *args: Any) -> Any:
+        return self.kernel.forward(*args)
+
+    def backward(self, *args: Any) -> Any:
+        return self.kernel.backward(*args)
 
 
-def _bind(neuron: LayerAdapter) -> Callable[[], Step] | None:
-    """The block's ``bind`` for a neuron with a fast step, else None."""
-    fast = _snntorch_leaky(neuron)
-    return _FastNeuron(neuron, fast) if fast is not None else None
+def _sample_shape(step: torch.Size, params: Sequence[Tensor]) -> tuple[int, ...]:
+    """One sample of a step's shape ``(B, ...)``, each dimension kept only where a parameter
+    varies along it (aligned from the right, as broadcasting aligns them): the smallest input
+    on which the kernel meets every parameter value."""
+    dims = list(step[1:])
+    kept = [1] * len(dims)
+    for p in params:
+        for i in range(1, min(p.dim(), len(dims)) + 1):
+            if p.shape[-i] > 1:
+                kept[-i] = dims[-i]
+    return (1, *kept)
+
+
+def _kernel_matches_step(
+    neuron: LayerAdapter, kernel: ChunkKernel, leaves: Sequence[Tensor], z: Tensor
+) -> bool:
+    """Kernel and step on the same random chunk (4 steps, one sample shaped like ``z``'s):
+    outputs, states and membranes bitwise; gradients of a weighted sum of them with respect
+    to the input, the initial state and the kernel's parameters within float32 round-off."""
+    from spikeckpt.engine import tree as pytree
+
+    params = [p for p in kernel.params if p.requires_grad]
+    shape = _sample_shape(z.shape[1:], kernel.params)
+    spec = pytree.tree_structure(neuron.init_state(z[0, :1]))
+    results = []
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            for fused in (False, True):
+                torch.manual_seed(0)
+                x = (torch.randn(4, *shape, dtype=leaves[0].dtype) * 2).to(z.device)
+                x.requires_grad_()
+                start = [
+                    (torch.randn(shape, dtype=t.dtype) * 2).to(t.device).requires_grad_()
+                    for t in leaves
+                ]
+                state = pytree.tree_unflatten(start, spec)
+                if fused:
+                    state, ys, mems = run_fused(kernel, state, x, kernel.membrane is not None)
+                else:
+                    steps = []
+                    for x_t in x.unbind(0):
+                        state, y = neuron.step(state, x_t)
+                        steps.append((y, neuron.membrane(state)))
+                    neuron.cleanup()
+                    ys = torch.stack([y for y, _ in steps])
+                    mems = None if kernel.membrane is None else torch.stack([v for _, v in steps])
+                outs = [ys, *pytree.tree_leaves(state), *([] if mems is None else [mems])]
+                taped = [o for o in outs if o.requires_grad]
+                weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in taped]
+                grads = torch.autograd.grad(taped, [x, *start, *params], weights, allow_unused=True)
+                results.append(([o.detach() for o in outs], grads))
+    except Exception:  # noqa: BLE001 - anything unexpected: keep the per-step call
+        return False
+    (outs_a, grads_a), (outs_b, grads_b) = results
+    if not all(torch.equal(a, b) for a, b in zip(outs_a, outs_b, strict=True)):
+        return False
+    for a, b in zip(grads_a, grads_b, strict=True):
+        if a is None or b is None:  # unused on one side: zero (or unused) on the other
+            if not all(g is None or not bool(g.any()) for g in (a, b)):
+                return False
+            continue
+        scale = 1 + float(torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).abs().max())
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * scale, equal_nan=True):
+            return False
+    return True
 
 
 def _cleanup(block: Block) -> Callable[[], None]:
@@ -215,57 +203,134 @@ def _cleanup(block: Block) -> Callable[[], None]:
     return cleanup
 
 
+#: a weight's transposed copy for the gather is made a block of input columns at a time when
+#: the weight has more elements than this (4 MiB of float32): no weight-sized temporary
+GATHER_BLOCK = 1 << 20
+
+
+def _gather(
+    weight: Tensor, n_rows: int, rows: Tensor, cols: Tensor, values: Tensor | None
+) -> Tensor:
+    """``flat @ weight.T`` (``(n_rows, out)``) from the non-zeros of ``flat``: a gather-sum
+    over the rows of ``weight.T``; for a large weight, over blocks of its input columns (each
+    block's partial sums added in block order: the same order in forward and recomputation)."""
+    out, n_in = weight.shape
+    if weight.numel() <= GATHER_BLOCK:
+        counts = torch.bincount(rows, minlength=n_rows)
+        return nn.functional.embedding_bag(
+            cols, weight.t().contiguous(), counts.cumsum(0) - counts, mode="sum",
+            per_sample_weights=values,
+        )  # fmt: skip
+    step = max(1, GATHER_BLOCK // out)
+    block = cols // step
+    order = _column_order(block, -(-n_in // step))  # stable: row-major inside each block
+    ends = torch.bincount(block, minlength=-(-n_in // step)).cumsum(0).tolist()
+    z: Tensor | None = None
+    a = 0
+    for i, c0 in enumerate(range(0, n_in, step)):
+        take = order[a : ends[i]]
+        a = ends[i]
+        if not take.numel():
+            continue
+        r = rows[take]
+        counts = torch.bincount(r, minlength=n_rows)
+        part = nn.functional.embedding_bag(
+            cols[take] - c0,
+            weight[:, c0 : c0 + step].t().contiguous(),
+            counts.cumsum(0) - counts,
+            mode="sum",
+            per_sample_weights=None if values is None else values[take],
+        )
+        z = part if z is None else z.add_(part)
+    return weight.new_zeros(n_rows, out) if z is None else z
+
+
 class _GatherLinear(torch.autograd.Function):
-    """``flat @ weight.T + bias`` from the non-zeros of ``flat`` (``cols``, per-row
-    ``offsets``, ``values``): a gather-sum over the transposed weight; the weight gradient
-    ``grad.T @ flat`` is a gather-sum over the rows of ``grad``, one bag per input column (no
-    weight-sized temporaries kept: the transposed copy lives only during the gather).
-    ``flat`` needs no gradient."""
+    """``flat @ weight.T + bias`` for a ``flat (rows, in)`` input given by its non-zeros
+    (``rows``, ``cols`` ascending row-major, ``values`` or None for ones): a gather-sum over
+    the transposed weight (`_gather`); the weight gradient ``grad.T @ flat`` is a
+    gather-sum over the rows of ``grad``, one bag per input column, a block of columns at a
+    time, added into the engine's running sum when it offers a `GradSink`. No
+    weight-sized temporaries. The input needs no gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
-        flat: Tensor,
         weight: Tensor,
         bias: Tensor | None,
+        n_rows: int,
+        rows: Tensor,
         cols: Tensor,
-        offsets: Tensor,
-        values: Tensor,
+        values: Tensor | None,
+        sink: GradSink | None,
     ) -> Tensor:
-        z = nn.functional.embedding_bag(
-            cols, weight.t().contiguous(), offsets, mode="sum", per_sample_weights=values
-        )
+        z = _gather(weight, n_rows, rows, cols, values)
         if bias is not None:
             z.add_(bias)
-        ctx.save_for_backward(flat)  # a view of the input chunk, alive anyway
+        ctx.save_for_backward(rows, cols, values)
         ctx.has_bias = bias is not None
+        ctx.n_in = weight.shape[1]
+        ctx.weight_shape = weight.shape
+        ctx.sink = sink
         return z
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (flat,) = ctx.saved_tensors
+        rows, cols, values = ctx.saved_tensors
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[0]:
             # grad.T @ flat as a gather-sum too: column j of the weight gradient sums the
-            # rows of ``grad`` where input j is non-zero (bags over ``flat``'s columns); it
-            # comes out transposed, (in, out), and is returned as its (out, in) view
-            where = torch.nonzero(flat.t())
-            cols, rows = where[:, 0], where[:, 1]
-            counts = torch.bincount(cols, minlength=flat.shape[1])
-            grad_w = nn.functional.embedding_bag(
-                rows,
-                grad.contiguous(),
-                counts.cumsum(0) - counts,
-                mode="sum",
-                per_sample_weights=flat[rows, cols],
-            ).t()
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return None, grad_w, grad_b, None, None, None
+            # rows of ``grad`` where input j is non-zero (bags over the input's columns, rows
+            # ascending in each), a block of columns at a time
+            order = _column_order(cols, ctx.n_in)
+            counts = torch.bincount(cols, minlength=ctx.n_in)
+            ends = counts.cumsum(0)
+            rows, grad = rows[order], grad.contiguous()
+            weights = None if values is None else values[order]
+            sink: GradSink | None = ctx.sink if ctx.sink is not None and ctx.sink.active else None
+            target = None if sink is None else sink.target
+            if sink is not None and target is None:  # the first contribution: a new sum
+                target = sink.target = grad.new_zeros(ctx.weight_shape)
+            if target is None:
+                target = grad.new_empty(ctx.weight_shape)
+                add = False
+            else:
+                add = True
+            step = max(1, (1 << 18) // max(1, grad.shape[1]))  # columns per block (1 MiB)
+            for c0 in range(0, ctx.n_in, step):
+                c1 = min(ctx.n_in, c0 + step)
+                a = int(ends[c0 - 1]) if c0 else 0
+                part = nn.functional.embedding_bag(
+                    rows[a : int(ends[c1 - 1])],
+                    grad,
+                    (ends[c0:c1] - counts[c0:c1]) - a,
+                    mode="sum",
+                    per_sample_weights=None if weights is None else weights[a : int(ends[c1 - 1])],
+                ).t()
+                if add:
+                    target[:, c0:c1] += part
+                else:
+                    target[:, c0:c1] = part
+            grad_w = None if sink is not None else target
+        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return grad_w, grad_b, None, None, None, None, None
 
 
-def _sparse_synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tensor] | None:
+def _column_order(cols: Tensor, n_in: int) -> Tensor:
+    """``argsort(cols, stable=True)``: on the CPU with fewer than 65,536 columns through
+    NumPy's radix sort of 16-bit keys (about 15x faster than torch's sort here)."""
+    if cols.device.type == "cpu" and n_in <= 65536:
+        keys = cols.numpy().astype(np.uint16)
+        return torch.from_numpy(np.argsort(keys, kind="stable").astype(np.int64))
+    return torch.argsort(cols, stable=True)
+
+
+def _sparse_synapse(
+    synapses: Sequence[LayerAdapter], sink: GradSink | None = None
+) -> Callable[[Tensor | SparseChunk], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
-    module docstring), or None unless the synapse is exactly one plain ``nn.Linear``."""
+    module docstring), or None unless the synapse is exactly one plain ``nn.Linear``. It takes
+    the dense chunk or a packed train's `SparseChunk`."""
     if len(synapses) != 1:
         return None
     inner = _batched_inner(synapses[0])
@@ -274,32 +339,51 @@ def _sparse_synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tens
         return None
     dense = _synapse(synapses)
 
-    def synapse(x: Tensor) -> Tensor:
+    def synapse(x: Tensor | SparseChunk) -> Tensor:
         weight, bias = linear.weight, linear.bias
+        shape = x.shape
         if (
             x.device.type != "cpu"
             or weight.device.type != "cpu"
             or x.dtype != weight.dtype
-            or not x.is_floating_point()
-            or x.requires_grad
-            or x.dim() < 2
-            or x.shape[-1] != weight.shape[1]
+            or not x.dtype.is_floating_point
+            or (isinstance(x, Tensor) and x.requires_grad)
+            or len(shape) < 2
+            or shape[-1] != weight.shape[1]
             or not _no_hooks(linear)
         ):
-            return dense(x)
-        flat = x.reshape(-1, x.shape[-1])
-        ones = int(torch.count_nonzero(flat))
-        if ones > SPARSE_DENSITY * flat.numel():
-            return dense(x)
-        where = torch.nonzero(flat)
-        rows, cols = where[:, 0], where[:, 1]
-        counts = torch.bincount(rows, minlength=flat.shape[0])
-        z = _GatherLinear.apply(
-            flat, weight, bias, cols, counts.cumsum(0) - counts, flat[rows, cols]
-        )
-        return z.reshape(*x.shape[:-1], z.shape[-1])
+            return dense(x.dense() if isinstance(x, SparseChunk) else x)
+        n_rows = shape[:-1].numel()
+        values = None
+        if isinstance(x, SparseChunk):
+            if x.ones > SPARSE_DENSITY * x.numel():
+                return dense(x.dense())
+            rows, cols = x.positions.div(shape[-1], rounding_mode="floor"), x.positions
+            cols = cols - rows * shape[-1]
+        else:
+            flat = x.reshape(n_rows, shape[-1])
+            if int(torch.count_nonzero(flat)) > SPARSE_DENSITY * flat.numel():
+                return dense(x)
+            where = torch.nonzero(flat)
+            rows, cols = where[:, 0], where[:, 1]
+            values = flat[rows, cols]
+        z = _GatherLinear.apply(weight, bias, n_rows, rows, cols, values, sink)
+        return z.reshape(*shape[:-1], z.shape[-1])
 
     return synapse
+
+
+def _weight_sink(
+    synapses: Sequence[LayerAdapter],
+) -> tuple[GradSink | None, tuple[tuple[Tensor, GradSink], ...]]:
+    """A gradient sink for the weight of a block whose synapse is one plain ``nn.Linear``
+    (its sparse synapse adds each chunk's weight gradient into the engine's running sum)."""
+    inner = _batched_inner(synapses[0]) if len(synapses) == 1 else None
+    linear = inner.module if inner is not None else None
+    if type(linear) is not nn.Linear:
+        return None, ()
+    sink = GradSink()
+    return sink, ((linear.weight, sink),)
 
 
 def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
@@ -312,6 +396,8 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
             for layer in layers
             for t in (*layer.module.parameters(), *layer.extra_params())
         }
+        kernel = block.neuron.chunk_kernel()
+        sink, sinks = _weight_sink(block.synapses)
         out.append(
             LayerBlock(
                 name=block.name,
@@ -321,8 +407,9 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
                 draws_random=_draws_random(block),
                 params=list(params.values()),
                 cleanup=_cleanup(block),
-                bind=_bind(block.neuron),
-                sparse_synapse=_sparse_synapse(block.synapses),
+                sparse_synapse=_sparse_synapse(block.synapses, sink),
+                sinks=sinks,
+                fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
             )
         )
     return out

@@ -31,10 +31,11 @@ from norse.torch.module.lift import Lift
 from norse.torch.module.sequential import SequentialState
 from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
 from spikeckpt.adapters.generic import StatefulAdapter, probe, state_arity
+from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
+from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
 
 __all__ = ["NorseAdapter", "make_adapter", "move_params"]
@@ -144,8 +145,29 @@ class NorseAdapter(LayerAdapter):
     def membrane(self, state: State) -> Tensor | None:
         return _field(state, "v")
 
+    def check(self) -> None:
+        if self.sequence and getattr(self.module, "record_states", False):
+            raise unsupported(
+                self.module,
+                self.path,
+                "record_states=True makes its call return every step's state stacked over "
+                "time instead of the final state, which a wrapped model returns (it keeps a "
+                "few states, not T); set record_states=False, and for the membrane over time "
+                "use spikeckpt.wrap(..., output='mem') or 'both', or spikeckpt.scan with a step "
+                "that returns the state as its output",
+            )
+
     def extra_params(self) -> list[Tensor]:
-        return [t for t in _tensors(self.module.p) if t.requires_grad]
+        found = {id(t): t for t in _tensors(self.module.p) if t.requires_grad}
+        for t in super().extra_params():
+            found.setdefault(id(t), t)
+        return list(found.values())
+
+    def chunk_kernel(self) -> NorseKernel | None:
+        """The fused recurrence of a feed-forward cell or sequence module whose activation is
+        Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
+        ``reset_value`` or ``reset_subtract``) or ``li_feed_forward_step``, else None."""
+        return norse_kernel(self.module) if not self.recurrent else None
 
 
 class LILinearAdapter(StatefulAdapter):
@@ -177,23 +199,25 @@ def type_of_li_state() -> type:
 
 def stack_options(module: nn.Module) -> dict[str, Any] | None:
     """For a ``SequentialState``: how to build its stack (keyword arguments of
-    :meth:`~spikeckpt.adapters.sequential.StackAdapter.from_sequential`); else ``None``.
+    `from_sequential`); else ``None``.
 
     Norse passes one state per position (``stateful_flags``: its ``stateful_layers``, a module
     Norse calls without a state is stepped without one); in sequence mode its plain layers see
-    ``(T, B, ...)`` tensors."""
+    ``(T, B, ...)`` tensors; ``return_hidden=True`` makes each step's output the list of every
+    position's output (the wrapped model returns each one over time, in Norse's order)."""
     if not isinstance(module, SequentialState):
         return None
     flags = getattr(module, "stateful_layers", None)
     return {
         "sequence_mode": is_sequence_stack(module),
         "stateful_flags": list(flags) if flags is not None else [True] * len(module),
+        "return_hidden": bool(getattr(module, "return_hidden", False)),
     }
 
 
 def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> LayerAdapter:
     """The adapter for a Norse layer other than ``SequentialState`` (see
-    :func:`stack_options`), or raise :class:`UnsupportedLayerError` (``adapter_for``: the
+    `stack_options`), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (``adapter_for``: the
     registry's lookup, for the module inside ``Lift``)."""
     if isinstance(module, SequentialState):
         raise ConfigTypeError(
@@ -220,3 +244,41 @@ def is_sequence_stack(module: nn.Module) -> bool:
     """Whether a ``SequentialState`` holds sequence modules (``LIF``, ``Lift``, ...): its plain
     torch layers then see ``(T, B, ...)`` tensors and are stepped on ``x_t[None]``."""
     return any(isinstance(c, (*_SEQUENCE, Lift)) for c in module.children())
+
+
+def norse_kernel(m: nn.Module) -> NorseKernel | None:
+    """The chunk kernel of the Norse cell or sequence module ``m`` (see
+    `NorseAdapter.chunk_kernel`), or None."""
+    from norse.torch.functional import reset as resets
+    from norse.torch.functional.leaky_integrator import li_feed_forward_step
+    from norse.torch.functional.lif import lif_feed_forward_step
+    from norse.torch.functional.lif_box import lif_box_feed_forward_step
+    from norse.torch.functional.threshold import threshold
+
+    modes: dict[Any, NorseMode] = {
+        lif_feed_forward_step: "lif",
+        lif_box_feed_forward_step: "box",
+        li_feed_forward_step: "li",
+    }
+    mode = modes.get(getattr(m, "activation", None))
+    p = getattr(m, "p", None)
+    dt = getattr(m, "dt", None)
+    if mode is None or p is None or not isinstance(dt, float) or "forward" in vars(m):
+        return None
+    subtract = False
+    if mode == "box":
+        reset = getattr(p, "reset_method", None)
+        if reset not in (resets.reset_value, resets.reset_subtract):
+            return None
+        subtract = reset is resets.reset_subtract
+    spike = None
+    if mode != "li":
+        method = getattr(p, "method", None)
+        if method not in ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc"):
+            return None
+
+        def spike(u: Tensor) -> Tensor:
+            q = m.p
+            return threshold(u, q.method, q.alpha)
+
+    return NorseKernel(lambda: m.p, dt, spike, mode, subtract=subtract)

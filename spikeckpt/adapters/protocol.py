@@ -1,6 +1,6 @@
 """The adapter protocol: what an adapter is, and the error for a layer that has none.
 
-An *adapter* turns one layer (an ``nn.Module``) into the two things :func:`spikeckpt.scan` needs:
+An *adapter* turns one layer (an ``nn.Module``) into the two things [`spikeckpt.scan`][spikeckpt.engine.scan.scan] needs:
 
 - ``init_state(x_t) -> state``: the layer's state before the first step, given an example input
   of one time step ``x_t`` (shape ``(B, ...)``, the layer's own input); a tensor, a tuple, a
@@ -9,8 +9,8 @@ An *adapter* turns one layer (an ``nn.Module``) into the two things :func:`spike
   outputs, no state left inside the module (``y_t`` has shape ``(B, ...)``).
 
 This module imports no other adapter module: the built-in adapters import it, and the registry
-(:mod:`spikeckpt.adapters.registry`) imports them. Adapters that adapt children (stacks, Norse
-``SequentialState`` / ``Lift``) receive the registry's lookup as an :data:`AdapterFor` argument.
+(`spikeckpt.adapters.registry`) imports them. Adapters that adapt children (stacks, Norse
+``SequentialState`` / ``Lift``) receive the registry's lookup as an `AdapterFor` argument.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ __all__ = [
     "Predicate",
     "Registration",
     "State",
+    "attribute_tensors",
     "describe",
     "unsupported",
 ]
@@ -40,7 +41,7 @@ State = Any
 class LayerAdapter:
     """Base class of every adapter: one layer stepped one time step at a time.
 
-    Subclasses override :meth:`init_state` and :meth:`step`; the other methods have defaults.
+    Subclasses override `init_state` and `step`; the other methods have defaults.
 
     Attributes:
         module: the adapted layer (the user's module, not a copy).
@@ -75,12 +76,35 @@ class LayerAdapter:
         """The membrane potential ``(B, ...)`` in ``state`` (for ``output="mem"``), or None."""
         return None
 
+    @property
+    def returns_more(self) -> bool:
+        """Whether the layer's own per-step call returns more than ``y_t``
+        (`call_outputs` is then not None)."""
+        return False
+
+    def call_outputs(self, state: State) -> tuple[Any, ...] | None:
+        """What the layer's own per-step call returns after ``y_t``, from the state after the
+        step, when it returns more than ``y_t`` (snnTorch ``output=True``: ``spk, mem =
+        lif(x)`` gives ``(mem,)``); None when the call returns ``y_t`` alone."""
+        return None
+
     def extra_params(self) -> list[Tensor]:
-        """Tensors requiring grad that the step uses but ``module.parameters()`` does not list."""
-        return []
+        """Tensors requiring grad that the step uses but ``module.parameters()`` does not list.
+
+        Default: `attribute_tensors` of the module (a hand-written neuron's
+        ``self.beta = torch.full(..., requires_grad=True)``)."""
+        return attribute_tensors(self.module)
+
+    def chunk_kernel(self) -> Any:
+        """A `ChunkKernel` running this neuron over a whole
+        time chunk (the layer-wise granularity fuses it), or None: stepped one call per step.
+        The adapter offers one only for steps it knows to be elementwise and free of random
+        draws; `spikeckpt.adapters.layered.layer_blocks` checks it against `step`
+        once before using it."""
+        return None
 
     def check(self) -> None:
-        """Raise :class:`UnsupportedLayerError` if the layer cannot be stepped exactly *now*.
+        """Raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] if the layer cannot be stepped exactly *now*.
 
         Called at every forward (a layer's mode may change after wrapping, e.g. ``.train()``).
         """
@@ -94,6 +118,30 @@ class LayerAdapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.module).__name__} at {self.path or '<root>'!r})"
+
+
+def attribute_tensors(module: nn.Module) -> list[Tensor]:
+    """Leaf tensors requiring grad that ``module`` or its submodules hold as plain attributes
+    (not registered parameters), directly or in a tuple, list or dict attribute (NamedTuples
+    too, nested once): ``self.beta = torch.full((n,), 0.9, requires_grad=True)``. Tensors a
+    framework leaves on a module after a call carry a graph (not leaves) and are not listed."""
+    found: dict[int, Tensor] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, Tensor):
+            if value.requires_grad and value.is_leaf:
+                found.setdefault(id(value), value)
+        elif depth < 2 and isinstance(value, (tuple, list)):
+            for item in value[:1000]:
+                visit(item, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for item in list(value.values())[:1000]:
+                visit(item, depth + 1)
+
+    for m in module.modules():
+        for value in vars(m).values():
+            visit(value, 0)
+    return list(found.values())
 
 
 #: ``adapter_for(module, path) -> LayerAdapter``: the registry's lookup, passed to adapters of
@@ -121,7 +169,7 @@ def describe(module: nn.Module) -> str:
 def unsupported(module: nn.Module, path: str, reason: str) -> UnsupportedLayerError:
     """Build the error for a layer that cannot be stepped: its path, type and the reason.
 
-    :func:`spikeckpt.adapters.registry.adapter_for` appends the list of supported layers.
+    `spikeckpt.adapters.registry.adapter_for` appends the list of supported layers.
     """
     where = repr(path) if path else "<root>"
     return UnsupportedLayerError(f"layer {where} ({describe(module)}) cannot be wrapped: {reason}")

@@ -1,14 +1,14 @@
 """The adapter registry: which adapter steps which layer.
 
-:func:`adapter_for` asks the registry in order: adapters added with :func:`register_adapter`
+`adapter_for` asks the registry in order: adapters added with `register_adapter`
 (newest first), then the built-in ones (snnTorch, Norse, stacks, stateless ``torch.nn`` layers,
 ``torch.nn`` RNN cells, neurons of yours by the arity of ``forward``, stateless layers of
-yours). A module no adapter accepts raises :class:`~spikeckpt.errors.UnsupportedLayerError`
+yours). A module no adapter accepts raises [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError]
 naming its path in the model and listing what is supported.
 
 This is the only adapter module that imports the built-in adapter modules (snnTorch's and
 Norse's lazily, when one of their layers is found); those that adapt children receive
-:func:`adapter_for` as an argument.
+`adapter_for` as an argument.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def register_adapter(
     """Add an adapter: layers for which ``predicate(module)`` is true use ``factory(module, path)``.
 
     User registrations are tried before the built-in ones, newest first, so they can also
-    override a built-in adapter. Returns the entry (pass it to :func:`unregister_adapter`).
+    override a built-in adapter. Returns the entry (pass it to `unregister_adapter`).
 
     Example::
 
@@ -59,7 +59,7 @@ def register_adapter(
 
 
 def unregister_adapter(entry: Registration) -> None:
-    """Remove an entry added by :func:`register_adapter`."""
+    """Remove an entry added by `register_adapter`."""
     _USER.remove(entry)
 
 
@@ -103,7 +103,7 @@ def supported_summary() -> str:
 
 def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
     """The adapter for ``module`` (at dotted ``path`` in the model), or raise
-    :class:`UnsupportedLayerError` (its message ends with the list of supported layers)."""
+    [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (its message ends with the list of supported layers)."""
     try:
         for entry in registered_adapters():
             if entry.predicate(module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -51,6 +51,8 @@ class StackAdapter(LayerAdapter):
         layers: one adapter per position.
         slots: for each position, the position whose state entry it reads and writes (itself,
             or the first position of a repeated module whose state lives on the module).
+        return_hidden: ``y_t`` is the list of every position's output, in order (Norse's
+            ``SequentialState(..., return_hidden=True)``), not the last one's.
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class StackAdapter(LayerAdapter):
         layers: Sequence[LayerAdapter],
         *,
         explicit_states: bool = False,
+        return_hidden: bool = False,
     ) -> None:
         super().__init__(module, path)
+        self.return_hidden = return_hidden
         self.layers = list(layers)
         self.stateful = any(layer.stateful for layer in self.layers)
         self.state_on_module = any(layer.state_on_module for layer in self.layers)
@@ -117,6 +121,7 @@ class StackAdapter(LayerAdapter):
         *,
         sequence_mode: bool = False,
         stateful_flags: Sequence[bool] | None = None,
+        return_hidden: bool = False,
     ) -> StackAdapter:
         """Adapters for every position of ``module`` (``adapter_for``: the registry's lookup).
 
@@ -124,7 +129,8 @@ class StackAdapter(LayerAdapter):
         layers are applied to ``x_t[None]``: they were written for ``(T, B, ...)`` tensors.
         ``stateful_flags`` (Norse's ``SequentialState.stateful_layers``): a module of yours
         that Norse calls without a state is stepped as a stateless layer, as Norse calls it.
-        Norse passes one state per position (``explicit_states``).
+        Norse passes one state per position (``explicit_states``). ``return_hidden``: the
+        step's output is every position's output (Norse's ``return_hidden=True``).
         """
         layers = []
         for i, (name, child) in enumerate(positions(module)):
@@ -140,7 +146,13 @@ class StackAdapter(LayerAdapter):
             if sequence_mode and type(adapter) is StatelessAdapter and adapter.module is child:
                 adapter = TimeLiftedAdapter(adapter)
             layers.append(adapter)
-        return cls(module, path, layers, explicit_states=stateful_flags is not None)
+        return cls(
+            module,
+            path,
+            layers,
+            explicit_states=stateful_flags is not None,
+            return_hidden=return_hidden,
+        )
 
     def init_state(self, x_t: Tensor, given: Sequence[Any] | None = None) -> State:
         """Each position's initial state (``given[i]`` where given and not None); runs one
@@ -177,12 +189,24 @@ class StackAdapter(LayerAdapter):
         given = [s if self.slots[i] == i else None for i, s in enumerate(state)]
         return self.init_state(x_t, given=given)
 
-    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         new = list(state)
+        hidden: list[Any] = []
         for i, layer in enumerate(self.layers):
             j = self.slots[i]
             new[j], x_t = layer.step(new[j], x_t)
-        return tuple(new), x_t
+            if self.return_hidden:
+                hidden.append(x_t)
+        return tuple(new), (hidden if self.return_hidden else x_t)
+
+    @property
+    def returns_more(self) -> bool:
+        return bool(self.layers) and not self.return_hidden and self.layers[-1].returns_more
+
+    def call_outputs(self, state: State) -> tuple[Any, ...] | None:
+        if not self.returns_more:
+            return None
+        return self.layers[-1].call_outputs(state[self.slots[-1]])
 
     def membrane(self, state: State) -> Tensor | None:
         if not self.layers:
@@ -215,13 +239,11 @@ class Block:
         neuron: the adapter of the stateful layer (recurrence inside it is fine).
         index: position of the neuron in the stack's layers (its state is ``state[index]``),
             ``None`` when the model is a single neuron (its state is the whole state).
-        synapse_indices: positions of the synapse layers in the stack's layers.
     """
 
     synapses: list[LayerAdapter]
     neuron: LayerAdapter
     index: int | None
-    synapse_indices: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -230,7 +252,7 @@ class Block:
 
 def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """Split a wrapped model into feed-forward blocks (stateless layers, then one stateful
-    layer), or raise :class:`~spikeckpt.errors.UnsupportedLayerError` (also a ``TypeError``)
+    layer), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (also a ``TypeError``)
     saying why the model is not a feed-forward stack of such blocks.
 
     Accepted: a flat ``nn.Sequential`` / Norse ``SequentialState`` whose layers are stateless
@@ -243,14 +265,21 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """
     why = "layer-wise granularity needs a feed-forward stack of blocks (synapse layers such as "
     why += "Linear/Conv/Flatten/Dropout, then one neuron); "
+    if isinstance(adapter, StackAdapter) and adapter.return_hidden:
+        raise unsupported(
+            adapter.module,
+            adapter.path,
+            why + "with return_hidden=True it returns every layer's output, and layer-wise "
+            "runs keep the top block's alone; use granularity='stack' (every layer's output "
+            "over time, in Norse's order)",
+        )
     if not isinstance(adapter, StackAdapter):
         if not adapter.stateful:
             raise unsupported(adapter.module, adapter.path, why + "this layer has no state")
         _check_neuron(adapter, why)
-        return [Block([], adapter, None, [])]
+        return [Block([], adapter, None)]
     blocks: list[Block] = []
     pending: list[LayerAdapter] = []
-    pending_idx: list[int] = []
     for i, layer in enumerate(adapter.layers):
         if isinstance(layer, StackAdapter):
             raise unsupported(
@@ -268,12 +297,11 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
                     "feed-forward; use granularity='stack'",
                 )
             _check_neuron(layer, why)
-            blocks.append(Block(pending, layer, i, pending_idx))
-            pending, pending_idx = [], []
+            blocks.append(Block(pending, layer, i))
+            pending = []
         else:
             _check_synapse(layer, why)
             pending.append(layer)
-            pending_idx.append(i)
     if not blocks:
         raise unsupported(adapter.module, adapter.path, why + "the stack has no stateful layer")
     if pending:
@@ -353,7 +381,7 @@ def _check_synapse(layer: LayerAdapter, why: str) -> None:
 
 def _is_sequential(m: nn.Module) -> bool:
     """An ``nn.Sequential`` whose forward is ``nn.Sequential``'s (a subclass with a forward of
-    its own is a module of yours: see :mod:`spikeckpt.adapters.generic`)."""
+    its own is a module of yours: see `spikeckpt.adapters.generic`)."""
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
 
 

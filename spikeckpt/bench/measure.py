@@ -1,6 +1,6 @@
 """Measure one training step: peak device bytes, time, step evaluations, gradient error.
 
-- **Memory**: :class:`spikeckpt.MemoryMeter` around one training step (the only memory
+- **Memory**: [`spikeckpt.MemoryMeter`][spikeckpt.engine.meter.MemoryMeter] around one training step (the only memory
   measure on the CPU: live tensor bytes through a dispatch mode), plus the parameters' bytes
   (they live on the device too). The input spike train is made before and not counted: it
   would stay on the host (``scan`` moves one slice per step); the same holds for every
@@ -31,6 +31,7 @@ from spikeckpt import plans
 from spikeckpt.bench.strategies import Context, NoPlanFits, Strategy, Workload
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.saved import measure_step
+from spikeckpt.storage.base import tensor_nbytes
 
 __all__ = [
     "Measurement",
@@ -100,7 +101,7 @@ def choose_threads(threads: int | None = None) -> tuple[int, str]:
 
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(tensor_nbytes(p) for p in model.parameters())
 
 
 def make_context(
@@ -198,7 +199,7 @@ def measure(
     # layer-wise runs its blocks, not model.step: it reports its own step count
     row.evals_per_step = (calls[0] or outcome.forward_steps or 0) / ctx.T
     row.bytes_off_device = outcome.bytes_off_device
-    row.note = strategy.note
+    row.note = "; ".join(filter(None, (strategy.note, outcome.note)))
     if reference is not None:
         row.max_abs_grad_diff, row.max_rel_grad_diff = grad_error(grads, reference)
     if time_it:
@@ -231,7 +232,7 @@ def calibrate(workload: Workload, directory: str, *, steps: int = 64) -> plans.C
     itself for states up to the disk tier's ``background_bytes``, else the hand-off to its I/O
     thread); ``read``: one ``get`` without prefetch (an upper bound for large states, which the
     executor prefetches). ``segment``: the fixed cost of one
-    backward call (:func:`spikeckpt.planning.segment_seconds`).
+    backward call (`spikeckpt.planning.segment_seconds`).
     """
     from spikeckpt.planning import SEGMENT_PROBE_STEPS, segment_seconds
     from spikeckpt.storage.base import Ledger

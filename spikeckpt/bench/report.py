@@ -2,7 +2,9 @@
 
 Console tables fit the terminal: one table per length, and when that is too wide for the
 terminal (80 columns, say) the columns are split over two tables that both repeat the strategy
-and its plan, so a plan's name is never wrapped or cut. The Markdown table keeps every column.
+and its plan. A plan is always shown whole, as its ``repr``; a long one (a ``TwoLevel`` with
+its measured costs) wraps between its arguments, never cut. The Markdown table keeps every
+column. Notes below the tables say where a measured peak exceeds the row's budget, and why.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,10 @@ __all__ = [
     "fitting_tables",
     "plot_sweep",
     "print_tables",
+    "sweep_figure",
     "search_table",
     "search_tables",
-    "short_plan",
+    "sweep_notes",
     "sweep_table",
     "sweep_tables",
     "write_csv",
@@ -43,36 +45,12 @@ def _bytes(value: int | None) -> str:
     return "-" if value is None else format_bytes(value)
 
 
-#: Plan fields that copy the measured cost model (printed once, above the tables).
-_COST_FIELD = re.compile(r"(?:, )?\b(?:write_cost|read_cost|forward_cost|backward_cost)=[^,)]*")
-_NONE_FIELD = re.compile(r"(?:, )?\b\w+=None\b")
-
-
-def short_plan(text: str) -> str:
-    """A compact plan description for tables.
-
-    ``Double(remote_interval=64, local_interval=8)`` -> ``Double(K=64, k=8)``; the cost-model
-    copies and ``None`` fields of ``TwoLevel`` are left out: ``TwoLevel(slots=8, write_cost=2.9,
-    ..., remote_interval=None)`` -> ``TwoLevel(slots=8)``.
-    """
-    text = _NONE_FIELD.sub("", _COST_FIELD.sub("", text)).replace("(, ", "(")
-    for long, short in (
-        ("remote_interval=", "K="),
-        ("local_interval=", "k="),
-        ("interval=", "k="),
-    ):
-        text = text.replace(long, short)
-    return text
-
-
 def sweep_rows(rows: Sequence[Measurement]) -> list[list[str]]:
     """Table cells for a sweep: one row per strategy and length."""
     cells = []
     for r in rows:
         status = (
-            short_plan(r.plan)
-            if r.fits
-            else ("not available" if r.note.startswith("not av") else "no fit")
+            r.plan if r.fits else ("not available" if r.note.startswith("not av") else "no fit")
         )
         cells.append(
             [
@@ -111,6 +89,11 @@ SWEEP_HEADER = [
 ]
 
 
+#: Widest plan column in a console table: ``Double(remote_interval=64, local_interval=8)``
+#: fits on one line; a longer plan wraps at the spaces between its arguments.
+PLAN_WIDTH = 46
+
+
 def _rich_table(title: str, header: list[str], cells: list[list[str]]) -> Any:
     """A compact table: text columns left, numbers right, no cell ever wrapped."""
     from rich import box
@@ -118,8 +101,10 @@ def _rich_table(title: str, header: list[str], cells: list[list[str]]) -> Any:
 
     table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for name in header:
-        left = name in ("strategy", "plan", "plan at max")
-        table.add_column(name, justify="left" if left else "right", no_wrap=True)
+        if name in ("plan", "plan at max"):  # whole; a long one wraps between its arguments
+            table.add_column(name, justify="left", max_width=PLAN_WIDTH)
+        else:
+            table.add_column(name, justify="left" if name == "strategy" else "right", no_wrap=True)
     for row in cells:
         table.add_row(*row)
     return table
@@ -192,13 +177,46 @@ CONSOLE_HEADER = [
     "budget",
     "modeled",
     "peak",
-    "x BPTT",
+    "peak/BPTT",
     "time s",
-    "x BPTT",
+    "time/BPTT",
     "evals/step",
     "off-device",
     "rel |dg|",
 ]
+
+
+def over_budget(rows: Sequence[Measurement]) -> str | None:
+    """One note on the rows whose measured peak exceeds the row's budget: by how much, and
+    why; None when every peak is within its budget."""
+    over = [
+        f"T={r.T} {r.strategy} +{format_bytes(r.peak_bytes - r.budget_bytes)}"
+        for r in rows
+        if r.fits
+        and r.budget_bytes is not None
+        and r.peak_bytes is not None
+        and r.peak_bytes > r.budget_bytes
+    ]
+    if not over:
+        return None
+    return (
+        f"measured peak over the row's budget: {', '.join(over)}. The budget bounds what the "
+        "plan models (the modeled column: checkpoints and tapes, plus the parameters and their "
+        "gradients); a step also holds what no plan models: one step's temporaries and the "
+        "gradient buffers the engine sums segments into"
+    )
+
+
+def sweep_notes(rows: Sequence[Measurement]) -> list[str]:
+    """Notes for below a sweep's tables: peaks over their budget (and why), then each
+    strategy's caveat once (e.g. a Double that keeps no remote checkpoint)."""
+    notes = [note] if (note := over_budget(rows)) else []
+    by_note: dict[str, list[str]] = {}
+    for row in rows:
+        if row.note and row.fits:
+            by_note.setdefault(row.note, []).append(row.strategy)
+    notes += [f"{', '.join(dict.fromkeys(names))}: {text}" for text, names in by_note.items()]
+    return notes
 
 
 def sweep_tables(rows: Sequence[Measurement], width: int | None = None) -> list[Any]:
@@ -209,11 +227,11 @@ def sweep_tables(rows: Sequence[Measurement], width: int | None = None) -> list[
         first = mine[0]
         title = f"T = {T} steps (hidden {first.hidden}, batch {first.batch})"
         cells = [[r.strategy, *cell[3:]] for r, cell in zip(mine, sweep_rows(mine), strict=True)]
-        tables += fitting_tables(title, CONSOLE_HEADER, cells, keys=2, width=width)
+        tables += fitting_tables(title, CONSOLE_HEADER, cells, keys=1, width=width)
     return tables
 
 
-SEARCH_HEADER = ["strategy", "budget", "max", "x BPTT", "plan at max", "peak at max", "trials"]
+SEARCH_HEADER = ["strategy", "budget", "max", "max/BPTT", "plan at max", "peak at max", "trials"]
 
 
 def search_rows(results: Sequence[SearchResult]) -> list[list[str]]:
@@ -230,7 +248,7 @@ def search_rows(results: Sequence[SearchResult]) -> list[list[str]]:
                 format_bytes(r.budget_bytes),
                 best,
                 ratio,
-                short_plan(row.plan if row else "-"),
+                row.plan if row else "-",
                 _bytes(row.peak_bytes if row else None),
                 str(len(r.trials)),
             ]
@@ -254,7 +272,7 @@ def search_tables(
     ]
     header = [header[i] for i in order]
     cells = [[row[i] for i in order] for row in cells]
-    return fitting_tables(title, header, cells, keys=2, width=width)
+    return fitting_tables(title, header, cells, keys=1, width=width)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
@@ -335,17 +353,35 @@ def _plain_log_axis(axis: Any, values: Sequence[float], fixed: bool = False) -> 
     axis.set_minor_formatter(ticker.NullFormatter())
 
 
+#: Sideways spread of a length's points in ``plot_sweep``, in decades of T, over all series.
+DODGE_DECADES = 0.15
+
+
 def plot_sweep(rows: Sequence[Measurement], path: Path) -> Path:
+    """Save `sweep_figure` as a PNG at ``path``; returns ``path``."""
+    plt = _pyplot()
+    fig = sweep_figure(rows)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def sweep_figure(rows: Sequence[Measurement]) -> Any:
     """Peak device memory and time per training step against T, one line per strategy.
 
-    Memory is in the binary unit that suits the largest peak; the legend sits beside the plots.
+    Memory is in the binary unit that suits the largest peak; the legend sits beside the
+    plots. Strategies often measure the same (several plans are one schedule at small T): so
+    that no series hides another, each has its own marker and its points are moved sideways
+    by a small factor of T (the ticks mark the true lengths).
     """
     plt = _pyplot()
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained")
     ran = [r for r in rows if r.fits]
     unit, scale = byte_unit(max((r.peak_bytes or 0 for r in ran), default=1))
     names = list(dict.fromkeys(r.strategy for r in ran))
+    count = len(names)
     names.sort(key=lambda name: name == "bptt")  # the reference last: drawn on top
+    order = list(dict.fromkeys(r.strategy for r in ran))  # sideways order: as measured
     for name in names:
         mine = sorted((r for r in ran if r.strategy == name), key=lambda r: r.T)
         colour, marker, line = STYLES.get(name, ("grey", "o", "-"))
@@ -355,39 +391,46 @@ def plot_sweep(rows: Sequence[Measurement], path: Path) -> Path:
             "marker": marker,
             "linestyle": line,
             "label": mine[0].label,
-            # save_on_cpu equals BPTT on a CPU-only machine: a wide pale band under BPTT's line
-            "linewidth": 2.0 if reference else 5.0 if name == "save_on_cpu" else 1.4,
-            "markersize": 7 if reference else 5,
+            "linewidth": 2.0 if reference else 1.2,
+            "markersize": 8 if reference else 5,
             "markerfacecolor": "none" if reference else colour,
+            "markeredgewidth": 1.5 if reference else 0.8,
+            "alpha": 1.0 if reference else 0.9,
             "zorder": 10 if reference else 2,
         }
-        Ts = [r.T for r in mine]
+        shift = 0.0 if count < 2 else (order.index(name) / (count - 1) - 0.5) * DODGE_DECADES
+        Ts = [r.T * 10**shift for r in mine]
         ax_mem.plot(Ts, [(r.peak_bytes or 0) / scale for r in mine], **style)
         ax_time.plot(Ts, [r.time_s or 0 for r in mine], **style)
     lengths = [r.T for r in ran]
     for ax, ylabel, values in (
-        (ax_mem, f"peak device memory ({unit})", [(r.peak_bytes or 0) / scale for r in ran]),
-        (ax_time, "time per training step (s)", [r.time_s or 0 for r in ran]),
+        (
+            ax_mem,
+            f"peak device memory, measured ({unit})",
+            [(r.peak_bytes or 0) / scale for r in ran],
+        ),
+        (ax_time, "time per training step, measured (s)", [r.time_s or 0 for r in ran]),
     ):
-        ax.set_xlabel("sequence length T (steps)")
+        ax.set_xlabel("sequence length T (steps; each length's points spread sideways)")
         ax.set_ylabel(ylabel)
         ax.set_xscale("log")
         ax.set_yscale("log")
         _plain_log_axis(ax.xaxis, lengths, fixed=True)
         _plain_log_axis(ax.yaxis, values)
+        if lengths:
+            low, high = min(lengths), max(lengths)
+            ax.set_xlim(low / 10 ** (0.8 * DODGE_DECADES), high * 10 ** (0.8 * DODGE_DECADES))
         ax.grid(True, which="major", alpha=0.3)
     handles, labels = ax_mem.get_legend_handles_labels()
-    order = sorted(range(len(labels)), key=lambda i: labels[i] != "BPTT loop")
+    order_in_legend = sorted(range(len(labels)), key=lambda i: labels[i] != "BPTT loop")
     fig.legend(
-        [handles[i] for i in order],
-        [labels[i] for i in order],
+        [handles[i] for i in order_in_legend],
+        [labels[i] for i in order_in_legend],
         loc="outside right center",
         fontsize=8,
         frameon=False,
     )
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def plot_search(results: Sequence[SearchResult], path: Path, title: str) -> Path:

@@ -1,8 +1,8 @@
 """Budget searches: the longest sequence and the widest network each strategy trains.
 
 A strategy *fits* a device budget at a size when one metered training step
-(:func:`spikeckpt.bench.measure.measure`) peaks at or below the budget (parameters included).
-Planned ``scan`` strategies get their plan from :func:`spikeckpt.plans.rank` with the budget
+(`spikeckpt.bench.measure.measure`) peaks at or below the budget (parameters included).
+Planned ``scan`` strategies get their plan from [`spikeckpt.plans.rank`][spikeckpt.plans.choose.rank] with the budget
 less the parameters and their gradients; when the measured peak still exceeds the budget (the
 model ignores a few temporaries), the plan budget is lowered by the excess and the plan chosen
 again (at most three times).

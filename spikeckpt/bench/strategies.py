@@ -1,7 +1,7 @@
 """Training-step strategies compared by ``spikeckpt bench``, on one LIF workload.
 
 Every strategy is a function that runs **one training step** (forward over ``T`` steps, loss,
-backward into the parameters' ``.grad``) of a :class:`~spikeckpt.models.LIFStack` on a spike
+backward into the parameters' ``.grad``) of a [`LIFStack`][spikeckpt.models.LIFStack] on a spike
 train. They differ only in how the time loop keeps what the backward pass needs:
 
 - ``bptt``: the plain loop; autograd keeps every step's tape.
@@ -12,7 +12,7 @@ train. They differ only in how the time loop keeps what the backward pass needs:
 - ``uniform-sqrt``: ``scan`` with ``Uniform(ceil(sqrt(T)))`` (Chen et al. through spikeckpt).
 - ``uniform``, ``revolve``, ``double-host``, ``double-disk``, ``twolevel``: ``scan`` with the
   fastest plan of that family whose modeled device peak fits the plan budget
-  (:func:`spikeckpt.plans.rank` with measured operation costs).
+  ([`spikeckpt.plans.rank`][spikeckpt.plans.choose.rank] with measured operation costs).
 - ``twolevel-async``: Kukreja et al.'s asynchronous multistage scheme, a disk checkpoint every
   ``ceil(write / forward)`` steps and Revolve(4) in between.
 - ``layerwise``: not available yet (listed, never faked).
@@ -144,6 +144,7 @@ class Outcome:
         forward_steps: step evaluations reported by ``scan`` (``None`` for other loops).
         modeled_bytes: the plan's modeled device peak of states and tapes (``scan`` only).
         budget_bytes: the plan budget the plan was chosen for (planned strategies only).
+        note: what a reader of the row should know (e.g. the plan is not of the family asked).
     """
 
     plan: str
@@ -151,6 +152,7 @@ class Outcome:
     forward_steps: int | None = None
     modeled_bytes: int | None = None
     budget_bytes: int | None = None
+    note: str = ""
 
 
 Runner = Callable[[Context, Callable[[Any, Tensor], Any]], Outcome]
@@ -323,6 +325,13 @@ def _family(family: str, storage: str | None) -> Runner:
             raise NoPlanFits(f"no {family} plan fits {ctx.plan_budget} bytes at T={ctx.T}")
         outcome = _scan(ctx, step, plan, storage or "device")
         outcome.budget_bytes = ctx.plan_budget
+        ran = plan.as_run(ctx.T)
+        if type(ran) is not type(plan):  # named for what it is
+            outcome.plan = repr(ran)
+            outcome.note = (
+                f"at T={ctx.T} the fastest {type(plan).__name__} that fits, {plan!r}, keeps no "
+                f"remote checkpoint: it is {ran!r}"
+            )
         return outcome
 
     return run
@@ -365,10 +374,6 @@ def _layerwise(storage: str) -> Runner:
         )
 
     return run
-
-
-def _unavailable(ctx: Context, step: Callable[[Any, Tensor], Any]) -> Outcome:  # pragma: no cover
-    raise NotImplementedError
 
 
 STRATEGIES: dict[str, Strategy] = {

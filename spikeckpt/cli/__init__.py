@@ -15,6 +15,7 @@ from importlib import metadata
 
 from spikeckpt.cli import bench, data, demo, plan
 from spikeckpt.cli._args import Parser
+from spikeckpt.cli._interrupt import EXIT_INTERRUPTED, Interrupts
 from spikeckpt.errors import SpikeckptError
 
 __all__ = ["build_parser", "main"]
@@ -62,10 +63,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``spikeckpt`` script; returns the exit status.
 
     0: success; 2: a usage error or a failure with a message saying what to change; 3: no
-    plan fits the budget (``plan``, ``demo``).
+    plan fits the budget (``plan``, ``demo``); 130: interrupted (Ctrl-C), with one line
+    ``spikeckpt COMMAND: interrupted`` and temporary files removed.
     """
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    interrupts = Interrupts()
+    interrupts.install()
+    command = "spikeckpt"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        command = f"spikeckpt {args.command}"
+        if getattr(args, "data_command", None):
+            command += f" {args.data_command}"
+        return _run(args, command)
+    except KeyboardInterrupt:
+        return _interrupted(command)
+    except SystemExit:
+        if interrupts.received:  # a library ended the run after catching Ctrl-C (Lightning)
+            return _interrupted(command)
+        raise
+    finally:
+        interrupts.restore()
+
+
+def _interrupted(command: str) -> int:
+    """Say so in one line (after showing the cursor a live display may have hidden)."""
+    if sys.stdout.isatty():
+        sys.stdout.write("\x1b[?25h")
+        sys.stdout.flush()
+    print(f"{command}: interrupted", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace, command: str) -> int:
     handler: Callable[[argparse.Namespace], int | None] = args.handler
     try:
         return handler(args) or 0
@@ -74,13 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise  # our own module: a bug, not a missing extra
         extra = _EXTRAS.get(error.name or "", "all")
         print(
-            f"spikeckpt {args.command}: error: needs the package {error.name!r}: "
-            f'pip install "spikeckpt[{extra}]"',
+            f'{command}: error: needs the package {error.name!r}: pip install "spikeckpt[{extra}]"',
             file=sys.stderr,
         )
         return 2
     except (SpikeckptError, ValueError, OSError) as error:
-        print(f"spikeckpt {args.command}: error: {error}", file=sys.stderr)
+        print(f"{command}: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -7,11 +7,14 @@ value ends the command at once with argparse's usage line and a message that nam
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from spikeckpt.errors import ConfigError
 from spikeckpt.units import format_bytes, parse_bytes
 
 #: A word that is only a unit, as a shell splits ``--budget 1 GB`` or ``--budget 5 %``.
@@ -176,20 +179,88 @@ for _type in (budget, byte_budget, byte_size):
     _type.byte_valued = True  # type: ignore[attr-defined]
 
 
-#: Plan attributes that copy the cost model: the commands print the costs once, not per plan.
-_COST_FIELDS = ("write_cost", "read_cost", "forward_cost", "backward_cost")
+# ------------------------------------------------------------------------------- folders
 
 
-def plan_name(plan: object) -> str:
-    """The plan as the commands print it: its ``repr`` without cost-model copies and Nones.
+def folder_problem(path: Path) -> str | None:
+    """What stops a command from writing into the folder ``path``, or None; creates nothing.
 
-    ``TwoLevel(slots=12, write_cost=2.0, read_cost=2.0, forward_cost=1.0, backward_cost=2.0,
-    remote_interval=None)`` -> ``TwoLevel(slots=12)``; other plans print as their ``repr``.
+    A folder that exists must be writable; one that does not must be creatable: its nearest
+    existing parent must be a writable folder, and making (and at once removing) the first
+    missing folder must work (which also catches read-only and virtual file systems).
     """
-    fields = {k: v for k, v in vars(plan).items() if not k.startswith("_")}
-    if not any(k in _COST_FIELDS for k in fields):
-        return repr(plan)
-    kept = ", ".join(
-        f"{k}={v!r}" for k, v in fields.items() if k not in _COST_FIELDS and v is not None
-    )
-    return f"{type(plan).__name__}({kept})"
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} is a file, not a folder"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"cannot write into {path}: no permission"
+        return None
+    first = path.absolute()
+    while not first.parent.exists() and first.parent != first:
+        first = first.parent
+    parent = first.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {path}: no permission to write in {parent}"
+    try:
+        first.mkdir()
+    except FileExistsError:
+        return None  # made meanwhile by someone else: there now
+    except OSError as error:
+        return f"cannot create {path}: {error.strerror or error} ({first})"
+    first.rmdir()
+    return None
+
+
+def output_folder(text: str) -> Path:
+    """An argparse type: a folder the command writes into (created when it first writes).
+
+    Checked while parsing, before anything slow: it must be a folder, or creatable.
+    """
+    path = Path(text).expanduser()
+    problem = folder_problem(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{problem}: give a folder you can write to")
+    return path
+
+
+def data_folder(text: str) -> Path:
+    """An argparse type: tonic's ``save_to`` folder; it may not exist yet, but is no file."""
+    path = Path(text).expanduser()
+    for part in (path, *path.absolute().parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(
+                    f"{part} is a file, not a folder: give the folder that holds (or is to hold) "
+                    "the data set's folder, e.g. data for data/SHD"
+                )
+            break
+    return path
+
+
+# ------------------------------------------------------------------------------- devices
+
+#: ``--device`` choices, the same in every command: ``gpu`` is another name for ``cuda``.
+DEVICES = ("cpu", "cuda", "gpu")
+DEVICE_HELP = "where to run: cpu, or cuda (also: gpu) for an NVIDIA GPU"
+
+
+def check_device(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a ``--device`` value; imports torch only for a GPU.
+
+    Raises:
+        ValueError: the device is unknown, or a GPU is asked for and CUDA is not available.
+    """
+    if device not in DEVICES:
+        raise ConfigError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return device
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {device}: no CUDA GPU is available here (torch.cuda.is_available() is "
+            "False); use --device cpu"
+        )
+    return "cuda"

@@ -14,7 +14,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spikeckpt.cli._args import Budget, budget, byte_budget, positive_int
+from spikeckpt.cli._args import (
+    DEVICE_HELP,
+    DEVICES,
+    Budget,
+    budget,
+    byte_budget,
+    check_device,
+    output_folder,
+    positive_int,
+)
 from spikeckpt.errors import ConfigError
 from spikeckpt.units import format_bytes
 
@@ -56,12 +65,15 @@ def _lengths(text: str) -> list[int]:
 
 
 def _strategies(text: str) -> str:
-    from spikeckpt.bench.strategies import parse_strategies
+    from spikeckpt.bench import STRATEGY_NAMES  # no torch: checked while parsing
 
-    try:
-        parse_strategies(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGY_NAMES and n != "all"]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown strateg{'y' if len(unknown) == 1 else 'ies'} {', '.join(map(repr, unknown))};"
+            f" valid strategies: {', '.join(STRATEGY_NAMES)} (or 'all')"
+        )
     return text
 
 
@@ -145,10 +157,60 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tiny sizes, one repeat: a check of every strategy in about 15 s (CI)",
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("spikeckpt-out"), metavar="DIR", help="output folder"
+        "--out",
+        type=output_folder,
+        default="spikeckpt-out",
+        metavar="DIR",
+        help="folder for the JSON, CSV, Markdown and PNG files (created when they are written)",
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     parser.set_defaults(handler=run)
+
+
+class _Steps:
+    """What is being measured now: a bar on a terminal that is gone once done (the tables then
+    hold every figure once), else one line per item without figures (a log shows progress).
+
+    A context manager: the bar stops (and the cursor comes back) however the block ends.
+    """
+
+    def __init__(self, console: Any, total: int) -> None:
+        self.console, self.total, self.count = console, total, 0
+        self.progress: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> _Steps:
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.progress = Progress(
+                TextColumn("measuring"),
+                BarColumn(bar_width=16),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+                transient=True,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("", total=self.total)
+        return self
+
+    def start(self, what: str) -> None:
+        """Say what is measured next."""
+        self.count += 1
+        if self.progress is not None:
+            self.progress.update(self.task, description=what)
+        else:
+            self.console.print(f"  measuring {what} ({self.count}/{self.total})")
+
+    def done(self) -> None:
+        """One item measured."""
+        if self.progress is not None:
+            self.progress.advance(self.task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 def _plan_budget(budget: Budget | None, T: int, S: int, A: int) -> int | None:
@@ -158,13 +220,12 @@ def _plan_budget(budget: Budget | None, T: int, S: int, A: int) -> int | None:
 def run(args: argparse.Namespace) -> int:
     """Run the sweep or the search; print tables and write JSON, CSV, Markdown and PNG."""
     args.started = time.perf_counter()
+    args.device = check_device(args.device)
     import torch
 
     from spikeckpt.bench.measure import calibrate, choose_threads, scratch_directory
     from spikeckpt.bench.strategies import Workload, parse_strategies
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: CUDA is not available on this machine; use --device cpu")
     if args.quick:
         for key, value in QUICK.items():
             if key != "T" or args.T is None:
@@ -177,7 +238,6 @@ def run(args: argparse.Namespace) -> int:
     threads, why = choose_threads(args.threads)
     device = torch.device(args.device)
     workload = Workload(args.batch, args.inputs, args.hidden, args.layers, args.density)
-    args.out.mkdir(parents=True, exist_ok=True)
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -213,37 +273,40 @@ def _sweep(args, strategies, workload, costs, folder, device, console, meta) -> 
 
     rows = []
     started = time.perf_counter()
-    for T in args.T:
-        ctx = make_context(
-            workload, T, plan_budget=None, costs=costs, directory=folder, device=device
-        )
-        ctx.plan_budget = _plan_budget(args.budget, T, ctx.state_bytes, ctx.step_bytes)
-        meta.setdefault("sizes", {})[str(T)] = {"S": ctx.state_bytes, "A": ctx.step_bytes}
-        reference = None
-        base = None
-        for strategy in strategies:
-            row, grads = measure(strategy, ctx, repeats=args.repeats, reference=reference)
-            if strategy.name == "bptt":
-                reference, base = grads, row
-            rows.append(row)
-            if base is not None and row.fits and base.peak_bytes and base.time_s:
-                row.peak_ratio = (row.peak_bytes or 0) / base.peak_bytes
-                row.time_ratio = (row.time_s or 0) / base.time_s
-            console.print(
-                f"  T={T} {strategy.name}: "
-                + (
-                    f"{format_bytes(row.peak_bytes or 0)}, {row.time_s:.3f} s"
-                    if row.fits
-                    else row.note
-                )
+    with _Steps(console, len(args.T) * len(strategies)) as steps:
+        for T in args.T:
+            ctx = make_context(
+                workload, T, plan_budget=None, costs=costs, directory=folder, device=device
             )
+            ctx.plan_budget = _plan_budget(args.budget, T, ctx.state_bytes, ctx.step_bytes)
+            meta.setdefault("sizes", {})[str(T)] = {"S": ctx.state_bytes, "A": ctx.step_bytes}
+            reference = None
+            base = None
+            for strategy in strategies:
+                steps.start(f"T={T} {strategy.name}")
+                row, grads = measure(strategy, ctx, repeats=args.repeats, reference=reference)
+                steps.done()
+                if strategy.name == "bptt":
+                    reference, base = grads, row
+                rows.append(row)
+                if base is not None and row.fits and base.peak_bytes and base.time_s:
+                    row.peak_ratio = (row.peak_bytes or 0) / base.peak_bytes
+                    row.time_ratio = (row.time_s or 0) / base.time_s
     console.print()
     report.print_tables(console, report.sweep_tables(rows, console.width))
+    notes = report.sweep_notes(rows)
+    if notes:
+        console.print("notes:")
+        for note in notes:
+            console.print(f"- {note}")
+        console.print()
     meta["wall_s"] = round(time.perf_counter() - started, 1)
     records = [row.as_dict() for row in rows]
     out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     markdown = out / "bench.md"
-    markdown.write_text(report.markdown(report.SWEEP_HEADER, report.sweep_rows(rows)))
+    text = report.markdown(report.SWEEP_HEADER, report.sweep_rows(rows))
+    markdown.write_text(text + "".join(f"\n- {note}" for note in notes) + ("\n" if notes else ""))
     paths = [
         report.write_json(out / "bench.json", {"meta": meta, "rows": records}),
         report.write_csv(out / "bench.csv", records),
@@ -274,39 +337,41 @@ def _search(args, strategies, workload, costs, folder, device, console, meta) ->
     results = []
     base = 0
     started = time.perf_counter()
-    for strategy in strategies:
-        if not strategy.available:
-            console.print(f"  {strategy.name}: {strategy.note}")
-            continue
-        start = base or 8
-        cap = max(start, math.ceil(cap_ratio * base)) if base else 1 << 20
-        if length:
-            result = max_length(
-                strategy, workload, budget, costs, folder, start=start, cap=cap, device=device
-            )
-        else:
-            result = max_width(
-                strategy,
-                workload,
-                args.T[0],
-                budget,
-                costs,
-                folder,
-                start=start,
-                cap=cap,
-                device=device,
-            )
-        if strategy.name == "bptt":
-            base = result.best
-            if base == 0:
-                raise ConfigError(
-                    f"BPTT fits no {quantity} within {format_bytes(budget)}; raise the budget"
+    skipped = []
+    with _Steps(console, len(strategies)) as steps:
+        for strategy in strategies:
+            if not strategy.available:
+                skipped.append(f"{strategy.name}: {strategy.note}")
+                continue
+            steps.start(f"the largest {quantity} of {strategy.name}")
+            start = base or 8
+            cap = max(start, math.ceil(cap_ratio * base)) if base else 1 << 20
+            if length:
+                result = max_length(
+                    strategy, workload, budget, costs, folder, start=start, cap=cap, device=device
                 )
-        results.append(result)
-        console.print(
-            f"  {strategy.name}: {quantity} {'>=' if result.capped else '='} {result.best} "
-            f"({len(result.trials)} trials)",
-        )
+            else:
+                result = max_width(
+                    strategy,
+                    workload,
+                    args.T[0],
+                    budget,
+                    costs,
+                    folder,
+                    start=start,
+                    cap=cap,
+                    device=device,
+                )
+            steps.done()
+            if strategy.name == "bptt":
+                base = result.best
+                if base == 0:
+                    raise ConfigError(
+                        f"BPTT fits no {quantity} within {format_bytes(budget)}; raise the budget"
+                    )
+            results.append(result)
+    for line in skipped:
+        console.print(f"  {line}")
     what = "max-length" if length else "max-width"
     title = f"{what}: device budget {format_bytes(budget)}" + ("" if length else f", T={args.T[0]}")
     console.print()
@@ -315,6 +380,7 @@ def _search(args, strategies, workload, costs, folder, device, console, meta) ->
     meta["budget_bytes"] = budget
     meta["cap_ratio"] = cap_ratio
     out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     records = [r.as_dict() for r in results]
     flat = [
         {k: v for k, v in r.items() if k not in ("trials", "best_row")}

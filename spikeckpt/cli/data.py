@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from spikeckpt.cli._args import positive_int
+from spikeckpt.cli._args import output_folder, positive_int
 
 #: How to use the files each dataset's writer leaves, printed after writing them.
 _USE = {
@@ -41,7 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--dataset", choices=("shd", "nmnist"), required=True, help="which data set to imitate"
     )
     synth.add_argument(
-        "--root", type=Path, required=True, help="tonic's save_to folder (files go below it)"
+        "--root",
+        type=output_folder,
+        required=True,
+        help="tonic's save_to folder (files go below it; created if missing)",
     )
     synth.add_argument(
         "--samples",

@@ -2,14 +2,18 @@
 
 Steps: find the data (the real SHD files under ``--root``, or synthetic files in the real
 format, said loudly); wrap a snnTorch (or Norse) LIF network; train it with Lightning and
-:class:`~spikeckpt.lightning.MemoryBudget`; then measure one training step with plain BPTT and
-with the plan chosen for that batch's shape (peak memory by :class:`~spikeckpt.MemoryMeter`,
+[`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget]; then measure one training step with plain BPTT and
+with the plan chosen for that batch's shape (peak memory by [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter],
 time, largest gradient difference), print a table and save a plot.
 
-Every argument is checked before anything slow starts. Lightning, snnTorch and tonic are
-imported only when the demo runs (``spikeckpt[all]``). Synthetic data go to the user's cache
-folder (``$XDG_CACHE_HOME/spikeckpt``, else ``~/.cache/spikeckpt``), never into the working
-folder; only the plot is written there (``--out``).
+Every argument, ``--out`` and ``--root`` included, is checked before anything slow starts;
+so is the data folder. Lightning, snnTorch and tonic are imported only when the demo runs
+(``spikeckpt[all]``). Synthetic data go to the user's cache folder (``$XDG_CACHE_HOME/spikeckpt``,
+else ``~/.cache/spikeckpt``), never into the working folder; only the plot is written there
+(``--out``, created when the plot is saved).
+
+On the screen every quantity appears once, labelled "estimated" (the planner's account) or
+"measured" ([`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], wall-clock time).
 """
 
 from __future__ import annotations
@@ -26,7 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spikeckpt.cli._args import Budget, budget, plan_name, positive_int
+from spikeckpt.cli._args import (
+    DEVICE_HELP,
+    DEVICES,
+    Budget,
+    budget,
+    check_device,
+    data_folder,
+    folder_problem,
+    output_folder,
+    positive_int,
+)
 from spikeckpt.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,7 +52,6 @@ if TYPE_CHECKING:
 
 #: The default budget: plain BPTT's activations times this share, plus model, gradients, Adam.
 DEFAULT_BUDGET = Budget(share=0.25)
-DEVICES = ("cpu", "cuda", "gpu")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -65,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     data = parser.add_argument_group("data")
     data.add_argument(
         "--root",
-        type=Path,
+        type=data_folder,
         default=None,
         metavar="DIR",
         help="folder holding the real SHD files in DIR/SHD (tonic's save_to); without it the "
@@ -109,19 +122,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="device memory for a training step: bytes (64MiB), or a share of what plain "
         "BPTT's activations need (25%%), added to the model, gradients and optimizer state",
     )
-    train.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cpu",
-        help="where to train: cpu, or cuda (gpu) for an NVIDIA GPU",
-    )
+    train.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
     output = parser.add_argument_group("output")
     output.add_argument(
         "--out",
-        type=Path,
-        default=Path("spikeckpt-out"),
+        type=output_folder,
+        default="spikeckpt-out",
         metavar="DIR",
-        help="folder for the plot demo.png",
+        help="folder for the plot demo.png (created when the plot is saved)",
     )
     output.add_argument("--no-progress", action="store_true", help="one line per epoch, no bar")
     parser.set_defaults(handler=command)
@@ -173,21 +181,22 @@ class DataSource:
 def find_data(root: str | Path | None, synthetic: bool | None, samples: int | None) -> DataSource:
     """Decide which SHD files the demo trains on; write synthetic ones when that is asked for.
 
-    ``root=None``: synthetic files in :func:`cache_folder`. An explicit ``root`` must hold SHD
+    ``root=None``: synthetic files in `cache_folder`. An explicit ``root`` must hold SHD
     files (real, or synthetic ones from ``spikeckpt data synth``) unless ``synthetic=True``.
+    Imports neither torch nor tonic.
 
     Raises:
         DataNotFoundError: ``root`` holds no SHD files and synthetic data were not asked for.
         ValueError: contradictory arguments (``samples`` with real files, ``synthetic`` where
-            real files are).
+            real files are), or a folder that cannot be written where synthetic files must go.
     """
-    from spikeckpt.data.datasets import files_present
     from spikeckpt.data.errors import DataNotFoundError
+    from spikeckpt.data.files import files_present, shd_placeholder_hint
     from spikeckpt.data.synthetic import synthetic_marker
 
     if root is None:
         folder = cache_folder() / "data"
-        _ensure_synthetic(folder, samples or 256)
+        _ensure_synthetic(folder, samples or 256, "the cache folder")
         return DataSource(folder, True, "no --root given")
     folder = Path(root).expanduser()
     present = all(files_present("shd", folder, train) for train in (True, False))
@@ -205,7 +214,7 @@ def find_data(root: str | Path | None, synthetic: bool | None, samples: int | No
             )
         return DataSource(folder, False, f"--root {folder}")
     if synthetic:
-        _ensure_synthetic(folder, samples or 256)
+        _ensure_synthetic(folder, samples or 256, "--root")
         return DataSource(folder, True, "--synthetic")
     if present:
         if samples is not None and marker and marker.get("train_samples") != samples:
@@ -214,6 +223,9 @@ def find_data(root: str | Path | None, synthetic: bool | None, samples: int | No
                 f"recordings, not {samples}: add --synthetic to rewrite them, or drop --samples"
             )
         return DataSource(folder, True, f"--root {folder} holds synthetic files")
+    hint = shd_placeholder_hint(folder)
+    if hint:
+        raise DataNotFoundError(f"SHD files incomplete (--root {root}): {hint}")
     raise DataNotFoundError(
         f"no SHD files under {folder / 'SHD'} (--root {root}): the demo needs shd_train.h5 and "
         "shd_test.h5 there, with the archives shd_train.h5.zip and shd_test.h5.zip beside them "
@@ -223,15 +235,28 @@ def find_data(root: str | Path | None, synthetic: bool | None, samples: int | No
     )
 
 
-def _ensure_synthetic(folder: Path, samples: int) -> None:
-    """Synthetic SHD under ``folder/SHD`` with ``samples`` training recordings (seed 0)."""
-    from spikeckpt.data.datasets import files_present
+def _ensure_synthetic(folder: Path, samples: int, option: str) -> None:
+    """Synthetic SHD under ``folder/SHD`` with ``samples`` training recordings (seed 0).
+
+    Rewritten unless a complete set with these settings is there (an interrupted write leaves
+    an incomplete marker: the next run writes again). ``option`` names where ``folder`` came
+    from, for the error when it cannot be written.
+    """
+    from spikeckpt.data.files import files_present
     from spikeckpt.data.synthetic import synthetic_marker, write_synthetic_shd
 
     marker = synthetic_marker(folder / "SHD") or {}
-    same = marker.get("train_samples") == samples and marker.get("seed") == 0
-    if not (same and all(files_present("shd", folder, train) for train in (True, False))):
-        write_synthetic_shd(folder, samples=samples, seed=0)
+    same = (
+        marker.get("train_samples") == samples
+        and marker.get("seed") == 0
+        and marker.get("complete", True) is not False
+    )
+    if same and all(files_present("shd", folder, train) for train in (True, False)):
+        return
+    problem = folder_problem(folder / "SHD")
+    if problem:
+        raise ConfigError(f"cannot write synthetic SHD files ({option}): {problem}")
+    write_synthetic_shd(folder, samples=samples, seed=0)
 
 
 # ------------------------------------------------------------------------------- the model
@@ -279,12 +304,20 @@ def classifier_class() -> type:
     from spikeckpt.plans import BPTT
 
     class SpikeCountClassifier(pl.LightningModule):
-        """Classifies spike trains ``(T, B, C)`` by the output spike counts (``readout="sum"``)."""
+        """Classifies spike trains ``(T, B, C)`` by the output spike counts (``readout="sum"``).
+
+        Loss and accuracy are means over the recordings of an epoch in training, validation
+        and test alike: in training the running mean of the epoch so far (the value at the
+        end of an epoch is that epoch's mean, as for validation).
+        """
 
         def __init__(self, network: nn.Module, lr: float = 2e-3, storage: str = "host") -> None:
             super().__init__()
             self.net = spikeckpt.wrap(network, plan=BPTT(), storage=storage, readout="sum")
             self.lr = lr
+            self._seen = 0
+            self._correct = 0
+            self._loss_sum = 0.0
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.net(x)  # (B, classes) spike counts
@@ -293,11 +326,23 @@ def classifier_class() -> type:
             x, y = batch
             counts = self(x)
             loss = nn.functional.cross_entropy(counts, y)
-            accuracy = (counts.argmax(1) == y).float().mean()
-            on_epoch = name != "train"
-            self.log(f"{name}_loss", loss, prog_bar=True, batch_size=len(y), on_epoch=on_epoch)
-            self.log(f"{name}_acc", accuracy, prog_bar=True, batch_size=len(y), on_epoch=on_epoch)
+            correct = counts.argmax(1) == y
+            size = len(y)
+            if name == "train":  # running means over the epoch, shown as it goes
+                self._seen += size
+                self._correct += int(correct.sum())
+                self._loss_sum += float(loss.detach()) * size
+                self.log("train_loss", self._loss_sum / self._seen, prog_bar=True)
+                self.log("train_acc", self._correct / self._seen, prog_bar=True)
+                return loss
+            accuracy = correct.float().mean()
+            self.log(f"{name}_loss", loss, prog_bar=True, batch_size=size, on_epoch=True)
+            self.log(f"{name}_acc", accuracy, prog_bar=True, batch_size=size, on_epoch=True)
             return loss
+
+        def on_train_epoch_start(self) -> None:
+            self._seen = self._correct = 0
+            self._loss_sum = 0.0
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self._step(batch, "train")
@@ -318,9 +363,12 @@ def classifier_class() -> type:
 
 
 def _progress_callback(console: Console, live: bool) -> Any:
-    """A Lightning callback that shows one line per epoch: a live bar, or a line at its end.
+    """A Lightning callback that shows one line per epoch: a live bar (on a terminal), or a
+    line at the epoch's end.
 
     Our own, so the demo's summaries can follow on their own lines once training is over.
+    Its `stop` ends a live bar (and shows the cursor again) wherever training ended,
+    Ctrl-C included.
     """
     import lightning.pytorch as pl
     from rich.progress import (
@@ -379,7 +427,12 @@ def _progress_callback(console: Console, live: bool) -> Any:
                 )
 
         def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            self.stop()
+
+        def stop(self, clear: bool = False) -> None:
+            """End the live bar, if any (idempotent); ``clear``: erase it (training failed)."""
             if self.progress is not None:
+                self.progress.live.transient = clear
                 self.progress.stop()
                 self.progress = None
 
@@ -408,46 +461,48 @@ def quiet_lightning() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _check_device(device: str) -> str:
-    """``"cpu"`` or ``"cuda"``; raises ValueError when the GPU asked for is not there."""
-    import torch
-
-    if device not in DEVICES:
-        raise ConfigError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
-    if device == "cpu":
-        return device
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device {device}: no CUDA GPU is available here (torch.cuda.is_available() is "
-            "False); use --device cpu"
-        )
-    return "cuda"
-
-
 # -------------------------------------------------------------------------------- measuring
 
 
 @dataclass
 class StepMeasurement:
-    """One training step measured with one plan."""
+    """One training step (forward and backward) measured with one plan.
+
+    Attributes:
+        plan: the plan's ``repr``.
+        peak_bytes: measured device peak of the whole step: the model, its gradients, the
+            optimizer state, the batch and everything the step allocates.
+        seconds: measured time of the step (the faster of two).
+        max_grad_diff: largest ``|g - g_bptt|`` over every parameter element.
+        estimated_bytes: the same peak as the planner estimates it (None: not estimated).
+    """
 
     plan: str
     peak_bytes: int
     seconds: float
     max_grad_diff: float
+    estimated_bytes: int | None = None
 
 
 def measure_step(
-    model: Any, batch: Any, plan: Plan, reference: list[torch.Tensor] | None
+    model: Any,
+    batch: Any,
+    plan: Plan,
+    reference: list[torch.Tensor] | None,
+    optimizers: Any = (),
+    estimated_bytes: int | None = None,
 ) -> tuple[StepMeasurement, list[torch.Tensor]]:
     """Peak memory, time and gradients of one forward+backward with ``plan``.
 
     Time is the faster of two unmeasured steps; the peak comes from a third step run inside
-    :class:`~spikeckpt.MemoryMeter` (which slows tiny ops down on CPU, so it is not timed).
+    [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter] (which slows tiny ops down on CPU, so it is not timed),
+    which also counts what the step holds from before it starts (the parameters, the
+    ``optimizers``' state, the batch), as [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] does.
     """
     from torch import nn
 
     from spikeckpt.engine.meter import MemoryMeter
+    from spikeckpt.lightning.resources import step_resident
 
     x, y = batch
     model.net.plan = plan
@@ -463,22 +518,25 @@ def measure_step(
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     with MemoryMeter(x.device) as meter:
+        meter.track(step_resident(model, optimizers, batch))
         nn.functional.cross_entropy(model(x), y).backward()
     grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
     diff = 0.0
     if reference is not None:
         diff = max(float((a - b).abs().max()) for a, b in zip(grads, reference, strict=True))
     model.zero_grad(set_to_none=True)
-    return StepMeasurement(plan_name(plan), meter.peak_bytes, min(times), diff), grads
+    row = StepMeasurement(repr(plan), meter.peak_bytes, min(times), diff, estimated_bytes)
+    return row, grads
 
 
 def budget_parts(model: Any, x: Any) -> tuple[int, int]:
-    """``(fixed, bptt)`` in bytes: what a training step holds besides the activations (the
-    model, ``.grad``, Adam's two moments, the engine's gradient buffers, the input train as it
-    reaches the device, one step's working memory, stacked outputs); plain BPTT's activations.
+    """``(fixed, bptt)`` in bytes, estimated: what a training step holds besides the
+    activations (the model, ``.grad``, Adam's two moments, the engine's gradient buffers, the
+    input train as it reaches the device, one step's working memory, stacked outputs); plain
+    BPTT's activations.
 
     ``x``: the batch's input, ``(T, B, ...)``, a dense tensor or a packed spike train."""
-    from spikeckpt.engine.packed import input_nbytes, step_of
+    from spikeckpt.engine.inputs import input_nbytes, step_of
     from spikeckpt.planning import probe_model
 
     net = model.net
@@ -486,7 +544,9 @@ def budget_parts(model: Any, x: Any) -> tuple[int, int]:
     probe = probe_model(net, x, net.initial_state(x_0), net.storage)
     T = int(x.shape[0])
     bptt = probe.state_bytes + T * probe.step_bytes
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    from spikeckpt.storage.base import tensor_nbytes  # torch only when asked
+
+    params = sum(tensor_nbytes(p) for p in model.parameters())
     outputs = 2 * T * probe.output_bytes if net.readout is None else 0
     fixed = 6 * params + input_nbytes(x) + probe.work_bytes + outputs
     return fixed, bptt
@@ -533,6 +593,7 @@ def run(
         budget: bytes, ``"64MiB"``, or a share of BPTT's activations such as ``"25%"``
             (the default), on top of the model, gradients and Adam's state.
         samples: training recordings of synthetic data (default 256).
+        out: folder for ``demo.png``, created when the plot is saved.
 
     Returns:
         A summary (plan, choice, measurements, accuracy, plot path, data source) for tests and
@@ -546,17 +607,42 @@ def run(
     chosen_budget = _as_budget(budget)
     if framework not in ("snntorch", "norse"):
         raise ConfigError(f"unknown framework {framework!r}: use 'snntorch' or 'norse'")
-    device = _check_device(device)
+    device = check_device(device)
+    out = Path(out).expanduser()
+    problem = folder_problem(out)
+    if problem:
+        raise ConfigError(f"--out {out}: {problem}: give a folder you can write to")
     if console is None:
         from rich.console import Console
 
         console = Console(highlight=False)
+    console.print(
+        f"spikeckpt demo: train a 700-{hidden}-{hidden}-20 LIF network ({framework}) on SHD "
+        "within a device memory budget, then compare one training step of plain BPTT with "
+        "the plan spikeckpt chose."
+    )
     source = find_data(root, synthetic, samples)
     with quiet_lightning():
         return _run(
             source, console, epochs, chosen_budget, dt_us, framework, device, hidden,
-            batch_size, Path(out), progress,
+            batch_size, out, progress,
         )  # fmt: skip
+
+
+def _counts(data: Any, batch_size: int) -> str:
+    """The data line: T, the recordings as ``--samples`` counts them, the batch size used."""
+    train, val, test = len(data.train_set), len(data.val_set), len(data.test_set)
+    plural = "" if test == 1 else "s"
+    recordings = (
+        f"{train + val} training recordings ({train} to train on, {val} held out for "
+        f"validation) and {test} test recording{plural}"
+    )
+    batches = f"batches of {batch_size}"
+    if batch_size > train:
+        batches = (
+            f"batches of {train} (--batch-size {batch_size} is more than the {train} to train on)"
+        )
+    return f"T = {data.T} steps of {data.dt_us} us; {recordings}; {batches}"
 
 
 def _run(
@@ -572,23 +658,9 @@ def _run(
     out: Path,
     progress: bool,
 ) -> dict[str, Any]:
-    import lightning.pytorch as pl
-    import torch
-
-    from spikeckpt.bench.measure import choose_threads
-    from spikeckpt.data import SHDDataModule
     from spikeckpt.data.synthetic import synthetic_marker
-    from spikeckpt.lightning import MemoryBudget
-    from spikeckpt.plans import BPTT
-    from spikeckpt.units import format_bytes
 
-    torch.manual_seed(0)
     location = source.root / "SHD"
-    console.print(
-        f"spikeckpt demo: train a 700-{hidden}-{hidden}-20 LIF network ({framework}) on SHD "
-        "within a device memory budget, then compare one training step of plain BPTT with "
-        "the plan spikeckpt chose."
-    )
     if source.synthetic:
         marker = synthetic_marker(location) or {}
         console.print(
@@ -599,10 +671,20 @@ def _run(
         )
     else:
         console.print(f"data: the real SHD files in {location}")
+
+    import lightning.pytorch as pl
+    import torch
+
+    from spikeckpt.bench.measure import choose_threads
+    from spikeckpt.data import SHDDataModule
+    from spikeckpt.lightning import MemoryBudget
+    from spikeckpt.plans import BPTT
+    from spikeckpt.units import format_bytes
+
+    torch.manual_seed(0)
     if device == "cpu":
         threads, reason = choose_threads()
         console.print(f"torch threads: {threads} ({reason})")
-    out.mkdir(parents=True, exist_ok=True)
     data = SHDDataModule(
         source.root,
         dt_us=dt_us,
@@ -615,10 +697,7 @@ def _run(
     data.prepare_data()
     data.setup("fit")
     assert data.train_set is not None and data.val_set is not None and data.test_set is not None
-    sizes = f"{len(data.train_set)} training, {len(data.val_set)} validation, {len(data.test_set)}"
-    console.print(
-        f"T = {data.T} steps of {dt_us} us; batches of {batch_size}; {sizes} test recordings"
-    )
+    console.print(_counts(data, batch_size))
 
     network = build_network(framework, 700, hidden, data.num_classes)
     model = classifier_class()(network)
@@ -626,22 +705,23 @@ def _run(
     fixed, bptt = budget_parts(model, batch[0])
     if chosen_budget.bytes is not None:
         budget_bytes = chosen_budget.bytes
-        how = f"plain BPTT would need {format_bytes(fixed + bptt)}"
+        how = f"--budget; plain BPTT would need {format_bytes(fixed + bptt)}, estimated"
     else:
         budget_bytes = fixed + chosen_budget.resolve(bptt)
         how = (
-            f"{chosen_budget} of plain BPTT's {format_bytes(bptt)} of activations, plus "
-            f"{format_bytes(fixed)} for the model, gradients, Adam, the packed input and the "
-            "engine's buffers"
+            f"{chosen_budget} of the {format_bytes(bptt)} of activations plain BPTT would keep, "
+            f"plus {format_bytes(fixed)} for the model, gradients, Adam, the packed input and "
+            "the engine's buffers; both estimated"
         )
     console.print(f"device budget for a training step: {format_bytes(budget_bytes)} ({how})")
 
     callback = MemoryBudget(budget_bytes, storage="host", verbose=False)
+    bar = _progress_callback(console, live=progress and console.is_terminal)
     trainer = pl.Trainer(
         accelerator=device,
         devices=1,
         max_epochs=epochs,
-        callbacks=[callback, _progress_callback(console, live=progress)],
+        callbacks=[callback, bar],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
@@ -650,46 +730,48 @@ def _run(
         default_root_dir=str(out),
     )
     started = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    try:
+        trainer.fit(model, datamodule=data)
+    except BaseException:
+        bar.stop(clear=True)  # a refusal, an error, Ctrl-C: no stale bar, the cursor back
+        raise
+    bar.stop()
     console.print(f"trained {epochs} epoch(s) in {time.perf_counter() - started:.0f} s")
 
     planner = callback.planners["net"]
     T, B = int(batch[0].shape[0]), int(batch[0].shape[1])
     choice = planner.choices[(T, B)]
-    measured = callback.measured_peak_bytes
     console.print(
-        f"MemoryBudget: {format_bytes(callback.budget_bytes)} for the wrapped model's steps (the "
-        "budget less the model, gradients, Adam and a 5% margin)"
-    )
-    print_budget_table(callback, console)
-    console.print(
-        f"plan for T={T}, B={B}: {plan_name(choice.plan)}, modeled peak "
-        f"{format_bytes(choice.modeled_peak_bytes)}, {choice.recompute_factor:.2f} "
-        f"evaluations/step, ~{choice.time_factor:.2f}x BPTT time"
-        + (f"; measured peak of the first step {format_bytes(measured)}" if measured else "")
+        f"plan chosen by MemoryBudget for T={T}, batch {B}: {choice.plan!r} (estimated "
+        f"{choice.recompute_factor:.2f} step evaluations per step, {choice.time_factor:.2f}x "
+        "BPTT's time)"
     )
     others = [c for key, c in planner.choices.items() if key != (T, B)]
-    for other in others:
+    if others:
         console.print(
-            f"  other batch shape T={other.T}, B={other.batch} (last batch of a split): "
-            f"{plan_name(other.plan)}"
+            "  and for the other batch shapes it met (smaller last batches, validation, test): "
+            + "; ".join(f"T={c.T}, batch {c.batch}: {c.plan!r}" for c in others)
         )
 
     test = trainer.test(model, datamodule=data, verbose=False)
     accuracy = float(test[0]["test_acc"]) if test else float("nan")
 
-    model.net.planner = None
+    model.net.set_planner(None)
     batch = tuple(t.to(model.device) for t in batch)
-    bptt_row, reference = measure_step(model, batch, BPTT(), None)
-    chosen_row, _ = measure_step(model, batch, choice.plan, reference)
+    optimizers = trainer.optimizers
+    bptt_row, reference = measure_step(model, batch, BPTT(), None, optimizers, fixed + bptt)
+    chosen_row, _ = measure_step(
+        model, batch, choice.plan, reference, optimizers, callback.modeled_step_bytes
+    )
     rows = [bptt_row, chosen_row]
-    print_table(rows, console, T=T, batch=B)
+    print_table(rows, console, T=T, batch=B, budget_bytes=callback.total_bytes)
     chance = 1 / data.num_classes
     console.print(
         f"test accuracy: {accuracy:.3f} (chance {chance:.3f})"
         + (", on synthetic data" if source.synthetic else "")
     )
-    plot = save_plot(rows, out / "demo.png")
+    out.mkdir(parents=True, exist_ok=True)
+    plot = save_plot(rows, out / "demo.png", T=T, batch=B, budget_bytes=callback.total_bytes)
     console.print(f"plot: {plot}")
     return {
         "plan": choice.plan,
@@ -698,74 +780,139 @@ def _run(
         "accuracy": accuracy,
         "plot": plot,
         "budget_bytes": budget_bytes,
-        "measured_peak_bytes": measured,
+        "measured_peak_bytes": callback.measured_peak_bytes,
         "synthetic": source.synthetic,
         "data": source,
     }
 
 
-def print_budget_table(callback: Any, console: Console) -> None:
-    """A training step's memory: the budget, what the plan models, what was measured."""
-    from rich.table import Table
-
-    from spikeckpt.units import format_bytes
-
-    table = Table(title="memory of a training step (device)")
-    for column in ("budget", "modeled (plan)", "measured (first step)", "measured / budget"):
-        table.add_column(column, justify="right")
-    modeled, measured = callback.modeled_step_bytes, callback.measured_peak_bytes
-    table.add_row(
-        format_bytes(callback.total_bytes),
-        format_bytes(modeled) if modeled is not None else "-",
-        format_bytes(measured) if measured is not None else "-",
-        f"{measured / callback.total_bytes:.2f}" if measured is not None else "-",
-    )
-    console.print(table)
+#: Columns of the demo's table (``peak/BPTT`` and ``time/BPTT`` as in ``spikeckpt bench``);
+#: two-line headers keep it within 80 columns.
+TABLE_HEADER = [
+    "plan",
+    "peak\nestimated",
+    "peak\nmeasured",
+    "peak/BPTT",
+    "time",
+    "time/BPTT",
+]
 
 
-def print_table(rows: list[StepMeasurement], console: Console, *, T: int, batch: int) -> None:
-    """The BPTT-vs-plan table; whole plan names, split in two when the terminal is narrow."""
-    from spikeckpt.bench.report import fitting_tables, print_tables
+def table_cells(rows: list[StepMeasurement]) -> list[list[str]]:
+    """The cells of the demo's table, one row per plan (BPTT first: the ratios' base)."""
     from spikeckpt.units import format_bytes
 
     base = rows[0]
-    header = ["plan", "peak memory", "x BPTT", "time", "x BPTT", "max |grad diff|"]
-    cells = [
+    return [
         [
             row.plan,
+            format_bytes(row.estimated_bytes) if row.estimated_bytes is not None else "-",
             format_bytes(row.peak_bytes),
             f"{row.peak_bytes / base.peak_bytes:.3f}",
             f"{row.seconds:.2f} s",
             f"{row.seconds / base.seconds:.2f}",
-            f"{row.max_grad_diff:.1e}" if row.max_grad_diff else "0",
         ]
         for row in rows
     ]
+
+
+def print_table(
+    rows: list[StepMeasurement],
+    console: Console,
+    *,
+    T: int,
+    batch: int,
+    budget_bytes: int | None = None,
+) -> None:
+    """The BPTT-vs-plan table (whole plan names; split when the terminal is too narrow), what
+    its peak counts, the budget, and the largest gradient difference."""
+    from spikeckpt.bench.report import fitting_tables, print_tables
+    from spikeckpt.units import format_bytes
+
     title = f"one training step, T={T}, batch {batch}: plain BPTT vs the chosen plan"
     console.print()
-    print_tables(console, fitting_tables(title, header, cells, keys=1, width=console.width))
+    tables = fitting_tables(title, TABLE_HEADER, table_cells(rows), keys=1, width=console.width)
+    print_tables(console, tables)
+    chosen = rows[-1]
+    console.print(
+        "peak: the device memory of the whole step (model, gradients, Adam's state, batch, "
+        "activations), estimated by the planner and measured by MemoryMeter; time: measured"
+        + (
+            f". Budget {format_bytes(budget_bytes)}: the chosen plan's measured peak is "
+            f"{chosen.peak_bytes / budget_bytes:.2f} of it"
+            if budget_bytes
+            else ""
+        )
+    )
+    diff = f"{chosen.max_grad_diff:.1e}" if chosen.max_grad_diff else "0 (bitwise equal)"
+    console.print(f"gradients: largest difference to plain BPTT's, measured: {diff}")
 
 
-def save_plot(rows: list[StepMeasurement], path: Path) -> Path:
-    """Bar charts of peak memory and time per plan, saved as PNG."""
+def save_plot(
+    rows: list[StepMeasurement],
+    path: Path,
+    *,
+    T: int | None = None,
+    batch: int | None = None,
+    budget_bytes: int | None = None,
+) -> Path:
+    """Save `demo_figure` as a PNG at ``path``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    figure = demo_figure(rows, T=T, batch=batch, budget_bytes=budget_bytes)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def demo_figure(
+    rows: list[StepMeasurement],
+    *,
+    T: int | None = None,
+    batch: int | None = None,
+    budget_bytes: int | None = None,
+) -> Any:
+    """Bar charts of the measured peak memory (the budget as a dashed line) and time per plan.
+
+    Every bar carries its value as the table prints it; the title says T and the batch size.
+    Returns the matplotlib figure (Agg backend).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from spikeckpt.bench.report import byte_unit
+    from spikeckpt.units import format_bytes
 
     names = [row.plan for row in rows]
-    unit, scale = byte_unit(max(row.peak_bytes for row in rows))
-    figure, (memory, seconds) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
-    colours = ["grey", "tab:blue"]
-    memory.bar(names, [row.peak_bytes / scale for row in rows], color=colours)
-    memory.set_ylabel(f"peak memory ({unit})")
-    seconds.bar(names, [row.seconds for row in rows], color=colours)
-    seconds.set_ylabel("time per training step (s)")
-    for axis in (memory, seconds):
+    peaks = [row.peak_bytes for row in rows]
+    unit, scale = byte_unit(max([*peaks, budget_bytes or 0]))
+    figure, (memory, seconds) = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
+    colours = ["grey", *["tab:blue"] * (len(rows) - 1)]
+    bars = memory.bar(names, [p / scale for p in peaks], color=colours)
+    memory.bar_label(bars, labels=[format_bytes(p) for p in peaks], padding=2)
+    memory.set_ylabel(f"peak device memory, measured ({unit})")
+    if budget_bytes:
+        memory.axhline(budget_bytes / scale, color="tab:red", linestyle="--", linewidth=1.2)
+        memory.annotate(
+            f"budget {format_bytes(budget_bytes)}",
+            (1.0, budget_bytes / scale),
+            xycoords=("axes fraction", "data"),
+            xytext=(-4, 3),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            color="tab:red",
+            fontsize=9,
+        )
+    times = [row.seconds for row in rows]
+    bars = seconds.bar(names, times, color=colours)
+    seconds.bar_label(bars, labels=[f"{t:.2f} s" for t in times], padding=2)
+    seconds.set_ylabel("time per training step, measured (s)")
+    for axis, top in ((memory, max([*peaks, budget_bytes or 0]) / scale), (seconds, max(times))):
+        axis.set_ylim(0, top * 1.15)  # room for the labels
         axis.tick_params(axis="x", labelsize=8)
-    figure.suptitle("spikeckpt demo: one training step, plain BPTT vs the chosen plan")
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    shape = f", T={T}, batch {batch}" if T is not None and batch is not None else ""
+    figure.suptitle(f"spikeckpt demo: one training step{shape}: plain BPTT vs the chosen plan")
+    return figure

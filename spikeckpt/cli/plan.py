@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import itertools
+import re
 
-from spikeckpt.cli._args import budget, byte_size, plan_name, positive_int
+from spikeckpt.cli._args import budget, byte_size, positive_int
 from spikeckpt.errors import ConfigError
 
 
@@ -99,14 +101,60 @@ def _sizes(args: argparse.Namespace) -> tuple[int, int]:
     if args.model:
         if args.state_bytes is not None or args.step_bytes is not None:
             raise ConfigError("give either --model or --state-bytes/--step-bytes, not both")
-        from spikeckpt.models import lif_stack_sizes  # torch only when asked
-
-        return lif_stack_sizes(args.model, batch=args.batch)
+        return _measured_sizes(args.model, args.batch)
     if args.state_bytes is None or args.step_bytes is None:
         raise ConfigError(
             "give --model WIDTHS (with --batch), or both --state-bytes and --step-bytes"
         )
     return args.state_bytes, args.step_bytes
+
+
+def _available_bytes() -> int | None:
+    """Memory available for new allocations (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _measured_sizes(widths: list[int], batch: int) -> tuple[int, int]:
+    """``(S, A)`` of a LIF stack measured with torch. A network too large to build here is a
+    one-line ValueError naming what it needs and what to do instead, before torch tries
+    (a weight matrix that does not fit would otherwise end in an allocation failure, or
+    worse, in swapping)."""
+    from spikeckpt.units import format_bytes
+
+    weights = 4 * sum(a * b + b for a, b in itertools.pairwise(widths))  # float32, with biases
+    needed = 2 * weights  # the weights and their gradients, while one step is measured
+    available = _available_bytes()
+
+    def too_large(what: str) -> ConfigError:
+        return ConfigError(
+            f"--model {','.join(map(str, widths))}: measuring it builds the network, whose "
+            f"weights alone take {format_bytes(weights)}; {what}: give --state-bytes and "
+            "--step-bytes instead (S: bytes of one state; A: bytes taped per step), or smaller "
+            "widths"
+        )
+
+    if available is not None and needed > available:
+        raise too_large(
+            f"with their gradients {format_bytes(needed)}, more than the "
+            f"{format_bytes(available)} this machine has available"
+        )
+    from spikeckpt.models import lif_stack_sizes  # torch only when asked
+
+    try:
+        return lif_stack_sizes(widths, batch=batch)
+    except (RuntimeError, MemoryError) as error:
+        if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
+            raise
+        tried = re.search(r"allocate (\d+) bytes", str(error))
+        size = f" of {format_bytes(int(tried.group(1)))}" if tried else ""
+        raise too_large(f"an allocation{size} failed on this machine") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,16 +185,25 @@ def run(args: argparse.Namespace) -> int:
         f"T={args.T} steps, budget {format_bytes(budget_bytes)}{share}, S={format_bytes(S)}, "
         f"A={format_bytes(A)}{transfers}"
     )
-    print(f"chosen: {plan_name(chosen)}")
-    names = [plan_name(candidate.plan) for candidate in ranked]
+    print(f"chosen: {chosen!r}")
+    # a Double whose remote interval covers T keeps no remote checkpoint: it is a Uniform
+    plain = [c for c in ranked if type(c.plan.as_run(args.T)) is not type(c.plan)]
+    ranked = [c for c in ranked if c not in plain]
+    names = [repr(candidate.plan) for candidate in ranked]
     width = max(len("plan"), *map(len, names))
-    print(f"{'plan':<{width}} {'device':>10} {'remote':>10} {'evals/step':>10} {'x BPTT time':>11}")
+    print(f"{'plan':<{width}} {'device':>10} {'remote':>10} {'evals/step':>10} {'time/BPTT':>10}")
     for name, candidate in zip(names, ranked, strict=True):
         cost = candidate.cost
         remote_bytes = cost.peak_remote_states * S
         print(
             f"{name:<{width}} {format_bytes(cost.peak_bytes):>10} "
             f"{format_bytes(remote_bytes):>10} {cost.recompute_factor:>10.2f} "
-            f"{cost.time_factor(costs):>11.2f}"
+            f"{cost.time_factor(costs):>10.2f}"
+        )
+    for candidate in plain:
+        family = type(candidate.plan).__name__
+        print(
+            f"{family}: the fastest that fits, {candidate.plan!r}, keeps no remote checkpoint "
+            f"at T={args.T}: it is {candidate.plan.as_run(args.T)!r}"
         )
     return 0

@@ -2,12 +2,13 @@
 
 Needs the optional extras ``tonic`` (tonic, h5py) and, for the data modules, ``lightning``:
 ``pip install "spikeckpt[tonic,lightning]"``. Names are loaded on first use, so
-``import spikeckpt.data`` and :class:`DataNotFoundError` need neither.
+``import spikeckpt.data`` and [`DataNotFoundError`][spikeckpt.data.errors.DataNotFoundError] need neither.
 
-Public names: :class:`SHDDataModule`, :class:`NMNISTDataModule` (Lightning data modules,
+Public names: [`SHDDataModule`][spikeckpt.data.modules.SHDDataModule], [`NMNISTDataModule`][spikeckpt.data.modules.NMNISTDataModule] (Lightning data modules,
 batches ``(x (T, B, ...) float32, y (B,) int64)``, or ``x`` a packed
-:class:`~spikeckpt.storage.SpikeTrain` with ``packed=True``), :func:`write_synthetic_shd`,
-:func:`write_synthetic_nmnist`, :func:`steps_for` and :class:`DataNotFoundError`.
+[`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] with ``packed=True``), [`write_synthetic_shd`][spikeckpt.data.synthetic.write_synthetic_shd],
+[`write_synthetic_nmnist`][spikeckpt.data.synthetic.write_synthetic_nmnist], [`steps_for`][spikeckpt.data.frames.steps_for], [`DataNotFoundError`][spikeckpt.data.errors.DataNotFoundError] and
+`DataFileError`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from spikeckpt.data.errors import DataExistsError, DataNotFoundError
+from spikeckpt.data.errors import DataExistsError, DataFileError, DataNotFoundError
 from spikeckpt.errors import MissingDependencyError
 
 _LAZY: dict[str, tuple[str, str]] = {
@@ -33,6 +34,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "DataExistsError",
+    "DataFileError",
     "DataNotFoundError",
     "EventsToSpikes",
     "NMNIST",

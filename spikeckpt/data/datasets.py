@@ -7,23 +7,38 @@ is no ``download=False``). The existence checks:
 - SHD: the archive ``shd_{train,test}.h5.zip`` exists (any content) and some ``*.h5`` lies below
   ``save_to/SHD``; samples are then read from ``save_to/SHD/shd_{train,test}.h5``.
 - N-MNIST: the archive ``train.zip`` / ``test.zip`` exists and at least 10,000 ``*.bin`` files lie
-  below ``Train/`` / ``Test/``. :class:`NMNIST` below also accepts a synthetic folder with fewer.
+  below ``Train/`` / ``Test/``. [`NMNIST`][spikeckpt.data.datasets.NMNIST] below also accepts a synthetic folder with fewer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 from urllib.error import URLError
 
 import tonic
 
-from spikeckpt.data.errors import DataNotFoundError
+from spikeckpt.data.errors import DataFileError, DataNotFoundError
+from spikeckpt.data.files import (
+    NMNIST_MIN_FILES,
+    DatasetName,
+    files_present,
+    location,
+    nmnist_files,
+    shd_files,
+    shd_placeholder_hint,
+)
 from spikeckpt.data.synthetic import synthetic_marker
 
-DatasetName = Literal["shd", "nmnist"]
-NMNIST_MIN_FILES = 10_000
+__all__ = [
+    "NMNIST",
+    "NMNIST_MIN_FILES",
+    "files_present",
+    "location",
+    "missing_message",
+    "open_dataset",
+    "unreadable_message",
+]
 
 
 class NMNIST(tonic.datasets.NMNIST):
@@ -46,33 +61,6 @@ class NMNIST(tonic.datasets.NMNIST):
         )
 
 
-def location(name: DatasetName, root: str | Path) -> Path:
-    """The folder tonic reads for ``name`` under ``root``: ``root/SHD`` or ``root/NMNIST``."""
-    return Path(root).expanduser() / {"shd": "SHD", "nmnist": "NMNIST"}[name]
-
-
-def _shd_files(train: bool) -> tuple[str, str]:
-    h5 = "shd_train.h5" if train else "shd_test.h5"
-    return h5, h5 + ".zip"
-
-
-def _nmnist_files(train: bool) -> tuple[str, str]:
-    return ("Train", "train.zip") if train else ("Test", "test.zip")
-
-
-def files_present(name: DatasetName, root: str | Path, train: bool) -> bool:
-    """Whether tonic will read the split from disk without trying to download it."""
-    loc = location(name, root)
-    if name == "shd":
-        h5, archive = _shd_files(train)
-        return (loc / h5).is_file() and (loc / archive).is_file()
-    folder, archive = _nmnist_files(train)
-    if not (loc / archive).is_file() or not (loc / folder).is_dir():
-        return False
-    need = 1 if synthetic_marker(loc) is not None else NMNIST_MIN_FILES
-    return any(i + 1 >= need for i, _ in enumerate((loc / folder).glob("**/*.bin")))
-
-
 def missing_message(
     name: DatasetName, root: str | Path, train: bool, cause: BaseException | None = None
 ) -> str:
@@ -80,17 +68,18 @@ def missing_message(
     loc = location(name, root)
     split = "train" if train else "test"
     if name == "shd":
-        h5, archive = _shd_files(train)
+        h5, archive = shd_files(train)
         title = "SHD"
         needs = (
             f"{loc / h5} and the archive {loc / archive} beside it (tonic only checks that the "
             "archive exists: once it is unzipped an empty file of that name will do)"
         )
-        if (loc / h5).is_file() and not (loc / archive).is_file():
-            needs += f". {h5} is there but {archive} is not: `touch {loc / archive}` fixes it"
+        hint = shd_placeholder_hint(root)
+        if hint:
+            needs += f". Here {hint}"
         url = tonic.datasets.SHD.base_url + archive
     else:
-        folder, archive = _nmnist_files(train)
+        folder, archive = nmnist_files(train)
         title = "N-MNIST"
         needs = (
             f"{loc / folder}/<digit>/*.bin (at least {NMNIST_MIN_FILES:,} files, as in the real "
@@ -122,8 +111,9 @@ def open_dataset(
     """Open tonic's dataset class for ``name`` on ``root``.
 
     Samples are ``(events, label)``: structured event arrays (``t`` in microseconds) unless a
-    ``transform`` turns them into something else. Raises :class:`DataNotFoundError` when the
-    files are missing and the download fails (always the case offline) or ``download=False``.
+    ``transform`` turns them into something else. Raises [`DataNotFoundError`][spikeckpt.data.errors.DataNotFoundError] when the
+    files are missing and the download fails (always the case offline) or ``download=False``,
+    and `DataFileError` when an SHD file is there but h5py cannot open it.
     """
     if not download and not files_present(name, root, train):
         raise DataNotFoundError(missing_message(name, root, train))
@@ -139,3 +129,23 @@ def open_dataset(
         )
     except (URLError, ConnectionError, TimeoutError) as err:
         raise DataNotFoundError(missing_message(name, root, train, err)) from err
+    except OSError as err:  # h5py: the file is there but is no (whole) HDF5 file
+        if name != "shd":
+            raise
+        raise DataFileError(unreadable_message(root, train, err)) from err
+
+
+def unreadable_message(root: str | Path, train: bool, cause: BaseException) -> str:
+    """Explain that an SHD file is there but h5py cannot open it, and the ways out."""
+    path = location("shd", root) / shd_files(train)[0]
+    reason = str(cause)
+    if "signature not found" in reason:
+        what = "is not an HDF5 file (h5py found no HDF5 signature in it)"
+    else:
+        what = f"cannot be opened as an HDF5 file ({type(cause).__name__}: {cause})"
+    return (
+        f"{path} {what}: a download or unzip cut short, or another file under that name. "
+        f"Fix: download {shd_files(train)[1]} again and unzip it there (docs/datasets.md), or "
+        f"write synthetic files in the same format with `spikeckpt data synth --dataset shd "
+        f"--root {root}` (after moving the broken file away)."
+    )

@@ -16,3 +16,10 @@ class DataNotFoundError(SpikeckptError, FileNotFoundError):
     The message names the folder tonic reads, the files it needs there, and how to write synthetic
     files in the same format instead (``spikeckpt data synth`` or ``synthetic=True``).
     """
+
+
+class DataFileError(SpikeckptError, OSError):
+    """A dataset's file is where tonic looks for it but cannot be read (e.g. not an HDF5 file).
+
+    The message names the file, what is wrong with it and how to replace it.
+    """

@@ -139,8 +139,8 @@ def pad_time_first(
 class PackTimeFirst:
     """Collate ``(frames (T_i, ...), label)`` pairs into a packed train and labels.
 
-    Returns ``(x, y)``: ``x`` a :class:`~spikeckpt.storage.SpikeTrain` ``(T_max, B, ...)`` of
-    ``dtype`` (the same values as :func:`pad_time_first`'s float32 batch, zero-padded at the
+    Returns ``(x, y)``: ``x`` a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] ``(T_max, B, ...)`` of
+    ``dtype`` (the same values as [`pad_time_first`][spikeckpt.data.frames.pad_time_first]'s float32 batch, zero-padded at the
     end, bit-packed or as index lists, whichever is smaller unless ``codec`` forces one); ``y``
     ``(B,)`` int64. Packs once per batch from each sample's ones, without building the dense
     batch. Frames must be exactly 0 or 1 (``binarize=True``), else ``NotBinaryError``.

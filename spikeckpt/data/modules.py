@@ -138,7 +138,7 @@ class _EventDataModule(L.LightningDataModule):
 
     @property
     def is_synthetic(self) -> bool:
-        """Whether the files under :attr:`location` were written by spikeckpt's writers."""
+        """Whether the files under `location` were written by spikeckpt's writers."""
         return synthetic_marker(self.location) is not None
 
     # ---------------------------------------------------------------- Lightning hooks
@@ -229,7 +229,7 @@ class _EventDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded) batches ``(x (T, B, ...) float32, y (B,) int64)``; with
-        ``packed`` ``x`` is a :class:`~spikeckpt.storage.SpikeTrain` of that shape."""
+        ``packed`` ``x`` is a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] of that shape."""
         return self._loader(self.train_set, shuffle=True)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
@@ -278,8 +278,8 @@ class SHDDataModule(_EventDataModule):
         cache_dir: cache framed samples there (tonic ``DiskCachedDataset``), one folder per
             setting of the transform and data file.
         download: let tonic try to download missing files (it fails offline); with False a
-            missing file raises :class:`DataNotFoundError` at once.
-        packed: batches carry ``x`` as a :class:`~spikeckpt.storage.SpikeTrain` (1 bit per
+            missing file raises [`DataNotFoundError`][spikeckpt.data.errors.DataNotFoundError] at once.
+        packed: batches carry ``x`` as a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] (1 bit per
             element, or index lists when sparser; ``"bitpack"`` / ``"index"`` force one),
             packed once per batch in the loader; it moves to the device as packed bytes. Needs
             ``binarize=True``. At 0.1 ms bins (T = 10,000), 64 recordings take about 56 MB
@@ -368,11 +368,11 @@ class NMNISTDataModule(_EventDataModule):
     """Neuromorphic MNIST (34 x 34 pixels, 2 polarities, 10 classes) via tonic's N-MNIST class.
 
     Batches: ``x`` float32 ``(T, B, 2, 34, 34)`` or ``(T, B, 2312)`` with ``flatten=True``, time
-    first, zero-padded (a packed :class:`~spikeckpt.storage.SpikeTrain` with ``packed``);
+    first, zero-padded (a packed [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] with ``packed``);
     ``y`` int64 ``(B,)``. Recordings last ~300 ms: 1 ms steps give T ~ 300,
     0.1 ms T ~ 3,000; ``first_saccade_only`` keeps the first 100 ms. Uses
-    :class:`spikeckpt.data.datasets.NMNIST` (tonic's class, also accepting small synthetic
-    folders). Other arguments as for :class:`SHDDataModule`.
+    [`spikeckpt.data.datasets.NMNIST`][spikeckpt.data.datasets.NMNIST] (tonic's class, also accepting small synthetic
+    folders). Other arguments as for [`SHDDataModule`][spikeckpt.data.modules.SHDDataModule].
     """
 
     dataset_name: ClassVar[DatasetName] = "nmnist"

@@ -1,7 +1,7 @@
 """Synthetic SHD and N-MNIST files in the real on-disk formats, for offline tests and demos.
 
 The files are read by the unchanged tonic classes (``tonic.datasets.SHD``; for N-MNIST by
-:class:`spikeckpt.data.datasets.NMNIST`, tonic's class with a relaxed file-count check, because
+[`spikeckpt.data.datasets.NMNIST`][spikeckpt.data.datasets.NMNIST], tonic's class with a relaxed file-count check, because
 stock tonic wants 10,000 ``.bin`` files per split before it trusts the folder).
 
 Each sample carries class-dependent structure a small network can learn:
@@ -114,11 +114,28 @@ def _write_shd_file(
     rng: np.random.Generator,
 ) -> None:
     """Write one SHD HDF5 file with the public files' layout, atomically (temp file + rename)."""
-    import h5py
-
     n = len(labels)
     speakers = 12
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write_shd_layout(tmp, times, units, labels, rng, n, speakers)
+    except BaseException:  # an error or Ctrl-C: leave no half-written file behind
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(path)
+
+
+def _write_shd_layout(
+    tmp: Path,
+    times: Sequence[np.ndarray],
+    units: Sequence[np.ndarray],
+    labels: np.ndarray,
+    rng: np.random.Generator,
+    n: int,
+    speakers: int,
+) -> None:
+    import h5py
+
     with h5py.File(tmp, "w") as f:
         t = f.create_dataset("spikes/times", (n,), dtype=h5py.vlen_dtype(np.float16))
         u = f.create_dataset("spikes/units", (n,), dtype=h5py.vlen_dtype(np.uint16))
@@ -135,7 +152,6 @@ def _write_shd_file(
             "body_height", data=rng.integers(155, 195, size=speakers).astype(np.uint16)
         )
         f.attrs["spikeckpt_synthetic"] = True
-    tmp.replace(path)
 
 
 def write_synthetic_shd(
@@ -167,6 +183,7 @@ def write_synthetic_shd(
     location = Path(root).expanduser() / "SHD"
     names = ("shd_train.h5", "shd_test.h5", "shd_train.h5.zip", "shd_test.h5.zip")
     _prepare_location(location, names)
+    _write_marker(location, {"dataset": "shd", "complete": False})  # ours, even if cut short
     rng = np.random.default_rng(seed)
     for split, n in (("train", n_train), ("test", n_test)):
         labels = _balanced_labels(n, SHD_CLASSES, rng)
@@ -182,6 +199,7 @@ def write_synthetic_shd(
         location,
         {
             "dataset": "shd",
+            "complete": True,
             "train_samples": n_train,
             "test_samples": n_test,
             "seed": seed,
@@ -267,7 +285,7 @@ def write_synthetic_nmnist(
 
     Also writes the empty archive placeholders ``train.zip`` / ``test.zip`` and
     ``SPIKECKPT_SYNTHETIC.json``. Stock ``tonic.datasets.NMNIST`` only trusts a folder with at
-    least 10,000 ``.bin`` files per split; :class:`spikeckpt.data.datasets.NMNIST` also trusts a
+    least 10,000 ``.bin`` files per split; [`spikeckpt.data.datasets.NMNIST`][spikeckpt.data.datasets.NMNIST] also trusts a
     synthetic folder. Refuses to overwrite real N-MNIST data. Returns ``root/NMNIST``.
     """
     n_train, n_test = _split_sizes(samples, test_samples)
@@ -275,6 +293,7 @@ def write_synthetic_nmnist(
         raise ConfigError(f"duration_us must lie in (0, {_MAX_NMNIST_US}], got {duration_us}")
     location = Path(root).expanduser() / "NMNIST"
     _prepare_location(location, ("Train", "Test", "train.zip", "test.zip"))
+    _write_marker(location, {"dataset": "nmnist", "complete": False})  # ours, even if cut short
     rng = np.random.default_rng(seed)
     for folder, archive, n in (("Train", "train.zip", n_train), ("Test", "test.zip", n_test)):
         split_dir = location / folder
@@ -295,6 +314,7 @@ def write_synthetic_nmnist(
         location,
         {
             "dataset": "nmnist",
+            "complete": True,
             "train_samples": n_train,
             "test_samples": n_test,
             "seed": seed,

@@ -1,14 +1,14 @@
-"""One executor for every schedule: runs the actions of :mod:`spikeckpt.plans.schedule` on tensors.
+"""One executor for every schedule: runs the actions of [`spikeckpt.plans.schedule`][spikeckpt.plans.schedule] on tensors.
 
 The executor works on flat lists of tensors (state leaves) and a step function
 ``fn(t, leaves, x_leaves, check) -> (leaves, y_leaves)``. It keeps the current state, the
-stored checkpoints (through :class:`~spikeckpt.storage.base.StateStore` tiers), the live tapes
-and the running gradients, and counts memory in a :class:`~spikeckpt.storage.base.Ledger`.
+stored checkpoints (through [`StateStore`][spikeckpt.storage.base.StateStore] tiers), the live tapes
+and the running gradients, and counts memory in a [`Ledger`][spikeckpt.storage.base.Ledger].
 
-Ledger convention (the simulator's, see :mod:`spikeckpt.plans.simulate`): after every action,
+Ledger convention (the simulator's, see `spikeckpt.plans.simulate`): after every action,
 ``ledger["device"]`` = bytes of the device checkpoints + bytes of the prefetch buffers + bytes
 of the working state when it is not itself a device checkpoint + bytes saved by the live tapes
-(counted by :class:`~spikeckpt.engine.saved.SavedBytes` for the first two steps of each taped
+(counted by `SavedBytes` for the first two steps of each taped
 segment, the second step's count charged for each later step; every step with ``pack_tape``).
 Remote states are counted under the remote tier's name (``"host"`` or
 ``"disk"``) at their unpacked size; with ``storage="device"`` remote states are device memory
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine.grad import FeedGrads, grad
-from spikeckpt.engine.packed import is_packed, step_of
+from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.rng import RngState
 from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes
@@ -75,7 +75,7 @@ class Executor:
     Args:
         fn: the flat step ``fn(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
         inputs: time-first input leaves, each ``(T, ...)``; may live off the compute device. A
-            packed train (:mod:`spikeckpt.engine.packed`) is unpacked one step at a time on
+            packed train (`spikeckpt.engine.inputs`) is unpacked one step at a time on
             the compute device (``x.step(t, device)``) and gets no gradient.
         input_grad: which input leaves need a gradient (never a packed train).
         params: tensors (requiring grad) whose gradients are accumulated.
@@ -260,7 +260,7 @@ class Executor:
         return segs
 
     def _taped(self, a: int, b: int) -> list[Tensor]:
-        """Steps ``a..b-1`` taped (kept in :attr:`tapes`); returns the state leaves after."""
+        """Steps ``a..b-1`` taped (kept in `tapes`); returns the state leaves after."""
         assert self.current is not None
         fn, emit, check, x = self.fn, self.emit if self.in_forward else None, self.check, self._x
         initial_grad = self.initial_grad

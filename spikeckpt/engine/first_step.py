@@ -2,11 +2,11 @@
 
 snnTorch's ``init_leaky()`` gives empty tensors, Norse cells take ``None`` and build their own
 state, Norse's ``initial_state(x).v`` is 0-d: the state has its real shape only after step 0.
-:func:`first_step` runs step 0 as the plain loop does (taped, so gradients reach the initial
-state and everything step 0 used) and returns what it gave (:class:`FirstStep`); ``scan`` then
+`first_step` runs step 0 as the plain loop does (taped, so gradients reach the initial
+state and everything step 0 used) and returns what it gave (`FirstStep`); ``scan`` then
 runs steps ``1..T-1`` from its state and joins the outputs, bitwise those of the plain loop:
 ``readout=None`` prepends ``y_0``; ``"sum"``/``"mean"`` and a callable fold start their
-accumulator at step 0 and carry it as state (:meth:`FirstStep.carried`), so the additions
+accumulator at step 0 and carry it as state (`carried`), so the additions
 happen in the loop's order.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
-from spikeckpt.engine.readout import Readout
+from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.readout import Readout, take_extremum
 from spikeckpt.errors import ConfigError, ConfigTypeError
 
 __all__ = ["FirstStep", "first_step"]
@@ -55,8 +55,8 @@ class FirstStep:
         return pytree.tree_map(lambda a, b: torch.cat([a.unsqueeze(0), b]), self.y, ys)
 
     def carried(self, readout: Readout, device: torch.device) -> tuple[Step, Any]:
-        """``(step, carry_0)`` for a reducing readout (``"sum"``, ``"mean"`` or a callable
-        fold) carried as state from step 1 on: the carry is ``(state, acc)`` (a fold's:
+        """``(step, carry_0)`` for a reducing readout (``"sum"``, ``"mean"``, ``"max"``,
+        ``"min"`` or a callable fold) carried as state from step 1 on: the carry is ``(state, acc)`` (a fold's:
         ``(state, acc, t)``, ``t`` a 0-d int64 tensor), its accumulator started at step 0."""
         step = self.step
         if callable(readout):
@@ -69,6 +69,19 @@ class FirstStep:
                 return (s, fold(acc, y, int(t)), t + 1), None
 
             return fold_step, (self.state, fold(None, self.y, 0), t0)
+
+        if readout in ("max", "min"):  # max(0)'s value and gradient (to the first of ties)
+            kind = readout
+
+            def extremum_step(carry: Any, x_t: Any) -> tuple[Any, None]:
+                s, acc = carry
+                s, y = step(s, x_t)
+                better = pytree.tree_map(
+                    lambda a, b: torch.where(take_extremum(kind, b, a), b, a), acc, y
+                )
+                return (s, better), None
+
+            return extremum_step, (self.state, self.y)
 
         def sum_step(carry: Any, x_t: Any) -> tuple[Any, None]:
             s, acc = carry

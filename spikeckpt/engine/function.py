@@ -1,13 +1,13 @@
 """The one autograd Function every run goes through, and the base of its jobs.
 
-A run (the schedule executor of :func:`spikeckpt.scan`, or a layer-wise run) is a *job*: an
+A run (the schedule executor of [`spikeckpt.scan`][spikeckpt.engine.scan.scan], or a layer-wise run) is a *job*: an
 object with ``forward(needs, tensors) -> outputs``, ``backward(grads) -> input grads`` and
-``close()``. :func:`run_job` applies it as one custom :class:`torch.autograd.Function`:
+``close()``. `run_job` applies it as one custom `torch.autograd.Function`:
 
 - the forward records the autocast state, so recomputation in backward runs under the same one;
 - the backward runs inside ``torch.random.fork_rng`` over the run's CUDA devices (replayed
   generator states never leak to the caller), inside
-  :func:`~spikeckpt.engine.phase.recompute_phase`, and under the recorded autocast state;
+  `recompute_phase`, and under the recorded autocast state;
 - the job's stores (disk files) are closed when the autograd graph is dropped without backward;
 - a second-order backward (``create_graph=True``) is refused with a clear error instead of
   silently returning gradients without a graph.
@@ -40,14 +40,14 @@ _NO_DOUBLE_BACKWARD = (
 class Job:
     """Base of a run's job: where it runs and stores, its stats, and the backward context.
 
-    Subclasses implement :meth:`forward`, :meth:`backward` and :meth:`close`.
+    Subclasses implement `forward`, `backward` and `close`.
 
     Args:
         device: the compute device.
         cuda: the CUDA devices whose generators the run uses.
         storage: the tier its off-device data go to (``"device"``, ``"host"``, ``"disk"``).
         directory: the parent folder of the disk tier's files (None: the temp folder).
-        stats: the run's :class:`~spikeckpt.engine.stats.ScanStats`, filled as it runs.
+        stats: the run's [`ScanStats`][spikeckpt.engine.stats.ScanStats], filled as it runs.
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class Job:
         raise NotImplementedError
 
     def record_context(self) -> None:
-        """Remember the autocast state of the forward pass (called by :func:`run_job`)."""
+        """Remember the autocast state of the forward pass (called by `run_job`)."""
         self.autocast = [
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
             for kind in dict.fromkeys((self.device.type, "cpu"))

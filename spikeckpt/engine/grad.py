@@ -2,7 +2,7 @@
 and the parameter gradients accumulated so far fed back in so sums run in plain-loop order.
 
 Both granularities (the schedule executor and the layer-wise job) take their segment
-gradients through :func:`grad`, feeding earlier contributions with :class:`FeedGrads`.
+gradients through `grad`, feeding earlier contributions with `FeedGrads`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,29 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
-__all__ = ["FeedGrads", "grad"]
+
+class GradSink:
+    """Where an op's backward may add a parameter's gradient in place, instead of returning a
+    new parameter-sized tensor for the caller to add to its running sum.
+
+    The engine sets `target` to its running sum of the parameter's gradient (or None
+    before the first contribution) around one backward pass; an op that supports the sink
+    adds its contribution into ``target`` (creating it, parameter-shaped and -strided, when
+    None) and returns no gradient for the parameter; the engine then takes ``target`` as the
+    sum. Sums keep their order: ``sum + contribution``, elementwise, as the plain loop's.
+
+    Attributes:
+        target: the running sum (parameter-shaped) or None.
+        active: whether the engine is collecting through this sink now (an op ignores an
+            inactive sink and returns its gradient as usual).
+    """
+
+    def __init__(self) -> None:
+        self.target: Tensor | None = None
+        self.active = False
+
+
+__all__ = ["FeedGrads", "GradSink", "grad", "unseen_leaves"]
 
 
 class FeedGrads(torch.autograd.Function):
@@ -96,3 +118,29 @@ def grad(
     ):
         return engine(outputs, inputs, grads)
     return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+def unseen_leaves(
+    roots: Sequence[Any], known: Sequence[Tensor], limit: int = 20000
+) -> list[Tensor]:
+    """The leaf tensors requiring grad in the autograd graph of ``roots`` (tensors; others are
+    skipped) that are not (by identity) in ``known``: tensors a step uses without the engine
+    differentiating them. Walks at most ``limit`` graph nodes."""
+    stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+    # Node wrappers may be transient: keep them alive so their ids are not reused.
+    visited: list[Any] = []
+    seen: set[int] = set()
+    known_ids = {id(t) for t in known}
+    found: list[Tensor] = []
+    while stack and len(visited) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        visited.append(node)
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in known_ids:
+            known_ids.add(id(variable))
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found

@@ -1,8 +1,8 @@
 """Layer-wise granularity: spike trains stored packed off the device, each block recomputed alone.
 
 For a feed-forward stack of blocks (each a synapse, then one stateful neuron, given to the
-engine as plain callables: :class:`LayerBlock`), :func:`layerwise_scan` runs the time loop as
-one job of the engine's autograd Function (:mod:`spikeckpt.engine.function`), with the
+engine as plain callables: [`LayerBlock`][spikeckpt.engine.layerwise.LayerBlock]), [`layerwise_scan`][spikeckpt.engine.layerwise.layerwise_scan] runs the time loop as
+one job of the engine's autograd Function (`spikeckpt.engine.function`), with the
 engine's readout, RNG replay, stats and gradient pieces.
 
 Forward (no tape), time chunk by time chunk (``chunk`` steps each) and, inside a chunk, block by
@@ -44,475 +44,44 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
-from spikeckpt.engine.function import Job, run_job
-from spikeckpt.engine.grad import grad
-from spikeckpt.engine.packed import as_input, chunk_of, is_packed
-from spikeckpt.engine.readout import READOUTS, Reducer
-from spikeckpt.engine.rng import RngState, cuda_devices
+from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.blocks import LayerBlock
+from spikeckpt.engine.compiled import Compile
+from spikeckpt.engine.function import run_job
+from spikeckpt.engine.inputs import as_input, is_packed
+from spikeckpt.engine.layerwise_job import GROUP_SHARE, LayerwiseJob, _nbytes, _split
+from spikeckpt.engine.readout import READOUTS
+from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats, ScanResult
-from spikeckpt.errors import ConfigError, ConfigTypeError, UsageError
-from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
-from spikeckpt.storage.tiers import make_store
+from spikeckpt.errors import ConfigError, ConfigTypeError
 
-__all__ = ["GROUP_SHARE", "LayerBlock", "chunk_for", "layerwise_scan"]
+__all__ = ["GROUP_SHARE", "LayerBlock", "chunk_length", "layerwise_scan"]
 
 _OUTPUTS = ("spikes", "mem", "both")
 
-#: an off-device store entry collects consecutive chunks' trains and states until it holds
-#: this share of one chunk's dense input trains (all blocks): fewer, larger files (see
-#: ``_LayerwiseJob``). At most two entries are on the device at once (the one in use and the
-#: one being prefetched), against the unpacked input chunk and its gradient that the
-#: backward of each block holds anyway (the cost model's ``2 * chunk * I_b``).
-GROUP_SHARE = 0.25
 State = Any
 
 
-@dataclass(frozen=True)
-class LayerBlock:
-    """One block of a feed-forward stack, as the engine sees it: plain callables.
-
-    Attributes:
-        name: the block's name in the model (its neuron's path), for messages and stats.
-        synapse: the block's input over a chunk ``(k, B, ...)`` -> the neuron's input
-            ``(k, B, ...)`` (stateless; may batch over time).
-        step: the neuron's pure step ``(state, z_t (B, ...)) -> (state, y_t (B, ...))``.
-        membrane: ``state -> membrane potential (B, ...)``, or None when it has none.
-        draws_random: whether ``synapse`` or ``step`` draw random numbers (replayed exactly).
-        params: the tensors requiring grad that the block uses (its gradients' targets).
-        cleanup: drops whatever the framework left on its modules (called after each run).
-        bind: optional ``() -> step``, called once per (chunk, block) run: a step equal to
-            ``step`` (bitwise) with the framework's per-call work taken out of the loop.
-        sparse_synapse: optional ``synapse`` for inputs that need no gradient, cheaper on
-            sparse inputs (equal to ``synapse`` up to float round-off). The engine uses it for
-            the first block when ``x`` needs no gradient, in the forward pass and in the
-            recomputation alike (so both compute the same values).
-    """
-
-    name: str
-    synapse: Callable[[Tensor], Tensor]
-    step: Callable[[State, Tensor], tuple[State, Tensor]]
-    membrane: Callable[[State], Tensor | None]
-    draws_random: bool
-    params: list[Tensor]
-    cleanup: Callable[[], None]
-    bind: Callable[[], Callable[[State, Tensor], tuple[State, Tensor]]] | None = None
-    sparse_synapse: Callable[[Tensor], Tensor] | None = None
-
-
-def chunk_for(plan: Any, T: int) -> int:
-    """The chunk length for ``plan``: an int is itself; a plan with ``interval``
-    (``Uniform(k)``) or ``local_interval`` (``Double``) uses it; otherwise (None, ``"auto"``,
-    other plans) ``ceil(sqrt(T))``. Clipped to ``[1, T]``."""
-    k: Any = None
-    if isinstance(plan, bool):
-        raise ConfigTypeError("chunk/plan must be an int or a plan, not a bool")
-    if isinstance(plan, int):
-        k = plan
-    elif plan is not None and not isinstance(plan, str):
-        k = getattr(plan, "interval", None) or getattr(plan, "local_interval", None)
-    if k is None:
-        k = math.isqrt(max(T - 1, 0)) + 1
-    k = int(k)
-    if k < 1:
-        raise ConfigError(f"chunk must be >= 1, got {k}")
-    return min(k, T)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _split(flat: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
-    """``flat`` cut into consecutive lists of ``counts[i]`` items."""
-    out, i = [], 0
-    for n in counts:
-        out.append(list(flat[i : i + n]))
-        i += n
-    return out
-
-
-class _LayerwiseJob(Job):
-    """Forward and backward of the layer-wise loop.
-
-    Function inputs: (x, *state leaves of every block, *params); outputs: (*readout outputs,
-    *final state leaves of every block).
-    """
-
-    def __init__(
-        self,
-        blocks: Sequence[LayerBlock],
-        state_defs: list[Any],
-        n_leaves: list[int],
-        params: list[Tensor],
-        *,
-        T: int,
-        chunk: int,
-        readout: str | None,
-        output: str,
-        storage: str,
-        directory: str | os.PathLike[str] | None,
-        stats: LayerwiseStats,
-        device: torch.device,
-        cuda: Sequence[int],
-        group: int | None = None,
-    ) -> None:
-        super().__init__(device, cuda, storage, directory, stats)
-        self.stats: LayerwiseStats = stats
-        self.blocks = list(blocks)
-        self.state_defs = state_defs
-        self.n_leaves = n_leaves
-        self.params = params
-        ids = {id(p): j for j, p in enumerate(params)}
-        self.block_params = [
-            list(dict.fromkeys(ids[id(t)] for t in b.params if id(t) in ids)) for b in blocks
-        ]
-        self.T = T
-        self.readout = readout
-        self.output = output
-        self.bounds = [(t0, min(t0 + chunk, T)) for t0 in range(0, T, chunk)]
-        self.store: Any = None
-        self.layout: dict[int, tuple[int, int, list[tuple[Packed | None, int, int]]]] = {}
-        self.entry_data: tuple[int, list[Tensor]] | None = None
-        self.group = group
-        self.rng: dict[tuple[int, int], RngState] = {}
-        self.x: Any = None
-        self.initial: list[list[Tensor]] = []
-        self.closed = False
-        self.n_outputs = 0
-        self.need_x = False
-        self.need_state: list[bool] = []
-        self.referenced = [0]  # backward reads x: it must not change in place before then
-        self.owned: set[int] = set()  # parameter gradients that are sums this job allocated
-
-    # One store entry (a file on disk) holds what ``group`` consecutive chunks keep: their
-    # input trains of blocks 1.. (packed here, so the codec figures are per block) and every
-    # block's state at each chunk start. Each disk write and read costs a file, a pickle and
-    # a thread hand-over (milliseconds on a CPU), against about a millisecond of compute per
-    # chunk step: one entry per chunk and block would cost more than the recomputation.
-    # ``self.layout[c] = (entry, offset, blocks)``: the chunk's entry, where its tensors start
-    # in it and, per block, the train's ``Packed`` description without payload (None: kept
-    # dense, device tier), its tensor count and the state's leaf count.
-
-    def close(self) -> None:
-        self.closed = True
-        store, self.store = self.store, None
-        if store is not None:
-            store.close()
-        self.rng.clear()
-        self.layout.clear()
-        self.entry_data = None
-        self.x = None
-        self.initial = []
-        for block in self.blocks:
-            block.cleanup()
-
-    # -- running one block over one chunk ------------------------------------------------
-    def _run_block(
-        self, b: int, inp: Tensor, leaves: list[Tensor], top: bool
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """``(outputs, final state leaves)``; outputs: ``[spikes (k, B, ...)]`` below the top,
-        the emitted outputs (spikes / mem / both, each ``(k, B, ...)``) at the top."""
-        block = self.blocks[b]
-        if b == 0 and not self.need_x and block.sparse_synapse is not None:
-            z = block.sparse_synapse(inp)
-        else:
-            z = block.synapse(inp)
-        state = pytree.tree_unflatten(leaves, self.state_defs[b])
-        spikes: list[Tensor] = []
-        mems: list[Tensor] = []
-        want_mem = top and self.output != "spikes"
-        step = block.bind() if block.bind is not None else block.step
-        # unbind, not z[t]: the backward of one select per step would allocate and fill a
-        # zero (k, B, ...) gradient each time, O(k^2) in the chunk length; unbind's is one stack
-        for z_t in z.unbind(0):
-            state, y = step(state, z_t)
-            spikes.append(y)
-            if want_mem:
-                mem = block.membrane(state)
-                if mem is None:
-                    raise ConfigError(
-                        f"output={self.output!r} needs the top neuron ({block.name}) to have a "
-                        "membrane potential"
-                    )
-                mems.append(mem)
-        self.stats.forward_steps += z.shape[0]
-        final = pytree.tree_leaves(state)
-        if not top or self.output == "spikes":
-            return [torch.stack(spikes)], final
-        if self.output == "mem":
-            return [torch.stack(mems)], final
-        return [torch.stack(spikes), torch.stack(mems)], final
-
-    # -- forward ---------------------------------------------------------------------------
-    def forward(self, needs: Sequence[bool], tensors: Sequence[Tensor]) -> list[Tensor]:
-        nl = sum(self.n_leaves)
-        self.need_x, self.need_state = needs[0], list(needs[1 : 1 + nl])
-        return self.run_forward(tensors[0], list(tensors[1 : 1 + nl]), True)
-
-    def run_forward(self, x: Any, leaves: list[Tensor], record: bool) -> list[Tensor]:
-        """The forward pass; ``record``: keep what backward needs (else a plain no-grad run)."""
-        nb = len(self.blocks)
-        states = [[t.detach() for t in s] for s in _split(leaves, self.n_leaves)]
-        if record:
-            self.x = x if is_packed(x) else x.detach()
-            self.initial = [list(s) for s in states]
-            self.store = make_store(
-                self.storage, self.device, self.stats.storage_ledger, self.directory
-            )
-        reducer = Reducer(self.readout, self.T)
-        try:
-            items: list[Tensor] = []  # the open entry's tensors
-            entry, first = 0, 0  # the open entry and its first chunk
-            for c, (t0, t1) in enumerate(self.bounds):
-                inp = chunk_of(x, t0, t1, self.device).detach()
-                layout: list[tuple[Packed | None, int, int]] = []
-                offset = len(items)
-                for b in range(nb):
-                    top = b == nb - 1
-                    train = self._measure(b, inp, record)
-                    if record:
-                        layout.append(self._keep(c, b, train, states[b], items))
-                    outs, states[b] = self._run_block(b, inp, states[b], top)
-                    if not top:
-                        inp = outs[0]
-                if record:
-                    if len(items) > offset:
-                        self.layout[c] = (entry, offset, layout)
-                    if self._entry_full(c, first, items):
-                        if items:
-                            self.store.put(entry, items)
-                        items, entry, first = [], entry + 1, c + 1
-                reducer.emit_chunk(t0, outs)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            for block in self.blocks:
-                block.cleanup()
-        outs = reducer.outputs()
-        self.n_outputs = len(outs)
-        if not record:
-            self.close()
-        return outs + [t for s in states for t in s]
-
-    def _keep(
-        self,
-        c: int,
-        b: int,
-        train: Packed | Tensor | None,
-        state: list[Tensor],
-        items: list[Tensor],
-    ) -> tuple[Packed | None, int, int]:
-        """Add what backward needs of block ``b`` at chunk ``c`` to the open entry's
-        ``items`` (its input train and, after the first chunk, its state at the chunk start;
-        its RNG state when it draws random numbers); returns the block's layout entry."""
-        meta, count = None, 0
-        if isinstance(train, Packed):
-            meta, count = train.with_payload(()), len(train.payload)
-            items.extend(train.payload)
-        elif train is not None:  # the device tier: the tensor itself
-            count = 1
-            items.append(train)
-        n_state = len(state) if c > 0 else 0
-        items.extend(state[:n_state])
-        if self.blocks[b].draws_random:
-            self.rng[(c, b)] = RngState.capture(self.cuda_devices)
-        return meta, count, n_state
-
-    def _measure(self, b: int, inp: Tensor, record: bool) -> Packed | Tensor | None:
-        """Count block ``b``'s input chunk in the stats; return what to store of it: None for
-        the first block (the caller's ``x``, referenced) and without ``record``, the tensor
-        itself on the device tier, else its ``Packed`` form (the ``auto`` codec)."""
-        st = self.stats.blocks[b]
-        # one pass over the train: the binary test, the count of ones and the mask to pack
-        found = binary_mask(inp)
-        st.ones += found[1] if found is not None else int(torch.count_nonzero(inp))
-        st.elements += inp.numel()
-        st.dense_bytes += _nbytes(inp)
-        if found is None:
-            st.binary = False
-        if b == 0 or not record:
-            if b == 0:
-                st.codecs["reference"] = st.codecs.get("reference", 0) + 1
-            return None
-        stored: Packed | Tensor
-        if self.store.kind == "device":
-            stored, nbytes, codec = inp, _nbytes(inp), "device"
-        else:
-            stored = pack(inp, found=found)
-            nbytes, codec = stored.nbytes, stored.codec
-        st.stored_bytes += nbytes
-        st.codecs[codec] = st.codecs.get(codec, 0) + 1
-        return stored
-
-    def _entry_full(self, c: int, first: int, items: list[Tensor]) -> bool:
-        """Whether the open entry (chunks ``first .. c``) ends with chunk ``c``: always at the
-        last chunk and on the device tier; every ``group`` chunks when it is given; else
-        when one more chunk like these would take it past :data:`GROUP_SHARE` of the first
-        chunk's dense input trains."""
-        if c == len(self.bounds) - 1 or self.store.kind == "device":
-            return True
-        if self.group:
-            return (c + 1) % self.group == 0
-        limit = GROUP_SHARE * sum(st.dense_bytes for st in self.stats.blocks) / (c + 1)
-        held = sum(_nbytes(t) for t in items)
-        return held + held / (c - first + 1) > limit
-
-    # -- backward --------------------------------------------------------------------------
-    def _prefetch(self, c: int) -> None:
-        """Start reading the entry chunk ``c`` is in, unless it is the one in use."""
-        if c < 0 or self.store is None or c not in self.layout:
-            return
-        entry = self.layout[c][0]
-        if self.entry_data is None or self.entry_data[0] != entry:
-            self.store.prefetch(entry)
-
-    def _release(self, c: int) -> None:
-        """Chunk ``c`` is done (in reverse order): drop its entry when it was the entry's
-        first chunk."""
-        if c not in self.layout:
-            return
-        entry = self.layout[c][0]
-        if c == 0 or self.layout.get(c - 1, (None,))[0] != entry:
-            self.entry_data = None
-            self.store.drop(entry)
-
-    def _stored(self, c: int, b: int) -> tuple[Tensor | None, list[Tensor] | None]:
-        """Block ``b``'s input train (dense) and state at the start of chunk ``c`` from the
-        store (None when not stored: the caller's ``x``, the initial state)."""
-        if c not in self.layout:
-            return None, None
-        entry, at, blocks = self.layout[c]
-        if self.entry_data is None or self.entry_data[0] != entry:
-            self.entry_data = (entry, self.store.get(entry))
-        tensors = self.entry_data[1]
-        for block, (meta, count, n_state) in enumerate(blocks):
-            if block == b:
-                train = None
-                if count:
-                    part = tensors[at : at + count]
-                    train = unpack(meta.with_payload(tuple(part)), self.device) if meta else part[0]
-                state = tensors[at + count : at + count + n_state] if n_state else None
-                return train, state
-            at += count + n_state
-        raise AssertionError(f"block {b} not in chunk {c}'s layout")  # pragma: no cover
-
-    def backward(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-        if self.closed or self.store is None:
-            raise UsageError(
-                "spikeckpt layer-wise scan: backward can run only once per forward (its stored "
-                "spike trains are freed as it goes); run the forward again"
-            )
-        x = self.x
-        assert x is not None
-        n = self.n_outputs
-        reducer = Reducer(self.readout, self.T)
-        out_grads = list(grads[:n])
-        carry = _split(grads[n:], self.n_leaves)
-        grad_x = torch.zeros_like(x) if self.need_x else None
-        grad_p: list[Tensor | None] = [None] * len(self.params)
-        try:
-            with self.backward_context():
-                self._prefetch(len(self.bounds) - 1)
-                for c in range(len(self.bounds) - 1, -1, -1):
-                    t0, t1 = self.bounds[c]
-                    self._prefetch(c - 1)
-                    g_out = reducer.chunk_grad(out_grads, t0, t1)
-                    for b in range(len(self.blocks) - 1, -1, -1):
-                        g_out, carry[b] = self._backward_block(c, b, g_out, carry[b], grad_p)
-                        if b == 0 and grad_x is not None and g_out[0] is not None:
-                            grad_x[t0:t1] = g_out[0]
-                        self.stats.backward_chunks += 1
-                    self._release(c)
-                    self.stats.backward_steps += (t1 - t0) * len(self.blocks)
-            self.stats.completed = True
-        finally:
-            self.close()
-        need_state = self.need_state
-        g_state = [g if need else None for g, need in zip(sum(carry, []), need_state, strict=True)]
-        return [grad_x, *g_state, *grad_p]
-
-    def _backward_block(
-        self,
-        c: int,
-        b: int,
-        g_out: list[Tensor | None],
-        g_state: list[Tensor | None],
-        grad_p: list[Tensor | None],
-    ) -> tuple[list[Tensor | None], list[Tensor | None]]:
-        """Recompute block ``b`` over chunk ``c``, backpropagate; returns the gradient w.r.t.
-        its input chunk (as a one-element list) and w.r.t. its state at the chunk start."""
-        assert self.x is not None
-        t0, t1 = self.bounds[c]
-        top = b == len(self.blocks) - 1
-        train, stored_state = self._stored(c, b)
-        inp = chunk_of(self.x, t0, t1, self.device) if b == 0 else train
-        start = self.initial[b] if c == 0 else stored_state
-        assert inp is not None and start is not None
-        if all(g is None for g in (*g_out, *g_state)):
-            return [None], [None] * len(start)
-        want_in = b > 0 or self.need_x
-        with torch.enable_grad():
-            inp = inp.detach().requires_grad_(want_in and inp.is_floating_point())
-            leaves = [
-                t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in start
-            ]
-            saved = self.rng.get((c, b))
-            if saved is not None:
-                saved.restore()
-            outs, final = self._run_block(b, inp, leaves, top)
-            pidx = self.block_params[b]
-            got = _gradients(
-                [*outs, *final], [*g_out, *g_state], [inp, *leaves, *(self.params[j] for j in pidx)]
-            )
-        self._accumulate(pidx, got[1 + len(leaves) :], grad_p)
-        return [got[0] if want_in else None], list(got[1 : 1 + len(leaves)])
-
-    def _accumulate(
-        self, pidx: list[int], found: Sequence[Tensor | None], grad_p: list[Tensor | None]
-    ) -> None:
-        """Add a block's parameter gradients ``found`` (for ``params[j]``, ``j`` in ``pidx``)
-        into the running sums ``grad_p``."""
-        for j, g in zip(pidx, found, strict=True):
-            acc = grad_p[j]
-            if g is None:
-                continue
-            if acc is None:
-                grad_p[j] = g
-            elif j in self.owned:  # a sum this job made: add in place (same values, no copy)
-                acc.add_(g)
-            else:
-                grad_p[j] = acc + g
-                self.owned.add(j)
-
-
-def _gradients(
-    outs: Sequence[Tensor], out_grads: Sequence[Tensor | None], wrt: Sequence[Tensor]
-) -> list[Tensor | None]:
-    """The gradients of ``outs`` (those with a gradient in ``out_grads`` that require grad)
-    w.r.t. ``wrt``, one per ``wrt`` (None where it needs none or gets none)."""
-    roots, root_grads = [], []
-    for o, g in zip(outs, out_grads, strict=True):
-        if g is not None and o.requires_grad:
-            roots.append(o)
-            root_grads.append(g)
-    mask = [t.requires_grad for t in wrt]
-    targets = [t for t, m in zip(wrt, mask, strict=True) if m]
-    if not (roots and targets):
-        return [None] * len(wrt)
-    it = iter(grad(roots, targets, root_grads))
-    return [next(it) if m else None for m in mask]
-
-
-# ----------------------------------------------------------------------------- entry point
+def chunk_length(chunk: int | None, T: int) -> int:
+    """Steps per chunk for ``T`` steps: ``chunk`` clipped to ``[1, T]``, or ``ceil(sqrt(T))``
+    when None (choosing it from a plan is a planning rule:
+    `spikeckpt.planning.granularity.chunk_for`)."""
+    if chunk is None:
+        return min(math.isqrt(max(T - 1, 0)) + 1, T)
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
+        raise ConfigTypeError(
+            f"chunk must be an int or None, got {type(chunk).__name__}; for a plan's interval "
+            "use spikeckpt.planning.granularity.chunk_for(plan, T)"
+        )
+    if chunk < 1:
+        raise ConfigError(f"chunk must be >= 1, got {chunk}")
+    return min(chunk, T)
 
 
 def layerwise_scan(
@@ -520,7 +89,7 @@ def layerwise_scan(
     x: Tensor,
     states: Sequence[Any],
     *,
-    chunk: Any = None,
+    chunk: int | None = None,
     storage: str = "host",
     readout: str | None = None,
     output: str = "spikes",
@@ -528,38 +97,48 @@ def layerwise_scan(
     directory: str | os.PathLike[str] | None = None,
     stats: bool = False,
     group: int | None = None,
+    fuse: bool = True,
+    compile: Compile = False,
 ) -> Any:
     """Run a feed-forward stack of blocks over ``x (T, B, ...)`` with layer-wise checkpointing.
 
     Args:
         blocks: the blocks bottom-up (built by the adapters:
-            :func:`spikeckpt.adapters.layered.layer_blocks`).
+            [`spikeckpt.adapters.layered.layer_blocks`][spikeckpt.adapters.layered.layer_blocks]).
         x: the input train, time first. Binary inputs are best; anything works. A packed
-            train (a :class:`~spikeckpt.storage.SpikeTrain`, or a ``torch.sparse_coo`` train)
+            train (a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain], or a ``torch.sparse_coo`` train)
             stays packed where it is (host or device) and is unpacked one chunk at a time on
             the compute device (``x.chunk(a, b, device)``); it gets no gradient.
         states: one initial state per block (its neuron's state structure).
-        chunk: steps per chunk: an int, a plan (``Uniform(k)`` -> ``k``, ``Double`` -> its
-            local interval) or None / ``"auto"`` (``ceil(sqrt(T))``).
+        chunk: steps per chunk: an int, or None (``ceil(sqrt(T))``); a plan's interval:
+            `spikeckpt.planning.granularity.chunk_for`.
         storage: ``"host"`` (packed in CPU memory), ``"disk"`` (packed files) or ``"device"``
             (references, no packing) for the spike trains and chunk-boundary states.
-        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"`` or ``"last"``.
+        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"`` or ``"min"`` (the extremum over time, with ``max(0)``'s gradient).
         output: the top block's per-step output: ``"spikes"``, ``"mem"`` or ``"both"``.
-        params: tensors to differentiate (default: every block's ``params``).
+        params: tensors to differentiate (default: every block's ``params``); a block that
+            uses one of them outside its own ``params`` is differentiated with respect to it
+            too (found in its taped graph). A tensor requiring grad that a block uses and
+            that is in neither raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError].
         directory: folder for the disk tier's temporary folder.
         stats: deprecated: return the old triple ``(ys, final_states, stats)``; the
-            result's ``.stats`` holds the :class:`~spikeckpt.engine.stats.LayerwiseStats`.
-        group: chunks per off-device store entry (None: see :data:`GROUP_SHARE`).
+            result's ``.stats`` holds the [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats].
+        group: chunks per off-device store entry (None: see `GROUP_SHARE`).
+        fuse: run a block's neuron over each chunk with its ``fused`` kernel where it has one
+            and accepts the chunk (`spikeckpt.engine.fused`); False: one step at a time.
+        compile: compile the fused neurons' forward (`spikeckpt.engine.compiled`):
+            True, False, or ``"auto"`` (on CUDA, where measured faster on the first chunk).
 
     Returns:
-        A :class:`~spikeckpt.engine.stats.ScanResult` ``(ys, final_states)`` (``ys`` a
+        A [`ScanResult`][spikeckpt.engine.stats.ScanResult] ``(ys, final_states)`` (``ys`` a
         tensor, or a ``(spikes, mem)`` tuple with ``output="both"``; ``final_states`` one per
         block), its stats in ``.stats``.
     """
     x = _checked_input(x, blocks, states, readout, output)
     packed = is_packed(x)
     T = x.shape[0]
-    k = chunk_for(chunk, T)
+    k = chunk_length(chunk, T)
     if params is None:
         params = list({id(t): t for b in blocks for t in b.params}.values())
     params = [p for p in params if p.requires_grad]
@@ -574,7 +153,7 @@ def layerwise_scan(
         n_chunks=-(-T // k),
         blocks=[BlockStats(b.name) for b in blocks],
     )
-    job = _LayerwiseJob(
+    job = LayerwiseJob(
         blocks,
         defs,
         counts,
@@ -589,6 +168,8 @@ def layerwise_scan(
         device=next((t.device for t in (*leaves, *params)), x.device) if packed else x.device,
         cuda=cuda_devices((*([] if packed else [x]), *leaves, *params)),
         group=group,
+        fuse=fuse,
+        compile=compile,
     )
     if packed:
         job.referenced = []  # a packed train is immutable: nothing to check in backward
@@ -611,11 +192,11 @@ def _checked_input(
     x: Any, blocks: Sequence[LayerBlock], states: Sequence[Any], readout: Any, output: str
 ) -> Any:
     """``x`` as the run takes it (a ``torch.sparse_coo`` train packed), after checking the
-    arguments of :func:`layerwise_scan`."""
+    arguments of `layerwise_scan`."""
     if readout not in READOUTS:
         raise ConfigError(
-            f"layer-wise granularity supports readout None, 'sum', 'mean' or 'last', got "
-            f"{readout!r}; use granularity='stack' for a callable readout"
+            f"layer-wise granularity supports readout None, 'sum', 'mean', 'last', 'max' or "
+            f"'min', got {readout!r}; use granularity='stack' for a callable readout"
         )
     if output not in _OUTPUTS:
         raise ConfigError(f"output must be one of {_OUTPUTS}, got {output!r}")

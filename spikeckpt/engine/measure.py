@@ -1,18 +1,18 @@
 """The measuring room: what one step costs in bytes and seconds, measured one way for everyone.
 
-:func:`probe_step` measures one step of a step function: the state's bytes ``S``, the bytes
+[`probe_step`][spikeckpt.engine.measure.probe_step] measures one step of a step function: the state's bytes ``S``, the bytes
 autograd keeps for a taped step ``A`` (after spike packing when asked), one step's output
-bytes, its working memory beyond ``S`` and ``A`` (:func:`work_bytes`), and the operation
-times (:func:`step_costs`: a forward step, a backward step, the fixed cost of one backward
+bytes, its working memory beyond ``S`` and ``A`` ([`work_bytes`][spikeckpt.engine.measure.work_bytes]), and the operation
+times ([`step_costs`][spikeckpt.engine.measure.step_costs]: a forward step, a backward step, the fixed cost of one backward
 call, one state's write to and read from the storage tier). ``scan(plan="auto")``, the
-planners of :mod:`spikeckpt.planning`, :class:`~spikeckpt.lightning.MemoryBudget` and the
+planners of [`spikeckpt.planning`][spikeckpt.planning], [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] and the
 benchmarks all measure here, with one statistic: the **least** time over ``repeats`` runs
 (the run least disturbed by the rest of the machine).
 
 Measuring changes nothing: the RNG is forked, gradients go to fresh tensors (no ``.grad`` is
-touched), and the steps run inside :func:`~spikeckpt.engine.phase.recompute_phase`, so layers
+touched), and the steps run inside `recompute_phase`, so layers
 with side effects (BatchNorm's running statistics) skip them. A probe of the same step, shapes,
-tier and limit is measured once per process (:func:`probe_step` keeps the last few), so two
+tier and limit is measured once per process ([`probe_step`][spikeckpt.engine.measure.probe_step] keeps the last few), so two
 callers planning the same step for the same budget plan from the same numbers.
 """
 
@@ -35,7 +35,7 @@ from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans.simulate import CostModel
-from spikeckpt.storage.base import Ledger
+from spikeckpt.storage.base import Ledger, tensor_nbytes
 from spikeckpt.storage.tiers import make_store
 
 __all__ = [
@@ -52,7 +52,7 @@ __all__ = [
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
-#: Steps :func:`segment_seconds` runs (taped in one call, then one call per step).
+#: Steps [`segment_seconds`][spikeckpt.engine.measure.segment_seconds] runs (taped in one call, then one call per step).
 SEGMENT_PROBE_STEPS = 16
 #: Runs of each timed operation; the least time is kept.
 REPEATS = 3
@@ -74,11 +74,11 @@ class Probe:
         write_seconds: storing one state in the remote tier.
         read_seconds: loading one state back from the remote tier.
         segment_seconds: the fixed cost of one backward call over a taped segment, whatever
-            its length (:func:`segment_seconds`). It makes the planner prefer multi-step tapes.
+            its length ([`segment_seconds`][spikeckpt.engine.measure.segment_seconds]). It makes the planner prefer multi-step tapes.
         work_bytes: what running one step holds on the device beyond the plan's states and
-            tapes (:func:`work_bytes`).
+            tapes ([`work_bytes`][spikeckpt.engine.measure.work_bytes]).
         work_capped: ``work_bytes`` was measured without the parameters' gradients (the
-            probe's ``max_bytes`` had no room for them); :func:`work_bytes` with all the
+            probe's ``max_bytes`` had no room for them); [`work_bytes`][spikeckpt.engine.measure.work_bytes] with all the
             parameters measures it with them.
     """
 
@@ -113,7 +113,7 @@ class Probe:
         )
 
     def costs(self) -> CostModel:
-        """The probe's times as a :class:`CostModel` (seconds)."""
+        """The probe's times as a [`CostModel`][spikeckpt.plans.simulate.CostModel] (seconds)."""
         return CostModel(
             forward=self.forward_seconds,
             backward=self.backward_seconds,
@@ -129,7 +129,7 @@ def trainable_bytes(tensors: Sequence[Tensor]) -> int:
     for t in tensors:
         if t.requires_grad:
             seen.setdefault(id(t), t)
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    return sum(tensor_nbytes(t) for t in seen.values())
 
 
 def _least_seconds(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
@@ -154,6 +154,7 @@ _PROBES: OrderedDict[Any, Probe] = OrderedDict()
 def _key(step: Step, state: Any, x0: Any, params: Sequence[Tensor], *extra: Any) -> Any:
     """What a probe depends on: the step's code (and its owner's type), the shapes, dtypes and
     devices of the state, one step's input and the parameters, and ``extra``."""
+    step = getattr(step, "__wrapped__", step)  # scan(..., steps=n) wraps the user's step
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
     code = getattr(func, "__code__", None) or type(step)
@@ -185,7 +186,7 @@ def probe_step(
 
     ``max_bytes``: device bytes the probe may hold at once (None: no limit). It first tapes one
     step (``S + A``); the timing runs then tape at most as many steps (up to
-    :data:`SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
+    `SEGMENT_PROBE_STEPS`) as fit with the parameters' gradients counted: about
     ``2S + 3G + n * (A + output + input step)``. When not even two steps fit that way the
     per-call overhead is taken as 0; when not even one step with ``G`` fits, the backward is
     timed without the parameters' gradients (``work_capped``).
@@ -193,7 +194,7 @@ def probe_step(
     ``exclude``: tensors whose storage autograd may save at no cost (the input on the
     device: a step's slice is a view of it), left out of ``A`` like the parameters.
 
-    A probe of the same step code, shapes, ``T`` (up to :data:`SEGMENT_PROBE_STEPS`), tier,
+    A probe of the same step code, shapes, ``T`` (up to `SEGMENT_PROBE_STEPS`), tier,
     packing and limit is measured once and kept (the last 16).
     """
     params = [p for p in params if p.requires_grad]
@@ -239,7 +240,7 @@ def _timed_steps(
     steps: int, sizes: Any, per_step: int, params: list[Tensor], max_bytes: int | None
 ) -> tuple[int, list[Tensor]]:
     """How many steps the timing runs tape, and the parameters they differentiate, under
-    ``max_bytes`` (see :func:`probe_step`)."""
+    ``max_bytes`` (see [`probe_step`][spikeckpt.engine.measure.probe_step])."""
     if max_bytes is None:
         return steps, params
     room = max_bytes - 2 * sizes.state_bytes
@@ -260,7 +261,7 @@ def work_bytes(
 ) -> int:
     """One step's working memory: the larger of one untaped step's peak (its new state, output
     and temporaries) and one taped step's backward peak beyond its tape (``step_bytes``) and
-    the parameters' gradients (measured with :class:`~spikeckpt.MemoryMeter`)."""
+    the parameters' gradients (measured with [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter])."""
     leaves, treedef = tree_flatten(state)
     with torch.random.fork_rng(devices=cuda_devices(leaves)), recompute_phase():
         with torch.no_grad(), MemoryMeter(device) as untaped:
@@ -287,14 +288,14 @@ def step_costs(
     directory: str | os.PathLike[str] | None = None,
     repeats: int = REPEATS,
 ) -> CostModel:
-    """Measure a step's operation times (seconds) as a :class:`~spikeckpt.plans.CostModel`.
+    """Measure a step's operation times (seconds) as a [`CostModel`][spikeckpt.plans.simulate.CostModel].
 
     Args:
         step: ``step(state, x_t) -> (state, y_t)``.
         state: the state to start from (not changed).
         xs: per-step inputs (a ``(n, B, ...)`` tensor or a list); the first step times
-            forward and backward, up to :data:`SEGMENT_PROBE_STEPS` steps time the per-call
-            overhead (:func:`segment_seconds`).
+            forward and backward, up to `SEGMENT_PROBE_STEPS` steps time the per-call
+            overhead ([`segment_seconds`][spikeckpt.engine.measure.segment_seconds]).
         params: the parameters the step uses (their ``.grad`` is not touched).
         storage: tier whose copy time is measured (``"device"``: no copies).
         directory: the disk tier's parent folder.

@@ -10,7 +10,7 @@
   matched the profiler within 1% and slows ops down (about 1.6x); backward passes run by this
   thread are seen (the autograd engine carries the mode to the CPU backward).
 
-Tensors that exist before the block are not counted, unless passed to :meth:`MemoryMeter.track`
+Tensors that exist before the block are not counted, unless passed to [`MemoryMeter.track`][spikeckpt.engine.meter.MemoryMeter.track]
 inside it (a training step's parameters, gradients, optimizer state and input batch): they
 then count as held from that moment until they are freed.
 

@@ -1,19 +1,28 @@
-"""Whether the engine is recomputing steps: a flag that layers with side effects can read.
+"""Whether the engine is recomputing steps, and the one freezer of running statistics.
 
 The engine evaluates every step once in the forward phase and again, some steps several
 times, while it recomputes in the backward phase. A layer that updates something outside its
 outputs on each call (``BatchNorm``'s running statistics) must do so only in the first
-evaluation: it asks :func:`recomputing`, which is ``True`` inside :func:`recompute_phase`
+evaluation: it asks `recomputing`, which is ``True`` inside `recompute_phase`
 (the engine enters it for its whole backward phase).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
+from typing import Any
 
-__all__ = ["recompute_phase", "recomputing"]
+from torch import nn
+
+__all__ = [
+    "RUNNING_STATS_TYPES",
+    "frozen_running_stats",
+    "guard_running_stats",
+    "recompute_phase",
+    "recomputing",
+]
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("spikeckpt_recomputing", default=False)
 
@@ -31,3 +40,76 @@ def recompute_phase() -> Iterator[None]:
         yield
     finally:
         _RECOMPUTING.reset(token)
+
+
+# ----------------------------------------------------------------------------- running stats
+
+#: Layers that update running statistics in training mode (``track_running_stats=True``).
+RUNNING_STATS_TYPES: tuple[type, ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
+_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _set_aside(m: nn.Module) -> dict[str, Any] | None:
+    """Stop a training-mode layer from updating its running statistics: BatchNorm (and
+    ``SyncBatchNorm``) with ``track_running_stats`` off, InstanceNorm with its statistics
+    buffers set aside (``None``); returns what `_put_back` restores (None: nothing)."""
+    if not (m.training and getattr(m, "track_running_stats", False)):
+        return None
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        m.track_running_stats = False
+        return {"track_running_stats": True}
+    kept = {k: m._buffers[k] for k in _STAT_BUFFERS if m._buffers.get(k) is not None}
+    for k in kept:
+        m._buffers[k] = None
+    return kept
+
+
+def _put_back(m: nn.Module, kept: dict[str, Any] | None) -> None:
+    """Undo `_set_aside`."""
+    if kept and "track_running_stats" in kept:
+        m.track_running_stats = True
+    elif kept:
+        m._buffers.update(kept)
+
+
+@contextlib.contextmanager
+def frozen_running_stats(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside, BatchNorm/InstanceNorm layers in training mode do not update their running
+    statistics (put back on exit). In training mode these layers normalise with the batch's
+    own statistics, so outputs and gradients are the same (bitwise) as with them tracked."""
+    saved: list[tuple[nn.Module, dict[str, Any] | None]] = []
+    try:
+        for m in modules:
+            if isinstance(m, RUNNING_STATS_TYPES):
+                saved.append((m, _set_aside(m)))
+        yield
+    finally:
+        for m, kept in reversed(saved):
+            _put_back(m, kept)
+
+
+def guard_running_stats(modules: Sequence[nn.Module]) -> None:
+    """Give every BatchNorm/InstanceNorm layer among ``modules`` a pair of forward hooks (once)
+    that keep its running statistics out of recomputed calls: while the engine recomputes
+    (`recomputing`), a training-mode call runs frozen (`frozen_running_stats`'s rule), so
+    the statistics are updated once per step, in the forward phase, as in the plain loop."""
+    for m in modules:
+        if isinstance(m, RUNNING_STATS_TYPES) and not m.__dict__.get("_spikeckpt_guarded", False):
+            m.register_forward_pre_hook(_stats_aside)
+            m.register_forward_hook(_stats_back, always_call=True)
+            m.__dict__["_spikeckpt_guarded"] = True
+
+
+def _stats_aside(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: while recomputing, set the running statistics aside."""
+    kept = _set_aside(module) if recomputing() else None
+    module.__dict__.setdefault("_spikeckpt_kept", []).append(kept)
+
+
+def _stats_back(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (always called): put back what `_stats_aside` set aside."""
+    stack = module.__dict__.get("_spikeckpt_kept")
+    _put_back(module, stack.pop() if stack else None)

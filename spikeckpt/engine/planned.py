@@ -50,7 +50,7 @@ def check_plan(plan: Any, T: int, budget: int | str | None) -> None:
 
 def needs_measuring(plan: Any, budget: int | str | None) -> bool:
     """Whether running ``plan`` needs the step measured: ``"auto"``, a plan that leaves its
-    intervals open (:func:`spikeckpt.plans.intervals.needs_intervals`), or a budget to check
+    intervals open (`needs_intervals`), or a budget to check
     a plan against."""
     from spikeckpt.plans.intervals import needs_intervals
 
@@ -93,6 +93,7 @@ def plan_key(
     """What a plan planned from measurements depends on: the step's code and the shapes,
     dtypes and devices of the state, the per-step inputs and the parameters (so a training
     loop that builds a new closure or bound method per call still hits the cache)."""
+    step = getattr(step, "__wrapped__", step)  # scan(..., steps=n) wraps the user's step
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
     code = getattr(func, "__code__", None) or type(step)
@@ -104,7 +105,7 @@ def plan_key(
 
 
 def _cache_key(plan: Any, T: int) -> tuple[Any, int] | None:
-    """``(plan, T)`` for plans hashed by value (:class:`spikeckpt.plans.base.Plan`), else None."""
+    """``(plan, T)`` for plans hashed by value (`Plan`), else None."""
     from spikeckpt.plans.base import Plan
 
     if not isinstance(plan, Plan) or type(plan).__hash__ is not Plan.__hash__:

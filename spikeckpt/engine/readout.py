@@ -1,10 +1,16 @@
 """Readouts: the outputs a run builds from the per-step outputs ``y_t``, and their gradients.
 
-One :class:`Reducer` serves both granularities: the schedule executor emits one step at a time
-(:meth:`Reducer.emit`), the layer-wise job one chunk of steps at a time
-(:meth:`Reducer.emit_chunk`); sums run in time order either way, so both give the plain
-loop's values bitwise. In the backward pass :meth:`Reducer.y_grad` gives ``dL/dy_t`` per step
-and :meth:`Reducer.chunk_grad` per chunk.
+One `Reducer` serves both granularities: the schedule executor emits one step at a time
+(`Reducer.emit`), the layer-wise job one chunk of steps at a time
+(`Reducer.emit_chunk`); sums run in time order either way, so both give the plain
+loop's values bitwise. In the backward pass `Reducer.y_grad` gives ``dL/dy_t`` per step
+and `Reducer.chunk_grad` per chunk.
+
+``"max"`` / ``"min"`` are ``ys.max(0).values`` / ``ys.min(0).values`` of the stacked outputs,
+with their gradient: torch sends it to one index per element, the first of tied extrema (the
+first NaN when there is one), and so does the reducer (it keeps that index, ``(B, ...)``
+int64 per output, until backward). A fold ``torch.maximum(acc, y_t)`` would split the gradient
+between ties instead: `take_extremum` is the fold that agrees with ``max(0)``.
 """
 
 from __future__ import annotations
@@ -12,39 +18,68 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
+import torch
 from torch import Tensor
 
 from spikeckpt.errors import ConfigError
 
-__all__ = ["READOUTS", "Readout", "ReadoutFn", "Reducer", "YGrad", "check_readout"]
+__all__ = [
+    "READOUTS",
+    "Readout",
+    "ReadoutFn",
+    "Reducer",
+    "YGrad",
+    "check_readout",
+    "take_extremum",
+]
 
 ReadoutFn = Callable[[Any, Any, int], Any]
-Readout = Union[None, Literal["sum", "mean", "last"], ReadoutFn]  # noqa: UP007
+Readout = Union[None, Literal["sum", "mean", "last", "max", "min"], ReadoutFn]  # noqa: UP007
 YGrad = Callable[[int], Sequence[Tensor | None]]
 
 #: the named readouts (a callable ``fold(acc, y_t, t) -> acc`` is the other kind)
-READOUTS: tuple[str | None, ...] = (None, "sum", "mean", "last")
+READOUTS: tuple[str | None, ...] = (None, "sum", "mean", "last", "max", "min")
+_EXTREMA = ("max", "min")
 
 
 def check_readout(readout: Any) -> None:
     """Raise ``ValueError`` unless ``readout`` is a named readout or a callable."""
     if not (readout in READOUTS or callable(readout)):
         raise ConfigError(
-            f"readout must be None, 'sum', 'mean', 'last' or a callable, got {readout!r}"
+            "readout must be None, 'sum', 'mean', 'last', 'max', 'min' or a callable "
+            f"fold(acc, y_t, t), got {readout!r}"
         )
+
+
+def take_extremum(kind: str, new: Tensor, acc: Tensor) -> Tensor:
+    """Where ``new`` (a later step's value) replaces ``acc`` (the running extremum) in
+    ``ys.max(0)`` (``kind="max"``) or ``ys.min(0)``: where it is strictly larger (smaller), or
+    NaN while ``acc`` is not; ties keep ``acc``, the earlier index, as torch does.
+
+    ``torch.where(take_extremum("max", y, acc), y, acc)`` is the running maximum with the
+    gradient of ``max(0)`` (to one index per element), unlike ``torch.maximum(acc, y)``.
+    """
+    beaten = new > acc if kind == "max" else new < acc
+    if not new.is_floating_point() and not new.is_complex():
+        return beaten
+    return beaten | (new.isnan() & ~acc.isnan())
 
 
 class Reducer:
     """Builds the outputs from ``y_t`` in the forward pass; gives ``dL/dy_t`` in backward.
 
     ``None``: stacked ``(T, ...)`` per output leaf. ``"sum"``: ``y_0 + y_1 + ...`` in time order.
-    ``"mean"``: that sum divided by ``T``. ``"last"``: ``y_{T-1}``.
+    ``"mean"``: that sum divided by ``T``. ``"last"``: ``y_{T-1}``. ``"max"`` / ``"min"``: the
+    extremum over time, with the index that gets the gradient (see `take_extremum`).
     """
 
     def __init__(self, kind: str | None, T: int) -> None:
         self.kind = kind
         self.T = T
         self.acc: list[Tensor] | None = None
+        #: ``"max"`` / ``"min"``: per output leaf, the step ``(B, ...)`` int64 whose value the
+        #: extremum is (kept after `outputs` for the backward pass)
+        self.index: list[Tensor] = []
 
     def emit(self, t: int, ys: Sequence[Tensor]) -> None:
         """Take the outputs ``ys`` (each ``(B, ...)``) of step ``t``."""
@@ -58,8 +93,35 @@ class Reducer:
             self.acc = (
                 list(ys) if self.acc is None else [a + y for a, y in zip(self.acc, ys, strict=True)]
             )
+        elif kind in _EXTREMA:
+            if self.acc is None:  # copies: ys may be a tape's tensors, and acc changes in place
+                self.acc = [y.clone() for y in ys]
+                self.index = [
+                    torch.full(y.shape, t, dtype=torch.int64, device=y.device) for y in ys
+                ]
+                return
+            for acc, index, y in zip(self.acc, self.index, ys, strict=True):
+                take = take_extremum(kind, y, acc)
+                torch.where(take, y, acc, out=acc)
+                index.masked_fill_(take, t)
         elif t == T - 1:
             self.acc = list(ys)
+
+    def _extremum(self, t0: int, outs: Sequence[Tensor]) -> None:
+        """Fold the outputs of steps ``t0 ..`` (each ``(k, B, ...)``) into the running extremum
+        and its index: ``max(0)`` / ``min(0)`` over the chunk first (the first index of tied
+        values), then the chunk against the earlier steps (ties keep the earlier step)."""
+        kind = self.kind
+        assert kind is not None
+        found = [o.max(0) if kind == "max" else o.min(0) for o in outs]
+        if self.acc is None:
+            self.acc = [value for value, _ in found]
+            self.index = [at.add_(t0) if t0 else at for _, at in found]
+            return
+        for acc, index, (value, at) in zip(self.acc, self.index, found, strict=True):
+            take = take_extremum(kind, value, acc)
+            torch.where(take, value, acc, out=acc)
+            torch.where(take, at + t0, index, out=index)
 
     def emit_chunk(self, t0: int, outs: Sequence[Tensor]) -> None:
         """Take the outputs of steps ``t0 .. t0 + k - 1`` at once (each ``(k, B, ...)``)."""
@@ -68,6 +130,9 @@ class Reducer:
                 self.acc = [o.new_empty((self.T, *o.shape[1:])) for o in outs]
             for buf, o in zip(self.acc, outs, strict=True):
                 buf[t0 : t0 + o.shape[0]].copy_(o)
+            return
+        if self.kind in _EXTREMA:
+            self._extremum(t0, outs)
             return
         steps = [o.unbind(0) for o in outs]
         for i, ys in enumerate(zip(*steps, strict=True)):
@@ -93,6 +158,12 @@ class Reducer:
         if kind == "mean":
             scaled = [None if g is None else g / T for g in grads]
             return lambda t: scaled
+        if kind in _EXTREMA:
+            index = self.index
+            return lambda t: [
+                None if g is None else torch.where(i == t, g, 0)
+                for g, i in zip(grads, index, strict=True)
+            ]
         return lambda t: grads if t == T - 1 else none
 
     def chunk_grad(self, grads: Sequence[Tensor | None], t0: int, t1: int) -> list[Tensor | None]:
@@ -107,6 +178,10 @@ class Reducer:
             elif kind in ("sum", "mean"):
                 g = g / self.T if kind == "mean" else g
                 res.append(g.unsqueeze(0).expand(k, *g.shape))
+            elif kind in _EXTREMA:
+                index = self.index[len(res)]
+                steps = torch.arange(t0, t1, device=index.device).view(k, *[1] * index.dim())
+                res.append(torch.where(index == steps, g, 0))
             elif t1 == self.T:
                 z = g.new_zeros((k, *g.shape))
                 z[-1] = g

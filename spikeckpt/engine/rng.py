@@ -1,7 +1,7 @@
 """Random-number generator states: captured before a step, restored to replay it exactly.
 
 The one place the engine (and the layers above it) handle RNG: which CUDA devices a run
-touches (:func:`cuda_devices`), and a capture/restore pair (:class:`RngState`), as
+touches (`cuda_devices`), and a capture/restore pair (`RngState`), as
 ``torch.utils.checkpoint`` does. The backward phase runs inside ``torch.random.fork_rng`` over
 those devices, so restoring states there never changes the generators the caller sees.
 """

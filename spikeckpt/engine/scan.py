@@ -1,15 +1,15 @@
 """``spikeckpt.scan``: run a step function over time with a checkpointing plan and exact gradients.
 
-``scan`` wraps the whole time loop in one custom :class:`torch.autograd.Function`. Its forward
+``scan`` wraps the whole time loop in one custom `Function`. Its forward
 runs the schedule's forward phase (untaped steps, stores, and the taped segments a plan keeps
 from the forward pass); its backward runs the backward phase (loads, recomputation,
-backpropagation of each taped segment with :func:`torch.autograd.grad`, carrying the state
+backpropagation of each taped segment with `grad`, carrying the state
 gradient and accumulating parameter and input gradients). See
-:mod:`spikeckpt.engine.executor` for the memory ledger convention.
+`spikeckpt.engine.executor` for the memory ledger convention.
 
-The pieces: :mod:`spikeckpt.engine.step` (the user's step on flat leaves, parameter discovery,
-the running-statistics guard), :mod:`spikeckpt.engine.planned` (the schedule to run, cached),
-:mod:`spikeckpt.engine.first_step` (step 0 run apart for states it shapes); this module runs
+The pieces: `spikeckpt.engine.step` (the user's step on flat leaves, parameter discovery,
+the running-statistics guard), `spikeckpt.engine.planned` (the schedule to run, cached),
+`spikeckpt.engine.first_step` (step 0 run apart for states it shapes); this module runs
 them.
 """
 
@@ -26,8 +26,8 @@ from torch import Tensor
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import first_step
 from spikeckpt.engine.function import Job, run_job
+from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.measure import probe_step, trainable_bytes, work_bytes
-from spikeckpt.engine.packed import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.planned import (
     check_plan,
     needs_measuring,
@@ -40,7 +40,7 @@ from spikeckpt.engine.readout import Readout, Reducer, check_readout
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.stats import ScanResult, ScanStats
 from spikeckpt.engine.step import StepFn, default_params, time_leaves, unshaped
-from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten
+from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten, tree_leaves, tree_map
 from spikeckpt.errors import BudgetTooSmall, ConfigError, ConfigTypeError, UsageError
 from spikeckpt.plans.account import (
     StepBytes,
@@ -53,6 +53,7 @@ from spikeckpt.plans.account import (
 )
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.schedule import Schedule
+from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import require_binary
 from spikeckpt.storage.tiers import check_storage, make_store
 from spikeckpt.units import parse_bytes
@@ -67,7 +68,7 @@ Timed = tuple[list[Tensor], TreeDef, int]
 
 
 class _Job(Job):
-    """The schedule executor's run as a :class:`~spikeckpt.engine.function.Job`.
+    """The schedule executor's run as a `Job`.
 
     Function inputs: (*initial state leaves, *input leaves, *params); outputs:
     (*readout outputs, *final state leaves).
@@ -181,7 +182,7 @@ class _Options:
     budget: int | str | None
     directory: str | os.PathLike | None
     pack_tape: bool
-    #: step 0 ran apart (:mod:`spikeckpt.engine.first_step`): the run has ``T - 1`` steps of
+    #: step 0 ran apart (`spikeckpt.engine.first_step`): the run has ``T - 1`` steps of
     #: the user's ``T``, and messages count the user's
     apart: int = 0
 
@@ -200,6 +201,7 @@ def scan(
     directory: str | os.PathLike | None = None,
     pack_tape: bool = False,
     spikes: bool = False,
+    steps: int | None = None,
 ) -> ScanResult | Any:
     """Run ``step`` over time with checkpointed memory; gradients equal the plain loop's.
 
@@ -209,8 +211,8 @@ def scan(
         inputs: ``(T, ...)`` time-first tensor (``x_t = inputs[t]``), or a sequence of ``T``
             per-step inputs (tensors or pytrees of tensors; they are stacked). May live on the
             host while the state is on the device: each step's slice is moved. Or a packed
-            spike train: a :class:`~spikeckpt.storage.SpikeTrain` (or a ``torch.sparse_coo``
-            train, packed with :func:`~spikeckpt.storage.as_spike_train`), on the host or on
+            spike train: a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] (or a ``torch.sparse_coo``
+            train, packed with [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train]), on the host or on
             the device; each step is unpacked on the device when it runs (``x.step(t,
             device)``), so the dense train never exists whole. A packed train gets no
             gradient.
@@ -220,25 +222,32 @@ def scan(
             own state), empty tensors (snnTorch's ``init_leaky()``) and 0-d tensors (Norse's
             ``initial_state(x).v``): step 0 then runs first, taped as in the plain loop, and
             the checkpointed run starts from its state (``stats`` describe steps ``1..T-1``).
+            Under ``torch.autocast`` step 0 runs first too (unless ``plan`` is a
+            ``Schedule`` for ``T`` steps): the state takes the dtypes step 0 returns (a
+            float32 membrane from a bf16 input, in snnTorch), as in the plain loop.
         plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
             ``"auto"`` (measures one step in the measuring room,
-            :func:`spikeckpt.engine.measure.probe_step`: sizes, working bytes and operation
+            [`probe_step`][spikeckpt.engine.measure.probe_step]: sizes, working bytes and operation
             times, and chooses the fastest plan whose step fits ``budget``,
-            :func:`spikeckpt.plans.account.choose_step`). A plan built without intervals
+            [`choose_step`][spikeckpt.plans.account.choose_step]). A plan built without intervals
             (``Double()``, ``Uniform()``, ``TwoLevel(s)``) gets them from the same
-            measurements (:func:`spikeckpt.plans.intervals.fill`). Measured once per step
+            measurements (`fill`). Measured once per step
             function, shapes, ``T``, tier and budget (a few dozen step evaluations).
         storage: where ``"remote"`` checkpoints go: ``"host"`` (CPU RAM), ``"disk"`` (files in
             a temporary folder under ``directory``) or ``"device"``.
-        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``:
-            reduced in the loop (O(1) memory); or ``fold(acc, y_t, t) -> acc`` (``acc`` is
-            ``None`` at ``t = 0``), which returns the last ``acc``.
+        readout: ``None``: stacked outputs ``(T, ...)``; ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"``, ``"min"``: reduced in the loop (O(1) memory; ``"max"`` is
+            ``ys.max(0).values`` with its gradient, which goes to the first of tied maxima);
+            or ``fold(acc, y_t, t) -> acc`` (``acc`` is ``None`` at ``t = 0``), which returns
+            the last ``acc``.
         params: tensors whose gradients scan computes. Default: the parameters of every
             ``nn.Module`` reachable from ``step``: ``step`` itself, its bound ``self``, the
             variables it closes over, its default arguments, the globals it names,
-            ``functools.partial`` arguments (recursively through functions it reaches), and
-            tensors requiring grad among them. Tensors the step reaches otherwise are not
-            seen (scan warns when it finds any: pass them here).
+            ``functools.partial`` arguments (recursively through functions it reaches),
+            tensors requiring grad among them, and leaf tensors requiring grad held as
+            attributes of those modules. Tensors the step reaches otherwise are not seen:
+            scan raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] when the
+            step uses any (pass them here).
         stats: deprecated: return the old triple ``(ys, final_state, stats)`` (with a
             ``DeprecationWarning``); the result's ``.stats`` holds them.
         budget: the peak device memory of the training step (bytes or a string like
@@ -246,26 +255,33 @@ def scan(
             gradient, the parameters' ``.grad`` and the engine's gradient buffers, the plan's
             checkpoints (the host tier's too on a CPU run, where the host is the device: the
             stats' ``note`` says so) and tapes, one step's working memory
-            (:mod:`spikeckpt.plans.account`). ``plan="auto"`` chooses within it; a plan given
-            is checked against it. A :class:`~spikeckpt.BudgetTooSmall` names a budget that
+            ([`spikeckpt.plans.account`][spikeckpt.plans.account]). ``plan="auto"`` chooses within it; a plan given
+            is checked against it. A [`BudgetTooSmall`][spikeckpt.errors.BudgetTooSmall] names a budget that
             works.
         directory: parent folder for the disk tier's files (default: the system temp folder);
-            only with ``storage="disk"`` (:func:`~spikeckpt.storage.tiers.check_storage`).
+            only with ``storage="disk"`` (`check_storage`).
         pack_tape: keep the exactly-binary tensors autograd saves in taped steps (spikes fed
             to a Linear layer) bit-packed or as index lists; gradients are unchanged. Off by
             default: scanning every saved tensor costs time (about +60% per step for a
             2x256 LIF net on CPU); turn it on when the tape, not the time, is the limit.
         spikes: the inputs must be spike trains (exactly 0 or 1); anything else raises
-            :class:`~spikeckpt.NotBinaryError` naming the value found.
+            [`NotBinaryError`][spikeckpt.errors.NotBinaryError] naming the value found.
+        steps: a constant input: ``inputs`` is then *one* step's input (``(B, ...)``, or a
+            pytree of tensors), fed to ``step`` at each of ``steps`` time steps, as a loop
+            ``for t in range(steps): ... step(state, x)`` does (snnTorch tutorial 5's
+            static image). No ``(T, B, ...)`` copy is made; an input that requires grad gets
+            the gradient of every step, summed as the plain loop sums it.
 
     Returns:
-        A :class:`~spikeckpt.ScanResult`: the pair ``(ys, final_state)`` (``ys, state =
-        scan(...)``), with the run's :class:`ScanStats` in ``.stats``; ``ys`` has the
+        A [`ScanResult`][spikeckpt.engine.stats.ScanResult]: the pair ``(ys, final_state)`` (``ys, state =
+        scan(...)``), with the run's [`ScanStats`][spikeckpt.engine.stats.ScanStats] in ``.stats``; ``ys`` has the
         structure of ``y_t`` with a leading ``T`` axis (``readout=None``) or the reduced
         value.
     """
     check_storage(storage, directory, probe=False)
     check_readout(readout)
+    if steps is not None:
+        step, inputs, params = _constant_input(step, inputs, steps, params)
     inputs = as_input(inputs)
     timed = time_leaves(inputs)
     if spikes:
@@ -274,11 +290,63 @@ def scan(
                 require_binary(leaf, "scan inputs (spikes=True)")
     param_list = default_params(step, params)
     options = _Options(plan, storage, readout, budget, directory, pack_tape)
-    if unshaped(tree_flatten(state)[0]):
+    leaves = tree_flatten(state)[0]
+    if unshaped(leaves) or _autocast_first(plan, timed[2], leaves, timed[0]):
         ys, final, run_stats = _after_first_step(step, inputs, state, timed, param_list, options)
     else:
         ys, final, run_stats = _run(step, timed, state, param_list, options)
     return ScanResult(ys, final, run_stats).legacy(stats, "scan")
+
+
+def _constant_input(
+    step: Callable[[Any, Any], Any], x: Any, steps: Any, params: Sequence[Tensor] | None
+) -> tuple[Callable[[Any, Any], Any], Any, Sequence[Tensor] | None]:
+    """``scan(..., steps=n)``: ``(step', inputs', params')`` for one input ``x`` fed at every
+    step. The inputs are ``x`` expanded to ``(n, ...)`` (a view: no copy), detached; when
+    ``x`` has leaves that require grad, ``step'`` feeds ``x`` itself and those leaves join
+    ``params``, so their gradient sums over the steps like a parameter's."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps must be a positive int (the number of time steps), got {steps!r}")
+    if is_packed(x) or (isinstance(x, Tensor) and x.is_sparse):
+        raise ConfigError(
+            "steps= takes one dense step's input (B, ...) fed at every step; a packed spike "
+            "train is a whole (T, B, ...) sequence: pass it without steps="
+        )
+    leaves = tree_leaves(x)
+    if not leaves or not all(isinstance(leaf, Tensor) for leaf in leaves):
+        raise ConfigTypeError(
+            f"with steps=, inputs must be one step's input: a tensor or a pytree of tensors, "
+            f"got {type(x).__name__}"
+        )
+    expanded = tree_map(lambda v: v.detach().expand(steps, *v.shape), x)
+    learn = [leaf for leaf in leaves if leaf.requires_grad]
+    if not learn:
+        return step, expanded, params
+
+    def constant_step(state: Any, x_t: Any) -> Any:
+        return step(state, x)
+
+    constant_step.__wrapped__ = step  # type: ignore[attr-defined]  # the plan cache's key
+    if params is not None:
+        params = [*params, *learn]
+    return constant_step, expanded, params
+
+
+#: ``id`` of the state a ``_scan_after_step0`` call passes on: shaped by step 0 already (its
+
+
+def _autocast_first(plan: Any, T: int, state: list[Any], inputs: list[Any]) -> bool:
+    """Whether scan runs step 0 first because autocast is on (the step may return the state in
+    another dtype than the initial state's, as snnTorch's neurons do: a float32 membrane from
+    a bf16 input): the plain loop then carries the dtypes step 0 gives, and so does scan.
+    Not with a ``Schedule`` built for ``T`` steps (it would not fit ``T - 1``)."""
+    if isinstance(plan, Schedule) and plan.T == T:
+        return False
+    device = next(
+        (t.device for t in (*state, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
+    )
+    kinds = {"cpu", device.type if device is not None else "cpu"}
+    return any(torch.is_autocast_enabled(kind) for kind in kinds)
 
 
 def _run(
@@ -385,7 +453,7 @@ def _measured_plan(
 ) -> tuple[Any, StepBytes | None]:
     """``"auto"`` chosen within the budget, open intervals filled, a plan checked against the
     budget: from one probe of the step (the measuring room) and the one account of the step
-    (:mod:`spikeckpt.plans.account`)."""
+    ([`spikeckpt.plans.account`][spikeckpt.plans.account])."""
     in_leaves, in_def, T = timed
     storage, plan = options.storage, options.plan
     total = parse_bytes(options.budget) if options.budget is not None else None
@@ -412,7 +480,7 @@ def _measured_plan(
         input=x_bytes,
         stacked=options.readout is None,
         grads=trainable_bytes(param_list),
-        largest=max((p.numel() * p.element_size() for p in param_list), default=0),
+        largest=max((tensor_nbytes(p) for p in param_list), default=0),
     )
     on_device = host_is_device(storage, device.type)
     costs = probe.costs()
@@ -453,7 +521,7 @@ def _after_first_step(
     param_list: list[Tensor],
     options: _Options,
 ) -> tuple[Any, Any, ScanStats]:
-    """``scan`` from an initial state that step 0 shapes (:mod:`spikeckpt.engine.first_step`):
+    """``scan`` from an initial state that step 0 shapes (`spikeckpt.engine.first_step`):
     step 0 runs as the plain loop does, then steps ``1..T-1`` run from its state; the stats
     describe those (a run of step 0 alone: ``plan="step 0 only"``)."""
     in_leaves, in_def, T = timed
@@ -482,7 +550,7 @@ def _after_first_step(
         _, carry, run_stats = _run(carried_step, rest, carry, param_list, inner)
     acc = carry[1]
     if readout == "mean":
-        acc = torch.utils._pytree.tree_map(lambda a: a / T, acc)
+        acc = tree_map(lambda a: a / T, acc)
     return acc, first.rebuild(carry[0]), run_stats
 
 

@@ -1,8 +1,8 @@
 """What a run did: one stats type for every granularity.
 
-:class:`ScanStats` is what :func:`spikeckpt.scan`'s result holds (:class:`ScanResult`:
-``out.stats``) and what a wrapped model keeps in ``last_stats``; a layer-wise run reports the same fields as a
-:class:`LayerwiseStats` (``granularity == "layer"``, plus the per-block spike-train figures in
+[`ScanStats`][spikeckpt.engine.stats.ScanStats] is what [`spikeckpt.scan`][spikeckpt.engine.scan.scan]'s result holds ([`ScanResult`][spikeckpt.engine.stats.ScanResult]:
+``out.stats``) and what a wrapped model keeps in ``last_stats``; a layer-wise run reports the
+same fields as a [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] (``granularity == "layer"``, plus the per-block spike-train figures in
 ``blocks``). Backward-phase fields fill in when backward runs.
 """
 
@@ -33,6 +33,9 @@ class BlockStats:
         codecs: chunks stored per codec (``"bitpack"``, ``"index"``, ``"dense"``;
             ``"reference"`` for the first block, ``"device"`` for the device tier).
         binary: whether every chunk was exactly binary (0/1).
+        neuron_chunks: how the neuron ran, chunks per way in the forward pass: ``"fused"``
+            (its chunk kernel, `spikeckpt.engine.fused`), ``"compiled"`` (that kernel
+            compiled) or ``"per-step"`` (one call per step).
     """
 
     name: str
@@ -42,6 +45,21 @@ class BlockStats:
     stored_bytes: int = 0
     codecs: dict[str, int] = field(default_factory=dict)
     binary: bool = True
+    neuron_chunks: dict[str, int] = field(default_factory=dict)
+
+    def count_neuron(self, way: str) -> None:
+        """One more chunk run ``way`` (see ``neuron_chunks``)."""
+        self.neuron_chunks[way] = self.neuron_chunks.get(way, 0) + 1
+
+    @property
+    def neuron(self) -> str:
+        """How the neuron ran: ``"fused"``, ``"compiled"``, ``"per-step"``, or the mix, e.g.
+        ``"fused (19 chunks), per-step (1)"``; ``""`` before a run."""
+        ways = sorted(self.neuron_chunks.items(), key=lambda kv: -kv[1])
+        if len(ways) <= 1:
+            return ways[0][0] if ways else ""
+        first, *rest = ways
+        return ", ".join([f"{first[0]} ({first[1]} chunks)", *(f"{w} ({n})" for w, n in rest)])
 
     @property
     def density(self) -> float:
@@ -76,16 +94,16 @@ class ScanStats:
         forward_steps: step evaluations, forward pass and recomputation (layer-wise: neuron
             steps summed over blocks).
         backward_steps: steps backpropagated (``T`` after backward; layer-wise: per block).
-        predicted: the simulator's :class:`~spikeckpt.plans.simulate.Cost` of the schedule.
+        predicted: the simulator's [`Cost`][spikeckpt.plans.simulate.Cost] of the schedule.
         ledger: executor ledger: ``peak["device"]`` follows the simulator's convention,
             remote tiers count states at their unpacked size (stack granularity).
         storage_ledger: the tiers' own ledger (actual bytes held and moved, after codecs).
         completed: whether backward ran to the end.
         chunk: layer-wise steps per chunk (0 for the stack granularity).
         n_chunks: layer-wise chunks (0 for the stack granularity).
-        blocks: layer-wise: one :class:`BlockStats` per block, bottom-up (empty for stack).
+        blocks: layer-wise: one [`BlockStats`][spikeckpt.engine.stats.BlockStats] per block, bottom-up (empty for stack).
         backward_chunks: layer-wise (chunk, block) pairs backpropagated.
-        planned: the step as planned for a budget (:class:`~spikeckpt.plans.account.StepBytes`:
+        planned: the step as planned for a budget ([`StepBytes`][spikeckpt.plans.account.StepBytes]:
             input, outputs, gradients, activations; None without a budget).
         note: which memory the storage tier is when it counts against the budget (a CPU
             run's host tier), None otherwise.
@@ -144,7 +162,7 @@ class ScanStats:
 
 @dataclass
 class LayerwiseStats(ScanStats):
-    """A layer-wise run's :class:`ScanStats` (``granularity == "layer"``): the same fields."""
+    """A layer-wise run's [`ScanStats`][spikeckpt.engine.stats.ScanStats] (``granularity == "layer"``): the same fields."""
 
     granularity: str = "layer"
 
@@ -153,7 +171,7 @@ class ScanResult(tuple):
     """What a run returns: a pair ``(ys, state)``, with the run's stats beside it.
 
     ``ys, state = spikeckpt.scan(...)`` unpacks it whatever else was asked; ``out.stats``
-    is the run's :class:`ScanStats` (:class:`LayerwiseStats` for a layer-wise run).
+    is the run's [`ScanStats`][spikeckpt.engine.stats.ScanStats] ([`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] for a layer-wise run).
 
     Attributes:
         ys: the outputs (stacked ``(T, ...)`` or the readout's value).

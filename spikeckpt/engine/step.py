@@ -1,11 +1,11 @@
 """The user's step as the engine runs it: flat leaves in and out, checked at step 0.
 
-:class:`StepFn` wraps ``step(state, x_t) -> (state, y_t)`` into a function of flat tensor
+`StepFn` wraps ``step(state, x_t) -> (state, y_t)`` into a function of flat tensor
 lists (the executor's view), checks the structure, shapes and dtypes it returns and carries a
-callable readout as extra state. :func:`default_params` finds the tensors a step
+callable readout as extra state. `default_params` finds the tensors a step
 differentiates (the parameters of the modules it reaches) and guards the running statistics of
-the normalisation layers it reaches (:func:`guard_running_stats`), so recomputed steps do not
-update them twice. :func:`time_leaves` turns the inputs into time-first leaves.
+the normalisation layers it reaches (`guard_running_stats`), so recomputed steps do not
+update them twice. `time_leaves` turns the inputs into time-first leaves.
 """
 
 from __future__ import annotations
@@ -14,23 +14,22 @@ import contextlib
 import functools
 import inspect
 import types
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.engine.packed import is_packed
-from spikeckpt.engine.phase import recomputing
+from spikeckpt.engine.grad import unseen_leaves
+from spikeckpt.engine.inputs import is_packed
+from spikeckpt.engine.phase import guard_running_stats
 from spikeckpt.engine.readout import ReadoutFn
-from spikeckpt.engine.tree import TreeDef, tree_flatten
-from spikeckpt.errors import ConfigError, ConfigTypeError
+from spikeckpt.engine.tree import TreeDef, tree_flatten, tree_map
+from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError
 
 __all__ = [
     "StepFn",
     "default_params",
-    "guard_running_stats",
     "time_leaves",
     "unshaped",
 ]
@@ -109,9 +108,7 @@ class StepFn:
                 out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
             if isinstance(out, tuple) and len(out) == 2:
                 self._warn_closures(user, xs, tree_flatten(out)[0], no_grad_path=True)
-                out = torch.utils._pytree.tree_map(
-                    lambda v: v.detach() if isinstance(v, Tensor) else v, out
-                )
+                out = tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, out)
         else:
             out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
         if check and not (isinstance(out, tuple) and len(out) == 2):
@@ -171,6 +168,12 @@ class StepFn:
                     f"step {t} changed {name}: it is {tuple(leaf.shape)} {leaf.dtype} on "
                     f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
                     "the state's shapes and dtypes must stay the same at every step"
+                    + (
+                        " (under torch.autocast scan takes the dtypes step 0 returns, unless "
+                        "the plan is a Schedule built for all T steps: build it for T-1)"
+                        if leaf.dtype != dtype and t == 0
+                        else ""
+                    )
                 )
 
     def _warn_closures(
@@ -181,56 +184,35 @@ class StepFn:
         *,
         no_grad_path: bool = False,
     ) -> None:
-        """Warn once if the step uses leaf tensors requiring grad that are not in ``params``.
+        """Raise [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] if the step uses
+        leaf tensors requiring grad that are not in ``params`` (they would get no gradient).
 
-        ``no_grad_path``: scan saw nothing requiring grad and runs without a tape, so these
-        tensors get no gradient and ``backward()`` of the outputs fails: the warning says so.
+        ``no_grad_path``: scan saw nothing requiring grad and would run without a tape.
         """
         if any(isinstance(t, Tensor) and t.grad_fn is not None for t in user):
             return  # only walk the graph of a step that starts from fresh leaves
         self.scanned_closures = True
         known = [*self.params, *user, *xs, *(x._base for x in xs if x._base is not None)]
-        found = _unknown_leaves(known, new)
+        found = unseen_leaves(new, known)
         if not found:
             return
-        shapes = ", ".join(str(tuple(v.shape)) for v in found[:5])
-        if no_grad_path:
-            warnings.warn(
-                f"scan: nothing scan sees requires grad, so it runs without gradients, but the "
-                f"step uses {len(found)} tensor(s) requiring grad (shapes {shapes}) that it "
-                "could not find; the outputs will not require grad and backward() will fail. "
-                "Pass them with scan(..., params=[...]) (found by default: parameters of "
-                "modules reachable from the step's self, closure, defaults and globals).",
-                stacklevel=7,
-            )
-            return
-        warnings.warn(
-            f"scan: the step uses {len(found)} tensor(s) requiring grad (shapes {shapes}) that "
-            "are not in `params`; they will get no gradient. Pass them with "
-            "scan(..., params=[...]) (found by default: parameters of modules reachable from "
-            "the step's self, closure, defaults and globals).",
-            stacklevel=6,
+        shapes = ", ".join(f"{tuple(v.shape)} {v.dtype}" for v in found[:5])
+        where = (
+            "nothing scan sees requires grad, so it would run without gradients and backward() "
+            "would fail, but the step"
+            if no_grad_path
+            else "the step"
         )
-
-
-def _unknown_leaves(known: list[Tensor], new: list[Any]) -> list[Tensor]:
-    """Leaf tensors of the autograd graph behind ``new`` that are none of ``known``."""
-    stack = [t.grad_fn for t in new if isinstance(t, Tensor) and t.grad_fn is not None]
-    # Node wrappers may be transient: keep them alive so their ids are not reused.
-    visited: list[Any] = []
-    seen: set[int] = set()
-    found: list[Tensor] = []
-    while stack and len(visited) < 20000:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        visited.append(node)
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if variable is not None and not any(variable is k for k in (*known, *found)):
-            found.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+        raise UnlistedParamsError(
+            f"scan: {where} uses {len(found)} tensor(s) requiring grad that are not in "
+            f"`params` (shapes {shapes}); they would get no gradient. Pass them with "
+            "scan(..., params=[*your_params, tensor, ...]), or from spikeckpt.wrap with "
+            "wrap(model, ..., params=[tensor, ...]) (found by default: parameters of modules "
+            "reachable from the step's self, closure, defaults and globals, and leaf tensors "
+            "requiring grad held as attributes of those modules; registering the tensor as an "
+            "nn.Parameter also works).",
+            found,
+        )
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -282,8 +264,8 @@ def unshaped(leaves: list[Any]) -> bool:
 
 def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
     """The distinct tensors requiring grad among ``params`` (default: those reachable from
-    ``step``, see :func:`reachable`); guards the running statistics of the normalisation
-    layers ``step`` reaches (:func:`guard_running_stats`)."""
+    ``step``, see `reachable`); guards the running statistics of the normalisation
+    layers ``step`` reaches (`guard_running_stats`)."""
     found, modules = reachable(step)
     guard_running_stats(modules)
     if params is None:
@@ -307,7 +289,7 @@ def _code_globals(code: Any) -> list[str]:
 
 
 class _Reach:
-    """A walk from a step through what it can reach (see :func:`reachable`)."""
+    """A walk from a step through what it can reach (see `reachable`)."""
 
     def __init__(self) -> None:
         self.found: dict[int, Tensor] = {}
@@ -342,7 +324,11 @@ class _Reach:
             self._tensor(p, depth)
         for m in module.modules():
             self.modules.setdefault(id(m), m)
-            self.visit_all([v for v in vars(m).values() if isinstance(v, tuple)], depth)
+            for value in vars(m).values():
+                if isinstance(value, tuple):
+                    self.visit(value, depth)
+                elif isinstance(value, Tensor) and value.is_leaf:
+                    self._tensor(value, depth)  # a tensor attribute: self.beta = torch.full(..)
 
     def _partial(self, obj: functools.partial, depth: int) -> None:
         self.visit_all((obj.func, *obj.args, *obj.keywords.values()), depth)
@@ -375,56 +361,10 @@ def reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
     """Tensors requiring grad reachable from ``step``: parameters of the modules it is, is
     bound to, closes over, takes as defaults or ``partial`` arguments, or names as globals
     (through the functions and containers it reaches, a few levels deep), tensors requiring
-    grad among those, and tensors requiring grad in NamedTuple attributes of those modules
-    (Norse keeps neuron parameters in ``module.p``); and the modules reached (submodules
-    included)."""
+    grad among those, leaf tensors requiring grad held as attributes of those modules (a
+    neuron's ``self.beta = torch.full(..., requires_grad=True)``) or in their NamedTuple
+    attributes (Norse keeps neuron parameters in ``module.p``); and the modules reached
+    (submodules included)."""
     walk = _Reach()
     walk.visit(step, 0)
     return list(walk.found.values()), list(walk.modules.values())
-
-
-# ----------------------------------------------------------------------------- running stats
-
-_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
-
-
-def guard_running_stats(modules: Sequence[nn.Module]) -> None:
-    """Give every BatchNorm/InstanceNorm layer the step reaches a pair of forward hooks (once)
-    that keep its running statistics out of recomputed calls: while the engine recomputes
-    (:func:`~spikeckpt.engine.phase.recomputing`), a training-mode call runs with its
-    statistics buffers set aside, so they are updated once per step, in the forward phase, as
-    in the plain loop. The outputs are unchanged: training mode normalises with the batch's own
-    statistics."""
-    for m in modules:
-        if isinstance(m, _RUNNING_STATS) and not m.__dict__.get("_spikeckpt_guarded", False):
-            m.register_forward_pre_hook(_stats_aside)
-            m.register_forward_hook(_stats_back, always_call=True)
-            m.__dict__["_spikeckpt_guarded"] = True
-
-
-def _stats_aside(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook: while recomputing, a training-mode call does not update the running
-    statistics (BatchNorm: ``track_running_stats`` off; InstanceNorm: buffers set aside)."""
-    kept: dict[str, Any] | None = None
-    if recomputing() and module.training and getattr(module, "track_running_stats", False):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            kept = {"track_running_stats": True}
-            module.track_running_stats = False
-        else:
-            kept = {
-                k: module._buffers[k] for k in _STAT_BUFFERS if module._buffers.get(k) is not None
-            }
-            for k in kept:
-                module._buffers[k] = None
-    module.__dict__.setdefault("_spikeckpt_kept", []).append(kept)
-
-
-def _stats_back(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook (always called): put back what :func:`_stats_aside` set aside."""
-    stack = module.__dict__.get("_spikeckpt_kept")
-    kept = stack.pop() if stack else None
-    if kept and "track_running_stats" in kept:
-        module.track_running_stats = True
-    elif kept:
-        module._buffers.update(kept)

@@ -1,11 +1,15 @@
 """State pytrees: flatten a state (tensor, tuple, NamedTuple, dict, nested) to a list of tensors.
 
-The executor works on flat lists of tensors ("leaves"); :class:`TreeDef` remembers how to
+The executor works on flat lists of tensors ("leaves"); `TreeDef` remembers how to
 rebuild the user's structure. A bare tensor, a flat tuple/list/NamedTuple of tensors and nested
 tuples/lists/NamedTuples of tensors (a stack's per-layer states) take a fast path (no
 ``torch.utils._pytree`` call per step: its flatten and unflatten cost about 30 us per step for
 a two-layer state, a tenth of a LIF step on a CPU); anything else (dicts, other containers)
 goes through ``torch.utils._pytree``.
+
+This module is the package's one pytree: every other module flattens, rebuilds and maps
+structures through it (`tree_flatten`, `tree_unflatten`, `tree_map`, `tree_leaves`,
+`tree_structure`), never through ``torch.utils._pytree`` directly.
 """
 
 from __future__ import annotations
@@ -16,7 +20,18 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-__all__ = ["TreeDef", "is_float", "leaf_bytes", "tree_flatten"]
+from spikeckpt.storage.base import tensor_nbytes
+
+__all__ = [
+    "TreeDef",
+    "is_float",
+    "leaf_bytes",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_structure",
+    "tree_unflatten",
+]
 
 
 def _is_namedtuple(obj: object) -> bool:
@@ -93,7 +108,7 @@ def _compile_nested(spec: _Nested) -> tuple[Any, Any]:
 class TreeDef:
     """How to rebuild a structure from its leaves.
 
-    Build one with :func:`tree_flatten`. ``unflatten(leaves)`` rebuilds; ``flatten(obj)``
+    Build one with `tree_flatten`. ``unflatten(leaves)`` rebuilds; ``flatten(obj)``
     flattens an object of the same structure (it returns ``None`` when the structure differs,
     so callers can raise a precise error).
     """
@@ -166,7 +181,7 @@ class TreeDef:
 
 
 def tree_flatten(obj: Any) -> tuple[list[Any], TreeDef]:
-    """Flatten ``obj`` into its leaves and a :class:`TreeDef` (leaves may be non-tensors)."""
+    """Flatten ``obj`` into its leaves and a `TreeDef` (leaves may be non-tensors)."""
     if isinstance(obj, Tensor):
         return [obj], TreeDef("tensor", None, None, 1, [""])
     if (type(obj) in (tuple, list) or _is_namedtuple(obj)) and all(
@@ -190,9 +205,33 @@ def tree_flatten(obj: Any) -> tuple[list[Any], TreeDef]:
 
 def leaf_bytes(leaves: Sequence[Tensor]) -> int:
     """Bytes of the tensors' elements (``numel * element_size`` summed; views count fully)."""
-    return sum(t.numel() * t.element_size() for t in leaves)
+    return sum(tensor_nbytes(t) for t in leaves)
 
 
 def is_float(t: Tensor) -> bool:
     """Whether ``t`` can carry a gradient (floating or complex dtype)."""
     return t.is_floating_point() or t.is_complex()
+
+
+def tree_unflatten(leaves: Sequence[Any], treedef: TreeDef) -> Any:
+    """Rebuild the structure ``treedef`` describes from ``leaves`` (``treedef.unflatten``)."""
+    return treedef.unflatten(list(leaves))
+
+
+def tree_structure(obj: Any) -> TreeDef:
+    """The structure of ``obj`` (the `TreeDef` of `tree_flatten`)."""
+    return tree_flatten(obj)[1]
+
+
+def tree_leaves(obj: Any) -> list[Any]:
+    """The leaves of ``obj``, in `tree_flatten`'s order."""
+    return tree_flatten(obj)[0]
+
+
+def tree_map(fn: Any, tree: Any, *rest: Any) -> Any:
+    """``fn`` applied leaf by leaf to ``tree`` (and the same leaves of ``rest``), rebuilt."""
+    leaves, treedef = tree_flatten(tree)
+    others = [treedef.flatten(r) for r in rest]
+    if any(o is None for o in others):
+        return pytree.tree_map(fn, tree, *rest)  # structures that differ in their leaves' types
+    return treedef.unflatten([fn(*args) for args in zip(leaves, *others, strict=True)])

@@ -1,4 +1,4 @@
-"""Lightning integration: the :class:`MemoryBudget` callback (needs ``spikeckpt[lightning]``)."""
+"""Lightning integration: the [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] callback (needs ``spikeckpt[lightning]``)."""
 
 from spikeckpt.lightning.budget import MemoryBudget
 

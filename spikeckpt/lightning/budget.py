@@ -3,22 +3,22 @@
 >>> trainer = L.Trainer(callbacks=[MemoryBudget("2GiB", storage="host")])  # doctest: +SKIP
 
 Lifecycle (Lightning's conventions): arguments are checked in ``__init__``; ``setup`` finds
-the :class:`~spikeckpt.CheckpointedSequence` modules; ``on_fit_start`` turns the budget into
+the [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] modules; ``on_fit_start`` turns the budget into
 bytes for the wrapped models' steps (minus the safety margin and what the model, gradients and
 optimizer state take; the smallest over all ranks) and installs a
-:class:`~spikeckpt.planning.BudgetPlanner` on each wrapped model. The plans themselves are
+[`BudgetPlanner`][spikeckpt.planning.decide.BudgetPlanner] on each wrapped model. The plans themselves are
 chosen at the first forward of each input shape, from a probe held under the budget,
 identically on every rank; each step's plan covers the input train on the device, the
 stacked outputs, the engine's gradient buffers and the activations
-(:class:`~spikeckpt.planning.StepBytes`).
+(`StepBytes`).
 
 What the budget promises: every training step's device peak, the first included (parameters,
 gradients, optimizer state, the input batch while it is on the device, and everything the step
-allocates), stays within ``budget``: the one account of :mod:`spikeckpt.plans.account` for
-each wrapped model's step, plus the model, its ``.grad`` and the optimizer state, counted once.
-Measured steps (:class:`~spikeckpt.MemoryMeter`, with what the step holds at entry counted
-through ``MemoryMeter.track``) are checked against it: a step that comes out over makes the
-callback re-plan down by the overshoot.
+allocates), stays within ``budget``: the one account of `spikeckpt.plans.account` for each
+wrapped model's step, plus the model, its ``.grad`` and the optimizer state, counted once.
+Measured steps ([`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], with what the step holds
+at entry counted through ``MemoryMeter.track``) are checked against it: a step that comes out
+over makes the callback re-plan down by the overshoot.
 
 Out of memory anyway (``max_retries > 0``, opt-in): the callback wraps the module's
 ``training_step`` and ``backward`` for the fit (put back at teardown) so a
@@ -51,7 +51,7 @@ from spikeckpt.wrapping import CheckpointedSequence
 
 class MemoryBudgetError(SpikeckptError, MisconfigurationException):
     """``MemoryBudget`` is misused (no wrapped model found, ...): Lightning's
-    ``MisconfigurationException``, and a :class:`~spikeckpt.SpikeckptError`."""
+    ``MisconfigurationException``, and a [`SpikeckptError`][spikeckpt.errors.SpikeckptError]."""
 
 
 _HOW_TO_WRAP = (
@@ -78,13 +78,13 @@ class MemoryBudget(Callback):
             ``training_step`` and ``backward`` for the fit (see the module docstring).
         retry_factor: budget multiplier at each re-plan.
         measure_batches: how many training batches (from the start, and after each re-plan or
-            new input shape) are measured with :class:`~spikeckpt.MemoryMeter` and checked
+            new input shape) are measured with [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter] and checked
             against the budget (slower while measuring on the CPU).
         verbose: print a summary on rank 0.
 
     On a CPU-only run the device *is* the host: the ``"host"`` tier's checkpoints and spike
     trains count against the budget (plans keep no off-device checkpoints), while
-    ``storage="disk"`` keeps them off it. :attr:`tier_note` says which, and so does the log.
+    ``storage="disk"`` keeps them off it. `tier_note` says which, and so does the log.
 
     Attributes:
         total_bytes: the whole step's budget (bytes; ``budget``, or ``fraction`` of the free
@@ -93,7 +93,7 @@ class MemoryBudget(Callback):
             optimizer state (estimated before the first optimizer step).
         budget_bytes: the budget for the wrapped models' steps beyond the model (bytes): the
             total less the margin and ``overhead_bytes``.
-        plans: wrapped module name -> the latest :class:`~spikeckpt.planning.PlanChoice`
+        plans: wrapped module name -> the latest [`PlanChoice`][spikeckpt.planning.decide.PlanChoice]
             (plan with intervals, ``modeled_peak_bytes``, ``step``, ``time_factor``).
         measured_peak_bytes: device peak of the last measured training step, everything
             counted (MemoryMeter).

@@ -82,7 +82,7 @@ def step_resident(
 ) -> list[torch.Tensor]:
     """The tensors a training step holds from before it starts: parameters, buffers, their
     gradients, the optimizer state and the tensors of ``batch`` (a packed
-    :class:`~spikeckpt.storage.SpikeTrain` counts with its packed tensors). For
+    [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] counts with its packed tensors). For
     ``MemoryMeter.track``, which keeps only those on the measured device: a batch left on the
     host of a GPU run is not counted."""
     params = list(module.parameters())

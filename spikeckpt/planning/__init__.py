@@ -1,9 +1,9 @@
 """Planning: measure a wrapped model and decide how it runs (granularity, plan, chunk).
 
-:mod:`spikeckpt.planning.probe` measures (what one step costs in bytes and seconds, per
-block too); :mod:`spikeckpt.planning.decide` decides, for :func:`spikeckpt.wrap`'s models
-(:class:`Planner`) and for a memory budget (:class:`BudgetPlanner`, used by
-:class:`~spikeckpt.lightning.MemoryBudget`).
+`spikeckpt.planning.probe` measures (what one step costs in bytes and seconds, per
+block too); `spikeckpt.planning.decide` decides, for [`spikeckpt.wrap`][spikeckpt.wrapping.wrap]'s models
+([`Planner`][spikeckpt.planning.decide.Planner]) and for a memory budget ([`BudgetPlanner`][spikeckpt.planning.decide.BudgetPlanner], used by
+[`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget]).
 """
 
 from spikeckpt.planning.decide import (

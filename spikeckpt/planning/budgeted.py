@@ -1,10 +1,10 @@
 """The budget planner: a plan per input shape so that a wrapped model's training step fits a
 device memory budget (what ``wrap(..., budget=...)`` and
-:class:`~spikeckpt.lightning.MemoryBudget` install).
+[`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget] install).
 
-The step is counted by the one account of :mod:`spikeckpt.plans.account`
-(:class:`~spikeckpt.plans.account.StepBytes`): the stack's plan is chosen (or, given, checked)
-by :func:`~spikeckpt.plans.account.choose_step` / :func:`~spikeckpt.plans.account.check_step`,
+The step is counted by the one account of [`spikeckpt.plans.account`][spikeckpt.plans.account]
+([`StepBytes`][spikeckpt.plans.account.StepBytes]): the stack's plan is chosen (or, given, checked)
+by [`choose_step`][spikeckpt.plans.account.choose_step] / [`check_step`][spikeckpt.plans.account.check_step],
 the same functions ``scan(plan="auto", budget=...)`` calls on the same measurements.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, NoReturn
 from torch import Tensor
 
 from spikeckpt import plans
-from spikeckpt.engine.packed import input_nbytes
+from spikeckpt.engine.inputs import input_nbytes
 from spikeckpt.errors import BudgetTooSmall
 from spikeckpt.planning.choice import (
     Decision,
@@ -54,6 +54,7 @@ from spikeckpt.plans.account import (
 from spikeckpt.plans.choose import minimum_budget
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
+from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.units import parse_bytes
 
 __all__ = ["BudgetPlanner"]
@@ -62,13 +63,14 @@ ShapeKey = tuple[int, int]
 
 
 class _Measured(NamedTuple):
-    """What a :class:`BudgetPlanner` measured for one input shape, scaled to its batch."""
+    """What a `BudgetPlanner` measured for one input shape, scaled to its batch."""
 
     T: int
     batch: int
     probe: Probe
     blocks: list[BlockSizes] | None
     working: MeasuredWorking | None
+    seconds: tuple[float, float] | None
     on_device: bool
     costs: CostModel
     sizes: StepSizes
@@ -87,15 +89,15 @@ class BudgetPlanner:
     """Choose and cache a plan per input shape so a wrapped model's step fits ``budget``.
 
     The first time it sees an input shape it probes the model
-    (:func:`~spikeckpt.planning.probe.probe_model`, held under the budget; for a model wrapped
+    (`probe_model`, held under the budget; for a model wrapped
     with ``granularity="layer"`` or ``"auto"`` also the layer-wise working set,
-    :func:`~spikeckpt.planning.probe.layerwise_working_bytes`), counts what a training step
-    holds (:class:`~spikeckpt.plans.account.StepBytes`: the input train while it is on the
+    `layerwise_working_bytes`), counts what a training step
+    holds ([`StepBytes`][spikeckpt.plans.account.StepBytes]: the input train while it is on the
     device, the stacked outputs and their gradient, the gradients, the plan's activations),
     picks the plan with the least modeled time whose step fits
-    (:func:`~spikeckpt.plans.account.choose_step`; layer-wise: the largest chunk that fits),
+    ([`choose_step`][spikeckpt.plans.account.choose_step]; layer-wise: the largest chunk that fits),
     and caches it for that shape. A plan given (``plan=Uniform(10)``) is checked instead
-    (:func:`~spikeckpt.plans.account.check_step`) and refused when its step does not fit.
+    ([`check_step`][spikeckpt.plans.account.check_step]) and refused when its step does not fit.
     When the storage tier is the device's own memory (the device tier; the host tier on a CPU
     run), stored checkpoints and trains count as activations, no plan with off-device
     checkpoints is chosen, and the plan's summary and refusals say so.
@@ -119,9 +121,9 @@ class BudgetPlanner:
             used, so every rank chooses the same plan.
 
     Attributes:
-        choices: shape ``(T, B)`` -> :class:`PlanChoice`.
+        choices: shape ``(T, B)`` -> `PlanChoice`.
         probes: how many probes ran (a resumed run with known shapes runs none).
-        last: the latest :class:`PlanChoice`.
+        last: the latest `PlanChoice`.
     """
 
     def __init__(
@@ -161,7 +163,7 @@ class BudgetPlanner:
             self.context += context
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
-        """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
+        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
         T, batch = int(x.shape[0]), int(x.shape[1])
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
@@ -215,6 +217,7 @@ class BudgetPlanner:
         blocks = layered.sizes if layered is not None else None
         # layer-wise: the measured working set holds the running sums of the gradients
         working = layered.working if layered is not None else None
+        seconds = layered.seconds if layered is not None else None
         if self.broadcast is not None:
             probe, blocks, working = self.broadcast((probe, blocks, working))
         if blocks is not None:
@@ -230,7 +233,7 @@ class BudgetPlanner:
             input=x_bytes,
             stacked=model.readout is None,
             grads=trainable_bytes(params),
-            largest=max((p.numel() * p.element_size() for p in params), default=0),
+            largest=max((tensor_nbytes(p) for p in params), default=0),
             grad_in_step=self.grad_in_step,
         )
         return _Measured(
@@ -239,6 +242,7 @@ class BudgetPlanner:
             probe=probe,
             blocks=blocks,
             working=working,
+            seconds=seconds,
             on_device=on_device,
             costs=self.costs or probe.costs(),
             sizes=sizes,
@@ -305,7 +309,13 @@ class BudgetPlanner:
         if found is None:
             return None
         modeled = layerwise_cost(
-            m.T, found, m.blocks, remote=remote, costs=m.costs, working=m.working
+            m.T,
+            found,
+            m.blocks,
+            remote=remote,
+            costs=m.costs,
+            working=m.working,
+            seconds=m.seconds,
         )
         return PlanChoice(
             plans.Uniform(modeled.chunk).for_length(m.T),

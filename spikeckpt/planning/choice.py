@@ -1,6 +1,6 @@
-"""What planning decides: :class:`Decision` (how one forward runs) and :class:`PlanChoice` (a
+"""What planning decides: `Decision` (how one forward runs) and `PlanChoice` (a
 plan chosen for a budget, and why, with the step it makes:
-:class:`~spikeckpt.plans.account.StepBytes`), and :class:`Planned`, what a planner needs of a
+[`StepBytes`][spikeckpt.plans.account.StepBytes]), and `Planned`, what a planner needs of a
 model.
 """
 
@@ -28,7 +28,7 @@ __all__ = ["Decision", "PlanChoice", "Planned", "StepBytes", "choice_from_dict",
 
 
 class Planned(Probed, Protocol):
-    """What a planner needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
+    """What a planner needs of a model (a [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] has it)."""
 
     storage: str
     readout: Any
@@ -67,11 +67,11 @@ class PlanChoice:
             budget less the input, the outputs and the gradient buffers of ``step``).
         probe: the measurements used.
         modeled: the modeled cost (counts, ``peak_bytes``, ``time`` in seconds): a
-            :class:`~spikeckpt.plans.Cost`, or a :class:`~spikeckpt.plans.LayerwiseCost`.
+            [`Cost`][spikeckpt.plans.simulate.Cost], or a [`LayerwiseCost`][spikeckpt.plans.layerwise.LayerwiseCost].
         granularity: ``"stack"`` or ``"layer"``.
         chunk: layer-wise steps per chunk (None for the stack).
         step: what the training step holds, as planned
-            (:class:`~spikeckpt.plans.account.StepBytes`); ``step.total`` is at most the
+            ([`StepBytes`][spikeckpt.plans.account.StepBytes]); ``step.total`` is at most the
             planner's budget.
         note: which memory the storage tier is on a CPU run (None on a GPU).
     """
@@ -136,7 +136,7 @@ class Decision:
             engine measures one step and chooses) ; for layer-wise, the plan it was compared to.
         chunk: layer-wise steps per chunk (None for the stack).
         budget: device bytes for ``plan="auto"`` (None otherwise).
-        choice: the budget planner's :class:`PlanChoice` (None for a model's own plan).
+        choice: the budget planner's `PlanChoice` (None for a model's own plan).
     """
 
     granularity: str

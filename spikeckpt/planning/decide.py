@@ -1,26 +1,26 @@
 """Decide how a wrapped model runs: granularity (stack or layer-wise), plan and chunk.
 
-This is the one place those decisions are made; the wrapper, :class:`MemoryBudget` and the
+This is the one place those decisions are made; the wrapper, `MemoryBudget` and the
 command line all ask a planner here. A planner is called at every forward of a
-:class:`~spikeckpt.CheckpointedSequence` with ``decide(model, x, state)`` (``x`` time first)
-and returns a :class:`Decision`; decisions are cached per input shape ``(T, B)``.
+[`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] with ``decide(model, x, state)`` (``x`` time first)
+and returns a `Decision`; decisions are cached per input shape ``(T, B)``.
 
-- :class:`Planner` (what :func:`spikeckpt.wrap` installs) follows the model's own ``plan``,
-  ``budget``, ``granularity`` and ``chunk``. With a budget it asks a :class:`BudgetPlanner`,
-  which counts the whole training step (:mod:`spikeckpt.plans.account`): ``plan="auto"`` is
+- `Planner` (what [`wrap`][spikeckpt.wrapping.wrap] installs) follows the model's own ``plan``,
+  ``budget``, ``granularity`` and ``chunk``. With a budget it asks a `BudgetPlanner`,
+  which counts the whole training step ([`spikeckpt.plans.account`][spikeckpt.plans.account]): ``plan="auto"`` is
   chosen within the budget, a plan given is checked against it (and refused when its step
   does not fit). Without one, a given plan runs as given, except that a plan built without
   intervals (``Double()``, ``Uniform()``, ``TwoLevel(s)``) gets them from one probe
-  (:func:`~spikeckpt.planning.probe.probe_model`) through
-  :func:`spikeckpt.plans.intervals.fill`; ``plan="auto"`` plans to 90% of the free CUDA
+  (`probe_model`) through
+  `fill`; ``plan="auto"`` plans to 90% of the free CUDA
   memory on a GPU and runs ``Uniform(ceil(sqrt(T)))`` on the CPU.
-- :class:`BudgetPlanner` (also what the Lightning callback installs) plans to a budget with
+- `BudgetPlanner` (also what the Lightning callback installs) plans to a budget with
   the full probe, agrees across DDP ranks, and remembers its choices in a checkpoint.
 
-Both decide the granularity the same way (:func:`layer_or_stack`): with ``granularity="auto"``
+Both decide the granularity the same way (`layer_or_stack`): with ``granularity="auto"``
 layer-wise runs when the model splits into feed-forward blocks, the readout is not callable,
 the input is exactly binary, its modeled device peak fits (the budget, else the stack plan's
-own modeled peak) and its modeled time is at most :data:`LAYERWISE_TIME_TOLERANCE` above the
+own modeled peak) and its modeled time is at most `LAYERWISE_TIME_TOLERANCE` above the
 stack plan's.
 """
 
@@ -32,11 +32,11 @@ import torch
 from torch import Tensor
 
 from spikeckpt import plans
-from spikeckpt.engine.layerwise import chunk_for
 from spikeckpt.planning.budgeted import BudgetPlanner
 from spikeckpt.planning.choice import Decision, PlanChoice, Planned
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
+    chunk_for,
     layer_or_stack,
     layerwise_candidate,
     layerwise_may_pay,
@@ -75,8 +75,8 @@ class Planner:
         plan: a plan, a ``Schedule`` or ``"auto"``. A plan built without intervals gets them
             from a probe of the model (once per input shape; see the module docstring).
         budget: the training step's device budget (bytes or a string like ``"2GiB"``; the
-            one account of :mod:`spikeckpt.plans.account`): ``plan="auto"`` chooses within
-            it, a plan given is checked against it (:class:`BudgetPlanner` does both). None:
+            one account of [`spikeckpt.plans.account`][spikeckpt.plans.account]): ``plan="auto"`` chooses within
+            it, a plan given is checked against it (`BudgetPlanner` does both). None:
             for ``"auto"``, 90% of the free CUDA memory on a GPU, ``Uniform(ceil(sqrt(T)))``
             on the CPU; a plan given runs as given.
         granularity: ``"stack"``, ``"layer"`` or ``"auto"``.
@@ -84,9 +84,9 @@ class Planner:
             without, the plan's interval, else ``ceil(sqrt(T))``).
 
     Attributes:
-        decisions: shape ``(T, B)`` -> the :class:`Decision` for ``granularity="auto"``.
+        decisions: shape ``(T, B)`` -> the `Decision` for ``granularity="auto"``.
         filled: ``(plan, T, B)`` -> the plan with the intervals it was given.
-        budgeted: the :class:`BudgetPlanner` of a budget (None without one).
+        budgeted: the `BudgetPlanner` of a budget (None without one).
     """
 
     def __init__(
@@ -128,7 +128,7 @@ class Planner:
         return self.filled[key]
 
     def decide(self, model: Planned, x: Any, state: Any) -> Decision:
-        """The :class:`Decision` for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
+        """The `Decision` for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
         from ``state``."""
         budget = self._budget_for(model, x)
         if budget is not None:
@@ -155,7 +155,7 @@ class Planner:
         return self.decisions[key]
 
     def _within_budget(self, model: Planned, x: Any, state: Any, budget: int) -> Decision:
-        """With a budget: :class:`BudgetPlanner` chooses (``plan="auto"``) or checks the plan
+        """With a budget: `BudgetPlanner` chooses (``plan="auto"``) or checks the plan
         given, the whole step counted (input on the device, outputs, the parameters' ``.grad``
         and the engine's gradient buffers, activations). A refusal names the budget that
         works when passed back to ``wrap``."""

@@ -1,10 +1,10 @@
 """Granularity: whether layer-wise pays for a model, and the layer-wise chunk that fits.
 
-Both planners decide the granularity the same way (:func:`layer_or_stack`): with
+Both planners decide the granularity the same way (`layer_or_stack`): with
 ``granularity="auto"`` layer-wise runs when the model splits into feed-forward blocks, the
 readout is not callable, the input is exactly binary, its modeled device peak fits (the
 budget, else the stack plan's own modeled peak) and its modeled time is at most
-:data:`LAYERWISE_TIME_TOLERANCE` above the stack plan's.
+`LAYERWISE_TIME_TOLERANCE` above the stack plan's.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from spikeckpt import plans
-from spikeckpt.engine.layerwise import LayerBlock, chunk_for
-from spikeckpt.engine.packed import is_packed, step_of
+from spikeckpt.engine.inputs import is_packed, step_of
+from spikeckpt.engine.layerwise import LayerBlock, chunk_length
+from spikeckpt.errors import ConfigTypeError
 from spikeckpt.planning.choice import Planned
 from spikeckpt.planning.probe import (
     block_sizes,
     compute_device,
     layerwise_probe_chunks,
+    layerwise_seconds,
     layerwise_working_bytes,
 )
 from spikeckpt.plans import CostModel, Plan, choose
@@ -33,7 +35,7 @@ from spikeckpt.plans.layerwise import (
 )
 from spikeckpt.storage.codecs import is_binary
 
-__all__ = ["LAYERWISE_TIME_TOLERANCE", "layer_or_stack"]
+__all__ = ["LAYERWISE_TIME_TOLERANCE", "chunk_for", "layer_or_stack"]
 
 #: ``granularity="auto"`` accepts a layer-wise modeled time this much above the stack plan's:
 #: the model counts ``2T`` step evaluations against e.g. ``Uniform``'s ``2T - k`` (it keeps its
@@ -47,6 +49,22 @@ class Layered(NamedTuple):
     blocks: list[LayerBlock]
     sizes: list[BlockSizes]
     working: MeasuredWorking | None = None
+    #: measured ``(seconds per step, seconds per chunk)`` of the training step's run
+    seconds: tuple[float, float] | None = None
+
+
+def chunk_for(plan: Any, T: int) -> int:
+    """The layer-wise chunk length for ``plan`` (a planning rule): an int is itself; a plan
+    with ``interval`` (``Uniform(k)``) or ``local_interval`` (``Double``) uses it; otherwise
+    (None, ``"auto"``, other plans) ``ceil(sqrt(T))``. Clipped to ``[1, T]``."""
+    if isinstance(plan, bool):
+        raise ConfigTypeError("chunk/plan must be an int or a plan, not a bool")
+    if isinstance(plan, int):
+        return chunk_length(plan, T)
+    k: Any = None
+    if plan is not None and not isinstance(plan, str):
+        k = getattr(plan, "interval", None) or getattr(plan, "local_interval", None)
+    return chunk_length(None if k is None else int(k), T)
 
 
 def layerwise_candidate(
@@ -60,20 +78,21 @@ def layerwise_candidate(
 ) -> Layered | None:
     """The blocks and their sizes when layer-wise can run, else None.
 
-    ``budgeted=False``: the sizes :func:`block_sizes` measures (what a model's own
-    :class:`Planner` compares with the stack plan). ``budgeted=True`` (the
-    :class:`BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
+    ``budgeted=False``: the sizes `block_sizes` measures (what a model's own
+    `Planner` compares with the stack plan). ``budgeted=True`` (the
+    `BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
     the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
     density of hidden spikes grows as the model trains, and index lists with it), dense with
     the device tier (it stores them unpacked); ``working`` is the training step's working set
-    as :func:`~spikeckpt.planning.probe.layerwise_working_bytes` measures it (held under
+    as `layerwise_working_bytes` measures it (held under
     ``max_bytes``; the parameters' gradient sums included).
     """
     blocks = model.layer_blocks(required)
     if blocks is None:
         return None
     device = compute_device(model, x)
-    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state))
+    fuse = bool(getattr(model, "fuse", True))
+    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state), fuse)
     if not budgeted:
         return Layered(blocks, sizes)
     unpacked = model.storage == "device"
@@ -88,9 +107,22 @@ def layerwise_candidate(
         readout=model.readout,
         output=model.output,
         stored_on_device=host_is_device(model.storage, device.type),
+        fuse=fuse,
         max_bytes=max_bytes,
     )
-    return Layered(blocks, sizes, working)
+    allowed = layerwise_probe_chunks(int(x.shape[0]), sizes, max_bytes)  # held like the probe
+    seconds = layerwise_seconds(
+        blocks,
+        x,
+        lambda x_t: model.block_states(model.initial_state(x_t)),
+        device=device,
+        storage=model.storage,
+        readout=model.readout,
+        output=model.output,
+        fuse=fuse,
+        chunks=(allowed[0], allowed[-1]),
+    )
+    return Layered(blocks, sizes, working, seconds)
 
 
 def layerwise_may_pay(model: Planned, x: Any) -> bool:
@@ -119,7 +151,7 @@ def fitting_layer_chunk(
 ) -> int | None:
     """The largest chunk ``<= preferred`` whose modeled layer-wise peak fits ``limit``, or
     None. With the trains and chunk states off the device the peak grows with the chunk
-    (:func:`~spikeckpt.plans.layerwise.fitting_chunk` bisects); on the device the stored
+    ([`fitting_chunk`][spikeckpt.plans.layerwise.fitting_chunk] bisects); on the device the stored
     chunk states shrink as the chunk grows, so the peak is not monotonic: chunks are tried
     from the longest down."""
     if remote:
@@ -156,7 +188,7 @@ def smallest_probed_layerwise(
     when one is given, else at the best chunk).
 
     ``working`` was measured at every chunk length; a probe held under a budget measures the
-    shorter ones only (:func:`~spikeckpt.planning.probe.layerwise_probe_chunks`), and fewer
+    shorter ones only (`layerwise_probe_chunks`), and fewer
     lengths can model more at some chunks. ``beside``: the step's other bytes (input,
     outputs); ``unprobed``: what the probe may not use (the input on the device). Raised
     until the lengths that fit the named budget model no more than it (the lengths only

@@ -1,16 +1,20 @@
 """Measure a model for planning: what one step costs in bytes and seconds, per block too.
 
-"Probe" means this module: :func:`probe_model` measures one step of a wrapped model in the
-engine's one measuring room (:func:`spikeckpt.engine.measure.probe_step`: state bytes ``S``,
-bytes taped per step ``A`` after spike packing, output bytes, working bytes, forward/backward
-step time, the fixed cost of one backward call, the storage tier's copy time) and adds the
-input's spike density; :func:`block_sizes` and :func:`layerwise_working_bytes` measure the
-layer-wise blocks. Probes change nothing: no gradient is accumulated, the RNG is forked, the
-framework's hidden state is cleaned up.
+"Probe" means this module: [`probe_model`][spikeckpt.planning.probe.probe_model] measures one
+step of a wrapped model in the engine's one measuring room
+([`probe_step`][spikeckpt.engine.measure.probe_step]: state bytes ``S``, bytes taped per step
+``A`` after spike packing, output bytes, working bytes, forward/backward step time, the fixed
+cost of one backward call, the storage tier's copy time) and adds the input's spike density;
+[`block_sizes`][spikeckpt.planning.probe.block_sizes],
+[`layerwise_working_bytes`][spikeckpt.planning.probe.layerwise_working_bytes] and
+[`layerwise_seconds`][spikeckpt.planning.probe.layerwise_seconds] measure the layer-wise blocks.
+Probes change nothing: no gradient is accumulated, the RNG is forked, the framework's hidden
+state is cleaned up.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -18,8 +22,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
+from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.fused import run_fused
+from spikeckpt.engine.inputs import TrainWindow, chunk_of, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.measure import (
     SEGMENT_PROBE_STEPS,
@@ -31,7 +37,6 @@ from spikeckpt.engine.measure import (
     work_bytes,
 )
 from spikeckpt.engine.meter import MemoryMeter
-from spikeckpt.engine.packed import chunk_of, is_packed, step_of
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import SavedBytes
@@ -42,6 +47,7 @@ from spikeckpt.plans.layerwise import (
     layerwise_cost,
     steepest_chord,
 )
+from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import is_binary
 
 __all__ = [
@@ -63,7 +69,7 @@ __all__ = [
 
 
 class Probed(Protocol):
-    """What a probe needs of a model (a :class:`~spikeckpt.CheckpointedSequence` has it)."""
+    """What a probe needs of a model (a [`CheckpointedSequence`][spikeckpt.wrapping.CheckpointedSequence] has it)."""
 
     pack_tape: bool
     directory: Any
@@ -88,7 +94,7 @@ def probe_model(
     seq: Probed, x: Any, state: Any, storage: str, *, max_bytes: int | None = None
 ) -> Probe:
     """Measure one step of ``seq`` on the first steps of ``x`` ``(T, B, ...)`` from ``state``
-    (:func:`spikeckpt.engine.measure.probe_step`, the one measuring room), and the input's
+    ([`probe_step`][spikeckpt.engine.measure.probe_step], the one measuring room), and the input's
     spike density.
 
     ``x`` may be a packed spike train (its first steps are unpacked on the compute device).
@@ -121,7 +127,7 @@ def probe_model(
 
 
 def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
-    """:attr:`Probe.work_bytes` with the parameters' gradients, whatever the budget (one
+    """`work_bytes` with the parameters' gradients, whatever the budget (one
     untaped step and one taped step with its backward; ``step_bytes`` is ``A``)."""
     device = compute_device(seq, x)
     try:
@@ -133,12 +139,14 @@ def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
 
 
 def block_sizes(
-    blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any]
+    blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any], fuse: bool = True
 ) -> list[BlockSizes]:
-    """Measure each block for :func:`spikeckpt.plans.layerwise.layerwise_cost` with one taped
+    """Measure each block for [`spikeckpt.plans.layerwise.layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] with one taped
     step from ``states`` on the input step ``x_t`` ``(B, ...)``: its state bytes, the bytes
     autograd keeps (``A_b``; parameters excluded), its input and output bytes per step and the
-    density of its input when that is binary. Changes nothing (RNG forked, no gradients)."""
+    density of its input when that is binary. A neuron the run fuses (``fuse`` and a kernel
+    that takes the step) is counted by its fused chunk's growth per step instead
+    (`_fused_step_bytes`). Changes nothing (RNG forked, no gradients)."""
     params = [t for b in blocks for t in b.params]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
@@ -151,13 +159,17 @@ def block_sizes(
             for block, state in zip(blocks, states, strict=True):
                 leaves, spec = pytree.tree_flatten(state)
                 leaves = [t.detach().requires_grad_(is_float(t)) for t in leaves]
-                with SavedBytes(exclude=params) as counter:
+                with SavedBytes(exclude=params) as synapse:
                     z = block.synapse(h.unsqueeze(0))[0]  # the run's own (chunk) synapse op
-                    _, y = block.step(pytree.tree_unflatten(leaves, spec), z)
+                with SavedBytes(exclude=params) as neuron:
+                    new, y = block.step(pytree.tree_unflatten(leaves, spec), z)
+                tape = synapse.bytes + neuron.bytes
+                del new  # the step's graph is freed before the fused chunk is measured
+                y, z = y.detach(), z.detach()
+                if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
+                    tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
                 density = float(h.float().mean()) if is_binary(h) else None
-                sizes.append(
-                    BlockSizes(leaf_bytes(leaves), counter.bytes, _nbytes(h), _nbytes(y), density)
-                )
+                sizes.append(BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density))
                 h = y.detach()
     finally:
         for block in blocks:
@@ -165,8 +177,29 @@ def block_sizes(
     return sizes
 
 
+def _fused_step_bytes(kernel: Any, leaves: list[Tensor], spec: Any, z_t: Tensor) -> int:
+    """A fused neuron's bytes per chunk step, for the batch of ``z_t``: the peak of its
+    forward and backward over 3 steps less that over 1 step, halved (what it saves and the
+    backward's temporaries grow by per step), measured on one sample (the state ``leaves``'
+    first, the input step ``z_t``'s first, repeated) and scaled to the batch."""
+    batch = int(z_t.shape[0]) if z_t.dim() else 1
+    one = [t[:1] for t in leaves]
+    peaks = []
+    for k in (1, 3):
+        z = z_t[:1].expand(k, *z_t[:1].shape).clone()
+        z.requires_grad_(z.is_floating_point())
+        with MemoryMeter(z.device) as meter:
+            state = pytree.tree_unflatten(one, spec)
+            _, y, _ = run_fused(kernel, state, z, False)
+            if y.requires_grad:
+                torch.autograd.grad(y, [z], torch.ones_like(y), allow_unused=True)
+            del y, state
+        peaks.append(meter.peak_bytes)
+    return max(0, (peaks[1] - peaks[0]) * batch // 2)
+
+
 def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+    return tensor_nbytes(t)
 
 
 def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
@@ -186,23 +219,28 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
     )
 
 
-#: Chunk lengths :func:`layerwise_working_bytes` runs (each over two chunks).
+#: Chunk lengths `layerwise_working_bytes` runs (each over two chunks).
 LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
 #: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
 
 
-def _working(sizes: Sequence[BlockSizes]) -> int:
-    """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``."""
-    return max(b.step_bytes + 2 * b.input_bytes + b.output_bytes for b in sizes)
+def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
+    """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``; with
+    ``sparse_first`` (a packed input its synapse reads as positions, never dense, never
+    differentiated) the first block's input counts nothing."""
+    return max(
+        b.step_bytes + (0 if sparse_first and i == 0 else 2 * b.input_bytes) + b.output_bytes
+        for i, b in enumerate(sizes)
+    )
 
 
 def layerwise_probe_chunks(
     T: int, sizes: Sequence[BlockSizes], max_bytes: int | None = None
 ) -> list[int]:
-    """The chunk lengths :func:`layerwise_working_bytes` measures for ``T`` steps under
-    ``max_bytes`` (those of :data:`LAYERWISE_PROBE_CHUNKS` up to ``T / 2`` and, with a limit,
+    """The chunk lengths `layerwise_working_bytes` measures for ``T`` steps under
+    ``max_bytes`` (those of `LAYERWISE_PROBE_CHUNKS` up to ``T / 2`` and, with a limit,
     up to where three times the cost model's working set fits it; at least 1)."""
     longest = max(1, T // 2)
     if max_bytes is not None:
@@ -222,24 +260,25 @@ def layerwise_working_bytes(
     output: str,
     stored_on_device: bool,
     max_bytes: int | None = None,
+    fuse: bool = True,
 ) -> MeasuredWorking:
     """Measure a layer-wise training step's working set, for the batch of ``x``, as a
-    function of the chunk length (:class:`~spikeckpt.plans.MeasuredWorking`).
+    function of the chunk length ([`MeasuredWorking`][spikeckpt.plans.layerwise.MeasuredWorking]).
 
     The working set is what a step holds besides its block states and stored trains: one
     block's recomputed chunk, its tape, the gradients handed between blocks, and the running
     sums of the parameters' gradients. The cost model of
-    :func:`~spikeckpt.plans.layerwise.layerwise_cost` counts ``chunk * max_b (A_b + 2 I_b +
+    [`layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] counts ``chunk * max_b (A_b + 2 I_b +
     O_b)`` from one step's saved tensors; what the engine really allocates differs (the
     chunk's synaptic input, the stacked spikes and their gradients are more; the first
     block's tape without an input gradient, and the gradient sums, which peak while the other
     blocks' tapes are gone, are less than counted apart). This runs the engine's own
     layer-wise forward and backward, as the training step does (the whole batch, the
     parameters' gradients, an input gradient only when ``x`` requires grad), on the first
-    steps of ``x`` at the chunk lengths of :data:`LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
+    steps of ``x`` at the chunk lengths of `LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
     longer ones only while ``max_bytes`` allows them at three times the cost model's bytes per
     step), two chunks each (the second chunk's gradients are summed out of place, as in a
-    long run), under :class:`~spikeckpt.MemoryMeter`, and subtracts the modeled states and
+    long run), under [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], and subtracts the modeled states and
     stored trains. The peak is piecewise linear in the chunk (short chunks peak while the
     gradient sums are held, long ones while a long tape is), so the result is the measured
     bytes at the measured lengths (never falling as the chunk grows), the chords between
@@ -251,13 +290,14 @@ def layerwise_working_bytes(
         blocks: the model's layer-wise blocks.
         x: the input ``(T, B, ...)`` (dense or packed).
         states_for: ``x_t (B, ...) -> one initial state per block`` at ``x_t``'s batch.
-        sizes: :func:`block_sizes` at the batch of ``x``.
+        sizes: [`block_sizes`][spikeckpt.planning.probe.block_sizes] at the batch of ``x``.
         device: the compute device (``MemoryMeter`` measures it).
         storage: the tier the run stores its trains in (``"disk"`` is probed as ``"host"``).
         readout, output: the run's readout and output.
         stored_on_device: whether the stored trains are device memory (the device tier, or
             the host tier on a CPU run).
         max_bytes: device bytes the probe may hold (None: no limit).
+        fuse: whether the run fuses the neurons that have a chunk kernel (as the probe does).
     """
     T, batch = int(x.shape[0]), int(x.shape[1])
     run = partial(
@@ -270,20 +310,85 @@ def layerwise_working_bytes(
         readout=readout,
         output=output,
         remote=not stored_on_device,
+        fuse=fuse,
     )
     # the tape's growth: the steepest line of a run on two samples without the parameters'
     # gradients and with an input gradient (every block taped alike: more than it holds)
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
-    tape = run(one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=False)
-    slope = steepest_chord(tape, _working(one))
+    # a packed input never takes a gradient: its run tapes as the training step does (the
+    # parameters' gradient sums, constant in the chunk, are in every point alike)
+    tape = run(one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x))
+    sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
+    slope = steepest_chord(tape, _working(one, sparse_first))
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     step = run(sizes, layerwise_probe_chunks(T, sizes, max_bytes), samples=batch, training=True)
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
         points.append((k, held))
-    return MeasuredWorking(tuple(points), max(_working(sizes), -(-slope * batch // few)))
+    return MeasuredWorking(
+        tuple(points), max(_working(sizes, sparse_first), -(-slope * batch // few))
+    )
+
+
+def layerwise_seconds(
+    blocks: Sequence[LayerBlock],
+    x: Any,
+    states_for: Callable[[Tensor], list[Any]],
+    *,
+    device: torch.device,
+    storage: str,
+    readout: Any,
+    output: str,
+    fuse: bool = True,
+    chunks: tuple[int, int] = (4, 16),
+) -> tuple[float, float]:
+    """Time the training step's layer-wise run: ``(seconds per step, seconds per chunk)``.
+
+    Runs the engine's layer-wise forward and backward (parameters' gradients returned, not
+    accumulated) on the first ``2 * long`` steps of ``x``, whole batch, at the two chunk
+    lengths ``chunks = (short, long)`` (a warm-up run first: one-time checks of fused
+    kernels, caches), and solves
+    ``t(k) = n * per_step + ceil(n / k) * per_chunk`` from the two times (each the faster of
+    two runs). Fused neurons, synapses and the tier's copies are in the times, as they run.
+    Changes nothing: RNG forked, no ``.grad`` touched, layers skip their side effects.
+    """
+    T = int(x.shape[0])
+    n = max(1, min(T, 2 * chunks[1]))
+    xs = chunk_of(x, 0, n, device).detach() if not is_packed(x) else None
+    params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
+
+    def run(chunk: int) -> float:
+        inputs = xs if xs is not None else TrainWindow(x, 0, n)
+        states = states_for(chunk_of(x, 0, 1, device)[0].detach())
+        start = time.perf_counter()
+        ys, _ = layerwise_scan(
+            blocks, inputs, states, chunk=chunk, storage="host" if storage == "disk" else storage,
+            readout=readout, output=output, params=params, fuse=fuse,
+        )  # fmt: skip
+        outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
+        if outs and params:
+            torch.autograd.grad(outs, params, [torch.ones_like(y) for y in outs], allow_unused=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    short, long_ = min(chunks[0], n), min(chunks[1], n)
+    try:
+        with torch.random.fork_rng(devices=cuda_devices([p for p in params])), recompute_phase():
+            run(long_)  # warm-up
+            t_short = min(run(short) for _ in range(2))
+            t_long = min(run(long_) for _ in range(2)) if long_ != short else t_short
+    finally:
+        for block in blocks:
+            block.cleanup()
+    chunks_short, chunks_long = -(-n // short), -(-n // long_)
+    if chunks_short == chunks_long:
+        return t_long / n, 0.0
+    per_chunk = max(0.0, (t_short - t_long) / (chunks_short - chunks_long))
+    per_step = max(0.0, (t_long - chunks_long * per_chunk) / n)
+    return per_step, per_chunk
 
 
 def _probe_residuals(
@@ -300,6 +405,7 @@ def _probe_residuals(
     readout: Any,
     output: str,
     remote: bool,
+    fuse: bool = True,
 ) -> list[tuple[int, int]]:
     """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
     the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks``.
@@ -316,7 +422,7 @@ def _probe_residuals(
         x1 = chunk_of(x, 0, n, device)[:, :samples].detach().clone()
     # a packed train is unpacked a chunk at a time during the step; the probe's input is
     # dense already (made outside the meter): count one dense chunk per chunk step
-    unpacked = x1[0].numel() * x1.element_size() if is_packed(x) else 0
+    unpacked = tensor_nbytes(x1[0]) if is_packed(x) else 0
     floating = x1.is_floating_point()
     input_grad = floating and (bool(getattr(x, "requires_grad", False)) or not training)
     params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
@@ -338,6 +444,7 @@ def _probe_residuals(
                     readout=readout,
                     output=output,
                     params=params if training else [],
+                    fuse=fuse,
                 )
                 wrt = (params if training else []) + ([xs] if input_grad else [])
                 peak = _run_peak(run, xs, states_for(xs[0].detach()), wrt, device)

@@ -1,11 +1,11 @@
 """Checkpointing plans as data: schedules, a validating cost simulator, and a planner.
 
 This package is pure Python and never imports torch. A plan turns a sequence length ``T``
-into a :class:`Schedule` (a compact, lazily expanded sequence of actions); :func:`simulate`
-validates and counts it; :func:`choose` picks the fastest plan whose checkpoints and tapes fit
-a number of bytes; :mod:`spikeckpt.plans.account` counts a whole training step
-(:class:`StepBytes`) and :func:`choose_step` picks the fastest plan whose step fits a budget,
-the choice ``scan``, ``wrap``, ``MemoryBudget``, the command line and the benchmarks make.
+into a [`Schedule`][spikeckpt.plans.schedule.Schedule] (a compact, lazily expanded sequence of actions); [`simulate`][spikeckpt.plans.simulate.simulate]
+validates and counts it; [`choose`][spikeckpt.plans.choose.choose] picks the fastest plan whose checkpoints and tapes fit
+a number of bytes; `spikeckpt.plans.account` counts a whole training step
+([`StepBytes`][spikeckpt.plans.account.StepBytes]) and [`choose_step`][spikeckpt.plans.account.choose_step] picks the fastest plan whose step fits a
+budget: the choice ``scan``, ``wrap``, ``MemoryBudget``, the command line and the benchmarks make.
 
 >>> from spikeckpt import plans
 >>> plans.simulate(plans.Revolve(50).schedule(1000)).forward_steps

@@ -1,22 +1,23 @@
 """One account of a training step's device memory, and the one choice made from it. Pure Python.
 
-``budget`` means the same wherever it is accepted (:func:`spikeckpt.scan`,
-:func:`spikeckpt.wrap`, :class:`~spikeckpt.lightning.MemoryBudget`, ``spikeckpt plan``, the
+``budget`` means the same wherever it is accepted ([`scan`][spikeckpt.engine.scan.scan],
+[`wrap`][spikeckpt.wrapping.wrap], [`MemoryBudget`][spikeckpt.lightning.budget.MemoryBudget], ``spikeckpt plan``, the
 benchmarks): the peak device memory of the training step the call runs. What a step holds
-(:class:`StepBytes`):
+([`StepBytes`][spikeckpt.plans.account.StepBytes]):
 
 - ``input``: the input train while it is on the device (a packed train's packed bytes);
 - ``outputs``: the stacked per-step outputs and their gradient (``readout=None``);
 - ``gradients``: the parameters' ``.grad`` (left to the model's account by ``MemoryBudget``,
   which counts the model, ``.grad`` and the optimizer state once for all wrapped models), and
   the gradient buffers the engine holds beyond it while it sums the parameters' gradients over
-  segments (a segment's own gradients beside the running sum, and one parameter's new sum);
+  segments (a segment's own gradients beside the running sum, one parameter's new sum, and
+  the state's gradient carried from segment to segment);
 - ``activations``: the plan's modeled peak (checkpoints kept on the device, or on the host when
   the host is the device as on a CPU-only run, tapes, states) and one step's working memory.
 
-:func:`choose_step` picks the fastest plan whose step fits a budget (and :func:`check_step`
+[`choose_step`][spikeckpt.plans.account.choose_step] picks the fastest plan whose step fits a budget (and [`check_step`][spikeckpt.plans.account.check_step]
 checks a plan given with a budget); both refuse with one
-:class:`~spikeckpt.BudgetTooSmall` whose ``minimum_bytes``, passed back as the budget, works.
+[`BudgetTooSmall`][spikeckpt.errors.BudgetTooSmall] whose ``minimum_bytes``, passed back as the budget, works.
 
 >>> sizes = StepSizes(state=1024, tape=1024, grads=4096, largest=4096, work=2048)
 >>> choice = choose_step(1000, sizes, 96 * 1024, remote=False)
@@ -94,7 +95,10 @@ class StepSizes:
         """The step without its activations: the input, the outputs, the gradients (one
         backward call, BPTT's, keeps no running sum)."""
         grad = self.grads if self.grad_in_step else 0
-        buffers = self.grads if bptt else self.grads + self.largest
+        # a checkpointed backward holds a segment's own gradients beside the running sum, one
+        # parameter's new sum (made out of place) and the state's gradient carried between
+        # segments (measured: one state over the rest with Revolve(1) on a conv net)
+        buffers = self.grads if bptt else self.grads + self.largest + self.state
         return StepBytes(input=self.input, outputs=self.outputs(T), gradients=grad + buffers)
 
 
@@ -187,7 +191,7 @@ def refusal(
     context: str = "",
     plan: Plan | Schedule | None = None,
 ) -> BudgetTooSmall:
-    """The one :class:`~spikeckpt.BudgetTooSmall`: the step ``need`` (input, outputs,
+    """The one [`BudgetTooSmall`][spikeckpt.errors.BudgetTooSmall]: the step ``need`` (input, outputs,
     gradients) and the ``smallest`` activations of any plan (of ``plan``, when the caller
     gave one) do not fit ``budget``.
 
@@ -232,13 +236,13 @@ def choose_step(
 
     Args:
         T: steps the plan runs.
-        sizes: what one step measures (:class:`StepSizes`).
+        sizes: what one step measures ([`StepSizes`][spikeckpt.plans.account.StepSizes]).
         budget: the step's device budget (bytes or a string like ``"2MiB"``).
         remote: plans with off-device checkpoints may be chosen (the remote tier is not the
             device's memory: not the device tier, not the host of a CPU run).
-        costs: operation times for the modeled time (default :class:`CostModel`).
+        costs: operation times for the modeled time (default [`CostModel`][spikeckpt.plans.simulate.CostModel]).
         apart: steps run before these ``T`` (step 0 of a state it shapes), for messages.
-        note: added to a refusal (e.g. :func:`tier_note`).
+        note: added to a refusal (e.g. [`tier_note`][spikeckpt.plans.account.tier_note]).
 
     Raises:
         BudgetTooSmall: nothing fits; ``minimum_bytes`` is a budget that does.
@@ -266,7 +270,7 @@ def rank_steps(
     costs: CostModel | None = None,
 ) -> list[StepChoice]:
     """Every plan family's best member whose step fits ``budget``, fastest first (the first
-    is :func:`choose_step`'s choice; empty when nothing fits)."""
+    is [`choose_step`][spikeckpt.plans.account.choose_step]'s choice; empty when nothing fits)."""
     total = parse_bytes(budget)
     room = total - sizes.beside(T).total - sizes.work
     if room < 0:

@@ -1,7 +1,9 @@
-"""The :class:`Plan` interface and argument checks shared by every plan. Pure Python."""
+"""The `Plan` interface and argument checks shared by every plan. Pure Python."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -31,15 +33,15 @@ def check_count(name: str, value: Any, *, allow_none: bool = False) -> int | Non
 
 
 class Plan(ABC):
-    """A checkpointing strategy: turns a sequence length ``T`` into a :class:`Schedule`.
+    """A checkpointing strategy: turns a sequence length ``T`` into a [`Schedule`][spikeckpt.plans.schedule.Schedule].
 
-    Subclasses implement :meth:`schedule` and :meth:`for_length`; they may override
-    :meth:`cost` with a closed form (tests check it against :func:`simulate`).
+    Subclasses implement `schedule` and `for_length`; they may override
+    `cost` with a closed form (tests check it against [`simulate`][spikeckpt.plans.simulate.simulate]).
 
     One validation rule: a plan's own arguments are checked when it is built (a
     contradiction such as a local interval longer than an explicit remote one raises
     ValueError); whatever depends on ``T`` (an interval or tape longer than the sequence) is
-    clamped to ``T`` the same way by :meth:`schedule`, :meth:`cost` and :meth:`for_length`.
+    clamped to ``T`` the same way by `schedule`, `cost` and `for_length`.
     """
 
     #: True when the plan stores states in the remote (host/disk) tier.
@@ -52,6 +54,13 @@ class Plan(ABC):
     @abstractmethod
     def for_length(self, T: int) -> Plan:
         """A copy with every default filled in for ``T`` steps and intervals clamped to ``T``."""
+
+    def as_run(self, T: int) -> Plan:
+        """The plan that runs on ``T`` steps, named for what it is: `for_length`, except
+        where another family's plan has the very same schedule (a ``Double`` whose remote
+        interval covers ``T`` keeps no remote checkpoint: it is ``Uniform(local_interval)``).
+        """
+        return self.for_length(T)
 
     def cost(
         self,
@@ -67,7 +76,7 @@ class Plan(ABC):
             T: steps.
             state_bytes: ``S``, bytes of one state.
             step_bytes: ``A``, bytes saved by autograd for one taped step.
-            costs: operation times (default :class:`CostModel`).
+            costs: operation times (default [`CostModel`][spikeckpt.plans.simulate.CostModel]).
         """
         return simulate(
             self.for_length(T).schedule(T),
@@ -77,10 +86,18 @@ class Plan(ABC):
         )
 
     def __repr__(self) -> str:
+        """The notation every command, table, example and log uses for a plan.
+
+        ``Name(argument=value, ...)`` with every constructor argument whose value is not its
+        default (``Uniform(interval=200)``, ``Double(remote_interval=64, local_interval=8)``,
+        ``TwoLevel(slots=8, write_cost=2.5, read_cost=1.5)``, ``Uniform()``): whole, and
+        building it again gives an equal plan.
+        """
+        defaults = _defaults(type(self))
         fields = ", ".join(
             f"{k}={v!r}"
             for k, v in vars(self).items()
-            if not k.startswith("_") and not (v is None and k in ("state_bytes", "step_bytes"))
+            if not k.startswith("_") and not (k in defaults and defaults[k] == v)
         )
         return f"{type(self).__name__}({fields})"
 
@@ -89,6 +106,13 @@ class Plan(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    """Constructor argument -> default value, for the arguments that have one."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def make_cost(
@@ -104,7 +128,7 @@ def make_cost(
     step_bytes: int,
     costs: CostModel | None,
 ) -> Cost:
-    """Assemble a closed-form :class:`Cost`.
+    """Assemble a closed-form [`Cost`][spikeckpt.plans.simulate.Cost].
 
     ``peak_units`` lists the (states, taped) pairs that can be the peak moment; the peak bytes
     is the largest ``states * S + taped * A`` among them. ``remote`` is the number of remote
@@ -134,3 +158,12 @@ def make_cost(
         step_bytes=step_bytes,
         backprops=backprops,
     )
+
+
+def geometric_grid(limit: int, points: int = 48) -> list[int]:
+    """About ``points`` integers from 1 to ``limit``, geometrically spaced, plus the ends (the
+    one grid the planners search intervals and tape lengths on)."""
+    values = {1, limit}
+    for i in range(points + 1):
+        values.add(max(1, min(limit, round(limit ** (i / points)))))
+    return sorted(values)

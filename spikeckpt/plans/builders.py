@@ -150,7 +150,7 @@ def revolve_parts(start: int, stop: int, slots: int, unit: int = 1) -> list[Acti
     """Reverse ``[start, stop)`` from the current state ``x_start``, which nothing else holds.
 
     One unit is simply taped; longer stretches store ``x_start`` on the device (it takes one
-    of the ``slots``), run :class:`RevolveBlock` and free it.
+    of the ``slots``), run `RevolveBlock` and free it.
     """
     if stop - start <= unit:
         return [Tape(start, stop), Backprop(start, stop)]
@@ -233,7 +233,7 @@ class Unwind(Block):
     run's ``then`` for its first segment).
 
     The body must re-read and free the remote ``x_p`` and leave ``x_before`` prefetched
-    (TwoLevel's :class:`~spikeckpt.plans.twolevel.Node` + Free, Double's segment). Entry: every
+    (TwoLevel's `Node` + Free, Double's segment). Entry: every
     segment start remote, the last one prefetched; exit: ``x_then`` remote and prefetched. A
     balanced tree of halves, so equal halves share one simulated shape.
     """

@@ -107,7 +107,7 @@ def rank(
         step_bytes: ``A``, bytes autograd saves for one taped step.
         budget_bytes: device budget, bytes or a string such as ``"512MiB"``.
         remote: whether a remote (host/disk) tier may be used (Double, TwoLevel).
-        costs: operation times for the modeled time (default :class:`CostModel`).
+        costs: operation times for the modeled time (default [`CostModel`][spikeckpt.plans.simulate.CostModel]).
 
     Returns:
         Candidates sorted by modeled time, ties broken towards simpler plans; empty when
@@ -143,7 +143,7 @@ def choose(
 
     Considers BPTT, Uniform (best interval), Revolve (most slots that fit; with a
     ``costs.segment`` overhead also the best tape length) and, when
-    ``remote`` is allowed, Double (best intervals) and TwoLevel. See :func:`rank`.
+    ``remote`` is allowed, Double (best intervals) and TwoLevel. See [`rank`][spikeckpt.plans.choose.rank].
 
     Raises:
         BudgetTooSmall: nothing fits; the message states the smallest budget that would.

@@ -31,6 +31,7 @@ from spikeckpt.plans.schedule import (
     Schedule,
 )
 from spikeckpt.plans.simulate import Cost, CostModel
+from spikeckpt.plans.uniform import Uniform
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -95,6 +96,14 @@ class Double(Plan):
             else:
                 local = math.isqrt(remote - 1) + 1
         return Double(remote, min(local, remote))
+
+    def as_run(self, T: int) -> Plan:
+        """``Uniform(local_interval)`` when the remote interval covers ``T`` (one segment, no
+        remote checkpoint: the same schedule), else `for_length`."""
+        plan = self.for_length(T)
+        if plan.remote_interval is not None and plan.remote_interval >= T:
+            return Uniform(plan.local_interval)
+        return plan
 
     def schedule(self, T: int) -> Schedule:
         plan = self.for_length(T)

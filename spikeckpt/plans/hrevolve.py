@@ -2,7 +2,7 @@
 
 Herrmann & Pallez, "H-Revolve: a framework for adjoint computation on synchronous
 hierarchical platforms", ACM TOMS 46(2), 2020, for two tiers: ``s`` device slots and an
-unlimited remote tier. Cost model (our action vocabulary, :mod:`spikeckpt.plans.simulate`):
+unlimited remote tier. Cost model (our action vocabulary, `spikeckpt.plans.simulate`):
 every step evaluation (advance or taped) costs ``f``, every remote write ``w``, every remote
 read ``r``; device stores and loads are free; each step is taped and backpropagated once
 (``T * backward`` is the same for every schedule and left out here). All times below are in
@@ -26,7 +26,7 @@ independent brute-force dynamic program over a larger class (the device may keep
 while remote sub-problems run, a state may be held in both tiers) for ``T <= 60``, slots 1-4:
 they agree everywhere.
 
-:class:`TwoLevelTable` fills ``R`` and ``X`` up to a length on demand, in ``O(l)`` per length
+`TwoLevelTable` fills ``R`` and ``X`` up to a length on demand, in ``O(l)`` per length
 at worst: the split ``j`` is searched in increasing order, in chunks evaluated at C speed,
 and the search stops once a lower bound of every remaining term exceeds the best found.
 With ``c`` any slope, ``a = min R(i) - c*i`` and ``b = min X(i) - c*i`` over the lengths
@@ -43,7 +43,7 @@ from operator import add
 
 from spikeckpt.plans.binomial import _advances as advances
 
-#: Lengths up to which :class:`~spikeckpt.plans.twolevel.TwoLevel` uses the exact optimum.
+#: Lengths up to which [`TwoLevel`][spikeckpt.plans.twolevel.TwoLevel] uses the exact optimum.
 EXACT_LIMIT = 5000
 
 _CHUNK = 32
@@ -62,7 +62,7 @@ class TwoLevelTable:
         split: the first advance ``j`` of ``R(l)`` (0: memory-only, ``R(l) = Q(l)``).
         memory: whether ``X(l)`` keeps the stretch on the device (no remote write).
 
-    And the counts of the schedule :mod:`spikeckpt.plans.twolevel` builds for ``R(l)`` (not
+    And the counts of the schedule `spikeckpt.plans.twolevel` builds for ``R(l)`` (not
     counting ``x_0`` itself): ``steps`` (evaluations), ``writes`` and ``reads`` (remote),
     ``remote_peak`` (most other remote states alive at once), ``last`` (the length of the
     last device stretch, the one that prefetches nothing when it ends the schedule) and

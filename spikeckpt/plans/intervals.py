@@ -4,14 +4,14 @@
 the transfer costs its segment lengths depend on) to be filled in for a sequence. Their own
 ``for_length(T)`` falls back on ``ceil(sqrt(T))``-style defaults; when the engine knows the
 state's bytes ``S``, the bytes one taped step keeps ``A`` and the measured operation times
-(:class:`~spikeckpt.plans.CostModel`), :func:`fill` picks them from those instead:
+([`CostModel`][spikeckpt.plans.simulate.CostModel]), `fill` picks them from those instead:
 
 - ``Uniform()``: the checkpoint interval with the least modeled device peak (about
-  ``sqrt(T*S/A)``); among the intervals within :data:`TOLERANCE` of that peak, the fastest
+  ``sqrt(T*S/A)``); among the intervals within `TOLERANCE` of that peak, the fastest
   (fewer backward calls).
 - ``Double()`` (either interval missing): every ``(K, k)`` pair on a grid whose modeled peak
   is at most the least peak of ``Uniform`` for the same ``T`` (above it, plain ``Uniform`` is
-  the better plan). Among those whose modeled time is within :data:`TOLERANCE` of the recompute
+  the better plan). Among those whose modeled time is within `TOLERANCE` of the recompute
   floor ``T*(2*forward + backward)`` (two evaluations and one backward per step, no transfers,
   no calls), the one with the least peak; when none is (transfers too slow for this ``T``),
   the fastest. The memory-only default (``k = sqrt(K*S/A)``) evaluates about three times per
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from spikeckpt.plans.base import Plan, check_count, check_length
+from spikeckpt.plans.base import Plan, check_count, check_length, geometric_grid
 from spikeckpt.plans.double import Double
 from spikeckpt.plans.simulate import Cost, CostModel
 from spikeckpt.plans.twolevel import TwoLevel
@@ -47,7 +47,7 @@ TOLERANCE = 0.05
 
 
 def needs_intervals(plan: object) -> bool:
-    """Whether ``plan`` leaves intervals (or TwoLevel's costs) for :func:`fill` to choose."""
+    """Whether ``plan`` leaves intervals (or TwoLevel's costs) for `fill` to choose."""
     if type(plan) is Uniform:
         return plan.interval is None
     if type(plan) is Double:
@@ -62,17 +62,10 @@ def needs_intervals(plan: object) -> bool:
     return False
 
 
-def _grid(limit: int, points: int = 48) -> list[int]:
-    values = {1, limit}
-    for i in range(points + 1):
-        values.add(max(1, min(limit, round(limit ** (i / points)))))
-    return sorted(values)
-
-
 def _uniform(T: int, S: int, A: int, costs: CostModel | None) -> tuple[Uniform, Cost]:
     """The ``Uniform`` with the least peak; the fastest within TOLERANCE of that peak."""
     best = max(1, min(T, round(math.sqrt(T * S / A))))
-    intervals = set(range(max(1, best // 3), min(T, 3 * best) + 1)) | set(_grid(T))
+    intervals = set(range(max(1, best // 3), min(T, 3 * best) + 1)) | set(geometric_grid(T))
     found = [
         (Uniform(k), Uniform(k).cost(T, state_bytes=S, step_bytes=A, costs=costs))
         for k in sorted(intervals)
@@ -85,7 +78,7 @@ def _uniform(T: int, S: int, A: int, costs: CostModel | None) -> tuple[Uniform, 
 def _double(plan: Double, T: int, S: int, A: int, costs: CostModel, remote: bool) -> Double | None:
     cap = _uniform(T, S, A, costs)[1].peak_bytes
     floor = T * (2 * costs.forward + costs.backward)
-    remotes = [plan.remote_interval] if plan.remote_interval is not None else _grid(T)
+    remotes = [plan.remote_interval] if plan.remote_interval is not None else geometric_grid(T)
     found: list[tuple[Double, int, float]] = []
     for K in remotes:
         K = min(K, T)
@@ -93,7 +86,7 @@ def _double(plan: Double, T: int, S: int, A: int, costs: CostModel, remote: bool
             locals_ = {min(plan.local_interval, K)}
         else:
             optimum = max(1, round(math.sqrt(K * S / A)))
-            locals_ = {min(K, max(1, optimum + d)) for d in (-1, 0, 1)} | set(_grid(K, 24))
+            locals_ = {min(K, max(1, optimum + d)) for d in (-1, 0, 1)} | set(geometric_grid(K, 24))
         for k in sorted(locals_):
             candidate = Double(K, k)
             cost = candidate.cost(T, state_bytes=S, step_bytes=A, costs=costs)
@@ -120,7 +113,7 @@ def fill(
     """``plan`` with the intervals it leaves open chosen for ``T`` steps (see the module).
 
     Args:
-        plan: any plan; only those :func:`needs_intervals` accepts are changed.
+        plan: any plan; only those `needs_intervals` accepts are changed.
         T: steps.
         state_bytes: ``S``, bytes of one state.
         step_bytes: ``A``, bytes autograd keeps for one taped step.

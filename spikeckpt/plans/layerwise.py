@@ -1,6 +1,6 @@
 """The cost model of the layer-wise granularity, next to the stack plans' (pure Python).
 
-Layer-wise checkpointing (:func:`spikeckpt.engine.layerwise.layerwise_scan`) runs a
+Layer-wise checkpointing ([`spikeckpt.engine.layerwise.layerwise_scan`][spikeckpt.engine.layerwise.layerwise_scan]) runs a
 feed-forward stack of blocks in time chunks of ``chunk`` steps. The forward pass stores each
 block's input spike train (packed) and its state at every chunk start; the backward pass
 recomputes one block over one chunk at a time, top-down, chunks in reverse. Per block ``b``
@@ -17,7 +17,7 @@ Modeled peak on the device (``remote=True``: trains and states in host RAM or on
                                                 input chunk, the input gradient it hands down
                                                 and the output gradient it receives
 
-A :class:`MeasuredWorking` given as ``working`` replaces the second line: the working set as
+A [`MeasuredWorking`][spikeckpt.plans.layerwise.MeasuredWorking] given as ``working`` replaces the second line: the working set as
 measured at a few chunk lengths (the whole training step's, the parameters' gradient sums
 included), interpolated between them and extended past them by its slope.
 
@@ -25,7 +25,7 @@ With ``remote=False`` the packed trains and the chunk states stay on the device 
 added. Off-device bytes: ``sum_b T * packed(I_b, rho_b) + n_chunks * S_b``. Step evaluations:
 every block runs each step twice (forward, recomputation), the same ``2T`` as
 ``Uniform``; the time model is ``T * (2 * forward + backward)`` plus the copies, in the units
-of :class:`~spikeckpt.plans.CostModel` (the stack's step times are used as the sum over blocks).
+of [`CostModel`][spikeckpt.plans.simulate.CostModel] (the stack's step times are used as the sum over blocks).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ __all__ = [
     "steepest_chord",
 ]
 
-#: elements per index-list block (16-bit positions), as in :mod:`spikeckpt.storage.codecs`
+#: elements per index-list block (16-bit positions), as in `spikeckpt.storage.codecs`
 _INDEX_BLOCK = 65536
 
 
@@ -101,7 +101,7 @@ class MeasuredWorking:
     while the parameters' gradient sums are held (they do not grow with the chunk), at long
     ones while a block's tape over the chunk is. ``working(k)`` is the measured bytes at a
     measured length, the chord between two, the first one below them, and past the longest
-    ``points[-1] + slope * (k - k_last)``: :attr:`slope` bounds how fast any part of the peak
+    ``points[-1] + slope * (k - k_last)``: [`slope`][spikeckpt.plans.layerwise.MeasuredWorking.slope] bounds how fast any part of the peak
     grows (the steepest chord, at least the cost model's).
 
     Attributes:
@@ -164,7 +164,7 @@ class LayerwiseCost:
         remote_bytes: bytes stored off the device (packed trains and chunk states); 0 when
             ``remote=False``.
         forward_steps: step evaluations of the whole stack (``2T``).
-        time: modeled time in the :class:`CostModel`'s units.
+        time: modeled time in the [`CostModel`][spikeckpt.plans.simulate.CostModel]'s units.
     """
 
     T: int
@@ -188,12 +188,16 @@ def layerwise_cost(
     remote: bool = True,
     costs: CostModel | None = None,
     working: MeasuredWorking | None = None,
+    seconds: tuple[float, float] | None = None,
 ) -> LayerwiseCost:
     """Model a layer-wise run of ``blocks`` over ``T`` steps in chunks of ``chunk`` steps.
 
     ``costs.write`` / ``costs.read`` are the times to copy one whole stack state; the packed
     trains are charged in proportion to their bytes. ``working``: the measured working set
-    (None: ``chunk * max_b (A_b + 2 I_b + O_b)``).
+    (None: ``chunk * max_b (A_b + 2 I_b + O_b)``). ``seconds``: measured ``(per step, per
+    chunk)`` times of the training step's layer-wise run (its fused neurons, synapses and
+    copies included); the time is then ``T * per_step + chunks * per_chunk`` instead of the
+    model from the stack's step times.
     """
     if T < 1 or chunk < 1:
         raise ConfigError(f"need T >= 1 and chunk >= 1, got T={T}, chunk={chunk}")
@@ -211,8 +215,11 @@ def layerwise_cost(
     # the first block's input is the caller's tensor: referenced, never copied
     stored = trains + (n_chunks - 1) * states
     peak = 2 * states + held + (0 if remote else stored)
-    time = T * (2 * costs.forward + costs.backward) + n_chunks * len(blocks) * costs.segment
-    if remote and states > 0:
+    if seconds is not None:
+        time = T * seconds[0] + n_chunks * seconds[1]
+    else:
+        time = T * (2 * costs.forward + costs.backward) + n_chunks * len(blocks) * costs.segment
+    if remote and states > 0 and seconds is None:
         per_byte = (costs.write + costs.read) / states
         time += per_byte * stored
     return LayerwiseCost(

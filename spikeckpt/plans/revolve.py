@@ -19,7 +19,7 @@ class Revolve(Plan):
     one autograd call costs about a step) needs. With ``n = ceil(T / tape)`` units the
     forward pass runs units ``0 .. n-2`` untaped and keeps the last unit taped, so a schedule
     costs exactly ``n + t(n, slots)`` unit evaluations (``t`` from
-    :func:`spikeckpt.plans.binomial.advances`), every one a full unit but the last. Device
+    `spikeckpt.plans.binomial.advances`), every one a full unit but the last. Device
     memory: ``min(slots + 1, n) * S + tape * A`` (the slots plus the working state, one taped
     unit; with ``slots >= n`` the start of the last unit is never stored, since it is only
     taped, and one unit, ``n = 1``, is plain BPTT). A tape longer than ``T`` is clamped.

@@ -3,14 +3,14 @@
 Indexing convention: ``x_i`` is the state *before* step ``i``; step ``i`` maps ``x_i`` to
 ``x_{i+1}`` using input ``i`` and emits output ``y_i``. ``x_0`` is the initial state and ``x_T``
 the final one. A schedule is one sequence of actions. Its **forward phase** is everything
-before the first :class:`Backprop`: it must evaluate steps ``0 .. T-1`` once each, in order
+before the first [`Backprop`][spikeckpt.plans.schedule.Backprop]: it must evaluate steps ``0 .. T-1`` once each, in order
 (these evaluations emit the outputs). Everything after is the **backward phase**:
 recomputation and backpropagation, walking the gradient from ``x_T`` back to ``x_0``.
 
 Tiers are ``"device"`` (where the step runs) and ``"remote"`` (host RAM or disk: which one is
 the executor's choice, not the plan's).
 
-Long schedules are **compact**: a plan's schedule holds :class:`Block` parts that expand
+Long schedules are **compact**: a plan's schedule holds [`Block`][spikeckpt.plans.schedule.Block] parts that expand
 lazily into actions, so a schedule for ``T = 10**6`` takes a few kilobytes, not gigabytes.
 Iterating a schedule (``for action in schedule``, ``schedule.forward``,
 ``schedule.backward``) yields plain actions either way, and the simulator validates a block
@@ -94,7 +94,7 @@ ACTION_TYPES: frozenset[type] = frozenset({Advance, Tape, Backprop, Store, Load,
 
 @dataclass(frozen=True, slots=True)
 class Boundary:
-    """What a :class:`Block` expects to find (``entry``) and leaves behind (``exit``).
+    """What a [`Block`][spikeckpt.plans.schedule.Block] expects to find (``entry``) and leaves behind (``exit``).
 
     Offsets are relative to the block's ``start``. ``current`` is the offset of the current
     state (None: the block does not use it at entry; at exit, None means the block ends with
@@ -111,7 +111,7 @@ class Boundary:
 class Block:
     """A piece of a schedule over steps ``start .. stop-1`` that expands lazily.
 
-    Subclasses are frozen dataclasses with ``start`` and ``stop`` fields. :meth:`parts`
+    Subclasses are frozen dataclasses with ``start`` and ``stop`` fields. [`parts`][spikeckpt.plans.schedule.Block.parts]
     yields actions and smaller blocks. A block either reverses its steps (it ends with the
     Backprop that leaves the gradient at ``x_start``; ``exit.current`` is None) or is a
     forward stretch without backpropagation that ends on ``x_{start + exit.current}``.
@@ -150,7 +150,7 @@ class Block:
 def flatten(parts: Iterable[Action | Block]) -> Iterator[Action]:
     """Yield the plain actions of ``parts``, expanding blocks depth first (memory: the depth).
 
-    Anything that is neither an action nor a :class:`Block` is yielded as it is (the
+    Anything that is neither an action nor a [`Block`][spikeckpt.plans.schedule.Block] is yielded as it is (the
     simulator then rejects it by name).
     """
     stack: list[Iterator[Any]] = [iter(parts)]
@@ -167,7 +167,7 @@ def flatten(parts: Iterable[Action | Block]) -> Iterator[Action]:
 
 
 class _Phase:
-    """A lazy, re-iterable view of one phase of a schedule (see :attr:`Schedule.forward`)."""
+    """A lazy, re-iterable view of one phase of a schedule (see [`Schedule.forward`][spikeckpt.plans.schedule.Schedule.forward])."""
 
     __slots__ = ("_schedule", "_forward")
 
@@ -221,7 +221,7 @@ class Schedule:
     Attributes:
         T: number of time steps.
         plan: a short description of the plan that made it (for messages and tables).
-        parts: the compact form: actions and :class:`Block` parts, in order.
+        parts: the compact form: actions and [`Block`][spikeckpt.plans.schedule.Block] parts, in order.
     """
 
     __slots__ = ("T", "plan", "parts", "_length")
@@ -295,5 +295,5 @@ class Schedule:
 
 
 def make_schedule(T: int, actions: Sequence[Action], plan: str = "custom") -> Schedule:
-    """Build a :class:`Schedule` from any sequence of actions."""
+    """Build a [`Schedule`][spikeckpt.plans.schedule.Schedule] from any sequence of actions."""
     return Schedule(T, tuple(actions), plan)

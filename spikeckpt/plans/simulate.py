@@ -6,7 +6,7 @@ holding remote states, and the current (working) state when it is not itself a s
 checkpoint; ``taped`` counts the steps whose autograd tape is alive. The peak is taken over all
 moments of the schedule.
 
-Compact schedules: a :class:`~spikeckpt.plans.schedule.Block` with a shape key is executed
+Compact schedules: a [`Block`][spikeckpt.plans.schedule.Block] with a shape key is executed
 once per shape (on a machine holding only its declared entry states) and its counts and
 relative peaks are reused wherever the same shape recurs, after checking that the states it
 expects are there and that nothing else is stored in its range. Any error, or any block that
@@ -396,7 +396,7 @@ _NO_DECL = _Decl(frozenset(), ())
 
 @dataclass(frozen=True)
 class _Summary:
-    """What one block shape does, relative to its start (see :func:`_summarize`)."""
+    """What one block shape does, relative to its start (see `_summarize`)."""
 
     entry_current: int | None
     current_stored: bool

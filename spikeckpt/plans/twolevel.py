@@ -6,7 +6,7 @@ once, ``backward_cost`` each). "Optimal" means the least modeled time among sche
 tape one step at a time, use at most ``slots + 1`` device states (checkpoints, the working
 state and the prefetch buffer) and an unlimited remote tier, where a remote checkpoint may be
 read any number of times: H-Revolve's two-level optimum (Herrmann & Pallez 2020), computed by
-:mod:`spikeckpt.plans.hrevolve`. It is never slower than the best single-read schedule
+`spikeckpt.plans.hrevolve`. It is never slower than the best single-read schedule
 (Aupy et al.'s Disk-Revolve, this plan's previous definition) nor than plain Revolve.
 
 Exact for ``T <= EXACT_LIMIT`` (5000). Beyond, the periodic form: ``k`` remote checkpoints
@@ -85,7 +85,7 @@ class TwoLevel(Plan):
         write_cost: time of one remote write, in the unit of ``forward_cost``.
         read_cost: time of one remote read, in the unit of ``forward_cost``.
         forward_cost: time of one step evaluation (> 0).
-        backward_cost: time of backpropagating one step (only in :meth:`modeled_time`).
+        backward_cost: time of backpropagating one step (only in [`modeled_time`][spikeckpt.plans.twolevel.TwoLevel.modeled_time]).
         remote_interval: force a remote checkpoint every ``remote_interval`` steps in the
             forward pass instead of the optimal spacing (each segment, and the remainder,
             is still reversed optimally). Clamped to ``T``.
@@ -171,7 +171,7 @@ class TwoLevel(Plan):
     def period(self) -> int:
         """The periodic form's segment length: the least time per step of a middle segment.
 
-        Searched over the lengths up to ``EXACT_LIMIT`` and :meth:`single_read_period`.
+        Searched over the lengths up to ``EXACT_LIMIT`` and [`single_read_period`][spikeckpt.plans.twolevel.TwoLevel.single_read_period].
         """
         tab = self._table(self._limit)
         candidates = dict.fromkeys([*range(1, tab.known + 1), self.single_read_period()])
@@ -217,7 +217,7 @@ class TwoLevel(Plan):
         return [*lengths, T - sum(lengths)]
 
     def modeled_time(self, T: int) -> float:
-        """The modeled time of :meth:`schedule` ``(T)``, in time units: forward steps, remote
+        """The modeled time of `schedule` ``(T)``, in time units: forward steps, remote
         writes and reads at this plan's costs, plus ``T * backward_cost``.
 
         Equal to ``simulate(schedule(T), costs=CostModel(forward_cost, backward_cost,
@@ -231,7 +231,7 @@ class TwoLevel(Plan):
     def cost(
         self, T: int, *, state_bytes: int = 1, step_bytes: int = 1, costs: CostModel | None = None
     ) -> Cost:
-        """Counts and peaks of :meth:`schedule` ``(T)`` from the table, without building it."""
+        """Counts and peaks of `schedule` ``(T)`` from the table, without building it."""
         plan = self.for_length(T)
         runs, tab = plan._layout(T)
         s = plan.slots
@@ -333,7 +333,7 @@ def _chain(
 
     Follows the table's splits: advance, write the next state remotely while the right part
     is longer than the device handles best, reverse the last part on the device, then
-    re-read each remote checkpoint for the stretch left of it (:class:`Node`).
+    re-read each remote checkpoint for the stretch left of it (`Node`).
     """
     j = tab.split[length] if length <= tab.known else 0
     if j == 0:
@@ -396,7 +396,7 @@ def _top(
     runs: tuple[tuple[int, int], ...], rest: int, tab: TwoLevelTable, slots: int
 ) -> Iterator[Action | Block]:
     """The whole two-level schedule: the leading segments (``(length, count)`` runs), each
-    written remotely in the forward pass and re-read by a :class:`Node`, then the rest."""
+    written remotely in the forward pass and re-read by a `Node`, then the rest."""
     if not runs:
         yield Store(0, "remote")
         yield from _chain(0, rest, None, tab, slots)

@@ -33,15 +33,23 @@ import torch
 from torch import Tensor
 
 from spikeckpt.errors import ConfigError, NotBinaryError
+from spikeckpt.storage.base import tensor_nbytes
 
 __all__ = [
+    "BLOCK",
     "CODECS",
     "Packed",
     "binary_mask",
+    "bitpack",
+    "bitunpack",
+    "dtype_size",
     "is_binary",
+    "not_binary_message",
     "pack",
     "packable_dtype",
     "require_binary",
+    "scan_binary",
+    "shape_numel",
     "unpack",
 ]
 
@@ -86,17 +94,17 @@ class Packed:
     @property
     def nbytes(self) -> int:
         """Bytes of the payload (what this takes in memory or on disk, metadata aside)."""
-        return sum(p.numel() * p.element_size() for p in self.payload)
+        return sum(tensor_nbytes(p) for p in self.payload)
 
     @property
     def numel(self) -> int:
         """Number of elements of the original tensor."""
-        return _numel(self.shape)
+        return shape_numel(self.shape)
 
     @property
     def dense_nbytes(self) -> int:
         """Bytes the original tensor takes dense."""
-        return self.numel * _element_size(self.dtype)
+        return self.numel * dtype_size(self.dtype)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Packed:
         """Move the payload to ``device`` (``self.device``, where it unpacks to, is kept)."""
@@ -122,13 +130,13 @@ def is_binary(tensor: Tensor) -> bool:
     Always ``False`` for dtypes that cannot be packed (complex, quantized, ...) and for sparse
     tensors; ``True`` for empty tensors of packable dtypes.
     """
-    return _scan(tensor) is not None
+    return scan_binary(tensor) is not None
 
 
 def binary_mask(tensor: Tensor) -> tuple[Tensor, int] | None:
     """``(flat bool mask of the ones, count of ones)`` if ``tensor`` is exactly binary, else
-    None: one pass that :func:`pack` can reuse (``pack(tensor, found=...)``)."""
-    return _scan(tensor)
+    None: one pass that [`pack`][spikeckpt.storage.codecs.pack] can reuse (``pack(tensor, found=...)``)."""
+    return scan_binary(tensor)
 
 
 def require_binary(tensor: Tensor, name: str = "tensor") -> Tensor:
@@ -138,9 +146,9 @@ def require_binary(tensor: Tensor, name: str = "tensor") -> Tensor:
         tensor: any shape, any dtype.
         name: how the message calls the tensor (e.g. ``"inputs"``).
     """
-    if _scan(tensor) is not None:
+    if scan_binary(tensor) is not None:
         return tensor
-    raise NotBinaryError(_not_binary_message(tensor, name))
+    raise NotBinaryError(not_binary_message(tensor, name))
 
 
 _UNSCANNED: object = object()
@@ -151,7 +159,7 @@ def pack(tensor: Tensor, codec: str = "auto", *, found: object = _UNSCANNED) -> 
 
     ``"bitpack"`` and ``"index"`` raise ``NotBinaryError`` on tensors that are not exactly
     binary; ``"auto"`` stores those dense. Runs on the tensor's device, vectorised.
-    ``found``: what :func:`binary_mask` returned for this very tensor (saves a pass).
+    ``found``: what `binary_mask` returned for this very tensor (saves a pass).
     """
     if codec not in CODECS:
         raise ConfigError(f"unknown codec {codec!r}: use one of {', '.join(map(repr, CODECS))}")
@@ -159,17 +167,17 @@ def pack(tensor: Tensor, codec: str = "auto", *, found: object = _UNSCANNED) -> 
     if codec == "dense":
         return _dense(tensor)
     if found is _UNSCANNED:
-        found = _scan(tensor)
+        found = scan_binary(tensor)
     if found is None:
         if codec == "auto":
             return _dense(tensor)
-        raise NotBinaryError(_not_binary_message(tensor, "tensor", codec=codec))
+        raise NotBinaryError(not_binary_message(tensor, "tensor", codec=codec))
     mask, n_ones = found  # type: ignore[misc]
     if codec == "auto":
         codec = (
             "index" if _index_nbytes(mask.numel(), n_ones) < _bitpack_nbytes(mask) else "bitpack"
         )
-    payload = (_bitpack(mask),) if codec == "bitpack" else _index_encode(mask)
+    payload = (bitpack(mask),) if codec == "bitpack" else _index_encode(mask)
     return Packed(codec, tensor.shape, tensor.dtype, tensor.device, payload)
 
 
@@ -184,7 +192,7 @@ def unpack(packed: Packed, device: torch.device | str | None = None) -> Tensor:
         return packed.payload[0].to(target)
     payload = tuple(p.to(target) for p in packed.payload)
     if packed.codec == "bitpack":
-        flat = _bitunpack(payload[0], packed.numel, packed.dtype)
+        flat = bitunpack(payload[0], packed.numel, packed.dtype)
     elif packed.codec == "index":
         flat = _index_decode(payload, packed.numel, packed.dtype)
     else:
@@ -195,14 +203,16 @@ def unpack(packed: Packed, device: torch.device | str | None = None) -> Tensor:
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _numel(shape: torch.Size | tuple[int, ...]) -> int:
+def shape_numel(shape: torch.Size | tuple[int, ...]) -> int:
+    """Elements of a tensor of ``shape``."""
     n = 1
     for s in shape:
         n *= int(s)
     return n
 
 
-def _element_size(dtype: torch.dtype) -> int:
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -222,7 +232,7 @@ def _ones_mask(tensor: Tensor) -> tuple[Tensor, Tensor]:
     return raw == _one_bits(tensor.dtype), raw
 
 
-def _scan(tensor: Tensor) -> tuple[Tensor, int] | None:
+def scan_binary(tensor: Tensor) -> tuple[Tensor, int] | None:
     """``(flat bool mask of ones, count of ones)`` if ``tensor`` is exactly binary, else None."""
     if tensor.layout != torch.strided or not packable_dtype(tensor.dtype):
         return None
@@ -308,7 +318,7 @@ def _table(device: torch.device) -> Tensor:
     return table
 
 
-def _bitpack(mask: Tensor) -> Tensor:
+def bitpack(mask: Tensor) -> Tensor:
     """Flat bool ``(n,)`` -> uint8 ``(ceil(n / 8),)``, bit ``j`` of byte ``i`` = element 8i+j."""
     if mask.device.type == "cpu":
         return _bitpack_numpy(mask)
@@ -330,7 +340,7 @@ def _bitpack_torch(mask: Tensor) -> Tensor:
     return (groups << _shifts(groups.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def _bitunpack(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+def bitunpack(packed: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     """uint8 ``(ceil(numel / 8),)`` -> ``(numel,)`` of ``dtype`` holding 0 and 1."""
     if packed.device.type == "cpu":
         return _bitunpack_numpy(packed, numel, dtype)
@@ -412,7 +422,8 @@ def _index_decode_torch(payload: tuple[Tensor, ...], numel: int, dtype: torch.dt
     return out.index_fill_(0, positions, 1)
 
 
-def _not_binary_message(tensor: Tensor, name: str, codec: str | None = None) -> str:
+def not_binary_message(tensor: Tensor, name: str, codec: str | None = None) -> str:
+    """The words of a refusal: ``tensor`` (``name``) is not a spike tensor, and what to do."""
     what = f"{name} (shape {tuple(tensor.shape)}, dtype {tensor.dtype})"
     use = f"codec {codec!r} needs" if codec else "spikes must be"
     if tensor.layout != torch.strided:

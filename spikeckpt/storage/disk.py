@@ -103,7 +103,7 @@ class DiskStore(StoreBase):
         directory: folder in which to make the store's own ``spikeckpt-*`` folder (created if
             missing); default: the system temporary folder (``tempfile.gettempdir()``).
         background_bytes: checkpoints of more bytes than this go through the I/O thread
-            (default :data:`BACKGROUND_BYTES`; 0: all of them).
+            (default [`BACKGROUND_BYTES`][spikeckpt.storage.disk.BACKGROUND_BYTES]; 0: all of them).
 
     Attributes:
         directory: the store's own folder (``str``); it is deleted by ``close``.
@@ -421,7 +421,7 @@ def _in_main_thread() -> bool:
 
 
 def _install_sigterm_handler() -> None:
-    """Install :func:`_on_sigterm` (main thread only) unless it is there or SIGTERM is ignored
+    """Install `_on_sigterm` (main thread only) unless it is there or SIGTERM is ignored
     or handled outside Python (then there is nothing to chain to, or nothing to fix)."""
     if not _in_main_thread():
         return
@@ -504,7 +504,7 @@ def _write_at(fd: int, views: Sequence[memoryview], offset: int) -> None:
 
 
 def _read(fd: int, layout: Layout | None, offset: int, size: int, directory: str) -> list[Tensor]:
-    """Read a checkpoint written by :func:`_write` (any thread); errors become ``StorageError``.
+    """Read a checkpoint written by `_write` (any thread); errors become ``StorageError``.
 
     Raw checkpoints are read straight into new tensors of ``layout``'s dtypes and shapes.
     """
@@ -615,7 +615,4 @@ def _storage_error(exc: BaseException, directory: str, nbytes: int, action: str)
         "Fix: pass directory= a writable folder on a disk with room for the checkpoints, or "
         "use storage='host' to keep them in RAM."
     )
-    err = StorageError(code, message) if code is not None else StorageError(message)
-    err.directory = directory  # type: ignore[attr-defined]
-    err.needed_bytes = nbytes  # type: ignore[attr-defined]
-    return err
+    return StorageError(code, message) if code is not None else StorageError(message)

@@ -14,7 +14,7 @@ Region = TypeVar("Region")
 
 def round_capacity(nbytes: int) -> int:
     """Bytes to reserve for ``nbytes``: rounded up to 1/8 of a power of two (at most 12.5%
-    more) and to :data:`ALIGN`, so that the sizes of similar requests recur."""
+    more) and to `ALIGN`, so that the sizes of similar requests recur."""
     step = max(ALIGN, 1 << max(0, nbytes.bit_length() - 4))
     return max(step, -(-nbytes // step) * step)
 

@@ -13,7 +13,7 @@ segment instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,7 +23,7 @@ from torch import Tensor
 from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import Packed, pack, unpack
 
-__all__ = ["SavedStats", "packed_saved_tensors"]
+__all__ = ["SavedStats", "SavedTensors", "packed_saved_tensors"]
 
 _Saved = Tensor | Packed
 
@@ -51,9 +51,66 @@ class SavedStats:
         return self.saved_bytes - self.stored_bytes
 
 
+class SavedTensors:
+    """The one saved-tensor hook pair: counts what autograd saves inside it and, with ``pack``,
+    keeps the exactly-binary tensors packed (a context manager; the engine's tape counter and
+    `packed_saved_tensors` are this).
+
+    With ``pack``, every saved tensor that is exactly binary (floating or bool, contiguous, at
+    least ``min_numel`` elements) is kept bit-packed or as an index list
+    ([`pack`][spikeckpt.storage.codecs.pack]) and counted at its packed size; it is rebuilt
+    bitwise on use. Other tensors are kept as detached aliases: no copy; returning the tensor
+    itself would tie a saved output to its own graph node in a reference cycle that only the
+    garbage collector breaks. Tensors whose storage is one of ``exclude``'s (parameters: a
+    weight that ``matmul`` saves costs no extra memory) are kept as they are and left out of
+    `bytes`.
+
+    Attributes:
+        bytes: bytes held for backward so far, ``exclude``'s storages left out.
+        stats: every saved tensor's dense and stored bytes (`SavedStats`).
+    """
+
+    def __init__(
+        self, exclude: Iterable[Tensor] = (), *, pack: bool = False, min_numel: int = 1024
+    ) -> None:
+        self.bytes = 0
+        self.stats = SavedStats()
+        self._exclude = {p for p in (_storage_ptr(t) for t in exclude) if p is not None}
+        self._pack_binary = pack
+        self._min_numel = min_numel
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: Tensor) -> _Saved:
+        nbytes = tensor_nbytes(tensor)
+        stats = self.stats
+        stats.saved_count += 1
+        stats.saved_bytes += nbytes
+        ptr = _storage_ptr(tensor) if self._exclude else None
+        if ptr is not None and ptr in self._exclude:
+            stats.stored_bytes += nbytes
+            return tensor.detach()
+        if self._pack_binary and _candidate(tensor, self._min_numel):
+            packed = pack(tensor)
+            if packed.codec != "dense":
+                stats.packed_count += 1
+                stats.stored_bytes += packed.nbytes
+                self.bytes += packed.nbytes
+                return packed
+        stats.stored_bytes += nbytes
+        self.bytes += nbytes
+        return tensor.detach()
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
 @contextmanager
 def packed_saved_tensors(min_numel: int = 1024) -> Iterator[SavedStats]:
-    """Context manager: pack exactly-binary tensors saved for backward; yields ``SavedStats``.
+    """Context manager: pack exactly-binary tensors saved for backward; yields `SavedStats`.
 
     Args:
         min_numel: smaller tensors are kept as they are (packing them spares too little).
@@ -62,30 +119,19 @@ def packed_saved_tensors(min_numel: int = 1024) -> Iterator[SavedStats]:
     block ends. Non-contiguous tensors are kept as they are, so that the tensors autograd gets
     back have the strides it saved (and kernels compute bit for bit the same).
     """
-    stats = SavedStats()
+    with SavedTensors(pack=True, min_numel=min_numel) as hooks:
+        yield hooks.stats
 
-    def pack_hook(tensor: Tensor) -> _Saved:
-        nbytes = tensor_nbytes(tensor)
-        stats.saved_count += 1
-        stats.saved_bytes += nbytes
-        if _candidate(tensor, min_numel):
-            packed = pack(tensor)
-            if packed.codec != "dense":
-                stats.packed_count += 1
-                stats.stored_bytes += packed.nbytes
-                return packed
-        stats.stored_bytes += nbytes
-        # A detached alias (no copy): returning the tensor itself would tie a saved output to
-        # its own graph node in a reference cycle that only the garbage collector breaks.
-        return tensor.detach()
 
-    def unpack_hook(saved: _Saved) -> Tensor:
-        if isinstance(saved, Packed):
-            return unpack(saved)
-        return saved
+def _unpack(saved: _Saved) -> Tensor:
+    return unpack(saved) if isinstance(saved, Packed) else saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook):
-        yield stats
+
+def _storage_ptr(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, meta...
+        return None
 
 
 def _candidate(tensor: Tensor, min_numel: int) -> bool:

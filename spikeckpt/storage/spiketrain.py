@@ -1,7 +1,7 @@
 """``SpikeTrain``: a time-first binary train ``(T, B, ...)`` kept bit-packed or as index lists.
 
 A spike train of ``T`` steps is stored in one of two exact layouts (see
-:mod:`spikeckpt.storage.codecs` for the codecs they come from):
+`spikeckpt.storage.codecs` for the codecs they come from):
 
 - ``"bitpack"``: the codec's bit-pack of the whole train in row-major (time-first) order,
   ``(ceil(N / 8),)`` uint8 for ``N = T * B * ...`` elements: 1 bit per element. Step ``t`` is the
@@ -14,7 +14,7 @@ A spike train of ``T`` steps is stored in one of two exact layouts (see
 
 ``codec="auto"`` picks whichever of the two takes fewer bytes (bit-pack on ties). Round trips
 are exact: ``dense()`` gives back every element bitwise, with the dtype and shape passed in
-(``-0.0`` and any value other than 0 and 1 are refused with :class:`~spikeckpt.NotBinaryError`).
+(``-0.0`` and any value other than 0 and 1 are refused with [`NotBinaryError`][spikeckpt.errors.NotBinaryError]).
 
 **Contract the engine relies on** (``wrap`` / ``scan`` will take a ``SpikeTrain`` in place of
 the dense input ``x``; anything else is a convenience):
@@ -32,7 +32,7 @@ Unpacked steps are new contiguous tensors (never views of the train), so freeing
 their memory. ``to``, ``pin_memory`` and pickling (``torch.save``, DataLoader workers) keep the
 type; ``torch.load`` needs no ``weights_only=False`` (the class is registered as safe).
 ``to_sparse_coo`` / ``from_sparse_coo`` convert to and from a ``torch.sparse_coo`` train with
-0/1 values, exactly. :func:`as_spike_train` turns a dense tensor, a sparse COO tensor or a
+0/1 values, exactly. [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train] turns a dense tensor, a sparse COO tensor or a
 ``SpikeTrain`` into a ``SpikeTrain``.
 """
 
@@ -44,15 +44,16 @@ import torch
 from torch import Tensor
 
 from spikeckpt.errors import ConfigError, ConfigTypeError, NotBinaryError
+from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import (
     BLOCK,
-    _bitpack,
-    _bitunpack,
-    _element_size,
-    _not_binary_message,
-    _numel,
-    _scan,
+    bitpack,
+    bitunpack,
+    dtype_size,
+    not_binary_message,
     packable_dtype,
+    scan_binary,
+    shape_numel,
 )
 
 __all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train"]
@@ -64,8 +65,8 @@ _HALF = BLOCK // 2
 class SpikeTrain:
     """A binary train ``(T, B, ...)`` stored packed; see the module docstring for the layouts.
 
-    Build one with :meth:`from_dense`, :meth:`from_sparse_coo`, :meth:`from_indices` or
-    :func:`as_spike_train`, not with the constructor.
+    Build one with [`from_dense`][spikeckpt.storage.spiketrain.SpikeTrain.from_dense], [`from_sparse_coo`][spikeckpt.storage.spiketrain.SpikeTrain.from_sparse_coo], [`from_indices`][spikeckpt.storage.spiketrain.SpikeTrain.from_indices] or
+    [`as_spike_train`][spikeckpt.storage.spiketrain.as_spike_train], not with the constructor.
 
     Attributes:
         codec: ``"bitpack"`` or ``"index"``.
@@ -100,7 +101,7 @@ class SpikeTrain:
 
         The payload stays on ``x``'s device. Raises ``NotBinaryError`` (naming the first
         offending value) when ``x`` is not exactly 0/1, ``ValueError`` for a bad ``codec`` or
-        a 0-d ``x``, ``TypeError`` for a sparse ``x`` (use :meth:`from_sparse_coo`).
+        a 0-d ``x``, ``TypeError`` for a sparse ``x`` (use [`from_sparse_coo`][spikeckpt.storage.spiketrain.SpikeTrain.from_sparse_coo]).
         """
         _check_codec(codec)
         if not isinstance(x, Tensor):
@@ -110,14 +111,14 @@ class SpikeTrain:
         if x.layout == torch.sparse_coo:
             raise ConfigTypeError("x is a sparse COO tensor: use SpikeTrain.from_sparse_coo(x)")
         _check_shape(x.shape)
-        found = _scan(x)
+        found = scan_binary(x)
         if found is None:
-            raise NotBinaryError(_not_binary_message(x, "spike train"))
+            raise NotBinaryError(not_binary_message(x, "spike train"))
         mask, ones = found
-        shape, n = x.shape, _numel(x.shape[1:])
+        shape, n = x.shape, shape_numel(x.shape[1:])
         codec = _choose(codec, shape, ones)
         if codec == "bitpack":
-            return cls("bitpack", shape, x.dtype, _bitpack(mask), None, ones)
+            return cls("bitpack", shape, x.dtype, bitpack(mask), None, ones)
         positions = torch.nonzero(mask).reshape(-1)
         data, offsets = _index_encode(positions, shape[0], n)
         return cls("index", shape, x.dtype, data, offsets, ones)
@@ -148,7 +149,7 @@ class SpikeTrain:
             raise ConfigError(f"dtype {dtype} cannot hold packed spikes: use bool, int or float")
         device = positions.device if device is None else torch.device(device)
         positions = positions.reshape(-1).to(device=device, dtype=torch.long)
-        numel = _numel(shape)
+        numel = shape_numel(shape)
         if positions.numel():
             if int(positions[0]) < 0 or int(positions[-1]) >= numel:
                 raise ConfigError(
@@ -164,7 +165,7 @@ class SpikeTrain:
             bits = torch.ones_like(positions, dtype=torch.uint8) << (positions & 7).to(torch.uint8)
             data.index_add_(0, positions >> 3, bits)  # distinct bits of a byte: sum == or
             return cls("bitpack", shape, dtype, data, None, ones)
-        data, offsets = _index_encode(positions, shape[0], _numel(shape[1:]))
+        data, offsets = _index_encode(positions, shape[0], shape_numel(shape[1:]))
         return cls("index", shape, dtype, data, offsets, ones)
 
     @classmethod
@@ -189,9 +190,9 @@ class SpikeTrain:
         _check_shape(t.shape)
         t = t if t.is_coalesced() else t.coalesce()
         values = t.values()
-        found = _scan(values)
+        found = scan_binary(values)
         if found is None:
-            raise NotBinaryError(_not_binary_message(values, "sparse spike train values"))
+            raise NotBinaryError(not_binary_message(values, "sparse spike train values"))
         keep, _ = found
         indices = t.indices()[:, keep]
         strides = _row_major_strides(t.shape, indices.device)
@@ -214,9 +215,9 @@ class SpikeTrain:
     @property
     def nbytes(self) -> int:
         """Bytes the packed train holds: payload plus offsets (index codec), metadata aside."""
-        total = self._data.numel() * self._data.element_size()
+        total = tensor_nbytes(self._data)
         if self._offsets is not None:
-            total += self._offsets.numel() * self._offsets.element_size()
+            total += tensor_nbytes(self._offsets)
         return total
 
     def tensors(self) -> list[Tensor]:
@@ -227,17 +228,17 @@ class SpikeTrain:
     @property
     def payload_nbytes(self) -> int:
         """Bytes of the payload alone (what ``.to(device)`` moves; index offsets stay on CPU)."""
-        return self._data.numel() * self._data.element_size()
+        return tensor_nbytes(self._data)
 
     @property
     def numel(self) -> int:
         """Elements of the dense train."""
-        return _numel(self.shape)
+        return shape_numel(self.shape)
 
     @property
     def dense_nbytes(self) -> int:
         """Bytes the dense train takes in ``dtype``."""
-        return self.numel * _element_size(self.dtype)
+        return self.numel * dtype_size(self.dtype)
 
     @property
     def density(self) -> float:
@@ -276,32 +277,57 @@ class SpikeTrain:
                 "need 0 <= a <= b <= T"
             )
         target = self.device if device is None else torch.device(device)
-        n = _numel(self.shape[1:])
+        n = shape_numel(self.shape[1:])
         out_shape = (b - a, *self.shape[1:])
         if self.codec == "bitpack":
             lo, hi = a * n, b * n
             first, last = lo >> 3, (hi + 7) >> 3
             raw = self._data[first:last].to(target, non_blocking=False)
             skip = lo - 8 * first
-            flat = _bitunpack(raw, skip + hi - lo, self.dtype)[skip:]
+            flat = bitunpack(raw, skip + hi - lo, self.dtype)[skip:]
             if skip:
                 flat = flat.clone()  # a view would keep the extra leading elements alive
             return flat.reshape(out_shape)
+        out = torch.zeros((b - a) * n, dtype=self.dtype, device=target)
+        positions = self._index_positions(a, b, target)
+        if positions.numel():
+            out.index_fill_(0, positions, 1)
+        return out.reshape(out_shape)
+
+    def chunk_positions(self, a: int, b: int, device: torch.device | str | None = None) -> Tensor:
+        """Where the ones of steps ``a <= t < b`` are: flat row-major positions in the dense
+        chunk ``(b - a, B, ...)``, ``(ones,)`` int64, ascending, on ``device`` (default: here).
+
+        An index-list train reads them off its lists (no dense chunk is made); a bit-packed one
+        unpacks the chunk's bits.
+        """
+        a, b = int(a), int(b)
+        if not 0 <= a <= b <= self.T:
+            raise IndexError(
+                f"chunk_positions({a}, {b}) is out of range for a spike train of T={self.T} "
+                "steps: need 0 <= a <= b <= T"
+            )
+        target = self.device if device is None else torch.device(device)
+        if self.codec == "bitpack":
+            return torch.nonzero(self.chunk(a, b, target).reshape(-1)).reshape(-1)
+        return self._index_positions(a, b, target)
+
+    def _index_positions(self, a: int, b: int, target: torch.device) -> Tensor:
+        """``chunk_positions`` of an index-list train."""
+        n = shape_numel(self.shape[1:])
         per_step = _blocks_per_step(n)
         k0, k1 = a * per_step, b * per_step
         offsets = self._offsets
         assert offsets is not None
         start, end = int(offsets[k0]), int(offsets[k1])
-        out = torch.zeros((b - a) * n, dtype=self.dtype, device=target)
-        if end > start:
-            local = self._data[start:end].to(target)
-            counts = (offsets[k0 + 1 : k1 + 1] - offsets[k0:k1]).to(target)
-            block = torch.arange(k1 - k0, device=target)
-            base = (block // per_step) * n + (block % per_step) * BLOCK
-            positions = torch.repeat_interleave(base, counts, output_size=end - start)
-            positions += local.long() + _HALF
-            out.index_fill_(0, positions, 1)
-        return out.reshape(out_shape)
+        if end <= start:
+            return torch.zeros(0, dtype=torch.int64, device=target)
+        local = self._data[start:end].to(target)
+        counts = (offsets[k0 + 1 : k1 + 1] - offsets[k0:k1]).to(target)
+        block = torch.arange(k1 - k0, device=target)
+        base = (block // per_step) * n + (block % per_step) * BLOCK
+        positions = torch.repeat_interleave(base, counts, output_size=end - start)
+        return positions + local.long() + _HALF
 
     def dense(self, device: torch.device | str | None = None) -> Tensor:
         """The whole train dense, ``(T, B, ...)`` in ``dtype``, on ``device`` (default: here)."""
@@ -310,11 +336,11 @@ class SpikeTrain:
     def positions(self) -> Tensor:
         """Flat row-major positions of the ones, ``(ones,)`` int64, ascending, on ``device``."""
         if self.codec == "bitpack":
-            mask = _bitunpack(self._data, self.numel, torch.bool)
+            mask = bitunpack(self._data, self.numel, torch.bool)
             return torch.nonzero(mask).reshape(-1)
         offsets = self._offsets
         assert offsets is not None
-        n = _numel(self.shape[1:])
+        n = shape_numel(self.shape[1:])
         per_step = _blocks_per_step(n)
         blocks = offsets.numel() - 1
         counts = (offsets[1:] - offsets[:-1]).to(self.device)
@@ -389,7 +415,7 @@ class SpikeTrain:
 
 
 def as_spike_train(x: Tensor | SpikeTrain, codec: str = "auto") -> SpikeTrain:
-    """``x`` as a :class:`SpikeTrain`: returned as it is, packed from a dense tensor, or from a
+    """``x`` as a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]: returned as it is, packed from a dense tensor, or from a
     ``torch.sparse_coo`` tensor (values exactly 0 or 1). Raises ``NotBinaryError`` otherwise."""
     if isinstance(x, SpikeTrain):
         return x
@@ -420,14 +446,14 @@ def _blocks_per_step(n: int) -> int:
 
 
 def _index_nbytes(shape: torch.Size | tuple[int, ...], ones: int) -> int:
-    blocks = int(shape[0]) * _blocks_per_step(_numel(shape[1:]))
+    blocks = int(shape[0]) * _blocks_per_step(shape_numel(shape[1:]))
     return 2 * ones + 8 * (blocks + 1)
 
 
 def _choose(codec: str, shape: torch.Size | tuple[int, ...], ones: int) -> str:
     if codec != "auto":
         return codec
-    bitpack = (_numel(shape) + 7) // 8
+    bitpack = (shape_numel(shape) + 7) // 8
     return "index" if _index_nbytes(shape, ones) < bitpack else "bitpack"
 
 

@@ -1,4 +1,6 @@
-"""Storage tiers for checkpoints: device (references), host (CPU RAM, packed), disk (files).
+"""The storage tiers' front: `make_store` makes the tier a run asks for (device: references,
+`spikeckpt.storage.device`; host: CPU RAM, packed, `spikeckpt.storage.host`; disk: files,
+`spikeckpt.storage.disk`) and `check_storage` checks a tier and its folder once, up front.
 
 Every tier implements ``spikeckpt.storage.base.StateStore`` and counts, in its ``Ledger``, the
 bytes it holds (``ledger.add/remove(kind, nbytes)``) and, for host and disk, the bytes copied
@@ -14,13 +16,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
 
 import torch
-from torch import Tensor
 
 from spikeckpt.errors import ConfigError, StorageError
-from spikeckpt.storage.base import TIER_KINDS, Ledger, StateStore, StoreBase, tensor_nbytes
+from spikeckpt.storage.base import TIER_KINDS, Ledger, StateStore
+from spikeckpt.storage.device import DeviceStore
 from spikeckpt.storage.disk import DiskStore, _storage_error
 from spikeckpt.storage.host import HostStore
 
@@ -120,7 +121,7 @@ def make_store(
 
     ``directory`` (disk only) is the folder under which the disk tier makes its own temporary
     folder (created if missing); default: the system temporary folder. Unknown tiers and a
-    ``directory`` with another tier raise ``ValueError`` as in :func:`check_storage`.
+    ``directory`` with another tier raise ``ValueError`` as in `check_storage`.
     """
     _check_kind(kind)
     if directory is not None:
@@ -130,57 +131,3 @@ def make_store(
     if kind == "host":
         return HostStore(device, ledger)
     return DiskStore(device, ledger, directory=directory)
-
-
-class DeviceStore(StoreBase):
-    """Keeps references to the tensors (no copy) and counts their bytes.
-
-    ``get`` returns the very tensor objects given to ``put``: do not modify them in place.
-    """
-
-    kind = "device"
-
-    def __init__(self, device: torch.device | str, ledger: Ledger) -> None:
-        self.device = torch.device(device)
-        self.ledger = ledger
-        self._items: dict[int, tuple[list[Tensor], int]] = {}
-
-    def put(self, key: int, tensors: Sequence[Tensor]) -> None:
-        """Keep references to ``tensors`` under ``key`` (bytes: sum of numel * element size)."""
-        self._check_open()
-        self.drop(key)
-        kept = list(tensors)
-        nbytes = sum(tensor_nbytes(t) for t in kept)
-        self._items[key] = (kept, nbytes)
-        self.ledger.add(self.kind, nbytes)
-
-    def get(self, key: int) -> list[Tensor]:
-        """The tensors stored under ``key`` (the same objects)."""
-        self._check_open()
-        if key not in self._items:
-            raise self._unknown_key(key, list(self._items))
-        return list(self._items[key][0])
-
-    def prefetch(self, key: int) -> None:
-        """Nothing to do: the tensors are already on the device."""
-        self._check_open()
-        if key not in self._items:
-            raise self._unknown_key(key, list(self._items))
-
-    def drop(self, key: int) -> None:
-        """Forget ``key`` (no-op when absent)."""
-        item = self._items.pop(key, None)
-        if item is not None:
-            self.ledger.remove(self.kind, item[1])
-
-    def close(self) -> None:
-        """Forget everything. Idempotent."""
-        for key in list(self._items):
-            self.drop(key)
-        self._closed = True
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items

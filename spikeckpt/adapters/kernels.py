@@ -1,0 +1,659 @@
+"""Chunk kernels: the LIF family's recurrence over a time chunk, forward and backward by hand.
+
+Each kernel implements `ChunkKernel` for one family of neuron
+steps, in plain tensor ops with the framework's own arithmetic (the same operations on the same
+operands in the same order as the framework's step, so states and spikes are bitwise equal);
+its backward runs the state gradient back through the chunk with the derivatives written out,
+and takes the surrogate gradient from the framework's own surrogate function, evaluated once
+for the whole chunk (it is elementwise). Gradients agree with autograd through the plain loop
+to float32 round-off: the state gradient's sums run in autograd's order where two terms meet
+(bitwise there), parameter gradients are summed over the whole chunk at once.
+
+The kernels import no framework: the adapters (`spikeckpt.adapters.snntorch`,
+`spikeckpt.adapters.norse`) read the modules' parameters and pick the kernel and options,
+and check a kernel against the module's own step once before using it
+(`spikeckpt.adapters.layered.VerifiedKernel`).
+
+Notation (per element, step ``t`` of the chunk): ``z_t`` synaptic input, ``r_t`` the reset
+(spike of the membrane entering the step, no gradient), ``u_t`` the membrane less the
+threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from spikeckpt.engine.grad import grad as engine_grad
+
+__all__ = [
+    "LeakyKernel",
+    "NorseKernel",
+    "SynapticKernel",
+    "clamp_grad",
+    "heaviside",
+    "is_unit",
+    "reduce_to",
+    "vjp",
+]
+
+Spike = Callable[[Tensor], Tensor]
+#: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
+#: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
+#: ``Synaptic``); ``"none"``.
+Reset = Literal["subtract", "zero_before", "zero_after", "none"]
+
+
+def heaviside(u: Tensor) -> Tensor:
+    """snnTorch's spike: ``(u > 0).float()`` (float32 whatever ``u`` is)."""
+    return (u > 0).float()
+
+
+def vjp(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` through the elementwise ``fn`` at ``x`` (autograd's own formula, one call for
+    a whole chunk); zeros when ``fn``'s output has no gradient (snnTorch's
+    ``surrogate_disable``)."""
+    with torch.enable_grad():
+        leaf = x.detach().requires_grad_()
+        out = fn(leaf)
+        if not out.requires_grad:
+            return torch.zeros_like(grad)
+        (got,) = engine_grad([out], [leaf], [grad])
+    return torch.zeros_like(grad) if got is None else got
+
+
+def reduce_to(grad: Tensor, like: Tensor) -> Tensor:
+    """``grad`` summed over the dimensions ``like`` was broadcast along, in ``like``'s shape."""
+    if grad.shape == like.shape:
+        return grad
+    lead = grad.dim() - like.dim()
+    dims = [*range(lead), *(lead + i for i, n in enumerate(like.shape) if n == 1)]
+    out = grad.sum(dim=dims, keepdim=True) if dims else grad
+    return out.reshape(like.shape)
+
+
+def clamp_grad(grad: Tensor, value: Tensor) -> Tensor:
+    """The gradient of ``value.clamp(0, 1)`` given ``grad`` for its result."""
+    return grad * ((value >= 0) & (value <= 1)).to(grad.dtype)
+
+
+def _same_layout(leaves: Sequence[Tensor], z: Tensor, frozen: Sequence[Tensor] = ()) -> bool:
+    """Every state leaf is shaped like one step of ``z``, on its device, float32 or float64
+    (the dtype the step keeps: a spike is float32, so a lower-precision state is promoted by
+    the first step, which then runs unfused); ``frozen`` tensors need no gradient."""
+    step = z.shape[1:]
+    return (
+        z.is_floating_point()
+        and all(
+            t.shape == step and t.dtype in (torch.float32, torch.float64) and t.device == z.device
+            for t in leaves
+        )
+        and not any(t.requires_grad for t in frozen)
+    )
+
+
+def _keeps_dtype(kernel: Any, leaves: Sequence[Tensor], z: Tensor) -> bool:
+    """Whether one step keeps the state's dtypes (a parameter of a wider dtype would widen
+    it): tried once per combination of dtypes and dimensions, on one sample of one step."""
+    tensors = (*leaves, z, *kernel.params, *getattr(kernel, "frozen", tuple)())
+    key = tuple((t.dtype, t.dim()) for t in tensors)
+    known = kernel.dtype_checks.get(key)
+    if known is None:
+        with torch.no_grad():
+            one = [t[:1] for t in leaves]  # one sample: every broadcast stays as it is
+            final = kernel.forward(one, z[:1, :1], False, False)[0]
+        known = all(a.dtype == b.dtype for a, b in zip(final, leaves, strict=True))
+        kernel.dtype_checks[key] = known
+    return known
+
+
+def _grads_for(
+    pairs: Sequence[tuple[Tensor, Callable[[], Tensor]]], need: Sequence[bool]
+) -> list[Tensor | None]:
+    """Gradients of the parameters that require grad (``need`` is aligned with those)."""
+    wanted = [(p, make) for p, make in pairs if p.requires_grad]
+    return [reduce_to(make(), p) if n else None for (p, make), n in zip(wanted, need, strict=True)]
+
+
+class LeakyKernel:
+    """snnTorch ``Leaky`` / ``Lapicque`` (``reset_delay=True``): one membrane.
+
+    ``mem_t = decay * pre + zin_t``, then the reset; ``pre = (1 - r) * mem`` with
+    ``"zero_before"``, else ``mem``. ``zin = input_scale(z)`` (``Leaky``: ``z`` itself;
+    ``Lapicque``: ``z * R * (1 / (R * C)) * time_step``), applied to the whole chunk at once.
+
+    Args:
+        tensors: ``() -> (decay source, threshold, graded)``: the module's current tensors;
+            the decay is ``decay_of(source)``.
+        decay_of: ``source -> decay`` (``Leaky``: ``beta.clamp(0, 1)``).
+        decay_grad: ``(grad of decay, source) -> grad of source``, or None when the source
+            never needs one.
+        spike: the surrogate spike function (its forward must be `heaviside`).
+        reset: the reset mechanism.
+        input_scale: ``z (k, B, ...) -> zin``, elementwise (None: the identity).
+        frozen: ``() -> tensors`` the step also reads, which must not require grad (the chunk
+            runs unfused when one does).
+    """
+
+    name = "fused"
+    membrane: int | None = 0
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Tensor, Tensor, Tensor]],
+        decay_of: Callable[[Tensor], Tensor],
+        decay_grad: Callable[[Tensor, Tensor], Tensor] | None,
+        spike: Spike,
+        reset: Reset,
+        input_scale: Callable[[Tensor], Tensor] | None = None,
+        frozen: Callable[[], tuple[Tensor, ...]] = tuple,
+    ) -> None:
+        self.tensors = tensors
+        self.decay_of = decay_of
+        self.decay_grad = decay_grad
+        self.spike = spike
+        self.reset = reset
+        self.input_scale = input_scale
+        self.frozen = frozen
+        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return self.tensors()
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        source = self.tensors()[0]
+        frozen = (*self.frozen(), *((source,) if self.decay_grad is None else ()))
+        return (
+            len(leaves) == 1 and _same_layout(leaves, z, frozen) and _keeps_dtype(self, leaves, z)
+        )
+
+    def forward(
+        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        source, thr, graded = self.tensors()
+        decay = self.decay_of(source)
+        zin = z if self.input_scale is None else self.input_scale(z)
+        mem = leaves[0]
+        k = zin.shape[0]
+        # states and spikes go straight into their (k + 1)-step buffers (out=: the same
+        # kernels, so the same values); the spike is snnTorch's (mem - thr > 0).float(), and a
+        # reset ``r * v`` is ``v`` or ``0 * v``: a where() on the boolean spike
+        hold = keep or want_mem
+        mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
+        fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
+        if mems is not None:
+            mems[0] = mem
+        torch.gt(mem - thr, 0, out=fires[0])
+        thr_off = thr * 0
+        for t, z_t in enumerate(zin.unbind(0)):
+            fired, out = fires[t], (mems[t + 1] if mems is not None else None)
+            pre = torch.where(fired, mem * 0, mem) if self.reset == "zero_before" else mem
+            if self.reset == "subtract":
+                mem = torch.sub(decay * pre + z_t, torch.where(fired, thr, thr_off), out=out)
+            elif self.reset == "zero_after":
+                base = decay * pre + z_t
+                mem = torch.sub(base, fired.float() * base, out=out)
+            else:
+                mem = torch.add(decay * pre, z_t, out=out)
+            torch.gt(mem - thr, 0, out=fires[t + 1])
+        s = fires[1:].float()
+        y = s if is_unit(graded) else s * graded
+        # z only when an input scale's gradient needs it (a view of the chunk, alive anyway)
+        saved = (mems, fires, z if self.input_scale else None) if keep else None
+        return [mem.clone() if mems is not None else mem], y, mems[1:] if want_mem else None, saved
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: Tensor | None,
+        need_z: bool,
+        need_params: Sequence[bool],
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        mems, fired, z = saved  # (k + 1, B, ...): membranes; spikes (bool), the reset of t
+        source, thr, graded = self.tensors()
+        decay = self.decay_of(source)
+        k = mems.shape[0] - 1
+        want = _wanted([source, thr, graded], need_params)
+        zero = self.reset in ("zero_before", "zero_after")
+        thr_grad = graded_grad = None
+        if g_y is not None:
+            g_s = g_y if is_unit(graded) else g_y * graded
+            g = surrogate_grad(self.spike, mems[1:], thr, g_s)  # dL/du_t
+            if want[1]:
+                thr_grad = -reduce_to(g, thr)
+            if want[2]:
+                graded_grad = reduce_product(g_y, fired[1:], graded)
+            del g_s
+        else:
+            g = torch.zeros_like(mems[1:])
+        # g[t] becomes dL/d mem_t (the membrane after step t), every path, from the last step
+        if g_mem is not None:
+            g += g_mem
+        keep_old = (~fired[:-1]).to(g.dtype) if zero else None  # (1 - r_t)
+        carry = g_final[0]
+        for t in range(k - 1, -1, -1):
+            if carry is not None:
+                g[t] += carry
+            g_base = g[t] * keep_old[t] if self.reset == "zero_after" else g[t]  # type: ignore[index]
+            carry = decay * g_base
+            if self.reset == "zero_before":
+                carry = carry * keep_old[t]  # type: ignore[index]
+        if want[1] and self.reset == "subtract":  # mem_t = base - r_t * thr
+            part = reduce_product(g, fired[:-1], thr)
+            thr_grad = -part if thr_grad is None else thr_grad - part
+        if self.reset == "zero_after":
+            g.mul_(keep_old)  # dL/d base_t
+        source_grad = None
+        if want[0]:
+            pre = mems[:-1] * keep_old if self.reset == "zero_before" else mems[:-1]
+            assert self.decay_grad is not None  # accepts() refused the chunk otherwise
+            source_grad = self.decay_grad(reduce_product(g, pre, decay), source)
+            del pre
+        g_z = None
+        if need_z:
+            g_z = g if self.input_scale is None else vjp(self.input_scale, z, g)
+        grads = [source_grad, thr_grad if want[1] else None, graded_grad]
+        return g_z, [carry], _aligned([source, thr, graded], grads, need_params)
+
+
+def _wanted(tensors: Sequence[Tensor], need_params: Sequence[bool]) -> list[bool]:
+    """Per tensor: whether its gradient is asked for (``need_params`` lists the tensors that
+    require grad, in order)."""
+    it = iter(need_params)
+    return [bool(next(it)) if t.requires_grad else False for t in tensors]
+
+
+def _aligned(
+    tensors: Sequence[Tensor], grads: Sequence[Tensor | None], need_params: Sequence[bool]
+) -> list[Tensor | None]:
+    """The gradients of the tensors that require grad, aligned with ``need_params``."""
+    out = [g for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+    return [g if n else None for g, n in zip(out, need_params, strict=True)]
+
+
+#: the surrogate's backward and the parameters' gradient products run on pieces of at most
+#: this many elements (256 KiB of float32), so their temporaries stay bounded whatever the
+#: chunk length
+PIECE_ELEMENTS = 1 << 16
+
+
+def _pieces(t: Tensor) -> list[tuple[int, int]]:
+    """``(a, b)`` ranges of ``t``'s first dimension (the chunk's steps): a quarter of the
+    chunk each, and at most `PIECE_ELEMENTS` elements (at least one step), so the
+    temporaries of a vectorised pass stay a small share of the chunk's own tensors."""
+    k = t.shape[0]
+    if not k:
+        return []
+    step = max(1, min(PIECE_ELEMENTS // max(1, t[0].numel()), -(-k // 4)))
+    return [(a, min(k, a + step)) for a in range(0, k, step)]
+
+
+def reduce_product(a: Tensor, b: Tensor, like: Tensor) -> Tensor:
+    """``reduce_to(a * b, like)`` (``b`` may be boolean) without the whole product: summed a
+    few steps at a time along the first dimension."""
+    total: Tensor | None = None
+    for lo, hi in _pieces(a):
+        part = reduce_to(a[lo:hi] * b[lo:hi].to(a.dtype), like)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def surrogate_grad(spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` (dL/d spike, ``(k, B, ...)``) through ``spike`` at ``mem - thr``: the
+    surrogate's own backward (elementwise), a few steps at a time; a new tensor."""
+    pieces = _pieces(mem)
+    if len(pieces) == 1:
+        return vjp(spike, mem - thr, grad)
+    out = torch.empty_like(grad, dtype=torch.promote_types(grad.dtype, mem.dtype))
+    for a, b in pieces:
+        out[a:b] = vjp(spike, mem[a:b] - thr, grad[a:b])
+    return out
+
+
+_UNIT: dict[tuple[int, int], bool] = {}
+
+
+def is_unit(graded: Tensor) -> bool:
+    """Whether ``s * graded`` is ``s`` bitwise (a 0-d 1.0 without grad); the value is read
+    once per tensor version (no device sync per step)."""
+    if graded.dim() != 0 or graded.requires_grad:
+        return False
+    key = (id(graded), graded._version)
+    known = _UNIT.get(key)
+    if known is None:
+        if len(_UNIT) > 1024:
+            _UNIT.clear()
+        known = _UNIT[key] = bool(graded == 1)
+    return known
+
+
+class SynapticKernel:
+    """snnTorch ``Synaptic`` (``reset_delay=True``): synaptic current, then membrane.
+
+    ``syn_t = a * syn + z_t``, ``mem_t = b * mem + syn_t``, then the reset (``"subtract"``,
+    ``"zero_after"`` or ``"none"``); ``a = alpha.clamp(0, 1)``, ``b = beta.clamp(0, 1)``.
+
+    Args:
+        tensors: ``() -> (alpha, beta, threshold, graded)``, the module's current tensors.
+        spike: the surrogate spike function.
+        reset: the reset mechanism.
+    """
+
+    name = "fused"
+    membrane: int | None = 1
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
+        spike: Spike,
+        reset: Reset,
+    ) -> None:
+        self.tensors = tensors
+        self.spike = spike
+        self.reset = reset
+        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return self.tensors()
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        return len(leaves) == 2 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
+
+    def forward(
+        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        alpha, beta, thr, graded = self.tensors()
+        a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
+        syn, mem = leaves
+        fired = mem - thr > 0
+        thr_off = thr * 0
+        syns, mems, fires = [syn], [mem], [fired]
+        for z_t in z.unbind(0):
+            syn = a * syn + z_t
+            base = b * mem + syn
+            if self.reset == "subtract":
+                mem = base - torch.where(fired, thr, thr_off)
+            elif self.reset == "zero_after":
+                mem = base - base * fired.float()
+            else:
+                mem = base
+            fired = mem - thr > 0
+            fires.append(fired)
+            if keep or want_mem:
+                syns.append(syn)
+                mems.append(mem)
+        all_fired = torch.stack(fires)
+        s = all_fired[1:].float()
+        y = s if is_unit(graded) else s * graded
+        mem_all = torch.stack(mems) if keep or want_mem else None
+        saved = (torch.stack(syns), mem_all, all_fired) if keep else None
+        return [syn, mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: Tensor | None,
+        need_z: bool,
+        need_params: Sequence[bool],
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        syns, mems, fired = saved
+        alpha, beta, thr, graded = self.tensors()
+        a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
+        k = mems.shape[0] - 1
+        want = _wanted([alpha, beta, thr, graded], need_params)
+        thr_grad = graded_grad = None
+        if g_y is not None:
+            g_s = g_y if is_unit(graded) else g_y * graded
+            g_m = surrogate_grad(self.spike, mems[1:], thr, g_s)
+            if want[2]:
+                thr_grad = -reduce_to(g_m, thr)
+            if want[3]:
+                graded_grad = reduce_product(g_y, fired[1:], graded)
+            del g_s
+        else:
+            g_m = torch.zeros_like(mems[1:])
+        if g_mem is not None:
+            g_m += g_mem
+        keep_old = (~fired[:-1]).to(g_m.dtype) if self.reset == "zero_after" else None
+        g_syn = torch.empty_like(g_m)
+        carry_m, carry_s = g_final[1], g_final[0]
+        for t in range(k - 1, -1, -1):
+            if carry_m is not None:
+                g_m[t] += carry_m
+            g_base = g_m[t] * keep_old[t] if keep_old is not None else g_m[t]
+            carry_m = b * g_base
+            if carry_s is None:
+                g_syn[t] = g_base
+            else:
+                torch.add(g_base, carry_s, out=g_syn[t])
+            carry_s = a * g_syn[t]
+        if want[2] and self.reset == "subtract":
+            part = reduce_product(g_m, fired[:-1], thr)
+            thr_grad = -part if thr_grad is None else thr_grad - part
+        if keep_old is not None:
+            g_m.mul_(keep_old)  # dL/d base_t
+        alpha_grad = clamp_grad(reduce_product(g_syn, syns[:-1], a), alpha) if want[0] else None
+        beta_grad = clamp_grad(reduce_product(g_m, mems[:-1], b), beta) if want[1] else None
+        grads = [alpha_grad, beta_grad, thr_grad, graded_grad]
+        return (
+            g_syn if need_z else None,
+            [carry_s, carry_m],
+            _aligned([alpha, beta, thr, graded], grads, need_params),
+        )
+
+
+#: Norse's feed-forward steps the `NorseKernel` reproduces
+NorseMode = Literal["lif", "box", "li"]
+
+
+class NorseKernel:
+    """Norse's feed-forward steps (``lif_feed_forward_step``, ``lif_box_feed_forward_step``,
+    ``li_feed_forward_step``), with Norse's parameter tensors and ``dt``:
+
+    - ``"lif"`` (state ``(v, i)``): ``i' = i + z``; ``v_d = v + dt * tau_mem_inv * ((v_leak - v)
+      + i')``; ``i_d = i' + -dt * tau_syn_inv * i'``; ``s = threshold(v_d - v_th)``;
+      ``v_new = (1 - s) * v_d + s * v_reset``. The reset is differentiated (not detached),
+      as in Norse.
+    - ``"box"`` (state ``(v,)``): ``v_d = v + dt * tau_mem_inv * (z + v_leak - v)``, the same
+      spike, the reset ``reset_value`` or ``reset_subtract`` (``(1 - s) * v_d + s * (v_d -
+      v_th)``).
+    - ``"li"`` (state ``(v, i)``, no spike: the output is ``v``): ``i' = i + z``; ``v' = v + dt
+      * tau_mem_inv * ((v_leak - v) + i')``; ``i_d = i' + -dt * tau_syn_inv * i'``.
+
+    Args:
+        params: ``() -> p``, the cell's current parameter NamedTuple (tensor fields).
+        dt: the cell's time step.
+        spike: ``u -> threshold(u, method, alpha)`` (None for ``"li"``).
+        mode: which step.
+        subtract: ``"box"`` with ``reset_subtract``.
+    """
+
+    name = "fused"
+    membrane: int | None = 0
+
+    def __init__(
+        self,
+        params: Callable[[], Any],
+        dt: float,
+        spike: Spike | None,
+        mode: NorseMode,
+        subtract: bool = False,
+    ) -> None:
+        self.p = params
+        self.dt = dt
+        self.spike = spike
+        self.mode = mode
+        self.subtract = subtract
+        self.fields = (
+            ("tau_mem_inv", "v_leak")
+            + (("v_th", "v_reset") if mode != "li" else ())
+            + (("tau_syn_inv",) if mode != "box" else ())
+        )
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        p = self.p()
+        return tuple(getattr(p, f) for f in self.fields)
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        p = self.p()
+        tensors = self.params
+        frozen = [getattr(p, "alpha", None)]
+        return (
+            len(leaves) == (1 if self.mode == "box" else 2)
+            and _same_layout(leaves, z, [t for t in frozen if isinstance(t, Tensor)])
+            and all(
+                isinstance(t, Tensor) and t.device == z.device and t.dtype == leaves[0].dtype
+                for t in tensors
+            )
+            and all(t.dtype == z.dtype for t in leaves)
+        )
+
+    def _spiked(self, u: Tensor) -> Tensor:
+        """Norse's ``heaviside``: ``gt(u, 0)`` as ``u``'s dtype."""
+        return torch.gt(u, torch.as_tensor(0.0)).to(u.dtype)
+
+    def forward(
+        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        p = self.p()
+        dt = self.dt
+        c_m = dt * p.tau_mem_inv
+        c_s = -dt * p.tau_syn_inv if self.mode != "box" else None
+        v = leaves[0]
+        i = leaves[1] if self.mode != "box" else None
+        vs, is_, ys = [v], [i], []
+        for z_t in z.unbind(0):
+            if self.mode == "box":
+                v = v + c_m * (z_t + p.v_leak - v)
+            else:
+                i = i + z_t
+                v = v + c_m * ((p.v_leak - v) + i)
+                i = i + c_s * i
+            if self.mode == "li":
+                ys.append(v)
+            else:
+                s = self._spiked(v - p.v_th)
+                ys.append(s)
+                v = (1 - s) * v + s * (v - p.v_th) if self.subtract else (1 - s) * v + s * p.v_reset
+            if keep or want_mem:
+                vs.append(v)
+                is_.append(i)
+        y = torch.stack(ys)
+        v_all = torch.stack(vs) if keep or want_mem else None
+        saved = None
+        if keep:
+            saved = (v_all, None if self.mode == "box" else torch.stack(is_), z, y)
+        final = [v] if self.mode == "box" else [v, i]
+        return final, y, v_all[1:] if want_mem else None, saved  # type: ignore[index]
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: Tensor | None,
+        need_z: bool,
+        need_params: Sequence[bool],
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        vs, is_, z, y = saved  # (k + 1, B, ...) states, the input chunk, the outputs
+        p = self.p()
+        dt = self.dt
+        c_m = dt * p.tau_mem_inv
+        k = z.shape[0]
+        box, li = self.mode == "box", self.mode == "li"
+        # the forward's intermediates, every step at once (the same ops: bitwise the same)
+        if box:
+            i_new = None
+            before = (z + p.v_leak) - vs[:-1]
+        else:
+            i_new = is_[:-1] + z
+            before = (p.v_leak - vs[:-1]) + i_new
+        v_d = vs[:-1] + c_m * before  # (k, B, ...): v before the reset (li: the new v)
+        c_s = None if box else -dt * p.tau_syn_inv
+        keep_i = None if box else 1 + c_s
+        deriv = None
+        if not li and self.spike is not None:
+            deriv = vjp(self.spike, v_d - p.v_th, torch.ones_like(v_d))
+        g_vd = torch.empty_like(v_d)
+        g_u = None if li else torch.empty_like(v_d)
+        g_in = None if box else torch.empty_like(v_d)  # dL/d i' per step
+        g_vn_all = torch.empty_like(v_d)  # dL/d v after each step (its reset included)
+        g_v, g_i = g_final[0], (None if box else g_final[1])
+        one_minus_cm = 1 - c_m
+        for t in range(k - 1, -1, -1):
+            g_vn = g_v
+            if g_mem is not None:
+                g_vn = g_mem[t] if g_vn is None else g_vn + g_mem[t]
+            if g_vn is None:
+                g_vn = torch.zeros_like(v_d[t])
+            g_vn_all[t] = g_vn
+            if li:
+                g_here = g_vn if g_y is None else g_vn + g_y[t]
+            else:
+                s = y[t]
+                ds = g_vn * (-p.v_th if self.subtract else p.v_reset - v_d[t])
+                if g_y is not None:
+                    ds = ds + g_y[t]
+                g_s = ds * deriv[t] if deriv is not None else torch.zeros_like(ds)
+                g_u[t] = g_s  # type: ignore[index]
+                g_here = (g_vn if self.subtract else g_vn * (1 - s)) + g_s
+            g_vd[t] = g_here
+            g_v = g_here * one_minus_cm
+            if not box:
+                g_ii = g_i * keep_i if g_i is not None else None
+                g_in[t] = c_m * g_here if g_ii is None else c_m * g_here + g_ii  # type: ignore[index]
+                g_i = g_in[t]  # type: ignore[index]
+        g_z = None
+        if need_z:
+            g_z = c_m * g_vd if box else g_in
+        g_i_state = [] if box else [g_i]
+        # dL/d i_d per step: the state gradient entering each step from the next
+        grads: list[tuple[Tensor, Callable[[], Tensor]]] = []
+
+        def g_tau_mem() -> Tensor:
+            return dt * (g_vd * before)
+
+        def g_leak() -> Tensor:
+            return c_m * g_vd
+
+        def g_th() -> Tensor:
+            assert g_u is not None
+            total = -g_u
+            if self.subtract:
+                total = total - g_vn_all * y
+            return total
+
+        def g_reset() -> Tensor:
+            return g_vn_all * y
+
+        def g_tau_syn() -> Tensor:
+            assert g_in is not None and i_new is not None
+            # i_d = i' + c_s * i': dL/dc_s = dL/di_d * i'; dL/di_d at step t is g_in[t+1]
+            # (the next step's i' = i_d + z) or the final state's gradient
+            g_id = torch.cat([g_in[1:], _or_zeros(g_final[1], g_in[0])[None]])
+            return -dt * (g_id * i_new)
+
+        makers = {
+            "tau_mem_inv": g_tau_mem,
+            "v_leak": g_leak,
+            "v_th": g_th,
+            "v_reset": g_reset,
+            "tau_syn_inv": g_tau_syn,
+        }
+        grads = [(getattr(p, f), makers[f]) for f in self.fields]
+        return g_z, [g_v, *g_i_state], _grads_for(grads, need_params)
+
+
+def _or_zeros(t: Tensor | None, like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if t is None else t

@@ -1,0 +1,57 @@
+"""A layer-wise block as the engine sees it: plain callables the adapters build
+([`LayerBlock`][spikeckpt.engine.layerwise.LayerBlock]; `spikeckpt.engine.layerwise` runs them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from spikeckpt.engine.fused import ChunkKernel
+from spikeckpt.engine.grad import GradSink
+from spikeckpt.engine.inputs import SparseChunk
+
+__all__ = ["LayerBlock"]
+
+State = Any
+
+
+@dataclass(frozen=True)
+class LayerBlock:
+    """One block of a feed-forward stack, as the engine sees it: plain callables.
+
+    Attributes:
+        name: the block's name in the model (its neuron's path), for messages and stats.
+        synapse: the block's input over a chunk ``(k, B, ...)`` -> the neuron's input
+            ``(k, B, ...)`` (stateless; may batch over time).
+        step: the neuron's pure step ``(state, z_t (B, ...)) -> (state, y_t (B, ...))``.
+        membrane: ``state -> membrane potential (B, ...)``, or None when it has none (or a
+            tuple of ``(B, ...)`` tensors: each is an output of its own with ``output="mem"``
+            or ``"both"``, e.g. snnTorch's ``(syn, mem)`` after the spikes).
+        draws_random: whether ``synapse`` or ``step`` draw random numbers (replayed exactly).
+        params: the tensors requiring grad that the block uses (its gradients' targets).
+        cleanup: drops whatever the framework left on its modules (called after each run).
+        sparse_synapse: optional ``synapse`` for inputs that need no gradient, cheaper on
+            sparse inputs (equal to ``synapse`` up to float round-off). The engine uses it for
+            the first block when ``x`` needs no gradient, in the forward pass and in the
+            recomputation alike (so both compute the same values).
+        fused: optional `ChunkKernel` running the neuron over a
+            whole chunk (forward, recomputation and backward) with ``step``'s arithmetic;
+            used where it accepts the chunk (and the run fuses), else ``step`` per step.
+        sinks: ``(parameter, sink)`` pairs: the synapse's backward adds that parameter's
+            gradient into the engine's running sum in place (`GradSink`), so no
+            parameter-sized gradient is made per chunk.
+    """
+
+    name: str
+    synapse: Callable[[Tensor], Tensor]
+    step: Callable[[State, Tensor], tuple[State, Tensor]]
+    membrane: Callable[[State], Tensor | None]
+    draws_random: bool
+    params: list[Tensor]
+    cleanup: Callable[[], None]
+    sparse_synapse: Callable[[Tensor | SparseChunk], Tensor] | None = None
+    fused: ChunkKernel | None = None
+    sinks: tuple[tuple[Tensor, GradSink], ...] = ()

@@ -1,0 +1,183 @@
+"""``torch.compile`` for the engine's hot loops, where it pays: one switch, one fallback.
+
+A fused chunk kernel's forward (`spikeckpt.engine.fused`) is a loop of a few elementwise
+ops per step; compiled, it becomes one kernel per chunk (Triton on CUDA, C++ on CPU). Whether
+that pays depends on the device:
+
+- **CUDA**: each eager op is a kernel launch (a few microseconds), so a chunk of ``k`` steps
+  costs ``~6 k`` launches eagerly and one compiled. ``compile="auto"`` compiles there, times
+  the compiled and the eager forward on the first chunk of each shape and keeps the faster.
+- **CPU**: measured on the development machine (one thread, 16 x 512 and 16 x 2048 neurons,
+  chunks of 25 steps), inductor's C++ kernel of the LIF recurrence took 2.2-2.4x the eager
+  loop's time (it wins only below ~32 neurons, where the eager ops are all overhead), so
+  ``"auto"`` leaves CPU runs eager; ``compile=True`` compiles anyway.
+
+Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches the compiled
+code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
+so later runs pay far less. When no compiler is available (no C++ compiler on CPU, no Triton
+on CUDA, a torch without ``torch.compile``) or compiling fails, the kernel runs eagerly and
+one line says so (a `UserWarning`, once per reason).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from spikeckpt.engine.fused import ChunkKernel
+
+__all__ = [
+    "COMPILE_CHOICES",
+    "Compile",
+    "CompiledKernel",
+    "compiled_kernel",
+    "compiler_missing",
+    "wants_compile",
+]
+
+Compile = bool | Literal["auto"]
+COMPILE_CHOICES: tuple[Any, ...] = (True, False, "auto")
+_WARNED: set[str] = set()
+
+
+def _note(reason: str) -> None:
+    """One line, once per reason: why a compiled path runs eagerly."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"spikeckpt: running eagerly: {reason}", UserWarning, stacklevel=4)
+
+
+@functools.cache
+def compiler_missing(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot run on ``device_type`` here, or None when it can."""
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if device_type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - very old torch
+            return "Triton is not available to torch.compile"
+        return None if has_triton() else "Triton is not installed (pip install triton)"
+    if device_type == "cpu":
+        return None if shutil.which("g++") or shutil.which("clang++") else "no C++ compiler found"
+    return f"torch.compile is not used on {device_type!r} devices"
+
+
+def wants_compile(choice: Compile, device: torch.device) -> bool:
+    """Whether a run on ``device`` compiles for ``choice`` (``"auto"``: CUDA only)."""
+    if choice is False:
+        return False
+    if choice == "auto" and device.type != "cuda":
+        return False
+    missing = compiler_missing(device.type)
+    if missing is not None:
+        _note(missing)
+        return False
+    return True
+
+
+class CompiledKernel:
+    """A `ChunkKernel` whose forward runs compiled.
+
+    The backward stays eager (its loop is one or two ops per step; it calls autograd for the
+    surrogate's derivative). With ``measure`` (``compile="auto"``) the first chunk of each
+    shape runs both ways, timed, and the faster is kept for that shape. Any failure to
+    compile or run compiled falls back to the eager forward, with one line.
+    """
+
+    name = "compiled"
+
+    def __init__(self, kernel: ChunkKernel, measure: bool) -> None:
+        self.kernel = kernel
+        self.membrane = kernel.membrane
+        self.measure = measure
+        self.failed = False
+        self.compiled: Callable[..., Any] = torch.compile(kernel.forward, dynamic=False)
+        #: per shape key: whether the compiled forward is used
+        self.choice: dict[tuple[Any, ...], bool] = {}
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return self.kernel.params
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        return self.kernel.accepts(leaves, z)
+
+    def forward(
+        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        key = (tuple(z.shape), z.dtype, z.device, keep, want_mem, torch.is_grad_enabled())
+        use = self.choice.get(key)
+        if self.failed or use is False:
+            return self.kernel.forward(leaves, z, keep, want_mem)
+        try:
+            if use is None:
+                use = self._first(key, leaves, z, keep, want_mem)
+            if use:
+                return self.compiled(leaves, z, keep, want_mem)
+        except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
+            self.failed = True
+            _note(f"torch.compile failed on a fused neuron ({type(error).__name__}: {error})")
+        return self.kernel.forward(leaves, z, keep, want_mem)
+
+    def _first(
+        self, key: tuple[Any, ...], leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+    ) -> bool:
+        """The first chunk of a shape: compile, check the compiled forward against the eager
+        one (states, spikes and membranes bitwise; else never use it for this shape), and with
+        ``measure`` time both once and keep the faster. Remembers and returns the choice."""
+        got = self.compiled(leaves, z, keep, want_mem)  # compiles
+        want = self.kernel.forward(leaves, z, keep, want_mem)
+        same = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(_outputs(got), _outputs(want), strict=True)
+        )
+        if not same:
+            _note("a compiled fused neuron differed from the eager one (kept eager)")
+            self.choice[key] = False
+            return False
+        if self.measure:
+            seconds = []
+            for fn in (self.compiled, self.kernel.forward):
+                _sync(z)
+                start = time.perf_counter()
+                fn(leaves, z, keep, want_mem)
+                _sync(z)
+                seconds.append(time.perf_counter() - start)
+            self.choice[key] = seconds[0] < seconds[1]
+        else:
+            self.choice[key] = True
+        return self.choice[key]
+
+    def backward(self, *args: Any) -> Any:
+        return self.kernel.backward(*args)
+
+
+def _outputs(result: Any) -> list[Tensor | None]:
+    """A kernel forward's tensors: final leaves, spikes, membranes (not what it saves)."""
+    final, y, mem, _ = result
+    return [*final, y, mem]
+
+
+_CACHE: dict[int, tuple[ChunkKernel, CompiledKernel]] = {}
+
+
+def compiled_kernel(kernel: ChunkKernel, choice: Compile) -> CompiledKernel:
+    """The one `CompiledKernel` of ``kernel`` (its compiled code is kept with it)."""
+    found = _CACHE.get(id(kernel))
+    if found is None or found[0] is not kernel:
+        found = (kernel, CompiledKernel(kernel, measure=choice == "auto"))
+        _CACHE[id(kernel)] = found
+    return found[1]
+
+
+def _sync(t: Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)

@@ -1,0 +1,118 @@
+"""A neuron run over a whole time chunk as one autograd node: the engine's side.
+
+The layer-wise engine hands each block's neuron a chunk of ``k`` steps of synaptic input
+``z (k, B, ...)``. Stepped under autograd, every step records a small graph that backward then
+walks node by node: for the small tensors of one SNN step that bookkeeping, not the arithmetic,
+is the cost. A `ChunkKernel` runs the chunk's recurrence instead with plain tensor ops,
+without autograd, in its forward pass (states and spikes bitwise the framework's own step's)
+and again, keeping what its gradients need, in the recomputation; its backward runs the state
+gradient back through the chunk with hand-derived formulas. `run_fused` wraps a kernel in
+one `torch.autograd.Function` node per chunk.
+
+The engine knows kernels only through this protocol; the adapters build them for the neurons
+they know (`spikeckpt.adapters.kernels`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from spikeckpt.engine import tree as pytree
+
+__all__ = ["ChunkKernel", "run_fused"]
+
+State = Any
+
+
+class ChunkKernel(Protocol):
+    """A neuron's recurrence over a chunk, forward and backward, without autograd.
+
+    Attributes:
+        name: what ran, for stats (``"fused"``, ``"compiled"``).
+        params: the tensors the recurrence uses that may require grad.
+        membrane: the index of the membrane among the state's leaves (``pytree`` order), or
+            None when the neuron has none.
+    """
+
+    name: str
+    params: tuple[Tensor, ...]
+    membrane: int | None
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        """Whether this chunk can run fused (shapes and dtypes the kernel handles)."""
+
+    def forward(
+        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        """``(final leaves, y (k, B, ...), mem (k, B, ...) or None, saved)``; ``saved`` (with
+        ``keep``): a tuple of tensors (or None) that `backward` gets back; ``mem`` the
+        membrane after each step."""
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: Tensor | None,
+        need_z: bool,
+        need_params: Sequence[bool],
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        """``(dL/dz (k, B, ...), dL/d initial leaves, dL/d params)`` (None where not needed)."""
+
+
+def run_fused(
+    kernel: ChunkKernel, state: State, z: Tensor, want_mem: bool
+) -> tuple[State, Tensor, Tensor | None]:
+    """Run ``kernel`` over ``z (k, B, ...)`` from ``state``.
+
+    Returns ``(final state, y (k, B, ...), mem (k, B, ...) or None)``; differentiable with
+    respect to ``z``, the state's floating leaves and ``kernel.params`` in grad mode.
+    """
+    leaves, spec = pytree.tree_flatten(state)
+    params = [p for p in kernel.params if p.requires_grad]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (z, *leaves, *params)):
+        with torch.no_grad():
+            final, ys, mems, _ = kernel.forward(list(leaves), z, False, want_mem)
+        return pytree.tree_unflatten(final, spec), ys, mems
+    outs = _FusedChunk.apply(kernel, want_mem, len(leaves), z, *leaves, *params)
+    m = len(leaves)
+    final = list(outs[1 : 1 + m])
+    return pytree.tree_unflatten(final, spec), outs[0], outs[1 + m] if want_mem else None
+
+
+class _FusedChunk(torch.autograd.Function):
+    """Inputs ``(kernel, want_mem, m, z, *state leaves, *params)``; outputs ``(y, *final
+    leaves[, mem])``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, kernel: ChunkKernel, want_mem: bool, m: int, z: Tensor, *rest: Tensor
+    ) -> tuple[Tensor, ...]:
+        final, ys, mems, saved = kernel.forward(list(rest[:m]), z, True, want_mem)
+        ctx.kernel, ctx.m, ctx.want_mem = kernel, m, want_mem
+        # saved through autograd (its saved-tensor hooks and accounting see them)
+        ctx.present = [t is not None for t in saved]
+        ctx.save_for_backward(*(t for t in saved if t is not None))
+        ctx.set_materialize_grads(False)
+        outs = [ys, *final]
+        if want_mem:
+            assert mems is not None
+            outs.append(mems)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        m = ctx.m
+        it = iter(ctx.saved_tensors)
+        saved = tuple(next(it) if present else None for present in ctx.present)
+        g_mem = grads[1 + m] if ctx.want_mem else None
+        needs = ctx.needs_input_grad
+        g_z, g_state, g_params = ctx.kernel.backward(
+            saved, grads[0], list(grads[1 : 1 + m]), g_mem, needs[3], needs[4 + m :]
+        )
+        g_state = [g if need else None for g, need in zip(g_state, needs[4 : 4 + m], strict=True)]
+        return (None, None, None, g_z if needs[3] else None, *g_state, *g_params)

@@ -1,0 +1,173 @@
+"""The engine's input: how it reads its time-first input one step or one chunk at a time.
+
+The engine's time-first input may be a dense tensor ``(T, B, ...)`` or a packed spike train
+([`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]; a ``torch.sparse_coo`` train is packed first by
+`as_input`). A packed train stays packed where it is (on the host, or on the device at 1
+bit per element); `step_of` and `chunk_of` unpack one step or one chunk on the
+compute device when the run needs it, so the dense train never exists whole. A packed train
+gets no gradient (it holds spikes, not a differentiable tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spikeckpt.storage.base import tensor_nbytes
+from spikeckpt.storage.spiketrain import SpikeTrain, as_spike_train
+
+__all__ = [
+    "SparseChunk",
+    "TrainWindow",
+    "as_input",
+    "chunk_of",
+    "drop_first",
+    "input_nbytes",
+    "is_packed",
+    "sparse_chunk_of",
+    "step_of",
+]
+
+
+class TrainWindow:
+    """Steps ``start <= t < stop`` of a packed train (``stop`` default: its ``T``), as a train
+    of ``stop - start`` steps (no copy).
+
+    Has the part of [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]'s contract the engine uses:
+    ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step``, ``chunk`` and
+    ``chunk_positions``.
+    """
+
+    def __init__(
+        self, train: SpikeTrain | TrainWindow, start: int, stop: int | None = None
+    ) -> None:
+        if isinstance(train, TrainWindow):
+            stop = train.start + (train.T if stop is None else stop)
+            train, start = train.train, train.start + start
+        stop = train.T if stop is None else stop
+        if not 0 <= start <= stop <= train.T:
+            raise IndexError(f"a window of steps {start}..{stop} of a train of T={train.T} steps")
+        self.train = train
+        self.start = start
+        self.stop = stop
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.T, *self.train.shape[1:]))
+
+    @property
+    def T(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.train.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.train.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole packed train it is a window of (held as long as it lives)."""
+        return self.train.nbytes
+
+    def step(self, t: int, device: torch.device | str | None = None) -> Tensor:
+        if not 0 <= t < self.T:
+            raise IndexError(f"step {t} is out of range for a train of T={self.T} steps")
+        return self.train.step(self.start + t, device)
+
+    def chunk(self, a: int, b: int, device: torch.device | str | None = None) -> Tensor:
+        if not 0 <= a <= b <= self.T:
+            raise IndexError(f"chunk({a}, {b}) is out of range for a train of T={self.T} steps")
+        return self.train.chunk(self.start + a, self.start + b, device)
+
+    def chunk_positions(self, a: int, b: int, device: torch.device | str | None = None) -> Tensor:
+        if not 0 <= a <= b <= self.T:
+            raise IndexError(f"chunk({a}, {b}) is out of range for a train of T={self.T} steps")
+        return self.train.chunk_positions(self.start + a, self.start + b, device)
+
+    def __len__(self) -> int:
+        return self.T
+
+
+def is_packed(x: Any) -> bool:
+    """Whether ``x`` is a packed train (a ``SpikeTrain`` or a window of one)."""
+    return isinstance(x, (SpikeTrain, TrainWindow))
+
+
+def as_input(x: Any) -> Any:
+    """``x`` with a ``torch.sparse_coo`` train packed into a ``SpikeTrain``; else unchanged."""
+    if isinstance(x, Tensor) and x.layout == torch.sparse_coo:
+        return as_spike_train(x)
+    return x
+
+
+def step_of(x: Any, t: int, device: torch.device) -> Tensor:
+    """Step ``t`` of a time-first input ``x`` on ``device`` (a packed train: unpacked there)."""
+    if is_packed(x):
+        return x.step(t, device)
+    x_t = x[t]
+    return x_t if x_t.device == device else x_t.to(device, non_blocking=True)
+
+
+def chunk_of(x: Any, a: int, b: int, device: torch.device) -> Tensor:
+    """Steps ``a <= t < b`` of a time-first input ``x`` on ``device``, ``(b - a, ...)``."""
+    if is_packed(x):
+        return x.chunk(a, b, device)
+    part = x[a:b]
+    return part if part.device == device else part.to(device, non_blocking=True)
+
+
+class SparseChunk:
+    """Steps ``a <= t < b`` of a packed binary train as the positions of its ones: what a
+    synapse that gathers over its input's non-zeros needs, without the dense chunk.
+
+    Attributes:
+        positions: flat row-major positions of the ones in the dense chunk, ``(ones,)`` int64,
+            ascending, on the compute device.
+        shape: the dense chunk's shape ``(b - a, B, ...)``.
+        dtype: the dense chunk's dtype.
+    """
+
+    def __init__(self, positions: Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.positions = positions
+        self.shape = shape
+        self.dtype = dtype
+        self.device = positions.device
+
+    @property
+    def ones(self) -> int:
+        """Number of ones."""
+        return int(self.positions.numel())
+
+    def numel(self) -> int:
+        """Elements of the dense chunk."""
+        return int(self.shape.numel())
+
+    def dense(self) -> Tensor:
+        """The dense chunk ``shape`` (a new tensor)."""
+        out = torch.zeros(self.numel(), dtype=self.dtype, device=self.device)
+        if self.ones:
+            out.index_fill_(0, self.positions, 1)
+        return out.reshape(self.shape)
+
+
+def sparse_chunk_of(x: Any, a: int, b: int, device: torch.device) -> SparseChunk:
+    """Steps ``a <= t < b`` of the packed train ``x`` as a `SparseChunk` on ``device``."""
+    shape = torch.Size((b - a, *x.shape[1:]))
+    return SparseChunk(x.chunk_positions(a, b, device), shape, x.dtype)
+
+
+def input_nbytes(x: Any) -> int:
+    """Bytes ``x`` holds: a packed train's packed bytes, a dense tensor's storage bytes."""
+    if is_packed(x):
+        return int(x.nbytes)
+    return tensor_nbytes(x)
+
+
+def drop_first(x: Any) -> Any:
+    """``x`` without its first step: ``x[1:]``, or a `TrainWindow` of a packed train."""
+    return TrainWindow(x, 1) if is_packed(x) else x[1:]

@@ -1,0 +1,304 @@
+"""Fused neurons: each layer-wise chunk of a known neuron runs as one computation.
+
+Every fused neuron type and option is checked against the framework's own step, called one
+step at a time as its users call it, on the chunk's synaptic input computed as the engine
+computes it (one batched ``Linear`` per chunk; the input requires grad, so the dense synapse
+runs): spikes and membranes bitwise, states and gradients (input, weights, learnable neuron
+parameters) at float32 round-off, over random chunk lengths, ``T`` not a multiple of the chunk,
+batch sizes, outputs, and Dropout before the neuron. Neurons that cannot be fused keep the
+per-step call, and ``last_stats`` says so per block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import snntorch as snn
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import spikeckpt as sc
+from spikeckpt.adapters.layered import VerifiedKernel
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import norse.torch as norse
+    from norse.torch.functional.reset import reset_subtract
+
+Factory = Callable[[int], nn.Module]
+
+
+def _custom_surrogate() -> Any:
+    def fast_sigmoid(input_: Tensor, grad_input: Tensor, spikes: Tensor) -> Tensor:
+        return grad_input / (10 * torch.abs(input_) + 1.0) ** 2
+
+    return snn.surrogate.custom_surrogate(fast_sigmoid)
+
+
+S = snn.surrogate
+NEURONS: dict[str, Factory] = {
+    "leaky": lambda n: snn.Leaky(beta=0.9),
+    "leaky zero": lambda n: snn.Leaky(beta=0.8, reset_mechanism="zero"),
+    "leaky none": lambda n: snn.Leaky(beta=0.7, reset_mechanism="none"),
+    "leaky learnable": lambda n: snn.Leaky(
+        beta=torch.rand(n) * 1.2,  # some above 1: the clamp's gradient mask matters
+        learn_beta=True,
+        threshold=0.7,
+        learn_threshold=True,
+        graded_spikes_factor=1.5,
+        learn_graded_spikes_factor=True,
+    ),
+    "leaky zero learnable": lambda n: snn.Leaky(
+        beta=0.85, learn_beta=True, reset_mechanism="zero", learn_threshold=True
+    ),
+    "leaky fast_sigmoid": lambda n: snn.Leaky(beta=0.9, spike_grad=S.fast_sigmoid(slope=5)),
+    "leaky sigmoid": lambda n: snn.Leaky(beta=0.9, spike_grad=S.sigmoid(slope=5)),
+    "leaky triangular": lambda n: snn.Leaky(beta=0.9, spike_grad=S.triangular()),
+    "leaky straight_through": lambda n: snn.Leaky(
+        beta=0.9, spike_grad=S.straight_through_estimator()
+    ),
+    "leaky spike_rate_escape": lambda n: snn.Leaky(beta=0.9, spike_grad=S.spike_rate_escape()),
+    "leaky custom surrogate": lambda n: snn.Leaky(beta=0.9, spike_grad=_custom_surrogate()),
+    "leaky surrogate_disable": lambda n: snn.Leaky(beta=0.9, surrogate_disable=True),
+    "leaky init_hidden": lambda n: snn.Leaky(beta=0.9, init_hidden=True),
+    "synaptic": lambda n: snn.Synaptic(alpha=0.8, beta=0.9),
+    "synaptic zero": lambda n: snn.Synaptic(alpha=0.7, beta=0.9, reset_mechanism="zero"),
+    "synaptic none": lambda n: snn.Synaptic(alpha=0.7, beta=0.8, reset_mechanism="none"),
+    "synaptic learnable": lambda n: snn.Synaptic(
+        alpha=torch.rand(n),
+        beta=torch.rand(n) * 1.1,
+        learn_alpha=True,
+        learn_beta=True,
+        threshold=0.8,
+        learn_threshold=True,
+    ),
+    "lapicque": lambda n: snn.Lapicque(beta=0.9),
+    "lapicque RC zero": lambda n: snn.Lapicque(R=5.0, C=0.1, reset_mechanism="zero"),
+    "lapicque none learnable": lambda n: snn.Lapicque(
+        beta=0.9, reset_mechanism="none", learn_threshold=True
+    ),
+    "norse lif": lambda n: norse.LIFCell(),
+    "norse lif tanh": lambda n: norse.LIFCell(
+        norse.LIFParameters(method="tanh", v_th=torch.tensor(0.4))
+    ),
+    "norse lif learnable": lambda n: norse.LIFCell(
+        norse.LIFParameters(
+            tau_mem_inv=nn.Parameter(torch.full((n,), 80.0)),
+            tau_syn_inv=nn.Parameter(torch.tensor(150.0)),
+            v_leak=nn.Parameter(torch.tensor(0.1)),
+            v_th=nn.Parameter(torch.tensor(0.5)),
+            v_reset=nn.Parameter(torch.tensor(-0.1)),
+        )
+    ),
+    "norse lifbox": lambda n: norse.LIFBoxCell(),
+    "norse lifbox subtract": lambda n: norse.LIFBoxCell(
+        norse.LIFBoxParameters(
+            reset_method=reset_subtract,
+            v_th=nn.Parameter(torch.tensor(0.4)),
+            tau_mem_inv=nn.Parameter(torch.tensor(90.0)),
+        )
+    ),
+    "norse li": lambda n: norse.LICell(),
+    "norse li learnable": lambda n: norse.LICell(
+        norse.LIParameters(
+            tau_mem_inv=nn.Parameter(torch.tensor(90.0)),
+            tau_syn_inv=nn.Parameter(torch.full((n,), 150.0)),
+            v_leak=nn.Parameter(torch.tensor(0.2)),
+        )
+    ),
+}
+
+
+def _is_norse(neuron: nn.Module) -> bool:
+    return type(neuron).__module__.startswith("norse")
+
+
+def _neuron_params(neuron: nn.Module) -> list[Tensor]:
+    found = [p for p in neuron.parameters() if p.requires_grad]
+    if _is_norse(neuron):
+        found += [t for t in neuron.p if isinstance(t, Tensor) and t.requires_grad]
+    return found
+
+
+def _framework_loop(
+    net: nn.Sequential, x: Tensor, chunk: int
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The framework's own step, called per step as its users do, on the synaptic input of
+    each chunk computed as the engine does (one Linear (+ Dropout) call per chunk):
+    ``(spikes (T, B, n), membranes (T, B, n), final state leaves)``."""
+    *synapse, neuron = net
+    T, B = x.shape[:2]
+    state: Any = None
+    spikes, mems = [], []
+    for t0 in range(0, T, chunk):
+        xc = x[t0 : t0 + chunk]
+        z = xc.reshape(-1, xc.shape[-1])
+        for layer in synapse:
+            z = layer(z)
+        z = z.reshape(xc.shape[0], B, -1)
+        for z_t in z.unbind(0):
+            if _is_norse(neuron):
+                y, state = neuron(z_t, state)
+                mem = state.v
+            elif isinstance(neuron, snn.Synaptic):
+                if state is None:
+                    state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
+                y, syn, mem = neuron(z_t, *state)
+                state = (syn, mem)
+            elif neuron.init_hidden:
+                y = neuron(z_t)
+                mem = neuron.mem
+                state = (mem,)
+            else:
+                y, mem = neuron(z_t, state[0] if state else torch.zeros_like(z_t))
+                state = (mem,)
+            spikes.append(y)
+            mems.append(mem)
+    if not _is_norse(neuron) and neuron.init_hidden:
+        neuron.reset_mem()
+    leaves = [t for t in (state if isinstance(state, tuple) else [state])]
+    return torch.stack(spikes), torch.stack(mems), leaves
+
+
+def _grads(out: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    return list(torch.autograd.grad((out * weights).sum(), wrt, allow_unused=True))
+
+
+def _close(a: Tensor | None, b: Tensor | None, what: str) -> None:
+    if a is None or b is None:
+        assert a is None or not a.abs().gt(0).any(), what
+        assert b is None or not b.abs().gt(0).any(), what
+        return
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=2e-6 * (1 + scale), msg=what)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    name=st.sampled_from(sorted(NEURONS)),
+    T=st.integers(1, 23),
+    chunk=st.integers(1, 26),
+    batch=st.integers(1, 3),
+    n=st.integers(1, 5),
+    output=st.sampled_from(["spikes", "mem", "both"]),
+    dropout=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_neurons_match_the_frameworks_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    torch.manual_seed(seed)
+    n_in = 4
+    layers: list[nn.Module] = [nn.Linear(n_in, n)]
+    if dropout:
+        layers.append(nn.Dropout(0.3))
+    net = nn.Sequential(*layers, NEURONS[name](n))
+    with torch.no_grad():
+        net[0].weight.mul_(3.0)
+    x = ((torch.rand(T, batch, n_in) < 0.5).float() * 1.5).requires_grad_()
+    wrt = [x, *net[0].parameters(), *_neuron_params(net[-1])]
+    k = min(chunk, T)
+
+    torch.manual_seed(seed + 1)
+    spikes, mems, final = _framework_loop(net, x, k)
+    want = {"spikes": spikes, "mem": mems, "both": torch.cat([spikes, mems], -1)}[output]
+    want_grads = _grads(want, wrt) if want.requires_grad else None
+
+    torch.manual_seed(seed + 1)
+    seq = sc.wrap(net, granularity="layer", chunk=k, output=output)
+    got, got_final = seq(x, return_state=True)
+    got = torch.cat(got, -1) if output == "both" else got
+    assert seq.last_stats.blocks[0].neuron == "fused", seq.last_stats.blocks[0].neuron_chunks
+    assert torch.equal(got.detach(), want.detach()), name
+    got_leaves = [t for t in torch.utils._pytree.tree_leaves(got_final)]
+    for a, b in zip(final, got_leaves[-len(final) :], strict=True):
+        _close(a.detach().expand_as(b), b.detach(), f"{name}: final state")
+    if want_grads is None:  # snnTorch's surrogate_disable: spikes without gradient
+        assert not got.requires_grad or all(g is None or not g.any() for g in _grads(got, wrt))
+        return
+    for i, (a, b) in enumerate(zip(want_grads, _grads(got, wrt), strict=True)):
+        _close(a, b, f"{name}: gradient {i}")
+
+
+def test_stats_say_how_each_neuron_ran() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(4, 6),
+        snn.Leaky(beta=0.9),
+        nn.Linear(6, 6),
+        snn.Alpha(alpha=0.9, beta=0.8),  # no chunk kernel: one call per step
+        nn.Linear(6, 3),
+        snn.Leaky(beta=0.9, reset_delay=False),  # an option the kernel does not model
+    )
+    x = (torch.rand(10, 2, 4) < 0.5).float()
+    seq = sc.wrap(net, granularity="layer", chunk=4)
+    seq(x).sum().backward()
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "per-step", "per-step"]
+    assert seq.last_stats.blocks[0].neuron_chunks == {"fused": 3}
+    seq = sc.wrap(net, granularity="layer", chunk=4, fuse=False)
+    seq(x).sum().backward()
+    assert {b.neuron for b in seq.last_stats.blocks} == {"per-step"}
+
+
+@pytest.mark.parametrize(
+    "neuron",
+    [
+        snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
+        snn.Leaky(beta=0.9, inhibition=True),
+        snn.RLeaky(beta=0.9, linear_features=5),  # recurrent weights inside the neuron
+        norse.LIFRecurrentCell(5, 5),
+    ],
+    ids=["SSO surrogate", "inhibition", "RLeaky", "norse recurrent"],
+)
+def test_neurons_that_cannot_be_fused_keep_the_per_step_call(neuron: nn.Module) -> None:
+    net = nn.Sequential(nn.Linear(4, 5), neuron)
+    x = (torch.rand(8, 2, 4) < 0.5).float()
+    seq = sc.wrap(net, granularity="layer", chunk=3)
+    seq(x)
+    assert seq.last_stats.blocks[0].neuron == "per-step"
+
+
+def test_a_kernel_that_disagrees_with_the_step_is_never_used() -> None:
+    net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(beta=0.9))
+    seq = sc.wrap(net, granularity="layer", chunk=3)
+    block = seq.layer_blocks(True)[0]
+    assert isinstance(block.fused, VerifiedKernel)
+    kernel = block.fused.kernel
+    real = kernel.forward
+
+    def halved(*args: Any) -> Any:
+        final, y, mem, saved = real(*args)
+        return final, y * 0.5, mem, saved
+
+    kernel.forward = halved  # type: ignore[method-assign]
+    x = (torch.rand(8, 2, 4) < 0.5).float()
+    y = seq(x)
+    assert seq.last_stats.blocks[0].neuron == "per-step" and block.fused.verified is False
+    torch.testing.assert_close(y, sc.wrap(net, granularity="layer", chunk=3, fuse=False)(x))
+
+
+def test_a_state_the_step_widens_runs_per_step_until_it_is_wide() -> None:
+    """A float64 decay widens a float32 membrane at the first step: that chunk runs one step
+    at a time (the kernel never changes a state's dtype), later chunks fused; the same
+    result as one call per step."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(beta=torch.tensor([0.9] * 5).double()))
+    x = (torch.rand(6, 2, 4) < 0.5).float().requires_grad_()
+    seq = sc.wrap(net, granularity="layer", chunk=3)
+    y = seq(x)
+    assert seq.last_stats.blocks[0].neuron_chunks == {"per-step": 1, "fused": 1}
+    want = sc.wrap(net, granularity="layer", chunk=3, fuse=False)(x)
+    assert torch.equal(y, want)
+    g, g_want = (torch.autograd.grad(v.sum(), [x, net[0].weight]) for v in (y, want))
+    for a, b in zip(g, g_want, strict=True):
+        torch.testing.assert_close(a, b)
