@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 Spike = Callable[[Tensor], Tensor]
+#: ``(u, grad) -> dL/du``: a surrogate's backward at ``u`` for the spike's gradient ``grad``
+SpikeGrad = Callable[[Tensor, Tensor], Tensor]
 #: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
 #: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
 #: ``Synaptic``); ``"none"``.
@@ -136,6 +138,8 @@ class LeakyKernel:
         input_scale: ``z (k, B, ...) -> zin``, elementwise (None: the identity).
         frozen: ``() -> tensors`` the step also reads, which must not require grad (the chunk
             runs unfused when one does).
+        spike_grad: ``(u, grad) -> dL/du``, the surrogate's backward written out (in place,
+            one buffer), when the adapter knows it; else the surrogate's own backward runs.
     """
 
     name = "fused"
@@ -150,8 +154,10 @@ class LeakyKernel:
         reset: Reset,
         input_scale: Callable[[Tensor], Tensor] | None = None,
         frozen: Callable[[], tuple[Tensor, ...]] = tuple,
+        spike_grad: SpikeGrad | None = None,
     ) -> None:
         self.tensors = tensors
+        self.spike_grad = spike_grad
         self.decay_of = decay_of
         self.decay_grad = decay_grad
         self.spike = spike
@@ -224,7 +230,7 @@ class LeakyKernel:
         thr_grad = graded_grad = None
         if g_y is not None:
             g_s = g_y if is_unit(graded) else g_y * graded
-            g = surrogate_grad(self.spike, mems[1:], thr, g_s)  # dL/du_t
+            g = surrogate_grad(self.spike, mems[1:], thr, g_s, self.spike_grad)  # dL/du_t
             if want[1]:
                 thr_grad = -reduce_to(g, thr)
             if want[2]:
@@ -305,9 +311,14 @@ def reduce_product(a: Tensor, b: Tensor, like: Tensor) -> Tensor:
     return total
 
 
-def surrogate_grad(spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor) -> Tensor:
+def surrogate_grad(
+    spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor, written: SpikeGrad | None = None
+) -> Tensor:
     """``grad`` (dL/d spike, ``(k, B, ...)``) through ``spike`` at ``mem - thr``: the
-    surrogate's own backward (elementwise), a few steps at a time; a new tensor."""
+    surrogate's backward written out (``written``), or its own backward (elementwise) a few
+    steps at a time; a new tensor."""
+    if written is not None:
+        return written(mem - thr, grad)
     pieces = _pieces(mem)
     if len(pieces) == 1:
         return vjp(spike, mem - thr, grad)
@@ -354,10 +365,12 @@ class SynapticKernel:
         tensors: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
         spike: Spike,
         reset: Reset,
+        spike_grad: SpikeGrad | None = None,
     ) -> None:
         self.tensors = tensors
         self.spike = spike
         self.reset = reset
+        self.spike_grad = spike_grad
         self.dtype_checks: dict[tuple[Any, ...], bool] = {}
 
     @property
@@ -414,7 +427,7 @@ class SynapticKernel:
         thr_grad = graded_grad = None
         if g_y is not None:
             g_s = g_y if is_unit(graded) else g_y * graded
-            g_m = surrogate_grad(self.spike, mems[1:], thr, g_s)
+            g_m = surrogate_grad(self.spike, mems[1:], thr, g_s, self.spike_grad)
             if want[2]:
                 thr_grad = -reduce_to(g_m, thr)
             if want[3]:
