@@ -21,6 +21,7 @@ threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -328,21 +329,18 @@ def surrogate_grad(
     return out
 
 
-_UNIT: dict[tuple[int, int], bool] = {}
+_UNIT: weakref.WeakKeyDictionary[Tensor, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
 
 def is_unit(graded: Tensor) -> bool:
     """Whether ``s * graded`` is ``s`` bitwise (a 0-d 1.0 without grad); the value is read
-    once per tensor version (no device sync per step)."""
+    once per tensor and version (no device sync per step)."""
     if graded.dim() != 0 or graded.requires_grad:
         return False
-    key = (id(graded), graded._version)
-    known = _UNIT.get(key)
-    if known is None:
-        if len(_UNIT) > 1024:
-            _UNIT.clear()
-        known = _UNIT[key] = bool(graded == 1)
-    return known
+    known = _UNIT.get(graded)
+    if known is None or known[0] != graded._version:
+        known = _UNIT[graded] = (graded._version, bool(graded == 1))
+    return known[1]
 
 
 class SynapticKernel:
