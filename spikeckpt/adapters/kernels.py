@@ -21,6 +21,7 @@ threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 Spike = Callable[[Tensor], Tensor]
+#: ``(u, grad) -> dL/du``: a surrogate's backward at ``u`` for the spike's gradient ``grad``
+SpikeGrad = Callable[[Tensor, Tensor], Tensor]
 #: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
 #: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
 #: ``Synaptic``); ``"none"``.
@@ -136,6 +139,8 @@ class LeakyKernel:
         input_scale: ``z (k, B, ...) -> zin``, elementwise (None: the identity).
         frozen: ``() -> tensors`` the step also reads, which must not require grad (the chunk
             runs unfused when one does).
+        spike_grad: ``(u, grad) -> dL/du``, the surrogate's backward written out (in place,
+            one buffer), when the adapter knows it; else the surrogate's own backward runs.
     """
 
     name = "fused"
@@ -150,8 +155,10 @@ class LeakyKernel:
         reset: Reset,
         input_scale: Callable[[Tensor], Tensor] | None = None,
         frozen: Callable[[], tuple[Tensor, ...]] = tuple,
+        spike_grad: SpikeGrad | None = None,
     ) -> None:
         self.tensors = tensors
+        self.spike_grad = spike_grad
         self.decay_of = decay_of
         self.decay_grad = decay_grad
         self.spike = spike
@@ -224,7 +231,7 @@ class LeakyKernel:
         thr_grad = graded_grad = None
         if g_y is not None:
             g_s = g_y if is_unit(graded) else g_y * graded
-            g = surrogate_grad(self.spike, mems[1:], thr, g_s)  # dL/du_t
+            g = surrogate_grad(self.spike, mems[1:], thr, g_s, self.spike_grad)  # dL/du_t
             if want[1]:
                 thr_grad = -reduce_to(g, thr)
             if want[2]:
@@ -305,9 +312,14 @@ def reduce_product(a: Tensor, b: Tensor, like: Tensor) -> Tensor:
     return total
 
 
-def surrogate_grad(spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor) -> Tensor:
+def surrogate_grad(
+    spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor, written: SpikeGrad | None = None
+) -> Tensor:
     """``grad`` (dL/d spike, ``(k, B, ...)``) through ``spike`` at ``mem - thr``: the
-    surrogate's own backward (elementwise), a few steps at a time; a new tensor."""
+    surrogate's backward written out (``written``), or its own backward (elementwise) a few
+    steps at a time; a new tensor."""
+    if written is not None:
+        return written(mem - thr, grad)
     pieces = _pieces(mem)
     if len(pieces) == 1:
         return vjp(spike, mem - thr, grad)
@@ -317,21 +329,18 @@ def surrogate_grad(spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor) -> Tens
     return out
 
 
-_UNIT: dict[tuple[int, int], bool] = {}
+_UNIT: weakref.WeakKeyDictionary[Tensor, tuple[int, bool]] = weakref.WeakKeyDictionary()
 
 
 def is_unit(graded: Tensor) -> bool:
     """Whether ``s * graded`` is ``s`` bitwise (a 0-d 1.0 without grad); the value is read
-    once per tensor version (no device sync per step)."""
+    once per tensor and version (no device sync per step)."""
     if graded.dim() != 0 or graded.requires_grad:
         return False
-    key = (id(graded), graded._version)
-    known = _UNIT.get(key)
-    if known is None:
-        if len(_UNIT) > 1024:
-            _UNIT.clear()
-        known = _UNIT[key] = bool(graded == 1)
-    return known
+    known = _UNIT.get(graded)
+    if known is None or known[0] != graded._version:
+        known = _UNIT[graded] = (graded._version, bool(graded == 1))
+    return known[1]
 
 
 class SynapticKernel:
@@ -354,10 +363,12 @@ class SynapticKernel:
         tensors: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
         spike: Spike,
         reset: Reset,
+        spike_grad: SpikeGrad | None = None,
     ) -> None:
         self.tensors = tensors
         self.spike = spike
         self.reset = reset
+        self.spike_grad = spike_grad
         self.dtype_checks: dict[tuple[Any, ...], bool] = {}
 
     @property
@@ -414,7 +425,7 @@ class SynapticKernel:
         thr_grad = graded_grad = None
         if g_y is not None:
             g_s = g_y if is_unit(graded) else g_y * graded
-            g_m = surrogate_grad(self.spike, mems[1:], thr, g_s)
+            g_m = surrogate_grad(self.spike, mems[1:], thr, g_s, self.spike_grad)
             if want[2]:
                 thr_grad = -reduce_to(g_m, thr)
             if want[3]:

@@ -315,9 +315,13 @@ def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
     if mechanism not in resets or function is not getattr(cls, _STATE_FUNCTIONS[mechanism]):
         return None
     reset = resets[mechanism]
+    written = _atan_grad(spike)
     if cls is snn.Synaptic:
         return SynapticKernel(
-            lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor), spike, reset
+            lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
+            spike,
+            reset,
+            spike_grad=written,
         )
     if cls is snn.Leaky:
         return LeakyKernel(
@@ -326,6 +330,7 @@ def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
             clamp_grad,
             spike,
             reset,
+            spike_grad=written,
         )
     # Lapicque: mem = z * R * (1 / (R * C)) * time_step + (1 - time_step / (R * C)) * mem
     return LeakyKernel(
@@ -336,7 +341,39 @@ def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
         reset,
         input_scale=lambda z: z * m.R * (1 / (m.R * m.C)) * m.time_step,
         frozen=lambda: (m.C, m.time_step),
+        spike_grad=written,
     )
+
+
+def _atan_grad(spike: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """snnTorch's ``atan(alpha)`` surrogate's backward written out in place, or None for any
+    other spike function. ``ATan.backward`` computes ``alpha / 2 / (1 + (pi / 2 * alpha *
+    u).pow_(2)) * grad``, where ``float / tensor`` is ``tensor.reciprocal() * float``; the
+    same operations in the same order on one buffer give bitwise the same values."""
+    code = getattr(spike, "__code__", None)
+    closure = getattr(spike, "__closure__", None)
+    if (
+        getattr(spike, "__module__", None) != "snntorch.surrogate"
+        or getattr(spike, "__qualname__", None) != "atan.<locals>.inner"
+        or code is None
+        or code.co_freevars != ("alpha",)
+        or not closure
+    ):
+        return None
+    alpha = closure[0].cell_contents
+    if not isinstance(alpha, (int, float)):
+        return None
+    scale, half = torch.pi / 2 * alpha, alpha / 2
+
+    def grad(u: Tensor, g: Tensor) -> Tensor:
+        out = u * scale
+        out.pow_(2)
+        out.add_(1)
+        out.reciprocal_()
+        out.mul_(half)
+        return out.mul_(g)
+
+    return grad
 
 
 _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_base_int"}

@@ -178,24 +178,20 @@ def block_sizes(
 
 
 def _fused_step_bytes(kernel: Any, leaves: list[Tensor], spec: Any, z_t: Tensor) -> int:
-    """A fused neuron's bytes per chunk step, for the batch of ``z_t``: the peak of its
-    forward and backward over 3 steps less that over 1 step, halved (what it saves and the
-    backward's temporaries grow by per step), measured on one sample (the state ``leaves``'
-    first, the input step ``z_t``'s first, repeated) and scaled to the batch."""
+    """A fused neuron's ``A_b``: the bytes its chunk keeps for backward per step (saved over 3
+    steps less saved over 1, halved; the backward's own temporaries, like autograd's per
+    step, are left to the measured working set), measured on one sample (the state
+    ``leaves``' first, the input step ``z_t``'s first, repeated) and scaled to the batch."""
     batch = int(z_t.shape[0]) if z_t.dim() else 1
     one = [t[:1] for t in leaves]
-    peaks = []
+    saved = []
     for k in (1, 3):
         z = z_t[:1].expand(k, *z_t[:1].shape).clone()
         z.requires_grad_(z.is_floating_point())
-        with MemoryMeter(z.device) as meter:
-            state = pytree.tree_unflatten(one, spec)
-            _, y, _ = run_fused(kernel, state, z, False)
-            if y.requires_grad:
-                torch.autograd.grad(y, [z], torch.ones_like(y), allow_unused=True)
-            del y, state
-        peaks.append(meter.peak_bytes)
-    return max(0, (peaks[1] - peaks[0]) * batch // 2)
+        with SavedBytes() as counter:
+            run_fused(kernel, pytree.tree_unflatten(one, spec), z, False)
+        saved.append(counter.bytes)
+    return max(0, (saved[1] - saved[0]) * batch // 2)
 
 
 def _nbytes(t: Tensor) -> int:
