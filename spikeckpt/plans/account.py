@@ -22,7 +22,7 @@ checks a plan given with a budget); both refuse with one
 >>> sizes = StepSizes(state=1024, tape=1024, grads=4096, largest=4096, work=2048)
 >>> choice = choose_step(1000, sizes, 96 * 1024, remote=False)
 >>> choice.plan, choice.step.total <= 96 * 1024
-(Uniform(interval=67), True)
+(Uniform(interval=59), True)
 """
 
 from __future__ import annotations
