@@ -43,6 +43,7 @@ __all__ = [
 
 Spike = Callable[[Tensor], Tensor]
 #: ``(u, grad) -> dL/du``: a surrogate's backward at ``u`` for the spike's gradient ``grad``
+#: (``u`` is a new tensor the function may overwrite and return)
 SpikeGrad = Callable[[Tensor, Tensor], Tensor]
 #: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
 #: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
