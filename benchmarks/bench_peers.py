@@ -19,15 +19,22 @@ Rows (each library's model as its users write it; skipped rows are listed with t
   on the whole ``(T, B, n)`` input (Norse's own time loop).
 - ``Norse LIFCell, torch.compile, stepped``: ``torch.compile(LIFCell())`` called once per step
   in a Python loop after the ``Linear``.
-- ``SpikingJelly LIFNode multi-step, torch``: ``layer.Linear`` + ``neuron.LIFNode(tau=5,
-  surrogate ATan, step_mode="m")`` (``backend="torch"`` where the installed version has that
-  argument; SpikingJelly 2.0 has none: its CPU multi-step LIF is a registered torch op with a
-  hand-written backward loop). Only when ``import spikingjelly`` works (a dev-only dependency).
+- ``SpikingJelly LIFNode multi-step, torch``: ``layer.Linear`` + ``neuron.LIFNode(tau=20,
+  decay_input=False, v_reset=None, surrogate ATan, step_mode="m")``, as close to snnTorch's
+  ``Leaky(beta=0.95)`` as its options go (leak ``1 - 1/tau = 0.95``, input not decayed,
+  subtract reset; the reset is not scaled by the leak there, so its gradient is not the
+  loop's) (``backend="torch"`` where the installed version has that
+  argument; SpikingJelly 2.0 has none: its multi-step LIF is a registered op whose CPU code,
+  and on CUDA with ``SJ_LIF_CUDA_IMPLEMENTATION=torch`` (set here unless set already), is a
+  torch loop with a hand-written backward). Only when ``import spikingjelly`` works (a
+  dev-only dependency).
 - ``spikeckpt stack, BPTT()``: ``spikeckpt.wrap(<the snnTorch model>, plan=BPTT(),
   readout="sum")``.
 - ``spikeckpt stack, plan=auto at S%``: ``wrap(..., plan="auto", budget=B)``, ``B`` = ``S``%
-  (``--share``, default 10) of the snnTorch loop's measured peak plus the packed input's bytes
-  (wrap's budget counts the input it is given; the rows' peaks do not).
+  of the snnTorch loop's measured peak plus the packed input's bytes (wrap's budget counts the
+  input it is given; the rows' peaks do not). ``--share``: one percentage per ``--n`` (the last
+  one repeats), default 10 and 20 (issue 24's goals: 1/10 of the loop's peak at n = 512, 1/5
+  at n = 2048).
 - ``spikeckpt auto at S%``: the same budget with ``granularity="auto"``: the planner picks stack
   or layer-wise, and the plan, by itself.
 - ``spikeckpt layer-wise, chunk K, per-step neuron``: ``wrap(..., granularity="layer",
@@ -127,6 +134,8 @@ def make_setup(n: int, args: argparse.Namespace) -> Setup:
         fc.weight.mul_(args.gain)
     fc = fc.to(device)
     x, w = x.to(device), w.to(device)
+    if device.type == "cuda":  # the context and cuBLAS start here, not in the first row's call
+        (w[None] @ fc.weight).sum().item()
     setup = Setup(n, args.T, args.batch, device, x, sc.SpikeTrain.from_dense(x), w, fc, None)
     try:
         import snntorch as snn
@@ -235,11 +244,20 @@ def norse_compiled(s: Setup) -> Row | Skip:
 
 
 def spikingjelly_torch(s: Setup) -> Row | Skip:
+    # SpikingJelly 2 picks its CUDA LIF kernel (native, Triton or torch) when it is imported,
+    # from this variable (default "auto"): the row is its torch implementation
+    os.environ.setdefault("SJ_LIF_CUDA_IMPLEMENTATION", "torch")
     try:
         from spikingjelly.activation_based import functional, layer, neuron, surrogate
     except ImportError as error:
         return f"SpikingJelly does not import ({error}); `pip install spikingjelly` (dev extra)"
-    kwargs: dict[str, Any] = {"tau": 5.0, "surrogate_function": surrogate.ATan(), "step_mode": "m"}
+    kwargs: dict[str, Any] = {
+        "tau": 1 / (1 - BETA),  # leak 1 - 1/tau = BETA
+        "decay_input": False,
+        "v_reset": None,  # subtract reset
+        "surrogate_function": surrogate.ATan(),
+        "step_mode": "m",
+    }
     if "backend" in inspect.signature(neuron.LIFNode.__init__).parameters:
         kwargs["backend"] = "torch"
     fc = layer.Linear(s.n, s.n, step_mode="m").to(s.device)
@@ -299,7 +317,8 @@ def spikeckpt_rows(
     s: Setup, args: argparse.Namespace, loop_peak: int | None
 ) -> list[tuple[str, Builder]]:
     """The spikeckpt rows: ``(name, builder)`` in order (budgets need the loop's peak)."""
-    k, share = args.chunk, args.share
+    k = args.chunk
+    share = args.share[min(args.n.index(s.n), len(args.share) - 1)]
     eager = {"compile": False}
     layer = {"granularity": "layer", "chunk": k, "storage": args.storage}
     specs: list[tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any]]] = [
@@ -519,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gain", type=float, default=4.0, help="Linear weights x gain")
     parser.add_argument("--chunk", type=int, default=25, help="layer-wise chunk (steps)")
     parser.add_argument(
-        "--share", type=float, default=10.0, help="budget rows: percent of the loop's peak"
+        "--share",
+        type=float,
+        nargs="+",
+        default=[10.0, 20.0],
+        help="budget rows: percent of the loop's peak, one per --n (the last one repeats)",
     )
     parser.add_argument("--storage", default="host", help="layer-wise storage")
     parser.add_argument("--repeats", type=int, default=3, help="timed interleaved rounds (min)")
