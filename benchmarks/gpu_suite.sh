@@ -20,7 +20,8 @@
 # Exits 2 at once, writing nothing, when no CUDA device is present; else 1 when any step
 # failed, 0 when all passed. SUITE_DEVICE=cpu runs the same steps on the CPU (no CUDA check,
 # the benchmarks with --device cpu): only to check the suite itself on a machine without a GPU,
-# e.g. SUITE_DEVICE=cpu PEERS_N=32 TABLE_T=200 REPEATS=1 PYTEST_ARGS="-k cuda" bash ...
+# e.g. SUITE_DEVICE=cpu PEERS_N=32 TABLE_T=200 REPEATS=1 PYTEST_ARGS="-k 'cuda or device'" \
+#   bash benchmarks/gpu_suite.sh /tmp/suite-check.md
 set -uo pipefail
 
 REPORT=${1:-gpu_report.md}
@@ -30,7 +31,7 @@ TABLE_T=${TABLE_T:-1000 4000}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
-read -r -a EXTRA <<<"${PYTEST_ARGS:-}"
+eval "EXTRA=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS="-k 'cuda or gpu'" works
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 case "$REPORT" in /*) ;; *) REPORT="$PWD/$REPORT" ;; esac
 cd "$ROOT" || exit 2
