@@ -90,8 +90,9 @@ EOF
 step() {
     local title=$1
     shift
-    local log="$WORK/step.log" start end status
-    echo "== $title: $*" >&2
+    local log="$WORK/step.log" start end status command
+    command=$(printf '%q ' "$@")
+    echo "== $title: $command" >&2
     start=$(date +%s)
     "$@" >"$log" 2>&1
     status=$?
@@ -100,7 +101,7 @@ step() {
     {
         echo "## $title"
         echo
-        echo "\`$*\`: exit $status, $((end - start)) s"
+        echo "\`${command% }\`: exit $status, $((end - start)) s"
         echo
         # Markdown tables go in as tables; the rest as text (the last 200 lines)
         grep '^|' "$log" || true
