@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.storage.base import Ledger
@@ -249,6 +250,7 @@ def test_allocator_mode_runs_compiled_code_compiled() -> None:
     eagerly; under the allocator meter the frame is captured and run as compiled."""
     from torch._dynamo.utils import counters
 
+    assert not _get_current_dispatch_mode_stack(), "a dispatch mode leaked from an earlier test"
     x = torch.randn(64)
     captured = {}
     for mode in ("tensors", "allocator"):
@@ -268,6 +270,7 @@ def test_allocator_mode_measures_the_fused_kernel() -> None:
     """Inductor fuses ``cos(3 * sin(2x + 1))`` into one kernel: the compiled run holds only its
     output (256 KiB); eager holds an intermediate beside it (512 KiB). The tracker measures
     the compiled function as eager."""
+    assert not _get_current_dispatch_mode_stack(), "a dispatch mode leaked from an earlier test"
     x = torch.randn(1 << 16)
     fn = torch.compile(lambda t: ((t * 2 + 1).sin() * 3).cos())
     fn(x)  # compile outside the block
@@ -292,6 +295,17 @@ def test_allocator_mode_does_not_nest_and_leaves_cleanly() -> None:
     with m, MemoryMeter() as inner:  # usable again; a tracker meter nests inside it
         torch.empty(20)
     assert m.peak_bytes == 80 and inner.peak_bytes == 80
+
+
+def test_allocator_mode_under_a_dispatch_mode_warns() -> None:
+    """An allocator meter inside an open tracker would measure compiled code run eagerly."""
+    with (
+        MemoryMeter(),
+        pytest.warns(UserWarning, match="runs eagerly"),
+        MemoryMeter(mode="allocator") as m,
+    ):
+        torch.empty(10)
+    assert m.peak_bytes == 40
 
 
 def test_meter_mode_is_checked() -> None:

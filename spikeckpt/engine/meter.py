@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 __all__ = ["MemoryMeter", "MeterMode"]
 
@@ -205,6 +206,14 @@ class MemoryMeter:
         ):
             raise RuntimeError("this MemoryMeter is already in use: make one per with-block")
         self._peak = self._current = None
+        if self.mode == "allocator" and _get_current_dispatch_mode_stack():
+            warnings.warn(
+                "MemoryMeter(mode='allocator') entered under an active TorchDispatchMode "
+                f"({type(_get_current_dispatch_mode_stack()[-1]).__name__}, e.g. a "
+                "MemoryMeter(mode='tensors') left open): under it torch.compile'd code runs "
+                "eagerly, so this measures an eager run; close that mode first",
+                stacklevel=2,
+            )
         if self._cuda:
             peak_now = torch.cuda.max_memory_allocated(self.device)
             for outer in _CUDA_ACTIVE:
