@@ -176,6 +176,18 @@ def test_allocator_mode_counts_known_allocations_after_the_block() -> None:
     del b, c
 
 
+def test_allocator_mode_ignores_frees_of_blocks_from_before() -> None:
+    """The allocator reports the free of a block it handed out while an earlier profiler ran
+    (it knows that block's size): a block from before this meter is not subtracted."""
+    with MemoryMeter(mode="allocator"):
+        kept = torch.ones(256)  # 1024 bytes, allocated while profiling
+    with MemoryMeter(mode="allocator") as m:
+        del kept
+        y = torch.ones(10)
+    assert (m.peak_bytes, m.current_bytes) == (40, 40)
+    del y
+
+
 def test_allocator_mode_agrees_with_the_tracker_on_an_snntorch_loop() -> None:
     """Eager code: the tracker and the allocator's events give the same bytes (here exactly)."""
     snn = pytest.importorskip("snntorch")

@@ -417,26 +417,41 @@ class _AllocatorEvents:
         return added
 
     def stop(self) -> tuple[int, int]:
-        """Stop recording; ``(peak, live at exit)`` in bytes above the level at entry."""
+        """Stop recording; ``(peak, live at exit)`` in bytes above the level at entry.
+
+        A free counts only for a block allocated inside the block (matched by address): the
+        allocator also reports frees of blocks it handed out while an earlier profiler ran.
+        """
         for finalizer in self._finalizers:
             finalizer.detach()
         self._finalizers.clear()
         profile = self._profile
         profile.__exit__(None, None, None)
-        cpu = torch._C._autograd.DeviceType.CPU
-        timeline: list[tuple[int, int, int]] = []
-        for order, event in enumerate(profile.profiler.kineto_results.events()):
-            name = event.name()
-            if name == "[memory]":
-                if event.device_type() == cpu:
-                    timeline.append((event.start_ns(), order, event.nbytes()))
-            elif name.startswith(_MARK):
-                amount = self._amounts[int(name[len(_MARK) :])]
-                timeline.append((event.start_ns(), order, amount))
-        timeline.sort()
+        allocation = torch._C._profiler._ExtraFields_Allocation
+        # (time, preorder index, value): an allocator event's fields, or a marker's bytes
+        timeline: list[tuple[int, int, Any]] = []
+        pending = list(reversed(profile.profiler.kineto_results.experimental_event_tree()))
+        while pending:  # preorder: a parent before its children, children in time order
+            event = pending.pop()
+            pending.extend(reversed(event.children))
+            fields = event.extra_fields
+            if isinstance(fields, allocation):
+                if fields.device.type == "cpu":
+                    timeline.append((event.start_time_ns, len(timeline), fields))
+            elif event.name.startswith(_MARK):
+                amount = self._amounts[int(event.name[len(_MARK) :])]
+                timeline.append((event.start_time_ns, len(timeline), amount))
+        timeline.sort(key=lambda item: (item[0], item[1]))
+        blocks: dict[int, int] = {}  # address -> bytes of the blocks allocated inside
         live = peak = 0
-        for _, _, nbytes in timeline:
-            live += nbytes
+        for _, _, value in timeline:
+            if isinstance(value, int):
+                live += value
+            elif value.alloc_size > 0:
+                blocks[value.ptr] = value.alloc_size
+                live += value.alloc_size
+            else:
+                live -= blocks.pop(value.ptr, 0)
             if live > peak:
                 peak = live
         return peak, live
