@@ -22,8 +22,8 @@ Three ways to measure, chosen by the device and ``mode``:
   changes: compiled functions run compiled (their own buffers are what is counted), gradients
   accumulate as they do in a plain run. Only known after the block (reading ``peak_bytes``
   inside raises); one such meter at a time, and not while another profiler runs (the profiler
-  does not nest). The profiler adds a few microseconds per op: time runs separately. Frees of
-  blocks allocated before the block are not recorded by the profiler, so, as with
+  does not nest). The profiler adds a few microseconds per op: time runs separately. A free
+  counts only for a block allocated inside the block (matched by address), so, as with
   ``"tensors"``, only what is allocated inside counts (plus :meth:`MemoryMeter.track`). The
   profiler (kineto) prints its start and stop to stderr.
 
