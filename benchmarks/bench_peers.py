@@ -42,9 +42,9 @@ Rows (each library's model as its users write it; skipped rows are listed with t
   ``compile=False`` are passed when ``wrap`` has those keywords).
 - ``spikeckpt layer-wise, chunk K, fused, eager`` / ``..., fused, compiled``: the same with the
   neuron fused over each chunk (``fuse=True``), run eagerly (``compile=False``) or compiled
-  (``compile=True``); ``spikeckpt stack, BPTT(), compiled step``: ``plan=BPTT(),
-  compile=True``. These rows run only when ``spikeckpt.wrap`` has the ``fuse`` / ``compile``
-  keywords (issue 24); otherwise they are listed as skipped.
+  (``compile=True``). These rows run only when ``spikeckpt.wrap`` has the ``fuse`` /
+  ``compile`` keywords (issue 24); otherwise they are listed as skipped. The plan column says
+  how each block's neuron ran (``last_stats.blocks[i].neuron``: fused, compiled, per-step).
 
 Every spikeckpt row gets the input as a user who wants the lean peak passes it: packed,
 ``spikeckpt.SpikeTrain.from_dense(x)`` (made once, before, not counted).
@@ -323,7 +323,6 @@ def spikeckpt_rows(
     layer = {"granularity": "layer", "chunk": k, "storage": args.storage}
     specs: list[tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any]]] = [
         ("spikeckpt stack, BPTT()", {}, eager, {"plan": P.BPTT()}),
-        ("spikeckpt stack, BPTT(), compiled step", {"compile": True}, None, {"plan": P.BPTT()}),
     ]
     if loop_peak is not None:
         budget = int(loop_peak * share / 100) + s.packed.nbytes
@@ -378,7 +377,9 @@ def _describe(stats: Any) -> str:
     if stats is None:
         return "-"
     if getattr(stats, "granularity", "stack") == "layer":
-        return f"layer-wise(chunk={stats.chunk})"
+        ways = sorted({str(getattr(block, "neuron", "")) for block in stats.blocks} - {""})
+        neuron = f", neuron {'/'.join(ways)}" if ways else ""
+        return f"layer-wise(chunk={stats.chunk}){neuron}"
     return str(stats.plan)
 
 

@@ -28,11 +28,11 @@ Rows:
   fixed chunk of ``K`` steps (no budget), against the snnTorch loop.
 - with ``--more``: ``scan`` with ``Double()`` (disk), ``Uniform()`` (host) and
   ``TwoLevel(4)`` (disk) built without intervals (filled in from measured sizes and costs).
-- with ``--fused``: ``layer-wise, 5%, disk, fused, eager`` / ``..., fused, compiled`` (the
-  layer-wise row with ``fuse=True`` and ``compile=False`` / ``True``) and ``wrap stack, 5%,
-  disk, compiled`` (the snnTorch model through ``wrap(plan="auto", granularity="stack",
-  compile=True)``): only when ``spikeckpt.wrap`` has those keywords (issue 24), else listed
-  as skipped.
+- with ``--fused``: ``layer-wise, 5%, disk, per-step neuron`` / ``..., fused, eager`` /
+  ``..., fused, compiled``: the layer-wise row with ``fuse=False``, or ``fuse=True`` and
+  ``compile=False`` / ``True`` (the rows above take ``wrap``'s defaults), only when
+  ``spikeckpt.wrap`` has those keywords (issue 24), else listed as skipped. The plan column
+  says how each block's neuron ran (``last_stats.blocks[i].neuron``).
 
 Device: ``--device cpu`` (default) or ``cuda`` (models, input and states on the GPU; times
 synchronised). Memory: :class:`spikeckpt.MemoryMeter` peak of one separate training step
@@ -194,7 +194,6 @@ def layerwise_runner(
     storage: str,
     folder: str,
     chunk: int | None = None,
-    granularity: str = "layer",
     **options: Any,
 ) -> Callable[..., Any]:
     """``wrap(seq, granularity="layer")`` with ``budget`` (``plan="auto"``) or a fixed
@@ -202,10 +201,8 @@ def layerwise_runner(
     kwargs: dict[str, Any] = {"directory": folder} if storage == "disk" else {}
     if budget is not None:
         kwargs.update(plan="auto", budget=budget)
-    if granularity == "layer":
-        kwargs["chunk"] = chunk
     wrapped = sc.wrap(
-        seq, storage=storage, readout="mean", granularity=granularity, **kwargs, **options
+        seq, storage=storage, readout="mean", granularity="layer", chunk=chunk, **kwargs, **options
     )
 
     def run(model: nn.Module, x: Tensor) -> Any:
@@ -301,7 +298,9 @@ def _describe(stats: Any) -> tuple[str, float | None]:
     if stats is None:
         return "-", None
     if getattr(stats, "granularity", "stack") == "layer":
-        return f"layer-wise(chunk={stats.chunk})", stats.forward_steps / (
+        ways = sorted({str(getattr(block, "neuron", "")) for block in stats.blocks} - {""})
+        neuron = f", neuron {'/'.join(ways)}" if ways else ""
+        return f"layer-wise(chunk={stats.chunk}){neuron}", stats.forward_steps / (
             stats.T * len(stats.blocks)
         )
     return str(stats.plan), stats.recompute_factor
@@ -407,27 +406,17 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
                 )
             )
         if args.fused:
-            fused = [
-                (
-                    f"layer-wise, {share:g}%, disk, fused, eager",
-                    "layer",
-                    {"fuse": True, "compile": False},
-                ),  # fmt: skip
-                (
-                    f"layer-wise, {share:g}%, disk, fused, compiled",
-                    "layer",
-                    {"fuse": True, "compile": True},
-                ),  # fmt: skip
-                (f"wrap stack, {share:g}%, disk, compiled", "stack", {"compile": True}),
+            fused: list[tuple[str, dict[str, Any]]] = [
+                (f"layer-wise, {share:g}%, disk, per-step neuron", {"fuse": False}),
+                (f"layer-wise, {share:g}%, disk, fused, eager", {"fuse": True, "compile": False}),
+                (f"layer-wise, {share:g}%, disk, fused, compiled", {"fuse": True, "compile": True}),
             ]
-            for name, granularity, options in fused:
+            for name, options in fused:
                 missing = [key for key in options if key not in WRAP_KEYWORDS]
                 if missing:
                     print(f"  T={T} {name}: skipped (spikeckpt.wrap has no {missing} yet)")
                     continue
-                runner = layerwise_runner(
-                    snn_model, budget, "disk", folder, granularity=granularity, **options
-                )
+                runner = layerwise_runner(snn_model, budget, "disk", folder, **options)
                 add(Row(name, snn_model, runner, base="snnTorch loop"))
     if args.more:
         add(Row("scan Double(), disk", model, scan_runner(P.Double(), "disk", None, folder)))
