@@ -150,7 +150,7 @@ def make_setup(n: int, args: argparse.Namespace) -> Setup:
 
 @dataclass
 class Row:
-    """One way of running the step; filled in by :func:`bench`."""
+    """One way of running the step; filled in by ``bench``."""
 
     name: str
     run: Callable[[], Any]  # one forward + backward into .grad; returns (total spikes, stats)

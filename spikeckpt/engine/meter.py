@@ -24,7 +24,8 @@ Three ways to measure, chosen by the device and ``mode``:
   inside raises); one such meter at a time, and not while another profiler runs (the profiler
   does not nest). The profiler adds a few microseconds per op: time runs separately. A free
   counts only for a block allocated inside the block (matched by address), so, as with
-  ``"tensors"``, only what is allocated inside counts (plus :meth:`MemoryMeter.track`). The
+  ``"tensors"``, only what is allocated inside counts (plus
+  [`MemoryMeter.track`][spikeckpt.engine.meter.MemoryMeter.track]). The
   profiler (kineto) prints its start and stop to stderr.
 
 Tensors that exist before the block are not counted, unless passed to [`MemoryMeter.track`][spikeckpt.engine.meter.MemoryMeter.track]
@@ -362,9 +363,9 @@ class _AllocatorEvents:
 
     The profiler records, on the thread that starts it, every allocation and free the CPU
     allocator reports (``[memory]`` events, bytes signed) and every ``record_function``.
-    Tensors passed to :meth:`track` become a marker event carrying their bytes, and a marker
-    carrying minus those bytes when their storage is freed: the replay at :meth:`stop` adds
-    every CPU event in time order and keeps the running maximum.
+    Tensors passed to ``track`` become a marker event carrying their bytes, and a marker
+    carrying minus those bytes when their storage is freed: the replay at ``stop`` adds every
+    CPU event in time order and keeps the running maximum.
     """
 
     def __init__(self) -> None:
