@@ -26,8 +26,9 @@ Rows (each library's model as its users write it; skipped rows are listed with t
   loop's) (``backend="torch"`` where the installed version has that
   argument; SpikingJelly 2.0 has none: its multi-step LIF is a registered op whose CPU code,
   and on CUDA with ``SJ_LIF_CUDA_IMPLEMENTATION=torch`` (set here unless set already), is a
-  torch loop with a hand-written backward). Only when ``import spikingjelly`` works (a
-  dev-only dependency).
+  torch loop with a hand-written backward). Only when ``import spikingjelly`` works: install it
+  by hand (``pip install spikingjelly``); it is not a project dependency, since it pulls a
+  torchaudio built for another torch release into the environment.
 - ``spikeckpt stack, BPTT()``: ``spikeckpt.wrap(<the snnTorch model>, plan=BPTT(),
   readout="sum")``.
 - ``spikeckpt stack, plan=auto at S%``: ``wrap(..., plan="auto", budget=B)``, ``B`` = ``S``%
@@ -250,7 +251,7 @@ def spikingjelly_torch(s: Setup) -> Row | Skip:
     try:
         from spikingjelly.activation_based import functional, layer, neuron, surrogate
     except ImportError as error:
-        return f"SpikingJelly does not import ({error}); `pip install spikingjelly` (dev extra)"
+        return f"SpikingJelly does not import ({error}); `pip install spikingjelly` to add this row (not a project dependency: it pulls a torchaudio built for another torch)"
     kwargs: dict[str, Any] = {
         "tau": 1 / (1 - BETA),  # leak 1 - 1/tau = BETA
         "decay_input": False,
