@@ -204,8 +204,8 @@ def _cleanup(block: Block) -> Callable[[], None]:
 
 
 #: a gather transposes the weight a block of output rows at a time, at most this many
-#: elements (1 MiB of float32) per block: no weight-sized temporary
-GATHER_BLOCK = 1 << 18
+#: elements (256 KiB of float32) per block: no weight-sized temporary
+GATHER_BLOCK = 1 << 16
 
 
 def _gather(
