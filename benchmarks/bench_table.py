@@ -30,19 +30,31 @@ Rows:
   fixed chunk of ``K`` steps (no budget), against the snnTorch loop.
 - with ``--more``: ``scan`` with ``Double()`` (disk), ``Uniform()`` (host) and
   ``TwoLevel(4)`` (disk) built without intervals (filled in from measured sizes and costs).
+- with ``--fused``: ``layer-wise, 5%, disk, per-step neuron`` / ``..., fused, eager`` /
+  ``..., fused, compiled``: the layer-wise row with ``fuse=False``, or ``fuse=True`` and
+  ``compile=False`` / ``True`` (the rows above take ``wrap``'s defaults), only when
+  ``spikeckpt.wrap`` has those keywords (issue 24), else listed as skipped. The plan column
+  says how each block's neuron ran (``last_stats.blocks[i].neuron``).
 
-Memory: :class:`spikeckpt.MemoryMeter` peak of one separate training step (the meter slows
-ops down). Time: every row runs once per round, rounds interleaved, ``--repeats`` rounds;
-the time is the **minimum** over the rounds. Before each timed run ``gc.collect()`` runs
-(untimed), and the snnTorch loop detaches the membrane snnTorch keeps on each neuron after its
-backward: otherwise the garbage of one row (that loop's whole graph, held by ``self.mem``)
-was collected during the next row's run, about 0.1x of BPTT added to the scan rows. ``max|dg|/max|g|``: the largest gradient
-difference to the row's loop (the plain loop; the snnTorch loop for layer-wise), relative to
-that loop's largest gradient of the same parameter.
+Device: ``--device cpu`` (default) or ``cuda`` (models, input and states on the GPU; times
+synchronised). Memory: :class:`spikeckpt.MemoryMeter` peak of one separate training step
+(after an untimed first one, which plans, probes and compiles), ``mode="allocator"`` by
+default (CUDA: the allocator's peak; CPU: the allocator's events through the profiler, so
+that compiled rows run compiled while measured); ``--meter tensors`` for the tensor tracker
+that measured the tables before issue 24 (it slows ops down; agrees within about 2% on eager
+rows, and runs compiled code eagerly). Time: every row runs once per round, rounds
+interleaved, ``--repeats`` rounds; the time is the **minimum** over the rounds. Before each
+timed run ``gc.collect()`` runs (untimed), and the snnTorch loop detaches the membrane
+snnTorch keeps on each neuron after its backward: otherwise the garbage of one row (that
+loop's whole graph, held by ``self.mem``) was collected during the next row's run, about 0.1x
+of BPTT added to the scan rows. ``max|dg|/max|g|``: the largest gradient difference to the
+row's loop (the plain loop; the snnTorch loop for layer-wise), relative to that loop's
+largest gradient of the same parameter.
 
     python benchmarks/bench_table.py                    # T = 1000 and 4000
     python benchmarks/bench_table.py --T 1000 --widths 200 256 256 256 --repeats 3
     python benchmarks/bench_table.py --T 1000 --widths 700 512 512 20 --batch 32
+    python benchmarks/bench_table.py --device cuda --fused    # the GPU suite's table
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -120,7 +133,7 @@ def run_plain(model: LIFStack, x: Tensor) -> None:
 def run_snntorch(seq: nn.Sequential, x: Tensor) -> None:
     layers = list(seq)
     linears, neurons = layers[0::2], layers[1::2]
-    mems = [torch.zeros(x.shape[1], lin.out_features) for lin in linears]
+    mems = [torch.zeros(x.shape[1], lin.out_features, device=x.device) for lin in linears]
     total = None
     for x_t in x:
         h = x_t
@@ -173,16 +186,24 @@ def scan_runner(plan: Any, storage: str, budget: int | None, folder: str) -> Cal
     return run
 
 
+WRAP_KEYWORDS = set(inspect.signature(sc.wrap).parameters)
+
+
 def layerwise_runner(
-    seq: nn.Module, budget: int | None, storage: str, folder: str, chunk: int | None = None
+    seq: nn.Module,
+    budget: int | None,
+    storage: str,
+    folder: str,
+    chunk: int | None = None,
+    **options: Any,
 ) -> Callable[..., Any]:
     """``wrap(seq, granularity="layer")`` with ``budget`` (``plan="auto"``) or a fixed
-    ``chunk``."""
+    ``chunk``; ``options`` (``fuse``, ``compile``) are passed on."""
     kwargs: dict[str, Any] = {"directory": folder} if storage == "disk" else {}
     if budget is not None:
         kwargs.update(plan="auto", budget=budget)
     wrapped = sc.wrap(
-        seq, storage=storage, readout="mean", granularity="layer", chunk=chunk, **kwargs
+        seq, storage=storage, readout="mean", granularity="layer", chunk=chunk, **kwargs, **options
     )
 
     def run(model: nn.Module, x: Tensor) -> Any:
@@ -220,7 +241,7 @@ def spikingjelly_rows(
         torch.manual_seed(0)
         net = nn.Sequential(*(Block(a, b) for a, b in zip(widths[:-1], widths[1:], strict=True)))
         functional.set_step_mode(net, "m")
-        return net
+        return net.to(x.device)
 
     def run_sj(model: nn.Module, x: Tensor) -> None:
         functional.reset_net(model)
@@ -264,6 +285,11 @@ def _grads(model: nn.Module) -> list[Tensor]:
     ]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _once(row: Row, x: Tensor) -> Any:
     row.model.zero_grad(set_to_none=True)
     return row.run(row.model, x)
@@ -273,16 +299,26 @@ def _describe(stats: Any) -> tuple[str, float | None]:
     if stats is None:
         return "-", None
     if getattr(stats, "granularity", "stack") == "layer":
-        return f"layer-wise(chunk={stats.chunk})", stats.forward_steps / (
+        ways = sorted({str(getattr(block, "neuron", "")) for block in stats.blocks} - {""})
+        neuron = f", neuron {'/'.join(ways)}" if ways else ""
+        return f"layer-wise(chunk={stats.chunk}){neuron}", stats.forward_steps / (
             stats.T * len(stats.blocks)
         )
     return str(stats.plan), stats.recompute_factor
 
 
+METER_MODE = "allocator"  # --meter
+
+
 def measure_memory(row: Row, x: Tensor) -> None:
     row.model.zero_grad(set_to_none=True)
-    with sc.MemoryMeter() as meter:
+    _once(row, x)  # untimed first call: compilation and planning are not measured
+    row.model.zero_grad(set_to_none=True)
+    gc.collect()
+    _sync(x.device)
+    with sc.MemoryMeter(x.device, mode=METER_MODE) as meter:
         stats = row.run(row.model, x)
+        _sync(x.device)
     row.peak = meter.peak_bytes
     row.plan, row.evals = _describe(stats)
     row.grads = _grads(row.model)
@@ -298,16 +334,23 @@ def rel_diff(grads: list[Tensor], ref: list[Tensor]) -> float:
 
 def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
     widths = args.widths
-    model = lif_stack(widths)
+    device = torch.device(args.device)
+    model = lif_stack(widths).to(device)
     snn_model = snntorch_model(model)
-    x = spike_train(T, args.batch, widths[0], args.density, seed=1)
+    if snn_model is not None:
+        snn_model = snn_model.to(device)
+    x = spike_train(T, args.batch, widths[0], args.density, seed=1).to(device)
     rows: dict[str, Row] = {}
 
     def add(row: Row) -> None:
         if args.only and row.name != "plain loop" and not any(o in row.name for o in args.only):
             return
+        try:
+            measure_memory(row, x)
+        except sc.BudgetTooSmall as error:  # a budget row refused at this size: say so, go on
+            print(f"  T={T} {row.name}: skipped (BudgetTooSmall: {error})", flush=True)
+            return
         rows[row.name] = row
-        measure_memory(row, x)
         print(
             f"  T={T} {row.name}: {row.plan}, peak {row.peak / 2**20:.2f} MiB",
             flush=True,
@@ -364,6 +407,19 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
                     base="snnTorch loop",
                 )
             )
+        if args.fused:
+            fused: list[tuple[str, dict[str, Any]]] = [
+                (f"layer-wise, {share:g}%, disk, per-step neuron", {"fuse": False}),
+                (f"layer-wise, {share:g}%, disk, fused, eager", {"fuse": True, "compile": False}),
+                (f"layer-wise, {share:g}%, disk, fused, compiled", {"fuse": True, "compile": True}),
+            ]
+            for name, options in fused:
+                missing = [key for key in options if key not in WRAP_KEYWORDS]
+                if missing:
+                    print(f"  T={T} {name}: skipped (spikeckpt.wrap has no {missing} yet)")
+                    continue
+                runner = layerwise_runner(snn_model, budget, "disk", folder, **options)
+                add(Row(name, snn_model, runner, base="snnTorch loop"))
     if args.more:
         add(Row("scan Double(), disk", model, scan_runner(P.Double(), "disk", None, folder)))
         add(Row("scan Uniform(), host", model, scan_runner(P.Uniform(), "host", None, folder)))
@@ -377,8 +433,10 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
     for _ in range(args.repeats):  # interleaved rounds; each row's time is its minimum
         for row in rows.values():
             gc.collect()  # no row pays for collecting another row's garbage
+            _sync(device)
             start = time.perf_counter()
             _once(row, x)
+            _sync(device)
             row.times.append(time.perf_counter() - start)
     return list(rows.values())
 
@@ -420,15 +478,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--chunks", type=int, nargs="*", default=[], help="also layer-wise at these fixed chunks"
     )
+    parser.add_argument(
+        "--fused", action="store_true", help="also layer-wise fused/compiled (issue 24's wrap)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--meter",
+        choices=["allocator", "tensors"],
+        default="allocator",
+        help="MemoryMeter mode for the peaks",
+    )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here (use --device cpu)")
+    global METER_MODE
+    METER_MODE = args.meter
     torch.set_num_threads(args.threads)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
     print(
         f"{datetime.date.today()}, {platform.machine()} {platform.processor() or ''} "
         f"({os.cpu_count()} cores), torch {torch.__version__}, {torch.get_num_threads()} "
         f"thread(s), load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; widths "
-        f"{'-'.join(map(str, args.widths))}, batch {args.batch}, density {args.density}"
+        f"{'-'.join(map(str, args.widths))}, batch {args.batch}, density {args.density}; "
+        f"device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+        + f"; peaks: MemoryMeter(mode={args.meter!r})"
     )
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-table-") as folder:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -226,3 +228,81 @@ def test_plot_shows_every_series_where_they_coincide() -> None:
             assert abs(x / T - 1) < 0.2
     labels = [text.get_text() for text in figure.legends[0].get_texts()]
     assert len(labels) == len(names)
+
+
+# ------------------------------------------------------------------ benchmarks/bench_peers.py
+
+
+def _bench_peers() -> Any:
+    """``benchmarks/bench_peers.py`` as a module (benchmarks/ is not a package)."""
+    import sys
+
+    if "bench_peers" in sys.modules:
+        return sys.modules["bench_peers"]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py"
+    spec = importlib.util.spec_from_file_location("bench_peers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peers"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_peers(tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
+    pytest.importorskip("snntorch")
+    module = _bench_peers()
+    out, data = tmp_path / "peers.md", tmp_path / "peers.json"
+    argv = ["--n", "32", "--T", "20", "--repeats", "1", "--warmup", "0", "--share", "100"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = module.main([*argv, *extra, "--out", str(out), "--json", str(data)])
+    assert code == 0
+    assert str(out) in printed.getvalue() and str(data) in printed.getvalue()
+    return json.loads(data.read_text()), out.read_text()
+
+
+def _check_peers_rows(rows: list[dict[str, Any]], table: str) -> None:
+    ran = [r for r in rows if "skipped" not in r]
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(ran)  # header, rule, one line per row that ran
+    assert len({len(_cells(line)) for line in lines}) == 1
+    for row in ran:
+        assert row["peak_bytes"] > 0 and min(row["times_s"]) > 0 and row["first_call_s"] > 0
+        assert f"| 32 | {row['row']} |" in table
+        if row["same_model"] and row["row"] != "snnTorch loop":
+            assert row["grad_rel"] is not None and row["grad_rel"] <= 1e-5, row
+    for row in rows:
+        if "skipped" in row:
+            assert row["skipped"] and f"{row['row']}: skipped: " in table  # with the reason
+
+
+def test_bench_peers_runs_every_row_and_matches_the_loop(tmp_path: Path) -> None:
+    """The peers' benchmark on tiny sizes, compiled rows left out (``--skip compile``): every
+    row there is measured or listed with its reason; spikeckpt's gradients are the loop's."""
+    rows, table = _run_peers(tmp_path, "--skip", "compile")
+    _check_peers_rows(rows, table)
+    names = {r["row"] for r in rows if "skipped" not in r}
+    expected = {
+        "snnTorch loop",
+        "spikeckpt stack, BPTT()",
+        "spikeckpt stack, plan=auto at 100%",
+        "spikeckpt auto at 100%",
+        "spikeckpt layer-wise, chunk 25, per-step neuron",
+    }
+    assert expected <= names, names
+    if importlib.util.find_spec("norse") is not None:
+        assert "Norse SequentialState(Linear, LIF), eager" in names
+    assert not any("compile" in name for name in names)
+    every = {r["row"] for r in rows}
+    assert "spikeckpt layer-wise, chunk 25, fused, eager" in every  # ran, or skipped with why
+
+
+@pytest.mark.slow
+def test_bench_peers_compiled_rows_run_compiled(tmp_path: Path) -> None:
+    """The compiled rows (Norse's compiled cell; spikeckpt's once ``wrap`` has ``compile=``)
+    run and are measured with the allocator meter; spikeckpt's gradients are the loop's."""
+    pytest.importorskip("norse")
+    rows, table = _run_peers(tmp_path, "--only", "compile")
+    _check_peers_rows(rows, table)
+    names = {r["row"] for r in rows if "skipped" not in r}
+    assert {"snnTorch loop", "Norse LIFCell, torch.compile, stepped"} <= names, names

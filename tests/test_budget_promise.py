@@ -125,6 +125,13 @@ class StepPeaks(pl.Callback):
         else:  # counted as live, subtracted when freed
             self._resident = self._meter.track(resident)
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._meter is not None:  # a step that raised: close its meter, record nothing
+            self._meter.__exit__(None, None, None)
+            self._meter = None
+
     def finish(self, pl_module: pl.LightningModule) -> None:
         meter = self._meter
         assert meter is not None, "StepPeaks.finish without on_train_batch_start"
@@ -296,10 +303,15 @@ def test_every_step_is_within_the_budget(
 def test_the_issue_budget_of_2mib_is_refused_with_the_input_counted(tmp_path: Path) -> None:
     """Issue #15's "2MiB" for the FC net: below what any plan needs once the dense input
     (625 KiB) counts. Refused at the first forward, naming what a step needs."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     with pytest.raises(spikeckpt.BudgetTooSmall, match="input 625.00 KiB") as info:
         run_case(CASES["fc"], "stack", "2MiB", tmp_path, batches=1)
     assert info.value.minimum_bytes > parse_bytes("2MiB")
     assert "smallest budget that fits is" in str(info.value)
+    # the failed fit left no meter behind (MemoryBudget's nor StepPeaks'): later code in this
+    # process is neither slowed down nor kept from running compiled
+    assert not _get_current_dispatch_mode_stack()
 
 
 @pytest.mark.slow

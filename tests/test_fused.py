@@ -302,3 +302,24 @@ def test_a_state_the_step_widens_runs_per_step_until_it_is_wide() -> None:
     g, g_want = (torch.autograd.grad(v.sum(), [x, net[0].weight]) for v in (y, want))
     for a, b in zip(g, g_want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_the_one_comparison_spike_is_used_only_while_subnormals_are_kept() -> None:
+    """``mem > thr`` replaces ``mem - thr > 0`` only where they agree on every float: not
+    while the CPU flushes subnormal results to zero, where a subnormal difference is 0."""
+    from spikeckpt.adapters.kernels import _subtraction_is_exact
+
+    cpu = torch.device("cpu")
+    assert _subtraction_is_exact(cpu)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        assert not _subtraction_is_exact(cpu)
+        mem = torch.tensor([[1.5e-38, 1.4e-38, 2.0]])
+        net = nn.Sequential(nn.Identity(), snn.Leaky(beta=0.0, threshold=1.4e-38))
+        x = mem.expand(3, 1, 3).contiguous()
+        fused = sc.wrap(net, granularity="layer", chunk=3)(x)
+        plain = sc.wrap(net, granularity="layer", chunk=3, fuse=False)(x)
+        assert torch.equal(fused, plain)
+    finally:
+        torch.set_flush_denormal(False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.storage.base import Ledger
@@ -155,3 +156,184 @@ def test_cuda_nested_meters_keep_the_outer_peak() -> None:
         del b
     assert outer.peak_bytes == 4 << 20
     assert inner.peak_bytes == 1 << 20
+
+
+# ------------------------------------------------------------------ mode="allocator" (profiler)
+
+
+def test_allocator_mode_counts_known_allocations_after_the_block() -> None:
+    before = torch.zeros(1000)
+    with MemoryMeter(mode="allocator") as m:
+        a = torch.ones(1000, dtype=torch.float64)  # 8000
+        b = torch.ones(500)  # 2000
+        del a, before  # `before` was allocated before the block: its free is not counted
+        c = torch.ones(100)  # 400
+        with pytest.raises(RuntimeError, match="after the with-block"):
+            _ = m.peak_bytes
+    assert m.peak_bytes == 10_000
+    assert m.current_bytes == 2400
+    assert m.mode == "allocator" and "peak_bytes=10000" in repr(m)
+    del b, c
+
+
+def test_allocator_mode_ignores_frees_of_blocks_from_before() -> None:
+    """The allocator reports the free of a block it handed out while an earlier profiler ran
+    (it knows that block's size): a block from before this meter is not subtracted."""
+    with MemoryMeter(mode="allocator"):
+        kept = torch.ones(256)  # 1024 bytes, allocated while profiling
+    with MemoryMeter(mode="allocator") as m:
+        del kept
+        y = torch.ones(10)
+    assert (m.peak_bytes, m.current_bytes) == (40, 40)
+    del y
+
+
+def test_allocator_mode_agrees_with_the_tracker_on_an_snntorch_loop() -> None:
+    """Eager code: the tracker and the allocator's events give the same bytes (here exactly)."""
+    snn = pytest.importorskip("snntorch")
+    torch.manual_seed(0)
+    lin, lif = torch.nn.Linear(64, 64), snn.Leaky(beta=0.9)
+    x = (torch.rand(30, 4, 64) < 0.2).float()
+    weight = torch.randn(64)
+
+    def step() -> None:
+        mem, total = torch.zeros(4, 64), torch.zeros(4, 64)
+        for x_t in x:
+            spk, mem = lif(lin(x_t), mem)
+            total = total + spk
+        (total * weight).sum().backward()
+        lif.mem = lif.mem.detach()
+
+    peaks = {}
+    for mode in ("tensors", "allocator"):
+        lin.zero_grad(set_to_none=True)
+        with MemoryMeter(mode=mode) as m:
+            step()
+        peaks[mode] = (m.peak_bytes, m.current_bytes)
+    assert peaks["allocator"] == peaks["tensors"], peaks
+    assert peaks["allocator"][1] >= (64 * 64 + 64) * 4  # the gradients stay
+
+
+def test_allocator_mode_sees_temporaries_inside_an_op() -> None:
+    """``mm`` with an expanded gradient makes a contiguous copy inside the kernel: the allocator
+    sees it, the tracker (which sees what ops return) does not; with a dense gradient they
+    agree to the byte."""
+    lin, x = torch.nn.Linear(256, 256), torch.randn(64, 256)
+    grads = (256 * 256 + 256) * 4
+    peaks = {}
+    for mode in ("tensors", "allocator"):
+        for name, loss in (("expanded", lambda: lin(x).sum()), ("dense", lambda: lin(x).square().sum())):  # fmt: skip
+            lin.zero_grad(set_to_none=True)
+            with MemoryMeter(mode=mode) as m:
+                loss().backward()
+            peaks[mode, name] = m.peak_bytes
+    assert peaks["tensors", "dense"] == peaks["allocator", "dense"]
+    assert peaks["tensors", "expanded"] == grads + 8  # + the loss and its gradient
+    # + mm's own copy of the (64, 256) gradient, made before the bias gradient (1 KiB)
+    assert peaks["allocator", "expanded"] >= grads + 64 * 256 * 4 - 256 * 4
+
+
+def test_allocator_mode_track_counts_until_freed() -> None:
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(128, 128), torch.randn(16, 128)
+    lin(x).square().sum().backward()  # gradients held before the step
+    params = (128 * 128 + 128) * 4
+    results = {}
+    for mode in ("tensors", "allocator"):
+        for p in lin.parameters():
+            p.grad = torch.ones_like(p)
+        with MemoryMeter(mode=mode) as m:
+            held = [*lin.parameters(), *(p.grad for p in lin.parameters()), x]
+            added = m.track(held)
+            assert m.track(held) == 0  # each storage once
+            del held
+            lin.zero_grad(set_to_none=True)  # frees the tracked gradients: subtracted
+            lin(x).square().sum().backward()  # new gradients
+        results[mode] = (added, m.peak_bytes, m.current_bytes)
+    assert results["allocator"] == results["tensors"], results
+    added, peak, current = results["allocator"]
+    assert added == 2 * params + x.numel() * 4
+    assert current == 2 * params + x.numel() * 4  # old gradients freed, new ones held
+    assert peak < 3 * params  # the old gradients were gone before the new ones came
+
+
+def test_allocator_mode_runs_compiled_code_compiled() -> None:
+    """The trap: under the tracker (a dispatch mode) dynamo skips the frame and the code runs
+    eagerly; under the allocator meter the frame is captured and run as compiled."""
+    from torch._dynamo.utils import counters
+
+    assert not _get_current_dispatch_mode_stack(), "a dispatch mode leaked from an earlier test"
+    x = torch.randn(64)
+    captured = {}
+    for mode in ("tensors", "allocator"):
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(lambda t: (t * 2 + 1).sin(), backend="eager")
+        with MemoryMeter(mode=mode) as m:
+            y = fn(x)
+        captured[mode] = counters["frames"]["ok"]
+        assert torch.equal(y, (x * 2 + 1).sin()) and m.peak_bytes >= 256
+    torch._dynamo.reset()
+    assert captured == {"tensors": 0, "allocator": 1}
+
+
+@pytest.mark.slow
+def test_allocator_mode_measures_the_fused_kernel() -> None:
+    """Inductor fuses ``cos(3 * sin(2x + 1))`` into one kernel: the compiled run holds only its
+    output (256 KiB); eager holds an intermediate beside it (512 KiB). The tracker measures
+    the compiled function as eager."""
+    assert not _get_current_dispatch_mode_stack(), "a dispatch mode leaked from an earlier test"
+    x = torch.randn(1 << 16)
+    fn = torch.compile(lambda t: ((t * 2 + 1).sin() * 3).cos())
+    fn(x)  # compile outside the block
+    peaks = {}
+    for mode in ("tensors", "allocator"):
+        with MemoryMeter(mode=mode) as m:
+            y = fn(x)
+        peaks[mode] = m.peak_bytes
+        torch.testing.assert_close(y, ((x * 2 + 1).sin() * 3).cos(), atol=1e-4, rtol=1e-4)
+        del y
+    assert peaks == {"tensors": 2 * x.numel() * 4, "allocator": x.numel() * 4}
+
+
+def test_allocator_mode_does_not_nest_and_leaves_cleanly() -> None:
+    with MemoryMeter(mode="allocator"), pytest.raises(RuntimeError, match="does not nest"):
+        MemoryMeter(mode="allocator").__enter__()
+    m = MemoryMeter(mode="allocator")
+    with pytest.raises(ZeroDivisionError), m:
+        torch.empty(10)
+        raise ZeroDivisionError
+    assert m.peak_bytes == 40
+    with m, MemoryMeter() as inner:  # usable again; a tracker meter nests inside it
+        torch.empty(20)
+    assert m.peak_bytes == 80 and inner.peak_bytes == 80
+
+
+def test_allocator_mode_under_a_dispatch_mode_warns() -> None:
+    """An allocator meter inside an open tracker would measure compiled code run eagerly."""
+    with (
+        MemoryMeter(),
+        pytest.warns(UserWarning, match="runs eagerly"),
+        MemoryMeter(mode="allocator") as m,
+    ):
+        torch.empty(10)
+    assert m.peak_bytes == 40
+
+
+def test_meter_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+        MemoryMeter(mode="rss")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="CUDA and the CPU only"):
+        MemoryMeter("meta", mode="allocator")
+
+
+@cuda
+def test_cuda_allocator_mode_is_the_allocator_and_tensors_mode_the_tracker() -> None:
+    torch.empty(1, device="cuda")
+    for mode in ("auto", "allocator", "tensors"):
+        with MemoryMeter("cuda", mode=mode) as m:
+            x = torch.empty(1 << 20, device="cuda")
+            y = torch.empty(1 << 20, device="cuda")
+            del y
+        assert (m.peak_bytes, m.current_bytes) == (8 << 20, 4 << 20), mode
+        del x

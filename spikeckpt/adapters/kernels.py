@@ -43,6 +43,7 @@ __all__ = [
 
 Spike = Callable[[Tensor], Tensor]
 #: ``(u, grad) -> dL/du``: a surrogate's backward at ``u`` for the spike's gradient ``grad``
+#: (``u`` is a new tensor the function may overwrite and return)
 SpikeGrad = Callable[[Tensor, Tensor], Tensor]
 #: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
 #: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
@@ -96,6 +97,22 @@ def _same_layout(leaves: Sequence[Tensor], z: Tensor, frozen: Sequence[Tensor] =
         )
         and not any(t.requires_grad for t in frozen)
     )
+
+
+_NEAR_SMALLEST_NORMAL = (torch.tensor([1.5e-38]), torch.tensor([1.4e-38]))
+
+
+def _subtraction_is_exact(device: torch.device) -> bool:
+    """Whether ``a - b > 0`` is ``a > b`` for every pair of floats here: true under IEEE
+    arithmetic with subnormals (a difference of distinct floats is never rounded to zero),
+    false while the CPU flushes subnormal results to zero (``torch.set_flush_denormal``),
+    checked on a pair whose difference is subnormal. CUDA kernels keep subnormals."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    a, b = _NEAR_SMALLEST_NORMAL
+    return bool((a - b) > 0)
 
 
 def _keeps_dtype(kernel: Any, leaves: Sequence[Tensor], z: Tensor) -> bool:
@@ -194,6 +211,7 @@ class LeakyKernel:
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         if mems is not None:
             mems[0] = mem
+        exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
         torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
         for t, z_t in enumerate(zin.unbind(0)):
@@ -206,7 +224,10 @@ class LeakyKernel:
                 mem = torch.sub(base, fired.float() * base, out=out)
             else:
                 mem = torch.add(decay * pre, z_t, out=out)
-            torch.gt(mem - thr, 0, out=fires[t + 1])
+            if exact:
+                torch.gt(mem, thr, out=fires[t + 1])
+            else:
+                torch.gt(mem - thr, 0, out=fires[t + 1])
         s = fires[1:].float()
         y = s if is_unit(graded) else s * graded
         # z only when an input scale's gradient needs it (a view of the chunk, alive anyway)
@@ -386,6 +407,7 @@ class SynapticKernel:
         syn, mem = leaves
         fired = mem - thr > 0
         thr_off = thr * 0
+        exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
         syns, mems, fires = [syn], [mem], [fired]
         for z_t in z.unbind(0):
             syn = a * syn + z_t
@@ -396,7 +418,7 @@ class SynapticKernel:
                 mem = base - base * fired.float()
             else:
                 mem = base
-            fired = mem - thr > 0
+            fired = mem > thr if exact else mem - thr > 0
             fires.append(fired)
             if keep or want_mem:
                 syns.append(syn)

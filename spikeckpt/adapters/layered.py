@@ -203,55 +203,44 @@ def _cleanup(block: Block) -> Callable[[], None]:
     return cleanup
 
 
-#: a weight's transposed copy for the gather is made a block of input columns at a time when
-#: the weight has more elements than this (4 MiB of float32): no weight-sized temporary
-GATHER_BLOCK = 1 << 20
+#: a gather transposes the weight a block of output rows at a time, at most this many
+#: elements (256 KiB of float32) per block: no weight-sized temporary
+GATHER_BLOCK = 1 << 16
 
 
 def _gather(
     weight: Tensor, n_rows: int, rows: Tensor, cols: Tensor, values: Tensor | None
 ) -> Tensor:
     """``flat @ weight.T`` (``(n_rows, out)``) from the non-zeros of ``flat``: a gather-sum
-    over the rows of ``weight.T``; for a large weight, over blocks of its input columns (each
-    block's partial sums added in block order: the same order in forward and recomputation)."""
+    over the rows of ``weight.T``, for a block of output features at a time (each block's
+    transposed copy is a contiguous slice of rows of ``weight``, fast to transpose). Every
+    output element is the same sum, in the same order, whatever the blocks."""
     out, n_in = weight.shape
-    if weight.numel() <= GATHER_BLOCK:
-        counts = torch.bincount(rows, minlength=n_rows)
+    counts = torch.bincount(rows, minlength=n_rows)
+    offsets = counts.cumsum(0) - counts
+    weight = weight.detach()
+    step = max(1, GATHER_BLOCK // max(1, n_in))
+    if step >= out:
         return nn.functional.embedding_bag(
-            cols, weight.t().contiguous(), counts.cumsum(0) - counts, mode="sum",
+            cols, weight.t().contiguous(), offsets, mode="sum", per_sample_weights=values
+        )
+    z = weight.new_empty(n_rows, out)
+    for o0 in range(0, out, step):
+        z[:, o0 : o0 + step] = nn.functional.embedding_bag(
+            cols, weight[o0 : o0 + step].t().contiguous(), offsets, mode="sum",
             per_sample_weights=values,
         )  # fmt: skip
-    step = max(1, GATHER_BLOCK // out)
-    block = cols // step
-    order = _column_order(block, -(-n_in // step))  # stable: row-major inside each block
-    ends = torch.bincount(block, minlength=-(-n_in // step)).cumsum(0).tolist()
-    z: Tensor | None = None
-    a = 0
-    for i, c0 in enumerate(range(0, n_in, step)):
-        take = order[a : ends[i]]
-        a = ends[i]
-        if not take.numel():
-            continue
-        r = rows[take]
-        counts = torch.bincount(r, minlength=n_rows)
-        part = nn.functional.embedding_bag(
-            cols[take] - c0,
-            weight[:, c0 : c0 + step].t().contiguous(),
-            counts.cumsum(0) - counts,
-            mode="sum",
-            per_sample_weights=None if values is None else values[take],
-        )
-        z = part if z is None else z.add_(part)
-    return weight.new_zeros(n_rows, out) if z is None else z
+    return z
 
 
 class _GatherLinear(torch.autograd.Function):
     """``flat @ weight.T + bias`` for a ``flat (rows, in)`` input given by its non-zeros
     (``rows``, ``cols`` ascending row-major, ``values`` or None for ones): a gather-sum over
-    the transposed weight (`_gather`); the weight gradient ``grad.T @ flat`` is a
-    gather-sum over the rows of ``grad``, one bag per input column, a block of columns at a
-    time, added into the engine's running sum when it offers a `GradSink`. No
-    weight-sized temporaries. The input needs no gradient."""
+    the transposed weight (`_gather`); the weight gradient ``grad.T @ flat`` is a gather-sum
+    over the rows of ``grad``, one bag per input column, a block of columns at a time, added
+    into the engine's running sum when it offers a `GradSink` (kept transposed, ``(in, out)``
+    row-major, so each block adds into contiguous rows). No weight-sized temporaries. The
+    input needs no gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -279,38 +268,33 @@ class _GatherLinear(torch.autograd.Function):
         rows, cols, values = ctx.saved_tensors
         grad_w = None
         if ctx.needs_input_grad[0]:
-            # grad.T @ flat as a gather-sum too: column j of the weight gradient sums the
-            # rows of ``grad`` where input j is non-zero (bags over the input's columns, rows
-            # ascending in each), a block of columns at a time
+            # grad.T @ flat as a gather-sum too: column j of the weight gradient sums the rows
+            # of ``grad`` where input j is non-zero (bags over the input's columns, rows
+            # ascending in each), for a block of output rows at a time: each block's bags come
+            # out (in, block) and are added, transposed, into the sum's contiguous rows
             order = _column_order(cols, ctx.n_in)
             counts = torch.bincount(cols, minlength=ctx.n_in)
-            ends = counts.cumsum(0)
-            rows, grad = rows[order], grad.contiguous()
+            rows = rows[order]
+            offsets = counts.cumsum(0) - counts
             weights = None if values is None else values[order]
             sink: GradSink | None = ctx.sink if ctx.sink is not None and ctx.sink.active else None
+            out, n_in = ctx.weight_shape
             target = None if sink is None else sink.target
-            if sink is not None and target is None:  # the first contribution: a new sum
-                target = sink.target = grad.new_zeros(ctx.weight_shape)
+            add = target is not None
             if target is None:
-                target = grad.new_empty(ctx.weight_shape)
-                add = False
-            else:
-                add = True
-            step = max(1, (1 << 18) // max(1, grad.shape[1]))  # columns per block (1 MiB)
-            for c0 in range(0, ctx.n_in, step):
-                c1 = min(ctx.n_in, c0 + step)
-                a = int(ends[c0 - 1]) if c0 else 0
+                target = grad.new_empty(out, n_in)
+                if sink is not None:
+                    sink.target = target
+            step = max(1, GATHER_BLOCK // max(1, n_in))
+            for o0 in range(0, out, step):
                 part = nn.functional.embedding_bag(
-                    rows[a : int(ends[c1 - 1])],
-                    grad,
-                    (ends[c0:c1] - counts[c0:c1]) - a,
-                    mode="sum",
-                    per_sample_weights=None if weights is None else weights[a : int(ends[c1 - 1])],
-                ).t()
+                    rows, grad[:, o0 : o0 + step].contiguous(), offsets, mode="sum",
+                    per_sample_weights=weights,
+                ).t().contiguous()  # fmt: skip
                 if add:
-                    target[:, c0:c1] += part
+                    target[o0 : o0 + step] += part
                 else:
-                    target[:, c0:c1] = part
+                    target[o0 : o0 + step] = part
             grad_w = None if sink is not None else target
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         return grad_w, grad_b, None, None, None, None, None

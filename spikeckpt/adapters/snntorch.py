@@ -365,13 +365,13 @@ def _atan_grad(spike: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
         return None
     scale, half = torch.pi / 2 * alpha, alpha / 2
 
-    def grad(u: Tensor, g: Tensor) -> Tensor:
-        out = u * scale
-        out.pow_(2)
-        out.add_(1)
-        out.reciprocal_()
-        out.mul_(half)
-        return out.mul_(g)
+    def grad(u: Tensor, g: Tensor) -> Tensor:  # u is the caller's to overwrite
+        u.mul_(scale)
+        u.pow_(2)
+        u.add_(1)
+        u.reciprocal_()
+        u.mul_(half)
+        return u.mul_(g)
 
     return grad
 

@@ -20,10 +20,11 @@ class GradSink:
     new parameter-sized tensor for the caller to add to its running sum.
 
     The engine sets `target` to its running sum of the parameter's gradient (or None
-    before the first contribution) around one backward pass; an op that supports the sink
-    adds its contribution into ``target`` (creating it, parameter-shaped and -strided, when
-    None) and returns no gradient for the parameter; the engine then takes ``target`` as the
-    sum. Sums keep their order: ``sum + contribution``, elementwise, as the plain loop's.
+    before the first contribution) around each backward pass of the block (`active`); an
+    op that supports the sink adds its contribution into ``target`` in place (creating it,
+    parameter-shaped, when None) and returns no gradient for the parameter; the engine then
+    takes ``target`` as the sum. Sums keep their order: ``sum + contribution``, elementwise,
+    as the plain loop's.
 
     Attributes:
         target: the running sum (parameter-shaped) or None.
@@ -34,9 +35,6 @@ class GradSink:
     def __init__(self) -> None:
         self.target: Tensor | None = None
         self.active = False
-
-
-__all__ = ["FeedGrads", "GradSink", "grad", "unseen_leaves"]
 
 
 class FeedGrads(torch.autograd.Function):

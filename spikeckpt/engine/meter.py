@@ -1,41 +1,65 @@
 """``MemoryMeter``: peak bytes of tensor memory allocated inside a ``with`` block.
 
-- CUDA (``device`` is a CUDA device and CUDA is available): the caching allocator's counters.
-  At entry the peak statistic is reset; ``peak_bytes = max_memory_allocated() - allocated at
-  entry``. Nested CUDA meters pass the peak seen so far to the enclosing ones before resetting.
-- Anything else (the CPU by default): torch has no CPU allocator statistics, so a
+Three ways to measure, chosen by the device and ``mode``:
+
+- CUDA (``device`` is a CUDA device and CUDA is available; ``mode`` ``"auto"`` or
+  ``"allocator"``): the caching allocator's counters. At entry the peak statistic is reset;
+  ``peak_bytes = max_memory_allocated() - allocated at entry``. Nested CUDA meters pass the peak
+  seen so far to the enclosing ones before resetting.
+- ``mode="tensors"`` (the default on the CPU): torch has no CPU allocator statistics, so a
   ``TorchDispatchMode`` records the storage of every tensor an op returns that does not alias
   an input (by the op's schema), counts each storage once, and subtracts it when the storage is
   freed (a ``weakref.finalize`` on it). ``peak_bytes`` is the peak of those live bytes. This
   matched the profiler within 1% and slows ops down (about 1.6x); backward passes run by this
-  thread are seen (the autograd engine carries the mode to the CPU backward).
+  thread are seen (the autograd engine carries the mode to the CPU backward). Under an active
+  dispatch mode, code compiled by ``torch.compile`` does **not** run compiled (dynamo skips the
+  frame, the code runs eagerly) and autograd accumulates gradients out of place: a compiled
+  training step is measured as if it were eager.
+- ``mode="allocator"`` on the CPU: the CPU allocator's own allocation and free events, recorded
+  by the profiler (``torch.profiler.profile(profile_memory=True)``, CPU activity only) and
+  replayed in order after the block: ``peak_bytes`` is the peak, above the level at entry, of
+  the bytes allocated inside the block and not yet freed. Nothing about how the code runs
+  changes: compiled functions run compiled (their own buffers are what is counted), gradients
+  accumulate as they do in a plain run. Only known after the block (reading ``peak_bytes``
+  inside raises); one such meter at a time, and not while another profiler runs (the profiler
+  does not nest). The profiler adds a few microseconds per op: time runs separately. A free
+  counts only for a block allocated inside the block (matched by address), so, as with
+  ``"tensors"``, only what is allocated inside counts (plus
+  [`MemoryMeter.track`][spikeckpt.engine.meter.MemoryMeter.track]). The
+  profiler (kineto) prints its start and stop to stderr.
 
 Tensors that exist before the block are not counted, unless passed to [`MemoryMeter.track`][spikeckpt.engine.meter.MemoryMeter.track]
 inside it (a training step's parameters, gradients, optimizer state and input batch): they
 then count as held from that moment until they are freed.
 
-Not seen on the CPU: tensors made in other threads (e.g. DataLoader workers, a disk tier's
-I/O thread), tensors created without an op (``torch.load``, ``torch.from_numpy``), NumPy
-arrays (the CPU spike codec's temporaries while it codes a tensor: its bit-packed bytes, or 8
-bytes per one for index lists; at most 1 MiB while unpacking), in-place growth of
-existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors.
+Not seen on the CPU: tensors made in other threads (e.g. DataLoader workers, a disk tier's I/O
+thread), NumPy arrays (the CPU spike codec's temporaries while it codes a tensor: its bit-packed
+bytes, or 8 bytes per one for index lists; at most 1 MiB while unpacking). With ``"tensors"``
+only: tensors created without an op (``torch.load``, ``torch.from_numpy``), in-place growth of
+existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors; the
+``"allocator"`` mode sees every block the CPU allocator hands out on the thread (but not
+``torch.from_numpy``'s, which NumPy owns).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from spikeckpt.errors import ConfigError, UsageError
 
-__all__ = ["MemoryMeter"]
+__all__ = ["MemoryMeter", "MeterMode"]
+
+MeterMode = Literal["auto", "tensors", "allocator"]
+_MODES = ("auto", "tensors", "allocator")
 
 _ALIASES: dict[Any, tuple[bool, ...]] = {}
 _CUDA_ACTIVE: list[MemoryMeter] = []
@@ -45,9 +69,20 @@ class MemoryMeter:
     """Measure the peak tensor memory of a block: ``with MemoryMeter() as m: ...``.
 
     Args:
-        device: the device to measure: a CUDA device uses the allocator's statistics; ``None``
-            or any other device uses the tensor-storage tracker for tensors on that device
-            (``None`` means the CPU).
+        device: the device to measure (``None`` means the CPU).
+        mode: how (see the module docstring): ``"auto"`` (default: the allocator's statistics
+            on CUDA, the tensor-storage tracker elsewhere), ``"tensors"`` (the tracker, a
+            ``TorchDispatchMode``, on any device: readable inside the block, nests; compiled
+            code runs eagerly under it) or ``"allocator"`` (the allocator's own figures:
+            CUDA statistics, or on the CPU the profiler's memory events; compiled code runs
+            compiled; on the CPU the figures exist after the block only). Measure compiled
+            runs with ``"allocator"``:
+
+            >>> import torch
+            >>> with MemoryMeter(mode="allocator") as m:
+            ...     y = torch.ones(1000).exp()  # 4000 bytes each, the first freed
+            >>> m.peak_bytes, m.current_bytes
+            (8000, 4000)
 
     Attributes:
         peak_bytes: most memory (bytes, relative to the block's entry) held at once by
@@ -59,10 +94,22 @@ class MemoryMeter:
         device: the measured device.
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, *, mode: MeterMode = "auto"
+    ) -> None:
+        if mode not in _MODES:
+            raise ConfigError(f"MemoryMeter mode must be one of {_MODES}, got {mode!r}")
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self._cuda = self.device.type == "cuda"
-        if self._cuda:
+        self.mode = mode
+        cuda_device = self.device.type == "cuda"
+        self._cuda = cuda_device and mode != "tensors"  # the CUDA allocator's statistics
+        self._profiled = not cuda_device and mode == "allocator"  # CPU allocator events
+        if self._profiled and self.device.type != "cpu":
+            raise ConfigError(
+                f"MemoryMeter({str(self.device)!r}, mode='allocator'): the allocator's figures "
+                "exist for CUDA and the CPU only; use mode='tensors' for this device"
+            )
+        if cuda_device:
             if not torch.cuda.is_available():
                 raise ConfigError(
                     f"MemoryMeter({str(self.device)!r}): CUDA is not available on this machine; "
@@ -71,6 +118,7 @@ class MemoryMeter:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self._tracker: _StorageTracker | None = None
+        self._events: _AllocatorEvents | None = None
         self._entry = 0
         self._tracked = 0  # CUDA: bytes of tensors from before the block passed to track()
         self._tracked_ptrs: set[int] = set()
@@ -86,6 +134,11 @@ class MemoryMeter:
         if self._cuda:
             peak = max(self._seen_peak, torch.cuda.max_memory_allocated(self.device))
             return peak - self._entry + self._tracked
+        if self._events is not None:
+            raise UsageError(
+                "MemoryMeter(mode='allocator') on the CPU knows its peak after the with-block "
+                "only (the profiler's events are read at exit)"
+            )
         return self._tracker.peak if self._tracker is not None else 0
 
     @property
@@ -95,6 +148,11 @@ class MemoryMeter:
             return self._current
         if self._cuda:
             return torch.cuda.memory_allocated(self.device) - self._entry + self._tracked
+        if self._events is not None:
+            raise UsageError(
+                "MemoryMeter(mode='allocator') on the CPU knows its bytes after the with-block "
+                "only (the profiler's events are read at exit)"
+            )
         return self._tracker.live if self._tracker is not None else 0
 
     def track(self, tensors: Iterable[Any]) -> int:
@@ -106,7 +164,8 @@ class MemoryMeter:
         until they are freed. Use it to measure a whole training step: parameters,
         gradients, optimizer state and the input batch are held before the step starts.
         On CUDA pass only tensors from before the block (the allocator already counts what
-        the block allocates). Returns the bytes added.
+        the block allocates); with ``mode="allocator"`` on the CPU likewise (a tensor made in
+        the block is counted by its allocation event already). Returns the bytes added.
 
         >>> import torch
         >>> weights = torch.zeros(1000)                # 4000 bytes, made before the block
@@ -116,8 +175,11 @@ class MemoryMeter:
         >>> added, m.peak_bytes
         (4000, 5000)
         """
-        if self._peak is not None or (self._tracker is None and self not in _CUDA_ACTIVE):
+        active = self._tracker is not None or self._events is not None or self in _CUDA_ACTIVE
+        if self._peak is not None or not active:
             raise UsageError("MemoryMeter.track is used inside the with-block")
+        if self._events is not None:
+            return self._events.track(tensors)
         if self._tracker is not None:
             before = self._tracker.live
             for tensor in tensors:
@@ -140,9 +202,21 @@ class MemoryMeter:
         return added
 
     def __enter__(self) -> MemoryMeter:
-        if self._tracker is not None or (self._cuda and self in _CUDA_ACTIVE):
+        if (
+            self._tracker is not None
+            or self._events is not None
+            or (self._cuda and self in _CUDA_ACTIVE)
+        ):
             raise UsageError("this MemoryMeter is already in use: make one per with-block")
         self._peak = self._current = None
+        if self.mode == "allocator" and _get_current_dispatch_mode_stack():
+            warnings.warn(
+                "MemoryMeter(mode='allocator') entered under an active TorchDispatchMode "
+                f"({type(_get_current_dispatch_mode_stack()[-1]).__name__}, e.g. a "
+                "MemoryMeter(mode='tensors') left open): under it torch.compile'd code runs "
+                "eagerly, so this measures an eager run; close that mode first",
+                stacklevel=2,
+            )
         if self._cuda:
             peak_now = torch.cuda.max_memory_allocated(self.device)
             for outer in _CUDA_ACTIVE:
@@ -154,6 +228,10 @@ class MemoryMeter:
             self._tracked = 0
             self._tracked_ptrs = set()
             _CUDA_ACTIVE.append(self)
+        elif self._profiled:
+            events = _AllocatorEvents()
+            events.start()
+            self._events = events
         else:
             self._tracker = _StorageTracker(self.device)
             self._tracker.__enter__()
@@ -169,6 +247,11 @@ class MemoryMeter:
             self._peak = self.peak_bytes
             self._current = self.current_bytes
             _CUDA_ACTIVE.remove(self)
+        elif self._profiled:
+            events = self._events
+            assert events is not None
+            self._events = None
+            self._peak, self._current = events.stop()
         else:
             tracker = self._tracker
             assert tracker is not None
@@ -178,9 +261,11 @@ class MemoryMeter:
             self._tracker = None
 
     def __repr__(self) -> str:
+        if self._events is not None:
+            return f"MemoryMeter(device={str(self.device)!r}, mode={self.mode!r}, measuring)"
         return (
-            f"MemoryMeter(device={str(self.device)!r}, peak_bytes={self.peak_bytes}, "
-            f"current_bytes={self.current_bytes})"
+            f"MemoryMeter(device={str(self.device)!r}, mode={self.mode!r}, "
+            f"peak_bytes={self.peak_bytes}, current_bytes={self.current_bytes})"
         )
 
 
@@ -270,3 +355,106 @@ def _input_pointers(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set
         elif isinstance(value, (list, tuple)):
             pending.extend(value)
     return pointers
+
+
+_MARK = "spikeckpt.MemoryMeter.track#"
+
+
+class _AllocatorEvents:
+    """The CPU allocator's events of one with-block: recorded by the profiler, replayed at exit.
+
+    The profiler records, on the thread that starts it, every allocation and free the CPU
+    allocator reports (``[memory]`` events, bytes signed) and every ``record_function``.
+    Tensors passed to ``track`` become a marker event carrying their bytes, and a marker
+    carrying minus those bytes when their storage is freed: the replay at ``stop`` adds every
+    CPU event in time order and keeps the running maximum.
+    """
+
+    def __init__(self) -> None:
+        self._profile: Any = None
+        self._amounts: list[int] = []  # bytes of marker k (negative: tracked bytes freed)
+        self._tracked: set[int] = set()  # data pointers of tracked storages
+        self._finalizers: list[weakref.finalize] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        from torch.autograd import profiler as autograd_profiler
+        from torch.profiler import ProfilerActivity, profile
+
+        if autograd_profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
+            raise UsageError(
+                "MemoryMeter(mode='allocator') on the CPU records the profiler's memory events, "
+                "and a profiler is already running (another such meter, or torch.profiler): "
+                "the profiler does not nest; measure with one of them at a time"
+            )
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+
+    def _mark(self, nbytes: int) -> None:
+        with self._lock:
+            index = len(self._amounts)
+            self._amounts.append(nbytes)
+        with torch.profiler.record_function(f"{_MARK}{index}"):
+            pass
+
+    def track(self, tensors: Iterable[Any]) -> int:
+        """Count the storages of ``tensors`` (on the CPU, strided) as allocated now."""
+        added = 0
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                continue
+            if tensor.device.type != "cpu":
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in self._tracked:
+                continue
+            self._tracked.add(ptr)
+            self._finalizers.append(weakref.finalize(storage, self._mark, -nbytes))
+            added += nbytes
+        if added:
+            self._mark(added)
+        return added
+
+    def stop(self) -> tuple[int, int]:
+        """Stop recording; ``(peak, live at exit)`` in bytes above the level at entry.
+
+        A free counts only for a block allocated inside the block (matched by address): the
+        allocator also reports frees of blocks it handed out while an earlier profiler ran.
+        """
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+        profile = self._profile
+        profile.__exit__(None, None, None)
+        allocation = torch._C._profiler._ExtraFields_Allocation
+        # (time, preorder index, value): an allocator event's fields, or a marker's bytes
+        timeline: list[tuple[int, int, Any]] = []
+        pending = list(reversed(profile.profiler.kineto_results.experimental_event_tree()))
+        while pending:  # preorder: a parent before its children, children in time order
+            event = pending.pop()
+            pending.extend(reversed(event.children))
+            fields = event.extra_fields
+            if isinstance(fields, allocation):
+                if fields.device.type == "cpu":
+                    timeline.append((event.start_time_ns, len(timeline), fields))
+            elif event.name.startswith(_MARK):
+                amount = self._amounts[int(event.name[len(_MARK) :])]
+                timeline.append((event.start_time_ns, len(timeline), amount))
+        timeline.sort(key=lambda item: (item[0], item[1]))
+        blocks: dict[int, int] = {}  # address -> bytes of the blocks allocated inside
+        live = peak = 0
+        for _, _, value in timeline:
+            if isinstance(value, int):
+                live += value
+            elif value.alloc_size > 0:
+                blocks[value.ptr] = value.alloc_size
+                live += value.alloc_size
+            else:
+                live -= blocks.pop(value.ptr, 0)
+            if live > peak:
+                peak = live
+        return peak, live

@@ -201,6 +201,15 @@ class MemoryBudget(Callback):
             self._meter.__exit__(None, None, None)
             self._meter = None
 
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """A failed fit (a refused budget, an error in a step) gets no ``teardown`` call from
+        Lightning: undo here what ``setup`` installed and close the step's meter, which would
+        otherwise stay active in the process (a dispatch mode: every later op slowed down, and
+        ``torch.compile`` skipped)."""
+        self.teardown(trainer, pl_module, "fit")
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
         total = self.budget

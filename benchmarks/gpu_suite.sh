@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The GPU suite, one command (issue 24): on a machine with a CUDA device, run
+#   1. the CUDA tests: every test file under tests/ with a CUDA case (`torch.cuda.is_available`
+#      in it), CPU cases included, with the skip reasons listed (a CUDA test skipped on a CUDA
+#      machine is reported as a failure);
+#   2. the budget harness's CUDA branch: tests/test_budget_promise.py (its Trainer uses
+#      accelerator="auto": the GPU, measured with the CUDA allocator), slow cases included, and
+#      its per-step table (`python tests/test_budget_promise.py`);
+#   3. the peers' benchmark on the GPU: benchmarks/bench_peers.py --device cuda, n = 512, 2048,
+#      8192;
+#   4. the T = 1000 / 4000 table on the GPU: benchmarks/bench_table.py --device cuda --fused
+#      (stack and layer-wise, fused and not where spikeckpt.wrap has fuse=/compile=);
+# and write one Markdown report: every step's command, exit status, time and output.
+#
+#   bash benchmarks/gpu_suite.sh [REPORT]          # default REPORT: gpu_report.md
+#
+# Environment: PYTHON (default: python), PEERS_N (default: "512 2048 8192"), TABLE_T (default:
+# "1000 4000"), REPEATS (timed rounds of both benchmarks, default 3), THREADS (torch CPU threads
+# of the benchmarks, default 1), PYTEST_ARGS (added to both pytest runs, e.g. "-k cuda").
+# Exits 2 at once, writing nothing, when no CUDA device is present; else 1 when any step
+# failed, 0 when all passed. SUITE_DEVICE=cpu runs the same steps on the CPU (no CUDA check,
+# the benchmarks with --device cpu): only to check the suite itself on a machine without a GPU,
+# e.g. SUITE_DEVICE=cpu PEERS_N=32 TABLE_T=200 REPEATS=1 PYTEST_ARGS="-k 'cuda or device'" \
+#   bash benchmarks/gpu_suite.sh /tmp/suite-check.md
+set -uo pipefail
+
+REPORT=${1:-gpu_report.md}
+PYTHON=${PYTHON:-python}
+PEERS_N=${PEERS_N:-512 2048 8192}
+TABLE_T=${TABLE_T:-1000 4000}
+REPEATS=${REPEATS:-3}
+THREADS=${THREADS:-1}
+DEVICE=${SUITE_DEVICE:-cuda}
+eval "EXTRA=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS="-k 'cuda or gpu'" works
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+case "$REPORT" in /*) ;; *) REPORT="$PWD/$REPORT" ;; esac
+cd "$ROOT" || exit 2
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's spikeckpt
+
+if [ "$DEVICE" != cuda ] && [ "$DEVICE" != cpu ]; then
+    echo "gpu_suite.sh: SUITE_DEVICE must be cuda (default) or cpu, got '$DEVICE'" >&2
+    exit 2
+fi
+if ! "$PYTHON" -c "import torch, spikeckpt" >/dev/null 2>&1; then
+    echo "gpu_suite.sh: '$PYTHON' cannot import torch and spikeckpt: activate the environment" \
+        "(pip install -e \".[all,dev]\") or set PYTHON=/path/to/python" >&2
+    exit 2
+fi
+if [ "$DEVICE" = cuda ] &&
+    ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_suite.sh: no CUDA device is available here (torch.cuda.is_available() is False" \
+        "with $PYTHON, torch $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)):" \
+        "this suite runs on a machine with an NVIDIA GPU and a CUDA build of torch; nothing was" \
+        "run and no report was written" >&2
+    exit 2
+fi
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-suite.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+FAILED=()
+
+{
+    echo "# spikeckpt GPU suite"
+    echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'), host $(hostname)"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+    "$PYTHON" - <<'EOF'
+import importlib.metadata as m
+import torch
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"- device: {torch.cuda.get_device_name(0)}, {p.total_memory / 2**30:.1f} GiB, "
+          f"{torch.cuda.device_count()} visible; CUDA {torch.version.cuda}")
+else:
+    print("- device: **no CUDA device: SUITE_DEVICE=cpu, a check of the suite itself; no GPU "
+          "figures here**")
+found = []
+for name in ("torch", "snntorch", "norse", "spikingjelly", "lightning", "triton"):
+    try:
+        found.append(f"{name} {m.version(name)}")
+    except m.PackageNotFoundError:
+        found.append(f"{name} -")
+print("- versions: " + ", ".join(found))
+EOF
+    echo "- CPU: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"
+    echo
+} >"$REPORT"
+
+# step TITLE COMMAND...: run it, keep its output, append a section to the report.
+step() {
+    local title=$1
+    shift
+    local log="$WORK/step.log" start end status command
+    command=$(printf '%q ' "$@")
+    echo "== $title: $command" >&2
+    start=$(date +%s)
+    "$@" >"$log" 2>&1
+    status=$?
+    end=$(date +%s)
+    if [ "$status" -ne 0 ]; then FAILED+=("$title"); fi
+    {
+        echo "## $title"
+        echo
+        echo "\`${command% }\`: exit $status, $((end - start)) s"
+        echo
+        # Markdown tables go in as tables; the rest as text (the last 200 lines)
+        grep '^|' "$log" || true
+        echo
+        echo '```text'
+        grep -v '^|' "$log" | grep -v -e '^USDT:' -e 'DeviceProperties.cpp' | tail -n 200
+        echo '```'
+        echo
+    } >>"$REPORT"
+    echo "   exit $status after $((end - start)) s" >&2
+    return 0
+}
+
+# 1. the CUDA tests
+mapfile -t CUDA_FILES < <(grep -l 'cuda.is_available' tests/test_*.py)
+step "CUDA tests (${#CUDA_FILES[@]} files)" \
+    "$PYTHON" -m pytest -n 4 -q -rs -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} "${CUDA_FILES[@]}"
+# the tests' CUDA skips say "needs a CUDA GPU", "needs CUDA", "needs a CUDA device"
+if [ "$DEVICE" = cuda ] && grep -iE 'SKIPPED.*needs.*(cuda|gpu)' "$WORK/step.log" >/dev/null; then
+    FAILED+=("CUDA tests skipped on a CUDA machine")
+    {
+        echo "**CUDA tests were skipped on this CUDA machine:**"
+        echo
+        grep -iE 'SKIPPED.*needs.*(cuda|gpu)' "$WORK/step.log" | sed 's/^/- /'
+        echo
+    } >>"$REPORT"
+fi
+
+# 2. the budget harness on the GPU: the promise (every step within MemoryBudget) and its table
+step "budget harness (tests/test_budget_promise.py, accelerator=auto)" \
+    "$PYTHON" -m pytest -n 0 -q -rs -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} tests/test_budget_promise.py
+step "budget harness: per-step peaks, $DEVICE" "$PYTHON" tests/test_budget_promise.py
+
+# 3. the peers' benchmark
+# shellcheck disable=SC2086  # PEERS_N is a list of sizes
+step "peers' benchmark (Linear + LIF, batch 16, T = 500), $DEVICE" \
+    "$PYTHON" benchmarks/bench_peers.py --device "$DEVICE" --n $PEERS_N --threads "$THREADS" \
+    --repeats "$REPEATS"
+
+# 4. the T = 1000 / 4000 table, fused and not
+# shellcheck disable=SC2086
+step "T = 1000 / 4000 table (200-256-10, batch 16), $DEVICE" \
+    "$PYTHON" benchmarks/bench_table.py --device "$DEVICE" --fused --chunks 25 --T $TABLE_T \
+    --threads "$THREADS" --repeats "$REPEATS"
+
+{
+    echo "## Summary"
+    echo
+    if [ ${#FAILED[@]} -eq 0 ]; then
+        echo "Every step passed."
+    else
+        echo "Failed: $(printf '%s; ' "${FAILED[@]}")"
+    fi
+} >>"$REPORT"
+echo "wrote $REPORT" >&2
+[ ${#FAILED[@]} -eq 0 ]
