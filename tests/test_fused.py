@@ -324,3 +324,47 @@ def test_the_one_comparison_spike_is_used_only_while_subnormals_are_kept() -> No
         assert torch.equal(fused, plain)
     finally:
         torch.set_flush_denormal(False)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    reset=st.sampled_from(["subtract", "none", "zero"]),
+    learn=st.booleans(),
+    double=st.booleans(),
+    T=st.integers(1, 12),
+    chunk=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_the_numpy_loop_of_small_steps_is_bitwise_the_torch_loop(
+    reset: str, learn: bool, double: bool, T: int, chunk: int, seed: int
+) -> None:
+    """Small CPU steps run the membrane recurrence through NumPy (`host_loops`); with the
+    threshold lowered so that every step runs the torch loop, spikes, membranes and
+    gradients are bitwise the same, per-neuron and learnable decays, float64 included."""
+    from spikeckpt.adapters import host_loops
+
+    dtype = torch.float64 if double else torch.float32
+    torch.manual_seed(seed)
+    n = 6
+    beta = torch.rand(n) * 1.1 if learn else 0.9
+    neuron = snn.Leaky(beta=beta, learn_beta=learn, reset_mechanism=reset, threshold=0.6)
+    net = nn.Sequential(nn.Linear(4, n), neuron).to(dtype)
+    x = (torch.rand(T, 3, 4, dtype=dtype) * 2).requires_grad_()
+    results = []
+    for limit in (host_loops.HOST_LOOP_ELEMENTS, -1):
+        previous, host_loops.HOST_LOOP_ELEMENTS = host_loops.HOST_LOOP_ELEMENTS, limit
+        try:
+            seq = sc.wrap(net, granularity="layer", chunk=min(chunk, T), output="both")
+            spikes, mems = seq(x)
+            assert seq.last_stats.blocks[0].neuron == "fused"
+            grads = torch.autograd.grad(
+                (spikes * 0.5 + mems * torch.linspace(-1, 1, n, dtype=dtype)).sum(),
+                [x, *(p for p in net.parameters() if p.requires_grad)],
+            )
+        finally:
+            host_loops.HOST_LOOP_ELEMENTS = previous
+        results.append((spikes.detach(), mems.detach(), grads))
+    (s_a, m_a, g_a), (s_b, m_b, g_b) = results
+    assert torch.equal(s_a, s_b) and torch.equal(m_a, m_b)
+    for a, b in zip(g_a, g_b, strict=True):
+        assert torch.equal(a, b)

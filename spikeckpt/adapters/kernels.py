@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from spikeckpt.adapters.host_loops import leaky_backward_on_host, leaky_forward_on_host
 from spikeckpt.engine.grad import grad as engine_grad
 
 __all__ = [
@@ -214,7 +215,14 @@ class LeakyKernel:
         exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
         torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
-        for t, z_t in enumerate(zin.unbind(0)):
+        on_host = exact and k > 0 and self.reset in ("subtract", "none")
+        if on_host:
+            rows = mems if mems is not None else mem.new_empty((2, *mem.shape))
+            subtract = self.reset == "subtract"
+            on_host = leaky_forward_on_host(mem, zin, decay, thr, subtract, rows, fires)
+            if on_host:
+                mem = rows[k % rows.shape[0]]
+        for t, z_t in enumerate(() if on_host else zin.unbind(0)):
             fired, out = fires[t], (mems[t + 1] if mems is not None else None)
             pre = torch.where(fired, mem * 0, mem) if self.reset == "zero_before" else mem
             if self.reset == "subtract":
@@ -265,13 +273,18 @@ class LeakyKernel:
             g += g_mem
         keep_old = (~fired[:-1]).to(g.dtype) if zero else None  # (1 - r_t)
         carry = g_final[0]
-        for t in range(k - 1, -1, -1):
+        host_carry = None
+        if self.reset in ("subtract", "none"):
+            host_carry = leaky_backward_on_host(g, decay, carry)
+        for t in range(k - 1, -1, -1) if host_carry is None else ():
             if carry is not None:
                 g[t] += carry
             g_base = g[t] * keep_old[t] if self.reset == "zero_after" else g[t]  # type: ignore[index]
             carry = decay * g_base
             if self.reset == "zero_before":
                 carry = carry * keep_old[t]  # type: ignore[index]
+        if host_carry is not None:
+            carry = host_carry
         if want[1] and self.reset == "subtract":  # mem_t = base - r_t * thr
             part = reduce_product(g, fired[:-1], thr)
             thr_grad = -part if thr_grad is None else thr_grad - part

@@ -195,10 +195,12 @@ def _kernel_matches_step(
     return True
 
 
-def _cleanup(block: Block) -> Callable[[], None]:
+def _cleanup(block: Block, *caches: _Transposed) -> Callable[[], None]:
     def cleanup() -> None:
         for layer in (*block.synapses, block.neuron):
             layer.cleanup()
+        for cache in caches:
+            cache.clear()
 
     return cleanup
 
@@ -208,21 +210,52 @@ def _cleanup(block: Block) -> Callable[[], None]:
 GATHER_BLOCK = 1 << 16
 
 
+class _Transposed:
+    """A small weight transposed, ``(in, out)`` contiguous, made once per pass of the engine
+    and dropped by the block's cleanup at the end of the pass (a weight changed between
+    passes, even through ``.data``, is transposed afresh): only weights of at most
+    `GATHER_BLOCK` elements, so it costs at most 256 KiB."""
+
+    def __init__(self) -> None:
+        self.value: Tensor | None = None
+        self.key: tuple[int, int] = (0, 0)
+
+    def of(self, weight: Tensor) -> Tensor | None:
+        """``weight.T`` contiguous, or None for a weight above `GATHER_BLOCK` elements."""
+        if weight.numel() > GATHER_BLOCK:
+            return None
+        key = (weight.data_ptr(), weight._version)
+        if self.value is None or self.key != key:
+            self.value, self.key = weight.detach().t().contiguous(), key
+        return self.value
+
+    def clear(self) -> None:
+        self.value = None
+
+
 def _gather(
-    weight: Tensor, n_rows: int, rows: Tensor, cols: Tensor, values: Tensor | None
+    weight: Tensor,
+    n_rows: int,
+    rows: Tensor,
+    cols: Tensor,
+    values: Tensor | None,
+    transposed: Tensor | None = None,
 ) -> Tensor:
     """``flat @ weight.T`` (``(n_rows, out)``) from the non-zeros of ``flat``: a gather-sum
     over the rows of ``weight.T``, for a block of output features at a time (each block's
     transposed copy is a contiguous slice of rows of ``weight``, fast to transpose). Every
-    output element is the same sum, in the same order, whatever the blocks."""
+    output element is the same sum, in the same order, whatever the blocks; ``transposed``
+    is ``weight.T`` contiguous when the caller keeps one."""
     out, n_in = weight.shape
     counts = torch.bincount(rows, minlength=n_rows)
     offsets = counts.cumsum(0) - counts
     weight = weight.detach()
     step = max(1, GATHER_BLOCK // max(1, n_in))
     if step >= out:
+        if transposed is None:
+            transposed = weight.t().contiguous()
         return nn.functional.embedding_bag(
-            cols, weight.t().contiguous(), offsets, mode="sum", per_sample_weights=values
+            cols, transposed, offsets, mode="sum", per_sample_weights=values
         )
     z = weight.new_empty(n_rows, out)
     for o0 in range(0, out, step):
@@ -252,8 +285,9 @@ class _GatherLinear(torch.autograd.Function):
         cols: Tensor,
         values: Tensor | None,
         sink: GradSink | None,
+        transposed: Tensor | None,
     ) -> Tensor:
-        z = _gather(weight, n_rows, rows, cols, values)
+        z = _gather(weight, n_rows, rows, cols, values, transposed)
         if bias is not None:
             z.add_(bias)
         ctx.save_for_backward(rows, cols, values)
@@ -297,7 +331,7 @@ class _GatherLinear(torch.autograd.Function):
                     target[o0 : o0 + step] = part
             grad_w = None if sink is not None else target
         grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
-        return grad_w, grad_b, None, None, None, None, None
+        return grad_w, grad_b, None, None, None, None, None, None
 
 
 def _column_order(cols: Tensor, n_in: int) -> Tensor:
@@ -310,11 +344,14 @@ def _column_order(cols: Tensor, n_in: int) -> Tensor:
 
 
 def _sparse_synapse(
-    synapses: Sequence[LayerAdapter], sink: GradSink | None = None
+    synapses: Sequence[LayerAdapter],
+    sink: GradSink | None = None,
+    transposed: _Transposed | None = None,
 ) -> Callable[[Tensor | SparseChunk], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
     module docstring), or None unless the synapse is exactly one plain ``nn.Linear``. It takes
-    the dense chunk or a packed train's `SparseChunk`."""
+    the dense chunk or a packed train's `SparseChunk`; ``transposed`` keeps a small weight's
+    transpose for the pass."""
     if len(synapses) != 1:
         return None
     inner = _batched_inner(synapses[0])
@@ -351,7 +388,8 @@ def _sparse_synapse(
             where = torch.nonzero(flat)
             rows, cols = where[:, 0], where[:, 1]
             values = flat[rows, cols]
-        z = _GatherLinear.apply(weight, bias, n_rows, rows, cols, values, sink)
+        t_weight = None if transposed is None else transposed.of(weight)
+        z = _GatherLinear.apply(weight, bias, n_rows, rows, cols, values, sink, t_weight)
         return z.reshape(*shape[:-1], z.shape[-1])
 
     return synapse
@@ -382,6 +420,7 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
         }
         kernel = block.neuron.chunk_kernel()
         sink, sinks = _weight_sink(block.synapses)
+        transposed = _Transposed()
         out.append(
             LayerBlock(
                 name=block.name,
@@ -390,8 +429,8 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
                 membrane=block.neuron.membrane,
                 draws_random=_draws_random(block),
                 params=list(params.values()),
-                cleanup=_cleanup(block),
-                sparse_synapse=_sparse_synapse(block.synapses, sink),
+                cleanup=_cleanup(block, transposed),
+                sparse_synapse=_sparse_synapse(block.synapses, sink, transposed),
                 sinks=sinks,
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
             )
