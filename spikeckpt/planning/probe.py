@@ -216,7 +216,7 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
 
 
 #: Chunk lengths `layerwise_working_bytes` runs (each over two chunks).
-LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8)
+LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8, 16)
 #: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
