@@ -34,6 +34,7 @@ from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
+from spikeckpt.plans.account import StepSizes
 from spikeckpt.plans.simulate import CostModel
 from spikeckpt.storage.base import Ledger, tensor_nbytes
 from spikeckpt.storage.tiers import make_store
@@ -120,6 +121,31 @@ class Probe:
             write=self.write_seconds,
             read=self.read_seconds,
             segment=self.segment_seconds,
+        )
+
+    def sizes(
+        self,
+        params: Sequence[Tensor],
+        *,
+        input_bytes: int,
+        stacked: bool,
+        grad_in_step: bool = True,
+    ) -> StepSizes:
+        """What the account needs of this probe ([`StepSizes`][spikeckpt.plans.account.StepSizes],
+        bytes): its state, tape, working and output bytes, ``input_bytes`` of input on the
+        device, the outputs ``stacked`` or not, and the gradients of the ``params`` that require
+        grad (``.grad`` in the step unless ``grad_in_step`` is False)."""
+        trainable = [p for p in params if p.requires_grad]
+        return StepSizes(
+            state=self.state_bytes,
+            tape=self.step_bytes,
+            work=self.work_bytes,
+            output=self.output_bytes,
+            input=input_bytes,
+            stacked=stacked,
+            grads=trainable_bytes(trainable),
+            largest=max((tensor_nbytes(p) for p in trainable), default=0),
+            grad_in_step=grad_in_step,
         )
 
 

@@ -27,7 +27,7 @@ from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import first_step
 from spikeckpt.engine.function import Job, run_job
 from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
-from spikeckpt.engine.measure import probe_step, trainable_bytes, work_bytes
+from spikeckpt.engine.measure import probe_step, work_bytes
 from spikeckpt.engine.planned import (
     check_plan,
     needs_measuring,
@@ -53,7 +53,6 @@ from spikeckpt.plans.account import (
 )
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.schedule import Schedule
-from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import require_binary
 from spikeckpt.storage.tiers import check_storage, make_store
 from spikeckpt.units import parse_bytes
@@ -472,16 +471,7 @@ def _measured_plan(
         # input slices on the device are views of the inputs: no memory of the tape's
         exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
     )
-    sizes = StepSizes(
-        state=probe.state_bytes,
-        tape=probe.step_bytes,
-        work=probe.work_bytes,
-        output=probe.output_bytes,
-        input=x_bytes,
-        stacked=options.readout is None,
-        grads=trainable_bytes(param_list),
-        largest=max((tensor_nbytes(p) for p in param_list), default=0),
-    )
+    sizes = probe.sizes(param_list, input_bytes=x_bytes, stacked=options.readout is None)
     on_device = host_is_device(storage, device.type)
     costs = probe.costs()
     if isinstance(plan, str) or needs_intervals(plan):

@@ -39,7 +39,6 @@ from spikeckpt.planning.probe import (
     probe_model,
     scaled_sizes,
     step_work_bytes,
-    trainable_bytes,
 )
 from spikeckpt.plans import CostModel
 from spikeckpt.plans.account import (
@@ -54,7 +53,6 @@ from spikeckpt.plans.account import (
 from spikeckpt.plans.choose import minimum_budget
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
-from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.units import parse_bytes
 
 __all__ = ["BudgetPlanner"]
@@ -225,15 +223,10 @@ class BudgetPlanner:
         if working is not None:
             working = working.scaled(batch, probe.batch)
         probe = probe.scaled(batch)
-        sizes = StepSizes(
-            state=probe.state_bytes,
-            tape=probe.step_bytes,
-            work=probe.work_bytes,
-            output=probe.output_bytes,
-            input=x_bytes,
+        sizes = probe.sizes(
+            params,
+            input_bytes=x_bytes,
             stacked=model.readout is None,
-            grads=trainable_bytes(params),
-            largest=max((tensor_nbytes(p) for p in params), default=0),
             grad_in_step=self.grad_in_step,
         )
         return _Measured(
