@@ -368,3 +368,28 @@ def test_the_numpy_loop_of_small_steps_is_bitwise_the_torch_loop(
     assert torch.equal(s_a, s_b) and torch.equal(m_a, m_b)
     for a, b in zip(g_a, g_b, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_weight_changed_between_steps_is_read_afresh_even_through_data() -> None:
+    """The sparse first synapse keeps a small weight's transpose for one pass only: a weight
+    changed between training steps (an optimizer's in-place update, or ``.data`` writes
+    that do not bump the version counter) gives the results of the changed weight."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 12), snn.Leaky(beta=0.9))
+    x = (torch.rand(9, 3, 20) < 0.05).float()  # sparse enough for the gather
+    seq = sc.wrap(net, granularity="layer", chunk=4, readout="sum")
+    fresh = sc.wrap(net, granularity="layer", chunk=4, readout="sum")
+    for change in (lambda w: w.data.mul_(-1.5), lambda w: w.data.copy_(torch.randn_like(w))):
+        seq(sc.SpikeTrain.from_dense(x)).sum().backward()
+        with torch.no_grad():
+            change(net[0].weight)
+        net.zero_grad(set_to_none=True)
+        got = seq(sc.SpikeTrain.from_dense(x))
+        got.sum().backward()
+        got_grad = net[0].weight.grad.clone()
+        net.zero_grad(set_to_none=True)
+        want = fresh(sc.SpikeTrain.from_dense(x))
+        want.sum().backward()
+        assert torch.equal(got, want)
+        assert torch.equal(got_grad, net[0].weight.grad)
+        net.zero_grad(set_to_none=True)
