@@ -424,12 +424,14 @@ def test_measured_working_interpolates_and_extends_by_its_slope() -> None:
     working = plans.MeasuredWorking(((1, 700), (2, 730), (4, 800), (8, 1000)), base_slope=80)
     assert working.slope == 80  # the chords (30, 35, 50 per step) are below the cost model's
     assert [working(k) for k in (1, 2, 3, 4, 6, 8)] == [700, 730, 765, 800, 900, 1000]
-    assert working(16) == 1000 + 8 * 80
+    # past the longest length: the slope raised by EXTRAPOLATION_MARGIN (5/4)
+    assert plans.layerwise.EXTRAPOLATION_MARGIN == (5, 4)
+    assert working(16) == 1000 + 8 * 100
     steep = plans.MeasuredWorking(((1, 100), (2, 300)), base_slope=80)
-    assert steep.slope == 200 and steep(5) == 300 + 3 * 200
+    assert steep.slope == 200 and steep(5) == 300 + 3 * 250
     # what a probe of the first lengths alone would have found
     assert working.prefix(2) == plans.MeasuredWorking(((1, 700), (2, 730)), 80)
-    assert working.prefix(2)(8) == 730 + 6 * 80 > working(8)
+    assert working.prefix(2)(8) == 730 + 6 * 100 > working(8)
     assert working.scaled(32, 16)(8) == 2000 and working.scaled(8, 16) is working
     blocks = [plans.BlockSizes(16, 100, 40, 20, 0.1)]
     cost = plans.layerwise_cost(100, 6, blocks, working=working)
@@ -455,7 +457,8 @@ def test_measured_working_never_falls_and_bounds_every_point(
     assert working(k) <= working(k + 1)
     for length, bytes_ in zip(lengths, held, strict=True):
         assert working(length) == bytes_
-    assert working(k + 1) - working(k) <= working.slope
+    numerator, denominator = plans.layerwise.EXTRAPOLATION_MARGIN
+    assert working(k + 1) - working(k) <= -(-working.slope * numerator // denominator)
 
 
 @settings(max_examples=60, deadline=None)

@@ -38,6 +38,7 @@ from spikeckpt.errors import ConfigError
 from spikeckpt.plans.simulate import CostModel
 
 __all__ = [
+    "EXTRAPOLATION_MARGIN",
     "BlockSizes",
     "LayerwiseCost",
     "MeasuredWorking",
@@ -93,6 +94,16 @@ def steepest_chord(points: Sequence[tuple[int, int]], floor: int) -> int:
     return max([floor, *chords])
 
 
+#: Past the longest measured chunk the working set grows by the last chords' slope times
+#: ``numerator / denominator``: the measured lengths end where the peak is still turning from
+#: the gradient sums' to the tape's, and the tape grows faster than the last chord says
+#: (measured, real step against the chord of the two longest probed lengths: 83 against
+#: 69.6 KB per step, 1.19x, on 100-256-10 with a packed input on disk; 37.4 against 34.3 KB,
+#: 1.09x, on the same net at batch 8 with host storage, where a 3x-smallest budget ran over by
+#: 0.7% without the margin)
+EXTRAPOLATION_MARGIN = (5, 4)
+
+
 @dataclass(frozen=True)
 class MeasuredWorking:
     """A layer-wise step's working set, measured at a few chunk lengths (bytes, whole batch).
@@ -101,8 +112,9 @@ class MeasuredWorking:
     while the parameters' gradient sums are held (they do not grow with the chunk), at long
     ones while a block's tape over the chunk is. ``working(k)`` is the measured bytes at a
     measured length, the chord between two, the first one below them, and past the longest
-    ``points[-1] + slope * (k - k_last)``: [`slope`][spikeckpt.plans.layerwise.MeasuredWorking.slope] bounds how fast any part of the peak
-    grows (the steepest chord, at least the cost model's).
+    ``points[-1] + slope * (k - k_last)`` with the slope raised by `EXTRAPOLATION_MARGIN`:
+    [`slope`][spikeckpt.plans.layerwise.MeasuredWorking.slope] bounds how fast any part of the
+    peak grows (the steepest chord, at least the cost model's).
 
     Attributes:
         points: ``(chunk, bytes)`` measured, chunk lengths increasing, bytes not falling.
@@ -136,7 +148,9 @@ class MeasuredWorking:
         if chunk <= first[0]:
             return first[1]
         if chunk >= last[0]:
-            return last[1] + self.slope * (chunk - last[0])
+            numerator, denominator = EXTRAPOLATION_MARGIN
+            past = -(-self.slope * numerator // denominator)
+            return last[1] + past * (chunk - last[0])
         for (ka, wa), (kb, wb) in zip(self.points, self.points[1:], strict=False):
             if ka <= chunk <= kb:
                 return wa + -(-(wb - wa) * (chunk - ka) // (kb - ka))

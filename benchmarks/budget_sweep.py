@@ -1,0 +1,123 @@
+"""Does ``wrap(..., plan="auto", budget=B)`` keep every first call within ``B``?
+
+A sweep for changing the budget planner: for a few models (fully connected, convolutional,
+long, deep), dense and packed inputs, ``granularity="layer"`` and ``"auto"``, disk and host
+storage, it asks for the smallest budget (the refusal at 4 KiB names it) and runs one training
+step at 1x to 5x that budget, each with a new wrapper, so that the planner's probes run inside
+the measured call. It prints the measured peak as a share of the budget and the granularity
+and chunk picked (``s``: stack, ``l12``: layer-wise, chunk 12), ``!!`` where the peak is over
+the budget, and the count of those at the end (exit status 1 when there are any).
+
+    python benchmarks/budget_sweep.py            # about 10 minutes on one CPU core
+    python benchmarks/budget_sweep.py --quick    # two models, three budgets
+
+Peaks are `MemoryMeter` peaks with the input counted, as tests/test_wrap_budget.py measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import snntorch as snn
+import torch
+from torch import nn
+
+import spikeckpt
+from spikeckpt.storage import SpikeTrain
+
+
+def _fc() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(100, 256), snn.Leaky(beta=0.9), nn.Linear(256, 10), snn.Leaky(beta=0.9)
+    )
+
+
+def _conv() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 8, 3, padding=1),
+        snn.Leaky(beta=0.9),
+        nn.Flatten(),
+        nn.Linear(8 * 12 * 12, 10),
+        snn.Leaky(beta=0.9),
+    )
+
+
+def _deep() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, 128), snn.Leaky(beta=0.9),
+        nn.Linear(128, 128), snn.Leaky(beta=0.9),
+        nn.Linear(128, 5), snn.Leaky(beta=0.9),
+    )  # fmt: skip
+
+
+#: name: (model, input shape (T, B, ...), whether a packed input applies)
+CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
+    "fc": (_fc, (100, 8, 100), True),
+    "conv": (_conv, (30, 4, 2, 12, 12), False),
+    "fc-long": (_fc, (400, 16, 100), True),
+    "deep": (_deep, (200, 8, 64), True),
+}
+FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+
+
+def _peak(net: nn.Module, x: Any, budget: int, granularity: str, storage: str) -> tuple[int, Any]:
+    seq = spikeckpt.wrap(net, budget=budget, granularity=granularity, storage=storage)
+    net.zero_grad(set_to_none=True)
+    with spikeckpt.MemoryMeter() as meter:
+        meter.track(x.tensors() if isinstance(x, SpikeTrain) else [x])
+        out = seq(x)
+        (out * torch.arange(1, out.shape[-1] + 1)).sum().backward()
+        del out
+    return meter.peak_bytes, seq.last_decision
+
+
+def sweep(cases: dict[str, Any], factors: tuple[float, ...]) -> int:
+    """Print one line per case; return the number of calls over their budget."""
+    over = 0
+    for name, (make, shape, packs) in cases.items():
+        for form in ("dense", "packed") if packs else ("dense",):
+            for granularity in ("layer", "auto"):
+                for storage in ("disk", "host"):
+                    torch.manual_seed(0)
+                    net = make()
+                    g = torch.Generator().manual_seed(0)
+                    dense = (torch.rand(shape, generator=g) < 0.1).float()
+                    x = dense if form == "dense" else SpikeTrain.from_dense(dense)
+                    try:
+                        _peak(net, x, 4096, granularity, storage)
+                        raise AssertionError("a 4 KiB budget was accepted")
+                    except spikeckpt.BudgetTooSmall as error:
+                        smallest = error.minimum_bytes
+                    cells = []
+                    for factor in factors:
+                        budget = int(smallest * factor)
+                        peak, decision = _peak(net, x, budget, granularity, storage)
+                        over += peak > budget
+                        picked = f"l{decision.chunk}" if decision.granularity == "layer" else "s"
+                        mark = "!!" if peak > budget else ""
+                        cells.append(f"{factor:g}x: {peak / budget:.2f}{mark} ({picked})")
+                    print(
+                        f"{name:8} {form:6} {granularity:5} {storage:4} smallest {smallest:>9}  "
+                        + "  ".join(cells),
+                        flush=True,
+                    )
+    print(f"calls over their budget: {over}")
+    return over
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two models, three budgets")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    cases = {k: CASES[k] for k in ("fc", "conv")} if args.quick else CASES
+    factors = (1.0, 1.5, 3.0) if args.quick else FACTORS
+    return 1 if sweep(cases, factors) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
