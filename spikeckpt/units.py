@@ -82,6 +82,20 @@ def parse_bytes(value: int | float | str) -> int:
     return int(round(total))
 
 
+def available_host_bytes() -> int:
+    """Available host RAM in bytes (``MemAvailable`` from /proc/meminfo, else sysconf)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 def format_bytes(count: float) -> str:
     """Format a byte count with a binary unit, e.g. ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
     value = float(count)

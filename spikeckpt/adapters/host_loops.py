@@ -39,26 +39,31 @@ def leaky_forward_on_host(
     decay: Tensor,
     thr: Tensor,
     subtract: bool,
-    mems: Tensor,
+    mems: Tensor | None,
     fires: Tensor,
-) -> bool:
+) -> Tensor | None:
     """Run the chunk's steps into ``mems[1:]`` and ``fires[1:]`` (``fires[0]`` given): the
     membrane ``decay * mem + z_t``, less ``thr`` where the last step fired when ``subtract``,
-    and its spike ``mem_t > thr``. Returns False (nothing written) where NumPy does not run it.
+    and its spike ``mem_t > thr``. Returns the last membrane, or None (nothing written, nothing
+    allocated) where NumPy does not run it.
 
     Args:
         mem: the membrane before the chunk, ``(B, ...)``.
         zin: the chunk's input, ``(k, B, ...)``.
         decay, thr: broadcastable against ``mem``.
-        mems: ``(k + 1, B, ...)`` membrane buffer (row 0 is not read), or ``(2, B, ...)``
-            where the membranes are not kept (the rows take turns).
+        mems: ``(k + 1, B, ...)`` membrane buffer (row 0 is not read), or None where the
+            membranes are not kept (two rows of a buffer made here take turns).
         fires: ``(k + 1, B, ...)`` bool spikes; row 0 holds the reset of step 0.
     """
-    if mem.numel() > HOST_LOOP_ELEMENTS or not fires.is_contiguous():
-        return False
-    arrays = _host_arrays(mem, zin, decay, thr, mems)
-    if arrays is None:
-        return False
+    k = zin.shape[0]
+    if not k or mem.numel() > HOST_LOOP_ELEMENTS or not fires.is_contiguous():
+        return None
+    if _host_arrays(mem, zin, decay, thr) is None:
+        return None
+    buffer = mems if mems is not None else mem.new_empty((2, *mem.shape))
+    arrays = _host_arrays(mem, zin, decay, thr, buffer)
+    if arrays is None:  # a kept buffer of another dtype or layout
+        return None
     m, z, d, th, out = arrays
     fired = fires.numpy()
     rows = out.shape[0]
@@ -70,7 +75,7 @@ def leaky_forward_on_host(
             np.subtract(row, th, out=row, where=fired[t])
         np.greater(row, th, out=fired[t + 1])
         m = row
-    return True
+    return buffer[k % rows]
 
 
 def leaky_backward_on_host(g: Tensor, decay: Tensor, carry: Tensor | None) -> Tensor | None:

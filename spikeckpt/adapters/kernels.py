@@ -215,14 +215,13 @@ class LeakyKernel:
         exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
         torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
-        on_host = exact and k > 0 and self.reset in ("subtract", "none")
-        if on_host:
-            rows = mems if mems is not None else mem.new_empty((2, *mem.shape))
+        last = None
+        if exact and self.reset in ("subtract", "none"):
             subtract = self.reset == "subtract"
-            on_host = leaky_forward_on_host(mem, zin, decay, thr, subtract, rows, fires)
-            if on_host:
-                mem = rows[k % rows.shape[0]]
-        for t, z_t in enumerate(() if on_host else zin.unbind(0)):
+            last = leaky_forward_on_host(mem, zin, decay, thr, subtract, mems, fires)
+        if last is not None:
+            mem = last
+        for t, z_t in enumerate(zin.unbind(0) if last is None else ()):
             fired, out = fires[t], (mems[t + 1] if mems is not None else None)
             pre = torch.where(fired, mem * 0, mem) if self.reset == "zero_before" else mem
             if self.reset == "subtract":

@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from spikeckpt import plans
+from spikeckpt.bench import STRATEGY_NAMES
 from spikeckpt.errors import ConfigError
 from spikeckpt.models import LIFStack, spike_train
 
@@ -405,19 +406,7 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 #: Strategies run when ``--strategies`` is not given.
-DEFAULT = (
-    "bptt",
-    "checkpoint",
-    "save_on_cpu",
-    "uniform-sqrt",
-    "uniform",
-    "revolve",
-    "double-host",
-    "double-disk",
-    "twolevel",
-    "layerwise",
-    "layerwise-disk",
-)
+DEFAULT = tuple(name for name in STRATEGY_NAMES if name != "twolevel-async")
 
 
 def available() -> list[str]:

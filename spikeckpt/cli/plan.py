@@ -109,28 +109,16 @@ def _sizes(args: argparse.Namespace) -> tuple[int, int]:
     return args.state_bytes, args.step_bytes
 
 
-def _available_bytes() -> int | None:
-    """Memory available for new allocations (Linux ``MemAvailable``), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _measured_sizes(widths: list[int], batch: int) -> tuple[int, int]:
     """``(S, A)`` of a LIF stack measured with torch. A network too large to build here is a
     one-line ValueError naming what it needs and what to do instead, before torch tries
     (a weight matrix that does not fit would otherwise end in an allocation failure, or
     worse, in swapping)."""
-    from spikeckpt.units import format_bytes
+    from spikeckpt.units import available_host_bytes, format_bytes
 
     weights = 4 * sum(a * b + b for a, b in itertools.pairwise(widths))  # float32, with biases
     needed = 2 * weights  # the weights and their gradients, while one step is measured
-    available = _available_bytes()
+    available = available_host_bytes()
 
     def too_large(what: str) -> ConfigError:
         return ConfigError(
@@ -140,7 +128,7 @@ def _measured_sizes(widths: list[int], batch: int) -> tuple[int, int]:
             "widths"
         )
 
-    if available is not None and needed > available:
+    if needed > available:
         raise too_large(
             f"with their gradients {format_bytes(needed)}, more than the "
             f"{format_bytes(available)} this machine has available"

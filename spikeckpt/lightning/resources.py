@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from spikeckpt.storage.spiketrain import SpikeTrain
+from spikeckpt.units import available_host_bytes
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -17,20 +18,6 @@ def free_device_bytes(device: torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return available_host_bytes()
-
-
-def available_host_bytes() -> int:
-    """Available host RAM in bytes (``MemAvailable`` from /proc/meminfo, else sysconf)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
