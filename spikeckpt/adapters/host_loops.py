@@ -51,8 +51,9 @@ def leaky_forward_on_host(
         mem: the membrane before the chunk, ``(B, ...)``.
         zin: the chunk's input, ``(k, B, ...)``.
         decay, thr: broadcastable against ``mem``.
-        mems: ``(k + 1, B, ...)`` membrane buffer (row 0 is not read), or None where the
-            membranes are not kept (two rows of a buffer made here take turns).
+        mems: ``(k + 1, B, ...)`` membrane buffer (row 0 is not read; rows 1.. may be
+            ``zin`` itself, each read before it is written), or None where the membranes are
+            not kept (two rows of a buffer made here take turns).
         fires: ``(k + 1, B, ...)`` bool spikes; row 0 holds the reset of step 0.
     """
     k = zin.shape[0]
@@ -67,10 +68,12 @@ def leaky_forward_on_host(
     m, z, d, th, out = arrays
     fired = fires.numpy()
     rows = out.shape[0]
+    decayed = np.empty(np.broadcast_shapes(d.shape, m.shape), dtype=out.dtype)
     for t in range(z.shape[0]):
         row = out[(t + 1) % rows]
-        np.multiply(d, m, out=row)
-        np.add(row, z[t], out=row)
+        # the input is read before the row is written: ``mems`` may hold ``zin`` in rows 1..
+        np.multiply(d, m, out=decayed)
+        np.add(decayed, z[t], out=row)
         if subtract:
             np.subtract(row, th, out=row, where=fired[t])
         np.greater(row, th, out=fired[t + 1])

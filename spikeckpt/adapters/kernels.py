@@ -197,8 +197,14 @@ class LeakyKernel:
         )
 
     def forward(
-        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
-    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
         source, thr, graded = self.tensors()
         decay = self.decay_of(source)
         zin = z if self.input_scale is None else self.input_scale(z)
@@ -206,9 +212,14 @@ class LeakyKernel:
         k = zin.shape[0]
         # states and spikes go straight into their (k + 1)-step buffers (out=: the same
         # kernels, so the same values); the spike is snnTorch's (mem - thr > 0).float(), and a
-        # reset ``r * v`` is ``v`` or ``0 * v``: a where() on the boolean spike
+        # reset ``r * v`` is ``v`` or ``0 * v``: a where() on the boolean spike. Each step
+        # reads its input before it writes its membrane, so the membranes may go over the
+        # input's own buffer (``into``, whose rows 1.. are ``z``)
         hold = keep or want_mem
-        mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
+        mems = None
+        if hold:
+            usable = into is not None and zin is z and into.dtype == mem.dtype
+            mems = into if usable else mem.new_empty((k + 1, *mem.shape))
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         if mems is not None:
             mems[0] = mem
@@ -235,8 +246,10 @@ class LeakyKernel:
                 torch.gt(mem, thr, out=fires[t + 1])
             else:
                 torch.gt(mem - thr, 0, out=fires[t + 1])
-        s = fires[1:].float()
-        y = s if is_unit(graded) else s * graded
+        y = None
+        if want_y:
+            s = fires[1:].float()
+            y = s if is_unit(graded) else s * graded
         # z only when an input scale's gradient needs it (a view of the chunk, alive anyway)
         saved = (mems, fires, z if self.input_scale else None) if keep else None
         return [mem.clone() if mems is not None else mem], y, mems[1:] if want_mem else None, saved
@@ -249,6 +262,7 @@ class LeakyKernel:
         g_mem: Tensor | None,
         need_z: bool,
         need_params: Sequence[bool],
+        consume: bool = False,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         mems, fired, z = saved  # (k + 1, B, ...): membranes; spikes (bool), the reset of t
         source, thr, graded = self.tensors()
@@ -257,9 +271,16 @@ class LeakyKernel:
         want = _wanted([source, thr, graded], need_params)
         zero = self.reset in ("zero_before", "zero_after")
         thr_grad = graded_grad = None
+        # ``consume``: the membranes are read last by the surrogate (no decay gradient), so
+        # its ``u = mem - thr`` and then dL/du may go over them
+        reuse = consume and not want[0] and self.spike_grad is not None and mems.is_contiguous()
         if g_y is not None:
             g_s = g_y if is_unit(graded) else g_y * graded
-            g = surrogate_grad(self.spike, mems[1:], thr, g_s, self.spike_grad)  # dL/du_t
+            if reuse:
+                u = torch.sub(mems[1:], thr, out=mems[1:])
+                g = self.spike_grad(u, g_s)  # type: ignore[misc]
+            else:
+                g = surrogate_grad(self.spike, mems[1:], thr, g_s, self.spike_grad)  # dL/du_t
             if want[1]:
                 thr_grad = -reduce_to(g, thr)
             if want[2]:
@@ -412,8 +433,14 @@ class SynapticKernel:
         return len(leaves) == 2 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
 
     def forward(
-        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
-    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
         alpha, beta, thr, graded = self.tensors()
         a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
         syn, mem = leaves
@@ -436,8 +463,10 @@ class SynapticKernel:
                 syns.append(syn)
                 mems.append(mem)
         all_fired = torch.stack(fires)
-        s = all_fired[1:].float()
-        y = s if is_unit(graded) else s * graded
+        y = None
+        if want_y:
+            s = all_fired[1:].float()
+            y = s if is_unit(graded) else s * graded
         mem_all = torch.stack(mems) if keep or want_mem else None
         saved = (torch.stack(syns), mem_all, all_fired) if keep else None
         return [syn, mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
@@ -450,6 +479,7 @@ class SynapticKernel:
         g_mem: Tensor | None,
         need_z: bool,
         need_params: Sequence[bool],
+        consume: bool = False,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         syns, mems, fired = saved
         alpha, beta, thr, graded = self.tensors()
@@ -569,8 +599,14 @@ class NorseKernel:
         return torch.gt(u, torch.as_tensor(0.0)).to(u.dtype)
 
     def forward(
-        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
-    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
         p = self.p()
         dt = self.dt
         c_m = dt * p.tau_mem_inv
@@ -610,6 +646,7 @@ class NorseKernel:
         g_mem: Tensor | None,
         need_z: bool,
         need_params: Sequence[bool],
+        consume: bool = False,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         vs, is_, z, y = saved  # (k + 1, B, ...) states, the input chunk, the outputs
         p = self.p()

@@ -29,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
+from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, sparse_positions
+from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter
 from spikeckpt.adapters.sequential import Block
@@ -42,10 +43,6 @@ from spikeckpt.engine.inputs import SparseChunk
 from spikeckpt.engine.layerwise import LayerBlock
 
 __all__ = ["SPARSE_DENSITY", "layer_blocks"]
-
-#: the largest share of non-zero inputs for which ``sparse_synapse`` gathers (measured on one
-#: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
-SPARSE_DENSITY = 1 / 16
 
 
 def _batched_inner(layer: LayerAdapter) -> LayerAdapter | None:
@@ -84,17 +81,6 @@ def _synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tensor]:
 Step = Callable[[Any, Tensor], tuple[Any, Tensor]]
 
 
-def _no_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as torch_module
-
-    return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or getattr(torch_module, "_global_forward_hooks", None)
-        or getattr(torch_module, "_global_forward_pre_hooks", None)
-    )
-
-
 class VerifiedKernel:
     """A neuron's `ChunkKernel`, used only after a check
     against the neuron's own step (run once, at the first chunk, on random data shaped like
@@ -121,11 +107,11 @@ class VerifiedKernel:
             self.verified = _kernel_matches_step(self.neuron, self.kernel, leaves, z)
         return self.verified
 
-    def forward(self, *args: Any) -> Any:
-        return self.kernel.forward(*args)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.kernel.forward(*args, **kwargs)
 
-    def backward(self, *args: Any) -> Any:
-        return self.kernel.backward(*args)
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.kernel.backward(*args, **kwargs)
 
 
 def _sample_shape(step: torch.Size, params: Sequence[Tensor]) -> tuple[int, ...]:
@@ -195,7 +181,7 @@ def _kernel_matches_step(
     return True
 
 
-def _cleanup(block: Block, *caches: _Transposed) -> Callable[[], None]:
+def _cleanup(block: Block, *caches: Transposed) -> Callable[[], None]:
     def cleanup() -> None:
         for layer in (*block.synapses, block.neuron):
             layer.cleanup()
@@ -205,192 +191,39 @@ def _cleanup(block: Block, *caches: _Transposed) -> Callable[[], None]:
     return cleanup
 
 
-#: a gather transposes the weight a block of output rows at a time, at most this many
-#: elements (256 KiB of float32) per block: no weight-sized temporary
-GATHER_BLOCK = 1 << 16
-
-
-class _Transposed:
-    """A small weight transposed, ``(in, out)`` contiguous, made once per pass of the engine
-    and dropped by the block's cleanup at the end of the pass (a weight changed between
-    passes, even through ``.data``, is transposed afresh): only weights of at most
-    `GATHER_BLOCK` elements, so it costs at most 256 KiB."""
-
-    def __init__(self) -> None:
-        self.value: Tensor | None = None
-        self.key: tuple[int, int] = (0, 0)
-
-    def of(self, weight: Tensor) -> Tensor | None:
-        """``weight.T`` contiguous, or None for a weight above `GATHER_BLOCK` elements."""
-        if weight.numel() > GATHER_BLOCK:
-            return None
-        key = (weight.data_ptr(), weight._version)
-        if self.value is None or self.key != key:
-            self.value, self.key = weight.detach().t().contiguous(), key
-        return self.value
-
-    def clear(self) -> None:
-        self.value = None
-
-
-def _gather(
-    weight: Tensor,
-    n_rows: int,
-    rows: Tensor,
-    cols: Tensor,
-    values: Tensor | None,
-    transposed: Tensor | None = None,
-) -> Tensor:
-    """``flat @ weight.T`` (``(n_rows, out)``) from the non-zeros of ``flat``: a gather-sum
-    over the rows of ``weight.T``, for a block of output features at a time (each block's
-    transposed copy is a contiguous slice of rows of ``weight``, fast to transpose). Every
-    output element is the same sum, in the same order, whatever the blocks; ``transposed``
-    is ``weight.T`` contiguous when the caller keeps one."""
-    out, n_in = weight.shape
-    counts = torch.bincount(rows, minlength=n_rows)
-    offsets = counts.cumsum(0) - counts
-    weight = weight.detach()
-    step = max(1, GATHER_BLOCK // max(1, n_in))
-    if step >= out:
-        if transposed is None:
-            transposed = weight.t().contiguous()
-        return nn.functional.embedding_bag(
-            cols, transposed, offsets, mode="sum", per_sample_weights=values
-        )
-    z = weight.new_empty(n_rows, out)
-    for o0 in range(0, out, step):
-        z[:, o0 : o0 + step] = nn.functional.embedding_bag(
-            cols, weight[o0 : o0 + step].t().contiguous(), offsets, mode="sum",
-            per_sample_weights=values,
-        )  # fmt: skip
-    return z
-
-
-class _GatherLinear(torch.autograd.Function):
-    """``flat @ weight.T + bias`` for a ``flat (rows, in)`` input given by its non-zeros
-    (``rows``, ``cols`` ascending row-major, ``values`` or None for ones): a gather-sum over
-    the transposed weight (`_gather`); the weight gradient ``grad.T @ flat`` is a gather-sum
-    over the rows of ``grad``, one bag per input column, a block of columns at a time, added
-    into the engine's running sum when it offers a `GradSink` (kept transposed, ``(in, out)``
-    row-major, so each block adds into contiguous rows). No weight-sized temporaries. The
-    input needs no gradient."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        weight: Tensor,
-        bias: Tensor | None,
-        n_rows: int,
-        rows: Tensor,
-        cols: Tensor,
-        values: Tensor | None,
-        sink: GradSink | None,
-        transposed: Tensor | None,
-    ) -> Tensor:
-        z = _gather(weight, n_rows, rows, cols, values, transposed)
-        if bias is not None:
-            z.add_(bias)
-        ctx.save_for_backward(rows, cols, values)
-        ctx.has_bias = bias is not None
-        ctx.n_in = weight.shape[1]
-        ctx.weight_shape = weight.shape
-        ctx.sink = sink
-        return z
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        rows, cols, values = ctx.saved_tensors
-        grad_w = None
-        if ctx.needs_input_grad[0]:
-            # grad.T @ flat as a gather-sum too: column j of the weight gradient sums the rows
-            # of ``grad`` where input j is non-zero (bags over the input's columns, rows
-            # ascending in each), for a block of output rows at a time: each block's bags come
-            # out (in, block) and are added, transposed, into the sum's contiguous rows
-            order = _column_order(cols, ctx.n_in)
-            counts = torch.bincount(cols, minlength=ctx.n_in)
-            rows = rows[order]
-            offsets = counts.cumsum(0) - counts
-            weights = None if values is None else values[order]
-            sink: GradSink | None = ctx.sink if ctx.sink is not None and ctx.sink.active else None
-            out, n_in = ctx.weight_shape
-            target = None if sink is None else sink.target
-            add = target is not None
-            if target is None:
-                target = grad.new_empty(out, n_in)
-                if sink is not None:
-                    sink.target = target
-            step = max(1, GATHER_BLOCK // max(1, n_in))
-            for o0 in range(0, out, step):
-                part = nn.functional.embedding_bag(
-                    rows, grad[:, o0 : o0 + step].contiguous(), offsets, mode="sum",
-                    per_sample_weights=weights,
-                ).t().contiguous()  # fmt: skip
-                if add:
-                    target[o0 : o0 + step] += part
-                else:
-                    target[o0 : o0 + step] = part
-            grad_w = None if sink is not None else target
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
-        return grad_w, grad_b, None, None, None, None, None, None
-
-
-def _column_order(cols: Tensor, n_in: int) -> Tensor:
-    """``argsort(cols, stable=True)``: on the CPU with fewer than 65,536 columns through
-    NumPy's radix sort of 16-bit keys (about 15x faster than torch's sort here)."""
-    if cols.device.type == "cpu" and n_in <= 65536:
-        keys = cols.numpy().astype(np.uint16)
-        return torch.from_numpy(np.argsort(keys, kind="stable").astype(np.int64))
-    return torch.argsort(cols, stable=True)
+def _plain_linear(synapses: Sequence[LayerAdapter]) -> nn.Linear | None:
+    """The block's synapse when it is exactly one plain ``nn.Linear`` (its own ``forward``),
+    else None."""
+    inner = _batched_inner(synapses[0]) if len(synapses) == 1 else None
+    linear = inner.module if inner is not None else None
+    if type(linear) is not nn.Linear or "forward" in vars(linear):
+        return None
+    return linear
 
 
 def _sparse_synapse(
     synapses: Sequence[LayerAdapter],
     sink: GradSink | None = None,
-    transposed: _Transposed | None = None,
+    transposed: Transposed | None = None,
 ) -> Callable[[Tensor | SparseChunk], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
     module docstring), or None unless the synapse is exactly one plain ``nn.Linear``. It takes
     the dense chunk or a packed train's `SparseChunk`; ``transposed`` keeps a small weight's
     transpose for the pass."""
-    if len(synapses) != 1:
-        return None
-    inner = _batched_inner(synapses[0])
-    linear = inner.module if inner is not None else None
-    if type(linear) is not nn.Linear or "forward" in vars(linear):
+    linear = _plain_linear(synapses)
+    if linear is None:
         return None
     dense = _synapse(synapses)
 
     def synapse(x: Tensor | SparseChunk) -> Tensor:
-        weight, bias = linear.weight, linear.bias
-        shape = x.shape
-        if (
-            x.device.type != "cpu"
-            or weight.device.type != "cpu"
-            or x.dtype != weight.dtype
-            or not x.dtype.is_floating_point
-            or (isinstance(x, Tensor) and x.requires_grad)
-            or len(shape) < 2
-            or shape[-1] != weight.shape[1]
-            or not _no_hooks(linear)
-        ):
+        found = sparse_positions(x, linear)
+        if found is None:
             return dense(x.dense() if isinstance(x, SparseChunk) else x)
-        n_rows = shape[:-1].numel()
-        values = None
-        if isinstance(x, SparseChunk):
-            if x.ones > SPARSE_DENSITY * x.numel():
-                return dense(x.dense())
-            rows, cols = x.positions.div(shape[-1], rounding_mode="floor"), x.positions
-            cols = cols - rows * shape[-1]
-        else:
-            flat = x.reshape(n_rows, shape[-1])
-            if int(torch.count_nonzero(flat)) > SPARSE_DENSITY * flat.numel():
-                return dense(x)
-            where = torch.nonzero(flat)
-            rows, cols = where[:, 0], where[:, 1]
-            values = flat[rows, cols]
+        n_rows, rows, cols, values = found
+        weight = linear.weight
         t_weight = None if transposed is None else transposed.of(weight)
-        z = _GatherLinear.apply(weight, bias, n_rows, rows, cols, values, sink, t_weight)
-        return z.reshape(*shape[:-1], z.shape[-1])
+        z = GatherLinear.apply(weight, linear.bias, n_rows, rows, cols, values, sink, t_weight)
+        return z.reshape(*x.shape[:-1], z.shape[-1])
 
     return synapse
 
@@ -400,9 +233,8 @@ def _weight_sink(
 ) -> tuple[GradSink | None, tuple[tuple[Tensor, GradSink], ...]]:
     """A gradient sink for the weight of a block whose synapse is one plain ``nn.Linear``
     (its sparse synapse adds each chunk's weight gradient into the engine's running sum)."""
-    inner = _batched_inner(synapses[0]) if len(synapses) == 1 else None
-    linear = inner.module if inner is not None else None
-    if type(linear) is not nn.Linear:
+    linear = _plain_linear(synapses)
+    if linear is None:
         return None, ()
     sink = GradSink()
     return sink, ((linear.weight, sink),)
@@ -420,7 +252,8 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
         }
         kernel = block.neuron.chunk_kernel()
         sink, sinks = _weight_sink(block.synapses)
-        transposed = _Transposed()
+        transposed = Transposed()
+        linear = _plain_linear(block.synapses)
         out.append(
             LayerBlock(
                 name=block.name,
@@ -433,6 +266,7 @@ def layer_blocks(blocks: Sequence[Block]) -> list[LayerBlock]:
                 sparse_synapse=_sparse_synapse(block.synapses, sink, transposed),
                 sinks=sinks,
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
+                affine=None if linear is None else LinearChunk(linear, transposed),
             )
         )
     return out

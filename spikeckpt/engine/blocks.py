@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from spikeckpt.engine.direct import AffineChunk
 from spikeckpt.engine.fused import ChunkKernel
 from spikeckpt.engine.grad import GradSink
 from spikeckpt.engine.inputs import SparseChunk
@@ -40,6 +41,9 @@ class LayerBlock:
         fused: optional `ChunkKernel` running the neuron over a
             whole chunk (forward, recomputation and backward) with ``step``'s arithmetic;
             used where it accepts the chunk (and the run fuses), else ``step`` per step.
+        affine: optional `AffineChunk`: the synapse (``synapse`` and ``sparse_synapse`` alike)
+            when it is one affine map, written out; with a ``fused`` neuron the engine then
+            recomputes and backpropagates the block over a chunk without taping it.
         sinks: ``(parameter, sink)`` pairs: the synapse's backward adds that parameter's
             gradient into the engine's running sum in place (`GradSink`), so no
             parameter-sized gradient is made per chunk.
@@ -55,3 +59,4 @@ class LayerBlock:
     sparse_synapse: Callable[[Tensor | SparseChunk], Tensor] | None = None
     fused: ChunkKernel | None = None
     sinks: tuple[tuple[Tensor, GradSink], ...] = ()
+    affine: AffineChunk | None = None

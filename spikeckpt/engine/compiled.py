@@ -111,8 +111,16 @@ class CompiledKernel:
         return self.kernel.accepts(leaves, z)
 
     def forward(
-        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
-    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        """The compiled forward (``y`` always made and ``into`` not used: one compiled graph
+        per shape)."""
         key = (tuple(z.shape), z.dtype, z.device, keep, want_mem, torch.is_grad_enabled())
         use = self.choice.get(key)
         if self.failed or use is False:
@@ -156,8 +164,8 @@ class CompiledKernel:
             self.choice[key] = True
         return self.choice[key]
 
-    def backward(self, *args: Any) -> Any:
-        return self.kernel.backward(*args)
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.kernel.backward(*args, **kwargs)
 
 
 def _outputs(result: Any) -> list[Tensor | None]:

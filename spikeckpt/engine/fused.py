@@ -46,11 +46,20 @@ class ChunkKernel(Protocol):
         """Whether this chunk can run fused (shapes and dtypes the kernel handles)."""
 
     def forward(
-        self, leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
-    ) -> tuple[list[Tensor], Tensor, Tensor | None, Any]:
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
         """``(final leaves, y (k, B, ...), mem (k, B, ...) or None, saved)``; ``saved`` (with
         ``keep``): a tuple of tensors (or None) that `backward` gets back; ``mem`` the
-        membrane after each step."""
+        membrane after each step. Without ``want_y`` (a backward that needs only ``saved``)
+        a kernel may return None for ``y``. ``into``: a ``(k + 1, B, ...)`` buffer whose rows
+        ``1..`` are ``z``, which a kernel may overwrite with what it keeps (``z`` is then
+        consumed)."""
 
     def backward(
         self,
@@ -60,8 +69,10 @@ class ChunkKernel(Protocol):
         g_mem: Tensor | None,
         need_z: bool,
         need_params: Sequence[bool],
+        consume: bool = False,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
-        """``(dL/dz (k, B, ...), dL/d initial leaves, dL/d params)`` (None where not needed)."""
+        """``(dL/dz (k, B, ...), dL/d initial leaves, dL/d params)`` (None where not needed);
+        with ``consume`` the kernel may overwrite ``saved`` (its last backward)."""
 
 
 def run_fused(

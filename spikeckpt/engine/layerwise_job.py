@@ -14,6 +14,7 @@ from torch import Tensor
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.blocks import LayerBlock
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
+from spikeckpt.engine.direct import AffineChunk, untaped_backward
 from spikeckpt.engine.function import Job
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink, grad, unseen_leaves
@@ -27,7 +28,7 @@ from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
-__all__ = ["GROUP_SHARE", "LayerwiseJob"]
+__all__ = ["DIRECT_BACKWARD", "GROUP_SHARE", "LayerwiseJob"]
 
 #: an off-device store entry collects consecutive chunks' trains and states until it holds
 #: this share of one chunk's dense input trains (all blocks): fewer, larger files (see
@@ -36,6 +37,10 @@ __all__ = ["GROUP_SHARE", "LayerwiseJob"]
 #: backward of each block holds anyway (the cost model's ``2 * chunk * I_b``).
 GROUP_SHARE = 0.25
 State = Any
+
+#: whether blocks with an affine synapse into a fused neuron run their recomputation and
+#: backward untaped (`spikeckpt.engine.direct`); False tapes every block (for comparisons)
+DIRECT_BACKWARD = True
 
 
 def _nbytes(t: Tensor) -> int:
@@ -80,6 +85,8 @@ class LayerwiseJob(Job):
     ) -> None:
         super().__init__(device, cuda, storage, directory, stats)
         self.fuse = fuse
+        #: recompute and backpropagate affine-into-fused blocks without autograd
+        self.direct = DIRECT_BACKWARD
         compiling = fuse and wants_compile(compile, device)
         self.kernels = [
             compiled_kernel(b.fused, compile) if compiling and b.fused is not None else b.fused
@@ -477,6 +484,11 @@ class LayerwiseJob(Job):
         if all(g is None for g in (*g_out, *g_state)):
             return [None], [None] * len(start)
         want_in = b > 0 or self.need_x
+        if self.direct:
+            done = self._backward_untaped(b, inp, start, top, want_in, g_out, g_state, grad_p)
+            if done is not None:
+                self.stats.blocks[b].untaped_chunks += 1
+                return done
         with torch.enable_grad():
             if isinstance(inp, Tensor):
                 inp = inp.detach().requires_grad_(want_in and inp.is_floating_point())
@@ -494,6 +506,65 @@ class LayerwiseJob(Job):
             got = self._gradients(b, [*outs, *final], [*g_out, *g_state], wrt, grad_p)
         self._accumulate(pidx, got[1 + len(leaves) :], grad_p)
         return [got[0] if want_in else None], list(got[1 : 1 + len(leaves)])
+
+    def _untaped_parts(
+        self, b: int, top: bool
+    ) -> tuple[ChunkKernel, AffineChunk, list[int | None], list[int | None]] | None:
+        """Block ``b``'s kernel and affine synapse with the run's indices of their parameters
+        that require grad (``-1`` for an affine one that does not), where the block may run
+        untaped; else None."""
+        block, kernel = self.blocks[b], self.kernels[b]
+        affine = block.affine
+        if affine is None or kernel is None or not self.fuse or block.draws_random:
+            return None
+        if top and self.output != "spikes" and kernel.membrane is None:
+            return None
+        ids = {id(p): j for j, p in enumerate(self.params)}
+        k_idx = [ids.get(id(p)) for p in kernel.params if p.requires_grad]
+        a_idx = [ids.get(id(p)) if p.requires_grad else -1 for p in affine.params]
+        if None in k_idx or None in a_idx:  # a tensor outside the run's params: taped path
+            return None
+        return kernel, affine, k_idx, a_idx
+
+    def _backward_untaped(
+        self,
+        b: int,
+        inp: Tensor | SparseChunk,
+        start: list[Tensor],
+        top: bool,
+        want_in: bool,
+        g_out: list[Tensor | None],
+        g_state: list[Tensor | None],
+        grad_p: list[Tensor | None],
+    ) -> tuple[list[Tensor | None], list[Tensor | None]] | None:
+        """Block ``b``'s recomputation and backward over one chunk without autograd, where its
+        synapse is an `AffineChunk` into a fused neuron (`spikeckpt.engine.direct`): the same
+        values as the taped path, in place of its graph, its ``autograd.grad`` call and the
+        float spikes it would hand back. None where it does not apply (the caller tapes)."""
+        found = self._untaped_parts(b, top)
+        if found is None:
+            return None
+        kernel, affine, k_idx, a_idx = found
+        mem_out = top and self.output != "spikes"
+        spikes_out = not mem_out or self.output == "both"
+        # the output gradients, handed over: freed once the neuron's backward has read them
+        grads = [g_out[0] if spikes_out else None, g_out[-1] if mem_out else None, g_state]
+        g_out.clear()
+        # the running sums this job owns are added into in place
+        sums = [grad_p[j] if j is not None and j in self.owned else None for j in a_idx]
+        sparse = b == 0 and not self.need_x and self.blocks[b].sparse_synapse is not None
+        with torch.no_grad():
+            done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums)
+        if done is None:  # declined before reading them: the taped path gets them back
+            g_out.extend(g for g in grads[:2] if g is not None)
+            return None
+        self.stats.forward_steps += done.steps
+        self._accumulate(k_idx, done.kernel_grads, grad_p)  # type: ignore[arg-type]
+        for j, own, g in zip(a_idx, sums, done.affine_grads, strict=True):
+            if g is not None and own is None and j is not None:  # new (owned sums: added into)
+                self._accumulate([j], [g], grad_p)
+                self.owned.add(j)
+        return [done.input_grad], done.state_grads
 
     def _gradients(
         self,

@@ -36,6 +36,9 @@ class BlockStats:
         neuron_chunks: how the neuron ran, chunks per way in the forward pass: ``"fused"``
             (its chunk kernel, `spikeckpt.engine.fused`), ``"compiled"`` (that kernel
             compiled) or ``"per-step"`` (one call per step).
+        untaped_chunks: chunks whose recomputation and backward ran without autograd (an
+            affine synapse into a fused neuron, `spikeckpt.engine.direct`); the others
+            were taped and backpropagated by autograd.
     """
 
     name: str
@@ -46,6 +49,7 @@ class BlockStats:
     codecs: dict[str, int] = field(default_factory=dict)
     binary: bool = True
     neuron_chunks: dict[str, int] = field(default_factory=dict)
+    untaped_chunks: int = 0
 
     def count_neuron(self, way: str) -> None:
         """One more chunk run ``way`` (see ``neuron_chunks``)."""

@@ -1,0 +1,150 @@
+"""`AffineChunk` for a block whose synapse is one plain ``nn.Linear`` (the engine's protocol:
+`spikeckpt.engine.direct`): dense through ``F.linear`` on the chunk flattened to ``(k * B,
+...)`` as the block's synapse runs it, or gathered over the input's non-zeros as its sparse
+synapse runs it (`spikeckpt.adapters.gather`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
+from spikeckpt.engine.inputs import SparseChunk
+
+__all__ = ["LinearChunk", "no_hooks", "sparse_positions"]
+
+#: the largest share of non-zero inputs for which a sparse synapse gathers (measured on one
+#: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
+SPARSE_DENSITY = 1 / 16
+
+Positions = tuple[int, Tensor, Tensor, Tensor | None]
+
+
+def no_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs its ``forward`` and nothing else."""
+    from torch.nn.modules import module as torch_module
+
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(torch_module, "_global_forward_hooks", None)
+        or getattr(torch_module, "_global_forward_pre_hooks", None)
+    )
+
+
+def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | None:
+    """``(rows, row index, column index, values or None for ones)`` of the non-zeros of the
+    chunk ``x (k, B, ..., in)`` flattened to ``(rows, in)``, where ``linear`` may gather over
+    them (CPU, its dtype, no grad, no hooks, at most `SPARSE_DENSITY` ones), else None."""
+    weight = linear.weight
+    shape = x.shape
+    if (
+        x.device.type != "cpu"
+        or weight.device.type != "cpu"
+        or x.dtype != weight.dtype
+        or not x.dtype.is_floating_point
+        or (isinstance(x, Tensor) and x.requires_grad)
+        or len(shape) < 2
+        or shape[-1] != weight.shape[1]
+        or not no_hooks(linear)
+    ):
+        return None
+    n_rows = shape[:-1].numel()
+    if isinstance(x, SparseChunk):
+        if x.ones > SPARSE_DENSITY * x.numel():
+            return None
+        rows = x.positions.div(shape[-1], rounding_mode="floor")
+        return n_rows, rows, x.positions - rows * shape[-1], None
+    flat = x.reshape(n_rows, shape[-1])
+    if int(torch.count_nonzero(flat)) > SPARSE_DENSITY * flat.numel():
+        return None
+    where = torch.nonzero(flat)
+    rows, cols = where[:, 0], where[:, 1]
+    return n_rows, rows, cols, flat[rows, cols]
+
+
+class LinearChunk:
+    """One plain ``nn.Linear`` as an `AffineChunk`.
+
+    Args:
+        linear: the module (its own ``forward``, no hooks when it runs).
+        transposed: the block's kept transpose of a small weight (shared with its sparse
+            synapse, so both gather from the same values).
+    """
+
+    def __init__(self, linear: nn.Linear, transposed: Transposed) -> None:
+        self.linear = linear
+        self.transposed = transposed
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        bias = self.linear.bias
+        return (self.linear.weight,) if bias is None else (self.linear.weight, bias)
+
+    def forward(
+        self, x: Tensor | SparseChunk, sparse: bool, lead: int = 0
+    ) -> tuple[Tensor, Any] | None:
+        linear = self.linear
+        weight, bias = linear.weight, linear.bias
+        if not no_hooks(linear) or torch.is_autocast_enabled(x.device.type):
+            return None
+        k, b = x.shape[0], x.shape[1]
+        found = sparse_positions(x, linear) if sparse else None
+        if found is not None:
+            n_rows, rows, cols, values = found
+            t_weight = self.transposed.of(weight)
+            z = gather(weight, n_rows, rows, cols, values, t_weight, lead * n_rows // k)
+            if bias is not None:
+                z.add_(bias)  # the lead rows too: never read
+            return z.reshape(k + lead, *x.shape[1:-1], z.shape[-1]), (found, None)
+        dense = x.dense() if isinstance(x, SparseChunk) else x
+        if dense.dtype != weight.dtype or dense.device != weight.device:
+            return None
+        flat = dense.reshape(k * b, *dense.shape[2:])
+        if not lead or flat.dim() != 2:
+            z = nn.functional.linear(flat, weight, bias)
+            if lead:  # not a matrix product into a buffer: one copy into the lead's room
+                room = z.new_empty((k + lead) * b, *z.shape[1:])
+                room[lead * b :] = z
+                z = room
+            return z.reshape(k + lead, b, *z.shape[1:]), (None, flat)
+        # F.linear of a matrix is addmm (mm without a bias): the same product, into the room
+        room = flat.new_empty((k + lead) * b, weight.shape[0])
+        if bias is None:
+            torch.mm(flat, weight.t(), out=room[lead * b :])
+        else:
+            torch.addmm(bias, flat, weight.t(), out=room[lead * b :])
+        return room.reshape(k + lead, b, weight.shape[0]), (None, flat)
+
+    def backward(
+        self,
+        saved: Any,
+        g_z: Tensor,
+        want_input: bool,
+        sums: Sequence[Tensor | None],
+        need: Sequence[bool],
+    ) -> tuple[Tensor | None, list[Tensor | None]]:
+        found, flat = saved
+        weight = self.linear.weight
+        out, n_in = weight.shape
+        g = g_z.reshape(-1, out)
+        new: list[Tensor | None] = [None] * len(sums)
+        if need[0]:
+            if found is not None:
+                _, rows, cols, values = found
+                new[0] = gather_weight_grad(g, rows, cols, values, (out, n_in), sums[0])
+            else:
+                x2 = flat.reshape(-1, n_in)
+                new[0] = g.t().mm(x2) if sums[0] is None else sums[0].addmm_(g.t(), x2)
+        if len(sums) > 1 and need[1]:
+            g_b = g.sum(0)
+            new[1] = g_b if sums[1] is None else sums[1].add_(g_b)
+        g_in = None
+        if want_input:
+            if found is not None:
+                raise AssertionError("a gathered input needs no gradient")  # pragma: no cover
+            g_in = g.mm(weight).reshape(*g_z.shape[:-1], n_in)
+        return g_in, new
