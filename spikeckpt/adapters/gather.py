@@ -79,7 +79,7 @@ def gather(
     if lead:
         counts = torch.cat([counts.new_zeros(lead), counts])
         n_rows += lead
-    offsets = counts.cumsum(0) - counts
+    offsets = (counts.cumsum(0) - counts).to(cols.dtype)  # embedding_bag: one index dtype
     weight = weight.detach()
     step = max(1, GATHER_BLOCK // max(1, n_in))
     if step >= out:
@@ -114,7 +114,7 @@ def gather_weight_grad(
     order = column_order(cols, n_in)
     counts = torch.bincount(cols, minlength=n_in)
     rows = rows[order]
-    offsets = counts.cumsum(0) - counts
+    offsets = (counts.cumsum(0) - counts).to(rows.dtype)
     weights = None if values is None else values[order]
     add = target is not None
     if target is None:

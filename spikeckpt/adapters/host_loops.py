@@ -53,7 +53,7 @@ def leaky_forward_on_host(
         decay, thr: broadcastable against ``mem``.
         mems: ``(k + 1, B, ...)`` membrane buffer (row 0 is not read; rows 1.. may be
             ``zin`` itself, each read before it is written), or None where the membranes are
-            not kept (two rows of a buffer made here take turns).
+            not kept (one row made here holds each step's in turn).
         fires: ``(k + 1, B, ...)`` bool spikes; row 0 holds the reset of step 0.
     """
     k = zin.shape[0]
@@ -61,7 +61,9 @@ def leaky_forward_on_host(
         return None
     if _host_arrays(mem, zin, decay, thr) is None:
         return None
-    buffer = mems if mems is not None else mem.new_empty((2, *mem.shape))
+    # without ``mems`` one row, written in place step after step (each step's decay goes to
+    # its own buffer first): the last membrane owns exactly its own storage
+    buffer = mems if mems is not None else mem.new_empty((1, *mem.shape))
     arrays = _host_arrays(mem, zin, decay, thr, buffer)
     if arrays is None:  # a kept buffer of another dtype or layout
         return None

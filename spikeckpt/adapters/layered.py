@@ -22,6 +22,12 @@ engine uses it only where no gradient with respect to the input is needed (the f
 when ``x`` does not require grad), in both the forward pass and the recomputation, so
 recomputed spikes stay bitwise those of the forward pass. Values agree with the dense
 ``Linear`` to float32 round-off (the sums run in another order), as the batched matmul does.
+The gathers live in `spikeckpt.adapters.gather`.
+
+**Untaped backward.** Such a block also gets ``affine``, the ``Linear`` written out
+(`spikeckpt.adapters.affine.LinearChunk`, computing what ``synapse`` and ``sparse_synapse``
+compute, bitwise): with a fused neuron the engine recomputes and backpropagates the block over
+a chunk without autograd (`spikeckpt.engine.direct`).
 """
 
 from __future__ import annotations

@@ -153,12 +153,21 @@ class LayerwiseJob(Job):
     ) -> tuple[list[Tensor], list[Tensor]]:
         """``(outputs, final state leaves)``; outputs: ``[spikes (k, B, ...)]`` below the top,
         the emitted outputs (spikes / mem / both, each ``(k, B, ...)``) at the top."""
+        return self._run_neuron(b, self._run_synapse(b, inp), leaves, top)
+
+    def _run_synapse(self, b: int, inp: Tensor | SparseChunk) -> Tensor:
+        """Block ``b``'s synaptic input over the chunk ``inp``: ``(k, B, ...)``."""
         block = self.blocks[b]
         if b == 0 and not self.need_x and block.sparse_synapse is not None:
-            z = block.sparse_synapse(inp)
-        else:
-            assert isinstance(inp, Tensor)
-            z = block.synapse(inp)
+            return block.sparse_synapse(inp)
+        assert isinstance(inp, Tensor)
+        return block.synapse(inp)
+
+    def _run_neuron(
+        self, b: int, z: Tensor, leaves: list[Tensor], top: bool
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Block ``b``'s neuron over the chunk's synaptic input ``z`` (see `_run_block`)."""
+        block = self.blocks[b]
         state = pytree.tree_unflatten(leaves, self.state_defs[b])
         want_mem = top and self.output != "spikes"
         kernel = self.kernels[b]
@@ -249,7 +258,10 @@ class LayerwiseJob(Job):
                     train = self._measure(b, inp, record)
                     if record:
                         layout.append(self._keep(c, b, train, states[b], items))
-                    outs, states[b] = self._run_block(b, inp, states[b], top)
+                    z = self._run_synapse(b, inp)
+                    inp = outs = None  # the input chunk goes before the neuron runs
+                    outs, states[b] = self._run_neuron(b, z, states[b], top)
+                    del z
                     if not top:
                         inp = outs[0]
                 if record:
