@@ -110,4 +110,6 @@ def test_layerwise_chunks_past_the_probed_lengths_stay_within_the_budget(form: s
         seq(x)
         chunk = seq.last_decision.chunk
         assert chunk is not None and chunk > 8
-        assert 0.7 * budget <= peak <= budget, (factor, budget, peak, chunk)
+        # used, not wasted: the extrapolation is raised by a margin (and an untaped step's
+        # by its stored entries' share): 0.70-0.78 of the budget measured here
+        assert 0.65 * budget <= peak <= budget, (factor, budget, peak, chunk)

@@ -14,6 +14,7 @@ state is cleaned up.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -27,6 +28,7 @@ from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.fused import run_fused
 from spikeckpt.engine.inputs import TrainWindow, chunk_of, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.layerwise_job import GROUP_SHARE
 from spikeckpt.engine.measure import (
     SEGMENT_PROBE_STEPS,
     Probe,
@@ -42,8 +44,6 @@ from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans.layerwise import (
-    EXTRAPOLATION_MARGIN,
-    UNTAPED_MARGIN,
     BlockSizes,
     MeasuredWorking,
     layerwise_cost,
@@ -55,6 +55,7 @@ from spikeckpt.storage.codecs import is_binary
 __all__ = [
     "LAYERWISE_PROBE_CHUNKS",
     "SEGMENT_PROBE_STEPS",
+    "UNTAPED_PROBE_CHUNKS",
     "Probe",
     "Probed",
     "block_sizes",
@@ -219,6 +220,8 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
 
 #: Chunk lengths `layerwise_working_bytes` runs (each over two chunks).
 LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8, 16)
+#: Longer chunk lengths the whole batch is measured at when every block runs untaped.
+UNTAPED_PROBE_CHUNKS = (8, 16, 32)
 #: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
@@ -235,15 +238,19 @@ def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
 
 
 def layerwise_probe_chunks(
-    T: int, sizes: Sequence[BlockSizes], max_bytes: int | None = None
+    T: int,
+    sizes: Sequence[BlockSizes],
+    max_bytes: int | None = None,
+    lengths: Sequence[int] = LAYERWISE_PROBE_CHUNKS,
+    headroom: int = 3,
 ) -> list[int]:
     """The chunk lengths `layerwise_working_bytes` measures for ``T`` steps under
-    ``max_bytes`` (those of `LAYERWISE_PROBE_CHUNKS` up to ``T / 2`` and, with a limit,
-    up to where three times the cost model's working set fits it; at least 1)."""
+    ``max_bytes`` (those of ``lengths`` up to ``T / 2`` and, with a limit, up to where
+    ``headroom`` times the cost model's working set fits it; at least 1)."""
     longest = max(1, T // 2)
     if max_bytes is not None:
-        longest = max(1, min(longest, max_bytes // (3 * max(_working(sizes), 1))))
-    return sorted({k for k in LAYERWISE_PROBE_CHUNKS if k <= longest} or {1})
+        longest = max(1, min(longest, max_bytes // (headroom * max(_working(sizes), 1))))
+    return sorted({k for k in lengths if k <= longest} or {1})
 
 
 def layerwise_working_bytes(
@@ -316,29 +323,58 @@ def layerwise_working_bytes(
     one = [scaled_sizes(b, few, batch) for b in sizes]
     # a packed input never takes a gradient: its run tapes as the training step does (the
     # parameters' gradient sums, constant in the chunk, are in every point alike)
-    chunks = layerwise_probe_chunks(T, one, max_bytes)
-    tape, tape_untaped = run(one, chunks, samples=few, training=is_packed(x))
+    tape, tape_untaped = run(
+        one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x)
+    )
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     step, untaped = run(
         sizes, layerwise_probe_chunks(T, sizes, max_bytes), samples=batch, training=True
     )
-    untaped = untaped and tape_untaped
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
         points.append((k, held))
-    # taped blocks: at least the cost model's slope and the tape's (scaled from two samples),
-    # and the wider margin (their tape grows past the probed lengths). Untaped ones hold a
-    # few buffers per step, linear in the chunk from the first: the whole batch's own chords
-    # where it was measured at three lengths or more (the two samples' slope, scaled, counts
-    # their fixed bytes per step eight times: 52.5 against 39.7 KB per step measured on
-    # 100-256-10 at batch 16)
-    floor = 0 if untaped else _working(sizes, sparse_first)
-    slope = steepest_chord(tape, 0 if untaped else _working(one, sparse_first))
-    scaled = 0 if untaped and len(points) >= 3 else -(-slope * batch // few)
-    margin = UNTAPED_MARGIN if untaped else EXTRAPOLATION_MARGIN
-    return MeasuredWorking(tuple(points), max(floor, scaled), margin)
+    if untaped and tape_untaped:
+        # every block untaped: a few buffers per step, far below the cost model's taped bytes;
+        # but a step's peak moves between blocks as the chunk grows (on 700-256-256-20 at
+        # batch 32 it grows by 87 KB per step up to chunk 4, by 107 from 16 to 32), and a
+        # small batch shows another block's line: the whole batch is measured at longer
+        # chunks. A probe stores two chunks; a run groups its stored trains into entries of
+        # up to `GROUP_SHARE` of a chunk's dense trains, two of them held at once, which a
+        # remote tier adds per step (measured 137-147 KB per step in all on that model)
+        points = _longer(points, run, sizes, T, batch, max_bytes)
+        entries = 0
+        if not stored_on_device:
+            entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
+        return MeasuredWorking(tuple(points), steepest_chord(points, 0) + entries)
+    slope = steepest_chord(tape, _working(one, sparse_first))
+    return MeasuredWorking(
+        tuple(points), max(_working(sizes, sparse_first), -(-slope * batch // few))
+    )
+
+
+def _longer(
+    points: list[tuple[int, int]],
+    run: Callable[..., tuple[list[tuple[int, int]], bool]],
+    sizes: Sequence[BlockSizes],
+    T: int,
+    batch: int,
+    max_bytes: int | None,
+) -> list[tuple[int, int]]:
+    """``points`` extended by runs of the whole batch at `UNTAPED_PROBE_CHUNKS` past them
+    (up to ``T / 2`` and, with a limit, while twice the cost model's taped bytes fit it: the
+    probe's own input and states beside them); the bytes never fall as the chunk grows."""
+    points = list(points)
+    for k in UNTAPED_PROBE_CHUNKS:
+        last_k, last = points[-1]
+        if k <= last_k or k > T // 2:
+            continue
+        if max_bytes is not None and 2 * k * _working(sizes) > max_bytes:
+            break
+        more, _ = run(sizes, [k], samples=batch, training=True)
+        points.append((k, max(last, more[0][1])))
+    return points
 
 
 def layerwise_seconds(

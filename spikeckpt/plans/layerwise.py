@@ -39,7 +39,6 @@ from spikeckpt.plans.simulate import CostModel
 
 __all__ = [
     "EXTRAPOLATION_MARGIN",
-    "UNTAPED_MARGIN",
     "BlockSizes",
     "LayerwiseCost",
     "MeasuredWorking",
@@ -104,13 +103,6 @@ def steepest_chord(points: Sequence[tuple[int, int]], floor: int) -> int:
 #: 0.7% without the margin)
 EXTRAPOLATION_MARGIN = (5, 4)
 
-#: The margin where every block's backward runs untaped (an affine synapse into a fused
-#: neuron, `spikeckpt.engine.direct`): its working set is a few buffers per chunk step, and
-#: its growth past the probed lengths stays on the last chord (measured, the real step's chord
-#: against the chord of chunks 8 -> 16: 1.017x on 100-256-10 at batch 16, dense input at 10%,
-#: chunks 16 -> 251; 1.013x on 200-256-10, packed input at 5%, chunks 16 -> 28)
-UNTAPED_MARGIN = (9, 8)
-
 
 @dataclass(frozen=True)
 class MeasuredWorking:
@@ -120,21 +112,19 @@ class MeasuredWorking:
     while the parameters' gradient sums are held (they do not grow with the chunk), at long
     ones while a block's tape over the chunk is. ``working(k)`` is the measured bytes at a
     measured length, the chord between two, the first one below them, and past the longest
-    ``points[-1] + slope * (k - k_last)`` with the slope raised by ``margin``:
+    ``points[-1] + slope * (k - k_last)`` with the slope raised by `EXTRAPOLATION_MARGIN`:
     [`slope`][spikeckpt.plans.layerwise.MeasuredWorking.slope] bounds how fast any part of the
     peak grows (the steepest chord, at least the cost model's).
 
     Attributes:
         points: ``(chunk, bytes)`` measured, chunk lengths increasing, bytes not falling.
         base_slope: the least bytes per chunk step past the longest measured length (the
-            cost model's ``max_b (A_b + 2 I_b + O_b)`` where blocks are taped).
-        margin: ``(numerator, denominator)`` the slope is raised by past the longest
-            measured length (`EXTRAPOLATION_MARGIN`, `UNTAPED_MARGIN`).
+            cost model's ``max_b (A_b + 2 I_b + O_b)`` where blocks are taped, the growth
+            measured on longer chunks where they run untaped).
     """
 
     points: tuple[tuple[int, int], ...]
     base_slope: int
-    margin: tuple[int, int] = EXTRAPOLATION_MARGIN
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -153,14 +143,14 @@ class MeasuredWorking:
 
     def prefix(self, n: int) -> MeasuredWorking:
         """What a probe that measured only the first ``n`` lengths would have found."""
-        return MeasuredWorking(self.points[: max(1, n)], self.base_slope, self.margin)
+        return MeasuredWorking(self.points[: max(1, n)], self.base_slope)
 
     def __call__(self, chunk: int) -> int:
         first, last = self.points[0], self.points[-1]
         if chunk <= first[0]:
             return first[1]
         if chunk >= last[0]:
-            numerator, denominator = self.margin
+            numerator, denominator = EXTRAPOLATION_MARGIN
             past = -(-self.slope * numerator // denominator)
             return last[1] + past * (chunk - last[0])
         for (ka, wa), (kb, wb) in zip(self.points, self.points[1:], strict=False):
@@ -178,7 +168,7 @@ class MeasuredWorking:
             return -(-n * batch // probed)
 
         points = tuple((k, scale(w)) for k, w in self.points)
-        return MeasuredWorking(points, scale(self.base_slope), self.margin)
+        return MeasuredWorking(points, scale(self.base_slope))
 
 
 @dataclass(frozen=True)
