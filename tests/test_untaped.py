@@ -219,3 +219,72 @@ def test_an_untaped_step_holds_less_than_a_taped_one(monkeypatch: pytest.MonkeyP
             seq(x).sum().backward()
         peaks[untaped] = meter.peak_bytes
     assert peaks[True] < 0.8 * peaks[False], peaks
+
+
+def test_a_later_block_gathers_over_its_input_spikes_in_both_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block after the first whose backward runs untaped reads its input spikes as positions
+    in the forward pass and in the recomputation alike (its input gradient is ``dL/dz @ W``):
+    outputs bitwise the plain loop's, gradients at round-off; with the untaped path off it
+    multiplies densely, as it does a block of fewer than `GATHER_MIN_OUTPUTS` outputs."""
+    from spikeckpt.adapters import affine, gather
+
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Linear(50, 400), snn.Leaky(beta=0.9), nn.Linear(400, 80), snn.Leaky(beta=0.9)
+    )
+    with torch.no_grad():
+        net[0].weight.mul_(2.0)
+        net[2].weight.mul_(4.0)
+    dense = (torch.rand(24, 4, 50) < 0.1).float()
+    plain = _plain_loop(net, dense)
+    assert float(plain.detach().mean()) > 0
+    assert 0 < float(_hidden_rate(net, dense)) < 1 / 16
+    params = list(net.parameters())
+    want = _grads(plain, params)
+    seen: list[tuple[int, ...]] = []
+    real = gather.gather
+
+    def spy(weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        seen.append(tuple(weight.shape))
+        return real(weight, *args, **kwargs)
+
+    monkeypatch.setattr(gather, "gather", spy)
+    monkeypatch.setattr(affine, "gather", spy)
+    for untaped in (True, False):
+        seen.clear()
+        seq, out = _run(net, dense, 6, untaped)
+        got = _grads(out, params)
+        assert torch.equal(out.detach(), plain.detach())
+        for i, (a, b) in enumerate(zip(want, got, strict=True)):
+            _close(a, b, f"untaped={untaped}: gradient {i}")
+        later = seen.count((80, 400))
+        # 4 chunks: forward and recomputation gather, or neither
+        assert later == (8 if untaped else 0), (untaped, seen)
+    narrow = nn.Sequential(net[0], net[1], nn.Linear(400, 10), snn.Leaky(beta=0.9))
+    seen.clear()
+    _run(narrow, dense, 6, True)[1].sum().backward()
+    assert seen.count((10, 400)) == 0, seen
+
+
+def _hidden_rate(net: nn.Sequential, x: Tensor) -> Tensor:
+    with torch.no_grad():
+        return _plain_loop(net[:2], x).mean()
+
+
+def test_a_hook_added_between_forward_and_backward_of_a_gathering_block_is_refused() -> None:
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Linear(50, 400), snn.Leaky(beta=0.9), nn.Linear(400, 80), snn.Leaky(beta=0.9)
+    )
+    with torch.no_grad():
+        net[0].weight.mul_(2.0)
+        net[2].weight.mul_(4.0)
+    out = sc.wrap(net, granularity="layer", chunk=6)((torch.rand(24, 4, 50) < 0.1).float())
+    handle = net[2].register_forward_hook(lambda module, args, result: None)
+    try:
+        with pytest.raises(sc.UsageError, match=r"block '3' gathered .* run the forward again"):
+            out.sum().backward()
+    finally:
+        handle.remove()

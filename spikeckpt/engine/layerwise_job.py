@@ -28,7 +28,7 @@ from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
-__all__ = ["DIRECT_BACKWARD", "GROUP_SHARE", "LayerwiseJob"]
+__all__ = ["DIRECT_BACKWARD", "GATHER_MIN_OUTPUTS", "GROUP_SHARE", "LayerwiseJob"]
 
 #: an off-device store entry collects consecutive chunks' trains and states until it holds
 #: this share of one chunk's dense input trains (all blocks): fewer, larger files (see
@@ -41,6 +41,12 @@ State = Any
 #: whether blocks with an affine synapse into a fused neuron run their recomputation and
 #: backward untaped (`spikeckpt.engine.direct`); False tapes every block (for comparisons)
 DIRECT_BACKWARD = True
+
+#: a block after the first gathers over its input spikes only with at least this many outputs
+#: (measured, CPU, one thread, 5% of BPTT's memory, T = 1000: 256 -> 256 at batch 32 0.48x the
+#: snnTorch loop gathered against 0.55x dense; 256 -> 10 at batch 16 0.43x against 0.37x, where
+#: the gather's fixed cost per chunk outweighs a small product)
+GATHER_MIN_OUTPUTS = 64
 
 
 def _nbytes(t: Tensor) -> int:
@@ -87,6 +93,8 @@ class LayerwiseJob(Job):
         self.fuse = fuse
         #: recompute and backpropagate affine-into-fused blocks without autograd
         self.direct = DIRECT_BACKWARD
+        #: per block: whether a block after the first gathers over its input (`_gathers`)
+        self.gathered = [False] * len(blocks)
         compiling = fuse and wants_compile(compile, device)
         self.kernels = [
             compiled_kernel(b.fused, compile) if compiling and b.fused is not None else b.fused
@@ -158,10 +166,31 @@ class LayerwiseJob(Job):
     def _run_synapse(self, b: int, inp: Tensor | SparseChunk) -> Tensor:
         """Block ``b``'s synaptic input over the chunk ``inp``: ``(k, B, ...)``."""
         block = self.blocks[b]
-        if b == 0 and not self.need_x and block.sparse_synapse is not None:
-            return block.sparse_synapse(inp)
+        if self._sparse(b):
+            return block.sparse_synapse(inp)  # type: ignore[misc]
         assert isinstance(inp, Tensor)
         return block.synapse(inp)
+
+    def _sparse(self, b: int) -> bool:
+        """Whether block ``b`` reads its input through its sparse synapse: the first block when
+        ``x`` needs no gradient; a later one whose backward runs untaped (its input gradient
+        is then ``dL/dz @ W``, never through the synapse's autograd)."""
+        if self.blocks[b].sparse_synapse is None:
+            return False
+        return (b == 0 and not self.need_x) or self.gathered[b]
+
+    def _gathers(self, b: int) -> bool:
+        """Whether block ``b > 0`` gathers over its input spikes in both passes: an affine
+        synapse of at least `GATHER_MIN_OUTPUTS` outputs into a fused neuron, untaped (see
+        `_backward_untaped`), outside autocast."""
+        affine = self.blocks[b].affine
+        if b == 0 or not self.direct or self.blocks[b].sparse_synapse is None or affine is None:
+            return False
+        if affine.params[0].shape[0] < GATHER_MIN_OUTPUTS:
+            return False
+        if any(torch.is_autocast_enabled(kind) for kind in ("cpu", self.device.type)):
+            return False
+        return self._untaped_parts(b, b == len(self.blocks) - 1) is not None
 
     def _run_neuron(
         self, b: int, z: Tensor, leaves: list[Tensor], top: bool
@@ -237,6 +266,7 @@ class LayerwiseJob(Job):
         """The forward pass; ``record``: keep what backward needs (else a plain no-grad run)."""
         nb = len(self.blocks)
         states = [[t.detach() for t in s] for s in _split(leaves, self.n_leaves)]
+        self.gathered = [self._gathers(b) for b in range(nb)]
         if record:
             self.x = x if is_packed(x) else x.detach()
             self.initial = [list(s) for s in states]
@@ -249,21 +279,9 @@ class LayerwiseJob(Job):
         try:
             items: list[Tensor] = []  # the open entry's tensors
             entry, first = 0, 0  # the open entry and its first chunk
-            for c, (t0, t1) in enumerate(self.bounds):
-                inp = self._first_input(x, t0, t1)
-                layout: list[tuple[Packed | None, int, int]] = []
+            for c, (t0, _) in enumerate(self.bounds):
                 offset = len(items)
-                for b in range(nb):
-                    top = b == nb - 1
-                    train = self._measure(b, inp, record)
-                    if record:
-                        layout.append(self._keep(c, b, train, states[b], items))
-                    z = self._run_synapse(b, inp)
-                    inp = outs = None  # the input chunk goes before the neuron runs
-                    outs, states[b] = self._run_neuron(b, z, states[b], top)
-                    del z
-                    if not top:
-                        inp = outs[0]
+                outs, layout = self._forward_chunk(c, x, states, items, record)
                 if record:
                     if len(items) > offset:
                         self.layout[c] = (entry, offset, layout)
@@ -283,6 +301,27 @@ class LayerwiseJob(Job):
         if not record:
             self.close()
         return outs + [t for s in states for t in s]
+
+    def _forward_chunk(
+        self, c: int, x: Any, states: list[list[Tensor]], items: list[Tensor], record: bool
+    ) -> tuple[list[Tensor], list[tuple[Packed | None, int, int]]]:
+        """Every block over chunk ``c`` (``states`` updated in place; with ``record`` what
+        backward needs added to the open entry's ``items``): the top block's outputs and the
+        chunk's layout entries."""
+        t0, t1 = self.bounds[c]
+        inp: Any = self._first_input(x, t0, t1)
+        layout: list[tuple[Packed | None, int, int]] = []
+        outs: Any = None
+        for b in range(len(self.blocks)):
+            train = self._measure(b, inp, record)
+            if record:
+                layout.append(self._keep(c, b, train, states[b], items))
+            z = self._run_synapse(b, inp)
+            inp = outs = None  # the input chunk goes before the neuron runs
+            outs, states[b] = self._run_neuron(b, z, states[b], b == len(self.blocks) - 1)
+            del z
+            inp = outs[0]
+        return outs, layout
 
     def _keep(
         self,
@@ -501,6 +540,7 @@ class LayerwiseJob(Job):
             if done is not None:
                 self.stats.blocks[b].untaped_chunks += 1
                 return done
+        self._refuse_taped_gather(b)
         with torch.enable_grad():
             if isinstance(inp, Tensor):
                 inp = inp.detach().requires_grad_(want_in and inp.is_floating_point())
@@ -518,6 +558,17 @@ class LayerwiseJob(Job):
             got = self._gradients(b, [*outs, *final], [*g_out, *g_state], wrt, grad_p)
         self._accumulate(pidx, got[1 + len(leaves) :], grad_p)
         return [got[0] if want_in else None], list(got[1 : 1 + len(leaves)])
+
+    def _refuse_taped_gather(self, b: int) -> None:
+        """Raise where block ``b`` gathered in the forward pass but must be taped now (its
+        taped synapse would not compute the forward's values)."""
+        if b > 0 and self.gathered[b]:
+            raise UsageError(
+                f"layer-wise run: block {self.blocks[b].name!r} gathered over its input spikes "
+                "in the forward pass and cannot run its backward untaped now (a hook added to "
+                "its Linear, or autocast turned on, between forward and backward); run the "
+                "forward again as the backward will run"
+            )
 
     def _untaped_parts(
         self, b: int, top: bool
@@ -564,7 +615,7 @@ class LayerwiseJob(Job):
         g_out.clear()
         # the running sums this job owns are added into in place
         sums = [grad_p[j] if j is not None and j in self.owned else None for j in a_idx]
-        sparse = b == 0 and not self.need_x and self.blocks[b].sparse_synapse is not None
+        sparse = self._sparse(b)
         with torch.no_grad():
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums)
         if done is None:  # declined before reading them: the taped path gets them back
