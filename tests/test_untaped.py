@@ -230,13 +230,7 @@ def test_a_later_block_gathers_over_its_input_spikes_in_both_passes(
     multiplies densely, as it does a block of fewer than `GATHER_MIN_OUTPUTS` outputs."""
     from spikeckpt.adapters import affine, gather
 
-    torch.manual_seed(3)
-    net = nn.Sequential(
-        nn.Linear(50, 400), snn.Leaky(beta=0.9), nn.Linear(400, 80), snn.Leaky(beta=0.9)
-    )
-    with torch.no_grad():
-        net[0].weight.mul_(2.0)
-        net[2].weight.mul_(4.0)
+    net = _gathering_net()
     dense = (torch.rand(24, 4, 50) < 0.1).float()
     plain = _plain_loop(net, dense)
     assert float(plain.detach().mean()) > 0
@@ -268,12 +262,9 @@ def test_a_later_block_gathers_over_its_input_spikes_in_both_passes(
     assert seen.count((10, 400)) == 0, seen
 
 
-def _hidden_rate(net: nn.Sequential, x: Tensor) -> Tensor:
-    with torch.no_grad():
-        return _plain_loop(net[:2], x).mean()
-
-
-def test_a_hook_added_between_forward_and_backward_of_a_gathering_block_is_refused() -> None:
+def _gathering_net() -> nn.Sequential:
+    """50 -> 400 -> 80: the hidden layer fires below `SPARSE_DENSITY`, so the second block
+    gathers over it."""
     torch.manual_seed(3)
     net = nn.Sequential(
         nn.Linear(50, 400), snn.Leaky(beta=0.9), nn.Linear(400, 80), snn.Leaky(beta=0.9)
@@ -281,6 +272,16 @@ def test_a_hook_added_between_forward_and_backward_of_a_gathering_block_is_refus
     with torch.no_grad():
         net[0].weight.mul_(2.0)
         net[2].weight.mul_(4.0)
+    return net
+
+
+def _hidden_rate(net: nn.Sequential, x: Tensor) -> Tensor:
+    with torch.no_grad():
+        return _plain_loop(net[:2], x).mean()
+
+
+def test_a_hook_added_between_forward_and_backward_of_a_gathering_block_is_refused() -> None:
+    net = _gathering_net()
     out = sc.wrap(net, granularity="layer", chunk=6)((torch.rand(24, 4, 50) < 0.1).float())
     handle = net[2].register_forward_hook(lambda module, args, result: None)
     try:

@@ -13,27 +13,16 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
+from spikeckpt.adapters.protocol import no_hooks
 from spikeckpt.engine.inputs import SparseChunk
 
-__all__ = ["LinearChunk", "no_hooks", "sparse_positions"]
+__all__ = ["SPARSE_DENSITY", "LinearChunk", "sparse_positions"]
 
 #: the largest share of non-zero inputs for which a sparse synapse gathers (measured on one
 #: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
 SPARSE_DENSITY = 1 / 16
 
 Positions = tuple[int, Tensor, Tensor, Tensor | None]
-
-
-def no_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs its ``forward`` and nothing else."""
-    from torch.nn.modules import module as torch_module
-
-    return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or getattr(torch_module, "_global_forward_hooks", None)
-        or getattr(torch_module, "_global_forward_pre_hooks", None)
-    )
 
 
 def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | None:

@@ -32,6 +32,7 @@ __all__ = [
     "State",
     "attribute_tensors",
     "describe",
+    "no_hooks",
     "unsupported",
 ]
 
@@ -173,3 +174,16 @@ def unsupported(module: nn.Module, path: str, reason: str) -> UnsupportedLayerEr
     """
     where = repr(path) if path else "<root>"
     return UnsupportedLayerError(f"layer {where} ({describe(module)}) cannot be wrapped: {reason}")
+
+
+def no_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs its ``forward`` and nothing else (no forward hook of
+    its own or a global one)."""
+    from torch.nn.modules import module as torch_module
+
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(torch_module, "_global_forward_hooks", None)
+        or getattr(torch_module, "_global_forward_pre_hooks", None)
+    )

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatelessAdapter
 from spikeckpt.adapters.kernels import LeakyKernel, Reset, SynapticKernel, clamp_grad, is_unit
-from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
+from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
 
 __all__ = [
     "AlphaState",
@@ -152,7 +152,7 @@ class SnnTorchNeuronAdapter(LayerAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         fast = self._fast
-        if fast is not None and _no_hooks(self.module):
+        if fast is not None and no_hooks(self.module):
             if self.fast_verified is None:
                 self.fast_verified = _same_results(self.module_step, fast, self)
             if self.fast_verified:
@@ -380,18 +380,6 @@ _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_bas
 
 
 Step = Callable[[State, Tensor], tuple[State, Tensor]]
-
-
-def _no_hooks(module: nn.Module) -> bool:
-    """Whether no forward hook (the module's own or a global one) would run on a call."""
-    from torch.nn.modules import module as torch_module
-
-    return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or getattr(torch_module, "_global_forward_hooks", None)
-        or getattr(torch_module, "_global_forward_pre_hooks", None)
-    )
 
 
 def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
