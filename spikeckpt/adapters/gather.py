@@ -32,6 +32,11 @@ __all__ = [
 #: elements (256 KiB of float32) per block: no weight-sized temporary
 GATHER_BLOCK = 1 << 16
 
+#: a weight of at most this many elements (1 MiB of float32) keeps its transpose for the
+#: forward pass (made once per pass; the forward pass holds one chunk's spikes, far less than
+#: the backward's working set)
+KEEP_ELEMENTS = 1 << 18
+
 
 class Transposed:
     """A small weight transposed, ``(in, out)`` contiguous, made once per forward pass of the
@@ -47,7 +52,7 @@ class Transposed:
 
     def of(self, weight: Tensor) -> Tensor | None:
         """``weight.T`` contiguous, or None (a large weight, or recomputing)."""
-        if weight.numel() > GATHER_BLOCK or recomputing():
+        if weight.numel() > KEEP_ELEMENTS or recomputing():
             self.value = None
             return None
         key = (weight.data_ptr(), weight._version)
@@ -82,7 +87,7 @@ def gather(
     offsets = (counts.cumsum(0) - counts).to(cols.dtype)  # embedding_bag: one index dtype
     weight = weight.detach()
     step = max(1, GATHER_BLOCK // max(1, n_in))
-    if step >= out:
+    if transposed is not None or step >= out:
         if transposed is None:
             transposed = weight.t().contiguous()
         return nn.functional.embedding_bag(
