@@ -123,7 +123,11 @@ def gather_weight_grad(
     weights = None if values is None else values[order]
     add = target is not None
     if target is None:
-        target = grad.new_empty(out, n_in)
+        # a weight of up to `KEEP_ELEMENTS` sums in the transposed layout (an (out, in) view
+        # of (in, out) rows): each block adds into contiguous runs of its rows, not across
+        # strides; the one copy into .grad's layout comes at the end, at most 1 MiB
+        small = out * n_in <= KEEP_ELEMENTS
+        target = grad.new_empty(n_in, out).t() if small else grad.new_empty(out, n_in)
     step = max(1, GATHER_BLOCK // max(1, n_in))
     for o0 in range(0, out, step):
         part = nn.functional.embedding_bag(
