@@ -289,3 +289,26 @@ def test_a_hook_added_between_forward_and_backward_of_a_gathering_block_is_refus
             out.sum().backward()
     finally:
         handle.remove()
+
+
+def test_a_wide_block_whose_neuron_runs_per_step_is_taped_and_multiplies_densely() -> None:
+    """A later block may gather only where its fused neuron takes the chunk: Norse's cell on
+    float64 runs per step (its parameters stay float32), so the block is taped, multiplies
+    densely and matches the plain loop (it was refused once, having gathered in the forward
+    pass)."""
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Linear(50, 400), norse.LIFCell(), nn.Linear(400, 80), norse.LIFCell()
+    ).double()
+    with torch.no_grad():
+        net[0].weight.mul_(8.0)
+        net[2].weight.mul_(8.0)
+    x = (torch.rand(30, 4, 50) < 0.1).double()
+    plain = _plain_loop(net, x)
+    params = list(net.parameters())
+    want = _grads(plain, params)
+    seq, out = _run(net, x, 6, True)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step", "per-step"]
+    assert torch.equal(out.detach(), plain.detach()) and float(plain.detach().mean()) > 0
+    for i, (a, b) in enumerate(zip(want, _grads(out, params), strict=True)):
+        _close(a, b, f"gradient {i}")

@@ -93,8 +93,10 @@ class LayerwiseJob(Job):
         self.fuse = fuse
         #: recompute and backpropagate affine-into-fused blocks without autograd
         self.direct = DIRECT_BACKWARD
-        #: per block: whether a block after the first gathers over its input (`_gathers`)
-        self.gathered = [False] * len(blocks)
+        #: per block: whether a block after the first may gather over its input (`_gathers`)
+        self.may_gather = [False] * len(blocks)
+        #: ``(chunk, block)`` pairs whose forward pass gathered (a block after the first)
+        self.gathered: set[tuple[int, int]] = set()
         compiling = fuse and wants_compile(compile, device)
         self.kernels = [
             compiled_kernel(b.fused, compile) if compiling and b.fused is not None else b.fused
@@ -157,27 +159,43 @@ class LayerwiseJob(Job):
 
     # -- running one block over one chunk ------------------------------------------------
     def _run_block(
-        self, b: int, inp: Tensor | SparseChunk, leaves: list[Tensor], top: bool
+        self, c: int, b: int, inp: Tensor | SparseChunk, leaves: list[Tensor], top: bool
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """``(outputs, final state leaves)``; outputs: ``[spikes (k, B, ...)]`` below the top,
-        the emitted outputs (spikes / mem / both, each ``(k, B, ...)``) at the top."""
-        return self._run_neuron(b, self._run_synapse(b, inp), leaves, top)
+        """``(outputs, final state leaves)`` of block ``b`` over chunk ``c``; outputs:
+        ``[spikes (k, B, ...)]`` below the top, the emitted outputs (spikes / mem / both, each
+        ``(k, B, ...)``) at the top."""
+        return self._run_neuron(b, self._run_synapse(c, b, inp), leaves, top)
 
-    def _run_synapse(self, b: int, inp: Tensor | SparseChunk) -> Tensor:
-        """Block ``b``'s synaptic input over the chunk ``inp``: ``(k, B, ...)``."""
+    def _run_synapse(self, c: int, b: int, inp: Tensor | SparseChunk) -> Tensor:
+        """Block ``b``'s synaptic input over chunk ``c``'s input ``inp``: ``(k, B, ...)``."""
         block = self.blocks[b]
-        if self._sparse(b):
+        if self._sparse(c, b):
             return block.sparse_synapse(inp)  # type: ignore[misc]
         assert isinstance(inp, Tensor)
         return block.synapse(inp)
 
-    def _sparse(self, b: int) -> bool:
-        """Whether block ``b`` reads its input through its sparse synapse: the first block when
-        ``x`` needs no gradient; a later one whose backward runs untaped (its input gradient
-        is then ``dL/dz @ W``, never through the synapse's autograd)."""
+    def _forward_synapse(
+        self, c: int, b: int, inp: Tensor | SparseChunk, leaves: list[Tensor]
+    ) -> Tensor:
+        """`_run_synapse` in the forward pass: a block after the first that may gather does,
+        where its fused neuron accepts the chunk (its backward then runs untaped); the chunk
+        is recorded in ``gathered``."""
+        kernel, block = self.kernels[b], self.blocks[b]
+        if b > 0 and self.may_gather[b] and kernel is not None:
+            z = block.sparse_synapse(inp)  # type: ignore[misc]
+            if kernel.accepts(leaves, z):
+                self.gathered.add((c, b))
+                return z
+            del z
+        return self._run_synapse(c, b, inp)
+
+    def _sparse(self, c: int, b: int) -> bool:
+        """Whether block ``b`` reads chunk ``c``'s input through its sparse synapse: the first
+        block when ``x`` needs no gradient; a later one where the forward pass gathered (its
+        backward runs untaped: its input gradient is ``dL/dz @ W``)."""
         if self.blocks[b].sparse_synapse is None:
             return False
-        return (b == 0 and not self.need_x) or self.gathered[b]
+        return (b == 0 and not self.need_x) or (c, b) in self.gathered
 
     def _gathers(self, b: int) -> bool:
         """Whether block ``b > 0`` gathers over its input spikes in both passes: an affine
@@ -266,7 +284,8 @@ class LayerwiseJob(Job):
         """The forward pass; ``record``: keep what backward needs (else a plain no-grad run)."""
         nb = len(self.blocks)
         states = [[t.detach() for t in s] for s in _split(leaves, self.n_leaves)]
-        self.gathered = [self._gathers(b) for b in range(nb)]
+        self.may_gather = [self._gathers(b) for b in range(nb)]
+        self.gathered = set()
         if record:
             self.x = x if is_packed(x) else x.detach()
             self.initial = [list(s) for s in states]
@@ -316,7 +335,7 @@ class LayerwiseJob(Job):
             train = self._measure(b, inp, record)
             if record:
                 layout.append(self._keep(c, b, train, states[b], items))
-            z = self._run_synapse(b, inp)
+            z = self._forward_synapse(c, b, inp, states[b])
             inp = outs = None  # the input chunk goes before the neuron runs
             outs, states[b] = self._run_neuron(b, z, states[b], b == len(self.blocks) - 1)
             del z
@@ -536,11 +555,11 @@ class LayerwiseJob(Job):
             return [None], [None] * len(start)
         want_in = b > 0 or self.need_x
         if self.direct:
-            done = self._backward_untaped(b, inp, start, top, want_in, g_out, g_state, grad_p)
+            done = self._backward_untaped(c, b, inp, start, want_in, g_out, g_state, grad_p)
             if done is not None:
                 self.stats.blocks[b].untaped_chunks += 1
                 return done
-        self._refuse_taped_gather(b)
+        self._refuse_taped_gather(c, b)
         with torch.enable_grad():
             if isinstance(inp, Tensor):
                 inp = inp.detach().requires_grad_(want_in and inp.is_floating_point())
@@ -550,7 +569,7 @@ class LayerwiseJob(Job):
             saved = self.rng.get((c, b))
             if saved is not None:
                 saved.restore()
-            outs, final = self._run_block(b, inp, leaves, top)
+            outs, final = self._run_block(c, b, inp, leaves, top)
             if b not in self.searched:
                 self._search_params(b, [*outs, *final], [inp, *leaves])
             pidx = self.block_params[b]
@@ -559,10 +578,10 @@ class LayerwiseJob(Job):
         self._accumulate(pidx, got[1 + len(leaves) :], grad_p)
         return [got[0] if want_in else None], list(got[1 : 1 + len(leaves)])
 
-    def _refuse_taped_gather(self, b: int) -> None:
-        """Raise where block ``b`` gathered in the forward pass but must be taped now (its
-        taped synapse would not compute the forward's values)."""
-        if b > 0 and self.gathered[b]:
+    def _refuse_taped_gather(self, c: int, b: int) -> None:
+        """Raise where block ``b`` gathered over chunk ``c`` in the forward pass but must be
+        taped now (its taped synapse would not compute the forward's values)."""
+        if b > 0 and (c, b) in self.gathered:
             raise UsageError(
                 f"layer-wise run: block {self.blocks[b].name!r} gathered over its input spikes "
                 "in the forward pass and cannot run its backward untaped now (a hook added to "
@@ -591,10 +610,10 @@ class LayerwiseJob(Job):
 
     def _backward_untaped(
         self,
+        c: int,
         b: int,
         inp: Tensor | SparseChunk,
         start: list[Tensor],
-        top: bool,
         want_in: bool,
         g_out: list[Tensor | None],
         g_state: list[Tensor | None],
@@ -604,6 +623,7 @@ class LayerwiseJob(Job):
         synapse is an `AffineChunk` into a fused neuron (`spikeckpt.engine.direct`): the same
         values as the taped path, in place of its graph, its ``autograd.grad`` call and the
         float spikes it would hand back. None where it does not apply (the caller tapes)."""
+        top = b == len(self.blocks) - 1
         found = self._untaped_parts(b, top)
         if found is None:
             return None
@@ -615,7 +635,7 @@ class LayerwiseJob(Job):
         g_out.clear()
         # the running sums this job owns are added into in place
         sums = [grad_p[j] if j is not None and j in self.owned else None for j in a_idx]
-        sparse = self._sparse(b)
+        sparse = self._sparse(c, b)
         with torch.no_grad():
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums)
         if done is None:  # declined before reading them: the taped path gets them back
