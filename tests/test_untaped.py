@@ -312,3 +312,24 @@ def test_a_wide_block_whose_neuron_runs_per_step_is_taped_and_multiplies_densely
     assert torch.equal(out.detach(), plain.detach()) and float(plain.detach().mean()) > 0
     for i, (a, b) in enumerate(zip(want, _grads(out, params), strict=True)):
         _close(a, b, f"gradient {i}")
+
+
+def test_a_block_that_declines_untaped_gets_its_output_gradients_back_in_place() -> None:
+    """``output="both"`` with a loss on the membranes only (no spike gradient): a hook added
+    after the forward pass makes the first block decline the untaped path; the taped path gets
+    both output gradients back in their places (a None for the spikes) and the gradients
+    agree with a run without the hook."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 5), snn.Leaky(beta=0.9))
+    x = (torch.rand(8, 2, 6) < 0.5).float()
+    got = []
+    for hook in (False, True):
+        seq = sc.wrap(net, granularity="layer", chunk=4, output="both")
+        _, mem = seq(x)
+        handle = net[0].register_forward_hook(lambda m, a, r: None) if hook else None
+        got.append(torch.autograd.grad(mem.sum(), list(net.parameters())))
+        if handle is not None:
+            handle.remove()
+        assert seq.last_stats.blocks[0].untaped_chunks == (0 if hook else 2)
+    for a, b in zip(*got, strict=True):
+        _close(a, b, "hooked against untaped")

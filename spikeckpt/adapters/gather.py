@@ -42,7 +42,7 @@ class Transposed:
     """A small weight transposed, ``(in, out)`` contiguous, made once per forward pass of the
     engine and dropped by the block's cleanup at the end of the pass (a weight changed between
     passes, even through ``.data``, is transposed afresh): only weights of at most
-    `GATHER_BLOCK` elements, so it costs at most 256 KiB, and not while the engine recomputes
+    `KEEP_ELEMENTS` elements, so it costs at most 1 MiB, and not while the engine recomputes
     (its backward holds the chunk's working set: the transpose is then made per chunk, for
     the gather only)."""
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from spikeckpt.engine.fused import ChunkKernel
 from spikeckpt.engine.inputs import SparseChunk
 
-__all__ = ["AffineChunk", "Untaped", "untaped_backward"]
+__all__ = ["AffineChunk", "Untaped", "UntapedParts", "untaped_backward", "untaped_parts"]
 
 
 class AffineChunk(Protocol):
@@ -57,6 +57,30 @@ class AffineChunk(Protocol):
         """``(dL/dx (k, B, in) or None, sums)``: each parameter's gradient (where ``need``)
         added into its running sum ``sums[i]`` in place, or a new tensor where that is
         None; None where not needed."""
+
+
+#: a block's kernel and affine synapse, and the run's indices of their parameters that
+#: require grad (``-1`` for an affine one that does not)
+UntapedParts = tuple[ChunkKernel, AffineChunk, list[int | None], list[int | None]]
+
+
+def untaped_parts(
+    kernel: ChunkKernel | None,
+    affine: AffineChunk | None,
+    params: Sequence[Tensor],
+    mem_out: bool,
+) -> UntapedParts | None:
+    """What a block's untaped backward uses, or None where the block must be taped: no fused
+    ``kernel`` or no ``affine`` synapse, a membrane output (``mem_out``) from a neuron without
+    one, or a tensor requiring grad outside the run's ``params`` (the taped path names it)."""
+    if affine is None or kernel is None or (mem_out and kernel.membrane is None):
+        return None
+    ids = {id(p): j for j, p in enumerate(params)}
+    k_idx = [ids.get(id(p)) for p in kernel.params if p.requires_grad]
+    a_idx = [ids.get(id(p)) if p.requires_grad else -1 for p in affine.params]
+    if None in k_idx or None in a_idx:
+        return None
+    return kernel, affine, k_idx, a_idx
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import Tensor
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.blocks import LayerBlock
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
-from spikeckpt.engine.direct import AffineChunk, untaped_backward
+from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
 from spikeckpt.engine.function import Job
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink, grad, unseen_leaves
@@ -97,6 +97,8 @@ class LayerwiseJob(Job):
         self.may_gather = [False] * len(blocks)
         #: ``(chunk, block)`` pairs whose forward pass gathered (a block after the first)
         self.gathered: set[tuple[int, int]] = set()
+        #: per block, what its untaped backward uses (`_untaped_parts`)
+        self.untaped_parts: dict[int, UntapedParts | None] = {}
         compiling = fuse and wants_compile(compile, device)
         self.kernels = [
             compiled_kernel(b.fused, compile) if compiling and b.fused is not None else b.fused
@@ -208,7 +210,7 @@ class LayerwiseJob(Job):
             return False
         if any(torch.is_autocast_enabled(kind) for kind in ("cpu", self.device.type)):
             return False
-        return self._untaped_parts(b, b == len(self.blocks) - 1) is not None
+        return self._untaped_parts(b) is not None
 
     def _run_neuron(
         self, b: int, z: Tensor, leaves: list[Tensor], top: bool
@@ -589,24 +591,15 @@ class LayerwiseJob(Job):
                 "forward again as the backward will run"
             )
 
-    def _untaped_parts(
-        self, b: int, top: bool
-    ) -> tuple[ChunkKernel, AffineChunk, list[int | None], list[int | None]] | None:
-        """Block ``b``'s kernel and affine synapse with the run's indices of their parameters
-        that require grad (``-1`` for an affine one that does not), where the block may run
-        untaped; else None."""
-        block, kernel = self.blocks[b], self.kernels[b]
-        affine = block.affine
-        if affine is None or kernel is None or not self.fuse or block.draws_random:
-            return None
-        if top and self.output != "spikes" and kernel.membrane is None:
-            return None
-        ids = {id(p): j for j, p in enumerate(self.params)}
-        k_idx = [ids.get(id(p)) for p in kernel.params if p.requires_grad]
-        a_idx = [ids.get(id(p)) if p.requires_grad else -1 for p in affine.params]
-        if None in k_idx or None in a_idx:  # a tensor outside the run's params: taped path
-            return None
-        return kernel, affine, k_idx, a_idx
+    def _untaped_parts(self, b: int) -> UntapedParts | None:
+        """What block ``b``'s untaped backward uses (`untaped_parts`), or None where it is
+        taped; found once per run and block (the run's parameters are fixed)."""
+        if b not in self.untaped_parts:
+            block = self.blocks[b]
+            kernel = self.kernels[b] if self.fuse and not block.draws_random else None
+            mem_out = b == len(self.blocks) - 1 and self.output != "spikes"
+            self.untaped_parts[b] = untaped_parts(kernel, block.affine, self.params, mem_out)
+        return self.untaped_parts[b]
 
     def _backward_untaped(
         self,
@@ -624,7 +617,7 @@ class LayerwiseJob(Job):
         values as the taped path, in place of its graph, its ``autograd.grad`` call and the
         float spikes it would hand back. None where it does not apply (the caller tapes)."""
         top = b == len(self.blocks) - 1
-        found = self._untaped_parts(b, top)
+        found = self._untaped_parts(b)
         if found is None:
             return None
         kernel, affine, k_idx, a_idx = found
@@ -639,7 +632,7 @@ class LayerwiseJob(Job):
         with torch.no_grad():
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums)
         if done is None:  # declined before reading them: the taped path gets them back
-            g_out.extend(g for g in grads[:2] if g is not None)
+            g_out.extend(g for g, out in zip(grads[:2], (spikes_out, mem_out), strict=True) if out)
             return None
         self.stats.forward_steps += done.steps
         self._accumulate(k_idx, done.kernel_grads, grad_p)  # type: ignore[arg-type]

@@ -317,15 +317,8 @@ def layerwise_working_bytes(
         remote=not stored_on_device,
         fuse=fuse,
     )
-    # the tape's growth: the steepest line of a run on two samples without the parameters'
-    # gradients and with an input gradient (every block taped alike: more than it holds)
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
-    # a packed input never takes a gradient: its run tapes as the training step does (the
-    # parameters' gradient sums, constant in the chunk, are in every point alike)
-    tape, tape_untaped = run(
-        one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x)
-    )
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     step, untaped = run(
@@ -335,7 +328,7 @@ def layerwise_working_bytes(
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
         points.append((k, held))
-    if untaped and tape_untaped:
+    if untaped:
         # every block untaped: a few buffers per step, far below the cost model's taped bytes;
         # but a step's peak moves between blocks as the chunk grows (on 700-256-256-20 at
         # batch 32 it grows by 87 KB per step up to chunk 4, by 107 from 16 to 32), and a
@@ -348,6 +341,13 @@ def layerwise_working_bytes(
         if not stored_on_device:
             entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
         return MeasuredWorking(tuple(points), steepest_chord(points, 0) + entries)
+    # taped blocks: the tape's growth, the steepest line of a run on two samples without the
+    # parameters' gradients and with an input gradient (every block taped alike: more than it
+    # holds); a packed input never takes a gradient: its run tapes as the training step does
+    # (the parameters' gradient sums, constant in the chunk, are in every point alike)
+    tape, _ = run(
+        one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x)
+    )
     slope = steepest_chord(tape, _working(one, sparse_first))
     return MeasuredWorking(
         tuple(points), max(_working(sizes, sparse_first), -(-slope * batch // few))
@@ -513,7 +513,7 @@ def _run_peak(
     states: list[Any],
     wrt: list[Tensor],
     device: torch.device,
-) -> int:
+) -> tuple[int, bool]:
     """Measured device peak of ``run(xs, states)`` and the gradients of its outputs (ones)
     w.r.t. ``wrt`` (returned, not accumulated), and whether every block's backward ran
     untaped (`spikeckpt.engine.direct`) on every chunk."""
