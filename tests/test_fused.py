@@ -331,28 +331,31 @@ def test_the_one_comparison_spike_is_used_only_while_subnormals_are_kept() -> No
     reset=st.sampled_from(["subtract", "none", "zero"]),
     learn=st.booleans(),
     double=st.booleans(),
+    n=st.sampled_from([6, 100]),
     T=st.integers(1, 12),
     chunk=st.integers(1, 7),
     seed=st.integers(0, 2**16),
 )
-def test_the_numpy_loop_of_small_steps_is_bitwise_the_torch_loop(
-    reset: str, learn: bool, double: bool, T: int, chunk: int, seed: int
+def test_the_compiled_and_numpy_loops_are_bitwise_the_torch_loop(
+    reset: str, learn: bool, double: bool, n: int, T: int, chunk: int, seed: int
 ) -> None:
-    """Small CPU steps run the membrane recurrence through NumPy (`host_loops`); with the
-    threshold lowered so that every step runs the torch loop, spikes, membranes and
-    gradients are bitwise the same, per-neuron and learnable decays, float64 included."""
+    """CPU steps run the membrane recurrence compiled (Numba, `jit_loops`) or, small ones
+    without it, through NumPy (`host_loops`); with each switched off in turn until every step
+    runs the torch loop, spikes, membranes and gradients are bitwise the same, per-neuron and
+    learnable decays, float64 included, 300 elements a step (a block of 256 and a part)."""
     from spikeckpt.adapters import host_loops
 
     dtype = torch.float64 if double else torch.float32
     torch.manual_seed(seed)
-    n = 6
     beta = torch.rand(n) * 1.1 if learn else 0.9
     neuron = snn.Leaky(beta=beta, learn_beta=learn, reset_mechanism=reset, threshold=0.6)
     net = nn.Sequential(nn.Linear(4, n), neuron).to(dtype)
     x = (torch.rand(T, 3, 4, dtype=dtype) * 2).requires_grad_()
     results = []
-    for limit in (host_loops.HOST_LOOP_ELEMENTS, -1):
-        previous, host_loops.HOST_LOOP_ELEMENTS = host_loops.HOST_LOOP_ELEMENTS, limit
+    loops = [(True, host_loops.HOST_LOOP_ELEMENTS), (False, 1 << 20), (False, -1)]
+    for use_jit, limit in loops:
+        previous = host_loops.USE_JIT, host_loops.HOST_LOOP_ELEMENTS
+        host_loops.USE_JIT, host_loops.HOST_LOOP_ELEMENTS = use_jit, limit
         try:
             seq = sc.wrap(net, granularity="layer", chunk=min(chunk, T), output="both")
             spikes, mems = seq(x)
@@ -362,12 +365,58 @@ def test_the_numpy_loop_of_small_steps_is_bitwise_the_torch_loop(
                 [x, *(p for p in net.parameters() if p.requires_grad)],
             )
         finally:
-            host_loops.HOST_LOOP_ELEMENTS = previous
+            host_loops.USE_JIT, host_loops.HOST_LOOP_ELEMENTS = previous
         results.append((spikes.detach(), mems.detach(), grads))
-    (s_a, m_a, g_a), (s_b, m_b, g_b) = results
-    assert torch.equal(s_a, s_b) and torch.equal(m_a, m_b)
-    for a, b in zip(g_a, g_b, strict=True):
-        assert torch.equal(a, b)
+    assert host_loops.USE_JIT, "Numba is a dependency: the compiled loop should run here"
+    (s_a, m_a, g_a) = results[-1]
+    for s_b, m_b, g_b in results[:-1]:
+        assert torch.equal(s_a, s_b) and torch.equal(m_a, m_b)
+        for a, b in zip(g_a, g_b, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", ["one", "all", "over the input"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_loop_writes_what_the_numpy_loop_writes(rows: str, dtype: torch.dtype) -> None:
+    """The compiled recurrence on its own, against NumPy's: the last membrane only, every
+    membrane, and every membrane over the input's own memory (the room the untaped backward
+    hands it); 16 x 37 neurons (two blocks and a part), per-neuron decay, both resets."""
+    from spikeckpt.adapters import host_loops
+
+    torch.manual_seed(3)
+    k, shape = 9, (16, 37)
+    decay = (torch.rand(37) * 1.1).to(dtype)
+    thr = torch.tensor(0.6, dtype=dtype)
+    mem0 = torch.randn(shape, dtype=dtype)
+    zin = torch.randn(k, *shape, dtype=dtype)
+    for subtract in (True, False):
+        outputs = []
+        for use_jit in (True, False):
+            room = torch.empty(k + 1, *shape, dtype=dtype)
+            room[1:] = zin
+            fires = torch.zeros(k + 1, *shape, dtype=torch.bool)
+            fires[0] = mem0 > thr
+            mems = {"one": None, "all": torch.full_like(room, 7.0), "over the input": room}[rows]
+            z = room[1:] if rows == "over the input" else zin.clone()
+            previous = host_loops.USE_JIT
+            host_loops.USE_JIT = use_jit
+            try:
+                if mems is not None:
+                    mems[0] = mem0
+                last = host_loops.leaky_forward_on_host(mem0, z, decay, thr, subtract, mems, fires)
+                g = torch.randn(k, *shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+                carry = host_loops.leaky_backward_on_host(g, decay, mem0 * 0.5)
+            finally:
+                host_loops.USE_JIT = previous
+            assert last is not None and carry is not None
+            outputs.append((last.clone(), fires, mems, g, carry))
+        (l_a, f_a, m_a, g_a, c_a), (l_b, f_b, m_b, g_b, c_b) = outputs
+        assert torch.equal(l_a, l_b) and torch.equal(f_a, f_b)
+        assert torch.equal(g_a, g_b) and torch.equal(c_a, c_b)
+        assert (m_a is None) == (m_b is None)
+        if m_a is not None:
+            assert torch.equal(m_a[1:], m_b[1:])
+        assert f_a[1:].any() and not f_a[1:].all()
 
 
 def test_a_weight_changed_between_steps_is_read_afresh_even_through_data() -> None:
