@@ -48,14 +48,16 @@ def leaky_forward_on_host(
     zin: Tensor,
     decay: Tensor,
     thr: Tensor,
-    subtract: bool,
+    reset: str,
     mems: Tensor | None,
     fires: Tensor,
 ) -> Tensor | None:
     """Run the chunk's steps into ``mems[1:]`` and ``fires[1:]`` (``fires[0]`` given): the
-    membrane ``decay * mem + z_t``, less ``thr`` where the last step fired when ``subtract``,
-    and its spike ``mem_t > thr``. Returns the last membrane, or None (nothing written, nothing
-    allocated) where NumPy does not run it.
+    membrane ``decay * mem + z_t`` and its ``reset`` (a `jit_loops.RESET_CODES` name; where
+    the last step fired: ``"subtract"`` less ``thr``, ``"zero_after"`` zero, ``"zero_before"``
+    from zero), and its spike ``mem_t > thr``. Returns the last membrane, or None (nothing
+    written, nothing allocated) where neither the compiled loop nor NumPy's runs it (NumPy's
+    only subtracts or does not reset).
 
     Args:
         mem: the membrane before the chunk, ``(B, ...)``.
@@ -72,9 +74,10 @@ def leaky_forward_on_host(
     steps_fit = torch.broadcast_shapes(mem.shape, decay.shape, thr.shape) == mem.shape
     kept_fits = mems is None or (mems.is_contiguous() and mems.dtype == mem.dtype)
     if USE_JIT and steps_fit and kept_fits:
-        return _leaky_forward_compiled(mem, zin, decay, thr, subtract, mems, fires)
-    if mem.numel() > HOST_LOOP_ELEMENTS:
+        return _leaky_forward_compiled(mem, zin, decay, thr, reset, mems, fires)
+    if mem.numel() > HOST_LOOP_ELEMENTS or reset not in ("subtract", "none"):
         return None
+    subtract = reset == "subtract"
     # without ``mems`` one row, written in place step after step (each step's decay goes to
     # its own buffer first): the last membrane owns exactly its own storage
     buffer = mems if mems is not None else mem.new_empty((1, *mem.shape))
@@ -97,20 +100,24 @@ def leaky_forward_on_host(
     return buffer[k % rows]
 
 
-def leaky_backward_on_host(g: Tensor, decay: Tensor, carry: Tensor | None) -> Tensor | None:
+def leaky_backward_on_host(
+    g: Tensor, decay: Tensor, carry: Tensor | None, reset: str, fired: Tensor
+) -> Tensor | None:
     """``g[t] += carry; carry = decay * g[t]`` from the last step to the first, in place on
-    ``g`` ``(k, B, ...)``; returns the carry into the state before the chunk, or None where
-    NumPy does not run it (``g`` untouched)."""
+    ``g`` ``(k, B, ...)`` (the zero resets: ``g[t]`` times ``1 - r_t`` before the decay after
+    the input, the carry times it before the input; ``r_t`` is ``fired[t]``, ``fired``
+    ``(k + 1, B, ...)`` bool); returns the carry into the state before the chunk, or None where
+    it does not run here (``g`` untouched)."""
     if not g.shape[0]:
         return None
     arrays = _host_arrays(g, decay, *(() if carry is None else (carry,)))
     if arrays is None:
         return None
-    if USE_JIT and g.is_contiguous():
-        compiled = _leaky_backward_compiled(g, decay, carry)
+    if USE_JIT and g.is_contiguous() and fired.is_contiguous():
+        compiled = _leaky_backward_compiled(g, decay, carry, reset, fired)
         if compiled is not None:
             return compiled
-    if g[0].numel() > HOST_LOOP_ELEMENTS:
+    if g[0].numel() > HOST_LOOP_ELEMENTS or reset not in ("subtract", "none"):
         return None
     gn, d = arrays[0], arrays[1]
     shape = np.broadcast_shapes(d.shape, gn.shape[1:])
@@ -140,7 +147,7 @@ def _leaky_forward_compiled(
     zin: Tensor,
     decay: Tensor,
     thr: Tensor,
-    subtract: bool,
+    reset: str,
     mems: Tensor | None,
     fires: Tensor,
 ) -> Tensor:
@@ -154,14 +161,16 @@ def _leaky_forward_compiled(
         zin.detach().numpy().reshape(k, -1),  # a copy only if not contiguous: it is only read
         _flat(decay, shape),
         _flat(thr, shape),
-        subtract,
+        jit_loops.RESET_CODES[reset],
         buffer.detach().numpy().reshape(rows, -1),
         fires.numpy().reshape(k + 1, -1),
     )
     return buffer[k % rows]
 
 
-def _leaky_backward_compiled(g: Tensor, decay: Tensor, carry: Tensor | None) -> Tensor | None:
+def _leaky_backward_compiled(
+    g: Tensor, decay: Tensor, carry: Tensor | None, reset: str, fired: Tensor
+) -> Tensor | None:
     """`leaky_backward_on_host` through the compiled loop (``g`` contiguous), or None where a
     carry or decay is wider than one step."""
     shape = g.shape[1:]
@@ -177,5 +186,7 @@ def _leaky_backward_compiled(g: Tensor, decay: Tensor, carry: Tensor | None) -> 
         _flat(carry, shape) if carry is not None else out.reshape(-1),
         carry is not None,
         out.reshape(-1),
+        fired.numpy().reshape(fired.shape[0], -1),
+        jit_loops.RESET_CODES[reset],
     )
     return torch.from_numpy(out)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "leaky_backward_jit", "leaky_forward_jit"]
+__all__ = ["BLOCK", "RESET_CODES", "leaky_backward_jit", "leaky_forward_jit"]
 
 #: neurons per block: the block's membranes, decays and thresholds (3 x 1 KiB in float32) stay
 #: in the L1 cache while the chunk's steps run over them
@@ -40,22 +40,29 @@ def _jit(function: Callable[..., Any]) -> Any:
     return numba.njit(cache=True, nogil=True, boundscheck=False)(function)
 
 
+#: reset codes of the compiled loops: none, subtract ``thr``, to zero after the step's input
+#: (snnTorch's ``"zero"``), to zero before it (the membrane a spike leaves behind is zero)
+RESET_CODES = {"none": 0, "subtract": 1, "zero_after": 2, "zero_before": 3}
+
+
 @_jit
 def leaky_forward_jit(
     mem: np.ndarray,
     z: np.ndarray,
     decay: np.ndarray,
     thr: np.ndarray,
-    subtract: bool,
+    reset: int,
     out: np.ndarray,
     fired: np.ndarray,
 ) -> None:  # pragma: no cover - runs compiled
-    """The chunk's membranes into ``out`` and spikes into ``fired[1:]``.
+    """The chunk's membranes into ``out`` and spikes into ``fired[1:]``: the torch loop's
+    ``decay * pre + z_t`` and reset, each the same operation (``where(f, thr, thr * 0)``,
+    ``base - f * base``, ``where(f, mem * 0, mem)``).
 
     Args:
         mem, decay, thr: ``(n,)`` the membrane before the chunk, its decay and threshold.
         z: ``(k, n)`` the chunk's input.
-        subtract: subtract ``thr`` where the previous step fired (else no reset).
+        reset: a `RESET_CODES` value.
         out: ``(rows, n)``: step ``t``'s membrane goes to row ``(t + 1) % rows`` (one row: the
             last membrane only; ``k + 1`` rows: all, row 0 untouched). Rows 1.. may be ``z``'s
             own memory: each element is read before it is written.
@@ -66,6 +73,7 @@ def leaky_forward_jit(
     block = np.empty(BLOCK, mem.dtype)
     step_in = np.empty(BLOCK, mem.dtype)
     zero = mem.dtype.type(0)
+    one = mem.dtype.type(1)
     for start in range(0, n, BLOCK):
         width = min(BLOCK, n - start)
         stop = start + width
@@ -82,9 +90,14 @@ def leaky_forward_jit(
             before = fired[t, start:stop]
             after = fired[t + 1, start:stop]
             for i in range(width):
-                v = d[i] * block[i] + step_in[i]
-                if subtract:
-                    v = v - (th[i] if before[i] else zero)
+                m = block[i]
+                if reset == 3:
+                    m = m * zero if before[i] else m
+                v = d[i] * m + step_in[i]
+                if reset == 1:
+                    v = v - (th[i] if before[i] else th[i] * zero)
+                elif reset == 2:
+                    v = v - (one if before[i] else zero) * v
                 block[i] = v
                 row[i] = v
                 after[i] = v > th[i]
@@ -92,13 +105,23 @@ def leaky_forward_jit(
 
 @_jit
 def leaky_backward_jit(
-    g: np.ndarray, decay: np.ndarray, carry: np.ndarray, has_carry: bool, out: np.ndarray
+    g: np.ndarray,
+    decay: np.ndarray,
+    carry: np.ndarray,
+    has_carry: bool,
+    out: np.ndarray,
+    fired: np.ndarray,
+    reset: int,
 ) -> None:  # pragma: no cover - runs compiled
     """``g[t] += carry; carry = decay * g[t]`` from the last step to the first, in place on
     ``g`` ``(k, n)``; the carry into the state before the chunk goes to ``out`` ``(n,)``.
-    ``carry`` ``(n,)`` is read only when ``has_carry``."""
+    ``carry`` ``(n,)`` is read only when ``has_carry``. The zero resets keep ``(1 - r_t)``
+    from ``fired`` ``(k + 1, n)`` (row ``t`` is step ``t``'s reset): after the input it
+    multiplies ``g[t]`` before the decay, before the input the carry after it."""
     k, n = g.shape
     block = np.empty(BLOCK, g.dtype)
+    zero = g.dtype.type(0)
+    one = g.dtype.type(1)
     for start in range(0, n, BLOCK):
         width = min(BLOCK, n - start)
         stop = start + width
@@ -107,9 +130,16 @@ def leaky_backward_jit(
             block[:width] = carry[start:stop]
         for t in range(k - 1, -1, -1):
             gt = g[t, start:stop]
+            reset_t = fired[t, start:stop]
             if has_carry or t < k - 1:
                 for i in range(width):
                     gt[i] = gt[i] + block[i]
             for i in range(width):
-                block[i] = d[i] * gt[i]
+                base = gt[i]
+                if reset == 2:
+                    base = base * (zero if reset_t[i] else one)
+                c = d[i] * base
+                if reset == 3:
+                    c = c * (zero if reset_t[i] else one)
+                block[i] = c
         out[start:stop] = block[:width]

@@ -227,9 +227,8 @@ class LeakyKernel:
         torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
         last = None
-        if exact and self.reset in ("subtract", "none"):
-            subtract = self.reset == "subtract"
-            last = leaky_forward_on_host(mem, zin, decay, thr, subtract, mems, fires)
+        if exact:
+            last = leaky_forward_on_host(mem, zin, decay, thr, self.reset, mems, fires)
         if last is not None:
             mem = last
         for t, z_t in enumerate(zin.unbind(0) if last is None else ()):
@@ -293,9 +292,7 @@ class LeakyKernel:
             g += g_mem
         keep_old = (~fired[:-1]).to(g.dtype) if zero else None  # (1 - r_t)
         carry = g_final[0]
-        host_carry = None
-        if self.reset in ("subtract", "none"):
-            host_carry = leaky_backward_on_host(g, decay, carry)
+        host_carry = leaky_backward_on_host(g, decay, carry, self.reset, fired)
         for t in range(k - 1, -1, -1) if host_carry is None else ():
             if carry is not None:
                 g[t] += carry
