@@ -329,7 +329,7 @@ def test_the_one_comparison_spike_is_used_only_while_subnormals_are_kept() -> No
 @settings(max_examples=25, deadline=None)
 @given(
     reset=st.sampled_from(["subtract", "none", "zero"]),
-    lapicque=st.booleans(),
+    kind=st.sampled_from(["leaky", "lapicque", "synaptic"]),
     learn=st.booleans(),
     double=st.booleans(),
     n=st.sampled_from([6, 100]),
@@ -338,28 +338,36 @@ def test_the_one_comparison_spike_is_used_only_while_subnormals_are_kept() -> No
     seed=st.integers(0, 2**16),
 )
 def test_the_compiled_and_numpy_loops_are_bitwise_the_torch_loop(
-    reset: str, lapicque: bool, learn: bool, double: bool, n: int, T: int, chunk: int, seed: int
+    reset: str, kind: str, learn: bool, double: bool, n: int, T: int, chunk: int, seed: int
 ) -> None:
     """CPU steps run the membrane recurrence compiled (Numba, `jit_loops`) or, small ones
     without it, through NumPy (`host_loops`); with each switched off in turn until every step
     runs the torch loop, spikes, membranes and gradients are bitwise the same: every reset
-    (Leaky's "zero" resets before the input, Lapicque's after it), per-neuron and learnable
-    decays, float64 included, 300 elements a step (a block of 256 and a part)."""
+    (Leaky's "zero" resets before the input, Lapicque's and Synaptic's after it), per-neuron
+    and learnable decays, float64 included, 300 elements a step (a block of 256 and a part)."""
     from spikeckpt.adapters import host_loops, jit_loops
 
     dtype = torch.float64 if double else torch.float32
     torch.manual_seed(seed)
     # snnTorch's Lapicque takes a scalar beta only (a tensor fails in its own step), and
     # learning it is refused (its buffer C holds a graph: an snnTorch bug)
-    learn = learn and not lapicque
+    learn = learn and kind != "lapicque"
     beta = torch.rand(n) * 1.1 if learn else 0.9
-    kind = snn.Lapicque if lapicque else snn.Leaky
-    neuron = kind(beta=beta, learn_beta=learn, reset_mechanism=reset, threshold=0.6)
+    neuron: nn.Module
+    if kind == "synaptic":
+        alpha = torch.rand(n) if learn else 0.8
+        neuron = snn.Synaptic(
+            alpha=alpha, beta=beta, learn_alpha=learn, learn_beta=learn, reset_mechanism=reset
+        )
+    else:
+        layer = snn.Lapicque if kind == "lapicque" else snn.Leaky
+        neuron = layer(beta=beta, learn_beta=learn, reset_mechanism=reset, threshold=0.6)
     net = nn.Sequential(nn.Linear(4, n), neuron).to(dtype)
     x = (torch.rand(T, 3, 4, dtype=dtype) * 2).requires_grad_()
     results = []
     loops = [(True, host_loops.HOST_LOOP_ELEMENTS), (False, 1 << 20), (False, -1)]
-    calls = {"leaky_forward_jit": 0, "leaky_backward_jit": 0}
+    family = "synaptic" if kind == "synaptic" else "leaky"
+    calls = {f"{family}_forward_jit": 0, f"{family}_backward_jit": 0}
     compiled = {name: getattr(jit_loops, name) for name in calls}
 
     def counting(name: str) -> Callable[..., None]:

@@ -22,7 +22,14 @@ from torch import Tensor
 
 from spikeckpt.adapters import jit_loops
 
-__all__ = ["HOST_LOOP_ELEMENTS", "USE_JIT", "leaky_backward_on_host", "leaky_forward_on_host"]
+__all__ = [
+    "HOST_LOOP_ELEMENTS",
+    "USE_JIT",
+    "leaky_backward_on_host",
+    "leaky_forward_on_host",
+    "synaptic_backward_on_host",
+    "synaptic_forward_on_host",
+]
 
 #: a step of at most this many elements runs through NumPy (measured on one CPU thread:
 #: 16 x 256 float32, chunk 8: 52 us per chunk against torch's 135 us; 16 x 512: 494 vs 545 us;
@@ -190,3 +197,95 @@ def _leaky_backward_compiled(
         jit_loops.RESET_CODES[reset],
     )
     return torch.from_numpy(out)
+
+
+def _steps_fit(state: Tensor, *others: Tensor) -> bool:
+    """Whether ``others`` broadcast to exactly ``state``'s shape (no wider than a step)."""
+    return torch.broadcast_shapes(state.shape, *(t.shape for t in others)) == state.shape
+
+
+def synaptic_forward_on_host(
+    syn: Tensor,
+    mem: Tensor,
+    zin: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    thr: Tensor,
+    reset: str,
+    hold: bool,
+    fires: Tensor,
+) -> tuple[Tensor, Tensor] | None:
+    """snnTorch ``Synaptic``'s chunk through the compiled loop: spikes into ``fires[1:]``
+    (``(k + 1, B, ...)`` bool, row 0 given), and the currents and membranes returned, each
+    ``(k + 1, B, ...)`` with the states before the chunk in row 0 where ``hold``, else
+    ``(1, B, ...)`` holding the last step's; or None (nothing written) where it does not run
+    (no Numba, not a CPU float dtype, mixed dtypes, parameters wider than a step)."""
+    k = zin.shape[0]
+    if not (USE_JIT and k and fires.is_contiguous() and syn.shape == mem.shape):
+        return None
+    if _host_arrays(syn, mem, zin, alpha, beta, thr) is None or not _steps_fit(
+        mem, alpha, beta, thr
+    ):
+        return None
+    shape = mem.shape
+    rows = k + 1 if hold else 1
+    syns, mems = mem.new_empty((rows, *shape)), mem.new_empty((rows, *shape))
+    if hold:
+        syns[0], mems[0] = syn, mem
+    jit_loops.synaptic_forward_jit(
+        _flat(syn, shape),
+        _flat(mem, shape),
+        zin.detach().numpy().reshape(k, -1),
+        _flat(alpha, shape),
+        _flat(beta, shape),
+        _flat(thr, shape),
+        jit_loops.RESET_CODES[reset],
+        syns.numpy().reshape(rows, -1),
+        mems.numpy().reshape(rows, -1),
+        fires.numpy().reshape(k + 1, -1),
+    )
+    return syns, mems
+
+
+def synaptic_backward_on_host(
+    g_mem: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    fired: Tensor,
+    reset: str,
+    carry_mem: Tensor | None,
+    carry_syn: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The Synaptic chunk's backward through the compiled loop: ``g_mem`` ``(k, B, ...)``
+    becomes dL/d mem_t in place; returns dL/d syn_t ``(k, B, ...)`` and the carries into the
+    current and the membrane before the chunk, or None (``g_mem`` untouched) where it does not
+    run."""
+    k = g_mem.shape[0]
+    carries = [c for c in (carry_mem, carry_syn) if c is not None]
+    if not (USE_JIT and k and g_mem.is_contiguous() and fired.is_contiguous()):
+        return None
+    if _host_arrays(g_mem, alpha, beta, *carries) is None:
+        return None
+    if not _steps_fit(g_mem[0], alpha, beta, *carries):
+        return None
+    shape = g_mem.shape[1:]
+    g_syn = torch.empty_like(g_mem)
+    # fresh carries: the loop writes them (a gradient handed in is never written over)
+    out_mem, out_syn = g_mem.new_zeros(shape), g_mem.new_zeros(shape)
+    if carry_mem is not None:
+        out_mem.copy_(carry_mem)
+    if carry_syn is not None:
+        out_syn.copy_(carry_syn)
+    jit_loops.synaptic_backward_jit(
+        g_mem.detach().numpy().reshape(k, -1),
+        g_syn.numpy().reshape(k, -1),
+        _flat(alpha, shape),
+        _flat(beta, shape),
+        fired.numpy().reshape(fired.shape[0], -1),
+        jit_loops.RESET_CODES[reset],
+        out_mem.numpy().reshape(-1),
+        carry_mem is not None,
+        out_syn.numpy().reshape(-1),
+        carry_syn is not None,
+    )
+    return g_syn, out_syn, out_mem

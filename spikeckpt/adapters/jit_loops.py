@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "RESET_CODES", "leaky_backward_jit", "leaky_forward_jit"]
+__all__ = [
+    "BLOCK",
+    "RESET_CODES",
+    "leaky_backward_jit",
+    "leaky_forward_jit",
+    "synaptic_backward_jit",
+    "synaptic_forward_jit",
+]
 
 #: neurons per block: the block's membranes, decays and thresholds (3 x 1 KiB in float32) stay
 #: in the L1 cache while the chunk's steps run over them
@@ -143,3 +150,116 @@ def leaky_backward_jit(
                     c = c * (zero if reset_t[i] else one)
                 block[i] = c
         out[start:stop] = block[:width]
+
+
+@_jit
+def synaptic_forward_jit(
+    syn: np.ndarray,
+    mem: np.ndarray,
+    z: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    thr: np.ndarray,
+    reset: int,
+    syns: np.ndarray,
+    mems: np.ndarray,
+    fired: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """snnTorch ``Synaptic``'s chunk: ``syn_t = alpha * syn + z_t``, ``base = beta * mem +
+    syn_t``, the reset (``"none"``, ``"subtract"`` or ``"zero_after"``), the spike
+    ``mem_t > thr``; the torch loop's operations in its order.
+
+    Args:
+        syn, mem, alpha, beta, thr: ``(n,)`` the states before the chunk, the (clamped)
+            decays and the threshold.
+        z: ``(k, n)`` the chunk's input.
+        reset: a `RESET_CODES` value.
+        syns, mems: ``(rows, n)``: step ``t``'s states go to row ``(t + 1) % rows``.
+        fired: ``(k + 1, n)`` bool; row 0 holds the reset of step 0.
+    """
+    k, n = z.shape
+    rows = mems.shape[0]
+    current = np.empty(BLOCK, mem.dtype)
+    membrane = np.empty(BLOCK, mem.dtype)
+    step_in = np.empty(BLOCK, mem.dtype)
+    zero = mem.dtype.type(0)
+    one = mem.dtype.type(1)
+    for start in range(0, n, BLOCK):
+        width = min(BLOCK, n - start)
+        stop = start + width
+        current[:width] = syn[start:stop]
+        membrane[:width] = mem[start:stop]
+        a = alpha[start:stop]
+        b = beta[start:stop]
+        th = thr[start:stop]
+        for t in range(k):
+            zt = z[t, start:stop]
+            for i in range(width):
+                step_in[i] = zt[i]
+            syn_row = syns[(t + 1) % rows, start:stop]
+            mem_row = mems[(t + 1) % rows, start:stop]
+            before = fired[t, start:stop]
+            after = fired[t + 1, start:stop]
+            for i in range(width):
+                s = a[i] * current[i] + step_in[i]
+                v = b[i] * membrane[i] + s
+                if reset == 1:
+                    v = v - (th[i] if before[i] else th[i] * zero)
+                elif reset == 2:
+                    v = v - v * (one if before[i] else zero)
+                current[i] = s
+                membrane[i] = v
+                syn_row[i] = s
+                mem_row[i] = v
+                after[i] = v > th[i]
+
+
+@_jit
+def synaptic_backward_jit(
+    g_mem: np.ndarray,
+    g_syn: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    fired: np.ndarray,
+    reset: int,
+    carry_mem: np.ndarray,
+    has_mem: bool,
+    carry_syn: np.ndarray,
+    has_syn: bool,
+) -> None:  # pragma: no cover - runs compiled
+    """The Synaptic chunk's backward from the last step to the first: ``g_mem[t] += carry``
+    (in place: dL/d mem_t), ``g_syn[t]`` (written: dL/d syn_t), and the carries into the states
+    before the chunk left in ``carry_mem`` / ``carry_syn`` ``(n,)`` (read first only where
+    ``has_mem`` / ``has_syn``). ``"zero_after"`` multiplies by ``1 - r_t`` (``fired[t]``)."""
+    k, n = g_mem.shape
+    c_mem = np.empty(BLOCK, g_mem.dtype)
+    c_syn = np.empty(BLOCK, g_mem.dtype)
+    zero = g_mem.dtype.type(0)
+    one = g_mem.dtype.type(1)
+    for start in range(0, n, BLOCK):
+        width = min(BLOCK, n - start)
+        stop = start + width
+        a = alpha[start:stop]
+        b = beta[start:stop]
+        if has_mem:
+            c_mem[:width] = carry_mem[start:stop]
+        if has_syn:
+            c_syn[:width] = carry_syn[start:stop]
+        for t in range(k - 1, -1, -1):
+            gm = g_mem[t, start:stop]
+            gs = g_syn[t, start:stop]
+            reset_t = fired[t, start:stop]
+            add_mem = has_mem or t < k - 1
+            add_syn = has_syn or t < k - 1
+            for i in range(width):
+                if add_mem:
+                    gm[i] = gm[i] + c_mem[i]
+                base = gm[i]
+                if reset == 2:
+                    base = base * (zero if reset_t[i] else one)
+                c_mem[i] = b[i] * base
+                v = base + c_syn[i] if add_syn else base
+                gs[i] = v
+                c_syn[i] = a[i] * v
+        carry_mem[start:stop] = c_mem[:width]
+        carry_syn[start:stop] = c_syn[:width]

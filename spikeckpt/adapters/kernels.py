@@ -28,7 +28,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from spikeckpt.adapters.host_loops import leaky_backward_on_host, leaky_forward_on_host
+from spikeckpt.adapters.host_loops import (
+    leaky_backward_on_host,
+    leaky_forward_on_host,
+    synaptic_backward_on_host,
+    synaptic_forward_on_host,
+)
 from spikeckpt.engine.grad import grad as engine_grad
 
 __all__ = [
@@ -444,6 +449,10 @@ class SynapticKernel:
         fired = mem - thr > 0
         thr_off = thr * 0
         exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
+        if exact:
+            done = self._forward_on_host(syn, mem, z, (a, b, thr, graded), keep, want_mem, want_y)
+            if done is not None:
+                return done
         syns, mems, fires = [syn], [mem], [fired]
         for z_t in z.unbind(0):
             syn = a * syn + z_t
@@ -467,6 +476,35 @@ class SynapticKernel:
         mem_all = torch.stack(mems) if keep or want_mem else None
         saved = (torch.stack(syns), mem_all, all_fired) if keep else None
         return [syn, mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
+
+    def _forward_on_host(
+        self,
+        syn: Tensor,
+        mem: Tensor,
+        z: Tensor,
+        tensors: tuple[Tensor, Tensor, Tensor, Tensor],
+        keep: bool,
+        want_mem: bool,
+        want_y: bool,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any] | None:
+        """`forward` through the compiled loop (`host_loops`), or None where it declines."""
+        a, b, thr, graded = tensors
+        k = z.shape[0]
+        fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
+        torch.gt(mem - thr, 0, out=fires[0])
+        hold = keep or want_mem
+        ran = synaptic_forward_on_host(syn, mem, z, a, b, thr, self.reset, hold, fires)
+        if ran is None:
+            return None
+        syns, mems = ran
+        last = [syns[k], mems[k]] if hold else [syns[0], mems[0]]
+        y = None
+        if want_y:
+            s = fires[1:].float()
+            y = s if is_unit(graded) else s * graded
+        saved = (syns, mems, fires) if keep else None
+        states = [t.clone() for t in last] if hold else last
+        return states, y, mems[1:] if want_mem else None, saved
 
     def backward(
         self,
@@ -497,9 +535,13 @@ class SynapticKernel:
         if g_mem is not None:
             g_m += g_mem
         keep_old = (~fired[:-1]).to(g_m.dtype) if self.reset == "zero_after" else None
-        g_syn = torch.empty_like(g_m)
         carry_m, carry_s = g_final[1], g_final[0]
-        for t in range(k - 1, -1, -1):
+        host = synaptic_backward_on_host(g_m, a, b, fired, self.reset, carry_m, carry_s)
+        if host is not None:
+            g_syn, carry_s, carry_m = host
+        else:
+            g_syn = torch.empty_like(g_m)
+        for t in range(k - 1, -1, -1) if host is None else ():
             if carry_m is not None:
                 g_m[t] += carry_m
             g_base = g_m[t] * keep_old[t] if keep_old is not None else g_m[t]
