@@ -1,0 +1,124 @@
+"""Layer-wise fused neurons against snnTorch's own loop, one neuron type at a time.
+
+The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
+input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic`` and
+their ``"zero"`` resets; spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
+(``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
+Time is the minimum of interleaved rounds after a warm-up, in one process; the spikes are
+compared bitwise and the first weight's gradient relative to the loop's.
+
+    taskset -c 1 python benchmarks/bench_neurons.py --n 512 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+
+import snntorch as snn
+import torch
+from torch import Tensor, nn
+
+import spikeckpt as sc
+from spikeckpt.adapters import host_loops
+
+NEURONS: dict[str, Callable[[], nn.Module]] = {
+    "Leaky": lambda: snn.Leaky(beta=0.95),
+    "Leaky, reset zero": lambda: snn.Leaky(beta=0.95, reset_mechanism="zero"),
+    "Synaptic": lambda: snn.Synaptic(alpha=0.9, beta=0.95),
+    "Synaptic, reset zero": lambda: snn.Synaptic(alpha=0.9, beta=0.95, reset_mechanism="zero"),
+}
+
+
+def snntorch_loop(net: nn.Sequential, x: Tensor) -> Tensor:
+    """snnTorch's own time loop over ``x`` ``(T, B, n)``: the spikes ``(T, B, n)``."""
+    linear, neuron = net[0], net[1]
+    synaptic = isinstance(neuron, snn.Synaptic)
+    state = neuron.init_synaptic() if synaptic else (neuron.init_leaky(),)
+    spikes = []
+    for x_t in x:
+        s, *state = neuron(linear(x_t), *state)
+        spikes.append(s)
+    return torch.stack(spikes)
+
+
+def trained(forward: Callable[[], Tensor], numba: bool = True) -> Callable[[], Tensor]:
+    """One forward + backward of ``forward`` (loss: the spikes' sum), returning the spikes;
+    with ``numba`` False the compiled loops are off for both passes."""
+
+    def step() -> Tensor:
+        previous, host_loops.USE_JIT = host_loops.USE_JIT, numba and host_loops.USE_JIT
+        try:
+            spikes = forward()
+            spikes.sum().backward()
+        finally:
+            host_loops.USE_JIT = previous
+        return spikes.detach()
+
+    return step
+
+
+def one_step(step: Callable[[], Tensor], net: nn.Module) -> tuple[float, Tensor, Tensor]:
+    """Seconds of one training ``step``, its spikes and the first weight's gradient."""
+    net.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    spikes = step()
+    seconds = time.perf_counter() - start
+    return seconds, spikes, net[0].weight.grad.clone()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=512, help="neurons per layer")
+    parser.add_argument("--T", type=int, default=500, help="time steps")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=25, help="layer-wise chunk, in steps")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x = (torch.rand(args.T, args.batch, args.n) < 0.05).float()
+    print(
+        f"Linear({args.n}, {args.n}) + neuron, batch {args.batch}, T = {args.T}, chunk "
+        f"{args.chunk}, {args.threads} thread(s); min of {args.rounds} interleaved rounds"
+    )
+    print(
+        "| neuron | snnTorch loop | layer-wise | x loop | without Numba | x loop | neuron ran "
+        "| spikes | max rel dW |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, make in NEURONS.items():
+        torch.manual_seed(0)
+        linear = nn.Linear(args.n, args.n)
+        with torch.no_grad():
+            linear.weight.mul_(4)  # the peers' gain: a few percent of the neurons fire
+        net = nn.Sequential(linear, make())
+        wrapped = sc.wrap(net, granularity="layer", chunk=args.chunk, storage="host")
+        runs = {
+            "loop": trained(lambda net=net: snntorch_loop(net, x)),
+            "layer-wise": trained(lambda wrapped=wrapped: wrapped(x)),
+            "no numba": trained(lambda wrapped=wrapped: wrapped(x), numba=False),
+        }
+        first = {key: one_step(run, net) for key, run in runs.items()}
+        best = {key: float("inf") for key in runs}
+        for _ in range(args.rounds):
+            for key, run in runs.items():
+                best[key] = min(best[key], one_step(run, net)[0])
+        (_, s_loop, g_loop), (_, s_ours, g_ours) = first["loop"], first["layer-wise"]
+        rel = ((g_loop - g_ours).abs().max() / g_loop.abs().max()).item()
+        same = "bitwise" if torch.equal(s_loop, s_ours) else "differ"
+        print(
+            f"| {name} | {best['loop']:.4f} s | {best['layer-wise']:.4f} s | "
+            f"{best['layer-wise'] / best['loop']:.3f} | {best['no numba']:.4f} s | "
+            f"{best['no numba'] / best['loop']:.3f} | {wrapped.last_stats.blocks[0].neuron} | "
+            f"{same} | {rel:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
