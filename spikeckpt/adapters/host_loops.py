@@ -78,7 +78,7 @@ def leaky_forward_on_host(
     k = zin.shape[0]
     if not k or not fires.is_contiguous() or _host_arrays(mem, zin, decay, thr) is None:
         return None
-    steps_fit = torch.broadcast_shapes(mem.shape, decay.shape, thr.shape) == mem.shape
+    steps_fit = _steps_fit(mem, decay, thr)
     kept_fits = mems is None or (mems.is_contiguous() and mems.dtype == mem.dtype)
     if USE_JIT and steps_fit and kept_fits:
         return _leaky_forward_compiled(mem, zin, decay, thr, reset, mems, fires)
