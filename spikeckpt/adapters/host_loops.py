@@ -289,3 +289,128 @@ def synaptic_backward_on_host(
         carry_syn is not None,
     )
     return g_syn, out_syn, out_mem
+
+
+def _stacked(shape: torch.Size, like: Tensor, *rows: Tensor | float | None) -> np.ndarray | None:
+    """``rows`` broadcast to ``shape`` and stacked as ``(len(rows), numel)`` (None rows: zeros),
+    or None where one is wider than a step or of another dtype or device than ``like``."""
+    out = np.zeros((len(rows), int(np.prod(shape))), dtype=like.detach().numpy().dtype)
+    for r, value in enumerate(rows):
+        if value is None:
+            continue
+        tensor = value if isinstance(value, Tensor) else torch.tensor(value, dtype=like.dtype)
+        if tensor.device != like.device or tensor.dtype != like.dtype:
+            return None
+        if not _steps_fit(like, tensor):
+            return None
+        out[r] = np.broadcast_to(tensor.detach().numpy(), shape).reshape(-1)
+    return out
+
+
+def norse_forward_on_host(
+    v: Tensor,
+    i: Tensor | None,
+    z: Tensor,
+    params: tuple[Tensor | float | None, ...],
+    mode: str,
+    subtract: bool,
+    hold: bool,
+) -> tuple[Tensor, Tensor | None, Tensor] | None:
+    """Norse's feed-forward step over a chunk through the compiled loop (`NorseKernel`'s
+    operations): ``params`` = ``(dt * tau_mem_inv, v_leak, v_th, v_reset, -dt * tau_syn_inv)``
+    (None where the mode has none). Returns the membranes and currents (``(k + 1, B, ...)``
+    with the states before the chunk in row 0 where ``hold``, else ``(1, B, ...)``; currents
+    None for ``"box"``) and the outputs ``(k, B, ...)``, or None where it does not run."""
+    k = z.shape[0]
+    if not (USE_JIT and k) or (i is not None and i.shape != v.shape):
+        return None
+    if _host_arrays(v, z, *(() if i is None else (i,))) is None:
+        return None
+    shape = v.shape
+    stacked = _stacked(shape, v, *params)
+    if stacked is None:
+        return None
+    rows = k + 1 if hold else 1
+    vs = v.new_empty((rows, *shape))
+    is_ = v.new_empty((rows, *shape)) if i is not None else v.new_empty((1, *shape))
+    y = v.new_empty((k, *shape))
+    if hold:
+        vs[0] = v
+        if i is not None:
+            is_[0] = i
+    jit_loops.norse_forward_jit(
+        _flat(v, shape),
+        _flat(i, shape) if i is not None else _flat(v, shape),
+        z.detach().numpy().reshape(k, -1),
+        stacked,
+        jit_loops.NORSE_MODES[mode],
+        subtract,
+        vs.detach().numpy().reshape(rows, -1),
+        is_.detach().numpy().reshape(is_.shape[0], -1),
+        y.detach().numpy().reshape(k, -1),
+    )
+    return vs, (is_ if i is not None else None), y
+
+
+def norse_backward_on_host(
+    v_d: Tensor,
+    y: Tensor,
+    deriv: Tensor | None,
+    g_y: Tensor | None,
+    g_mem: Tensor | None,
+    params: tuple[Tensor | float | None, ...],
+    mode: str,
+    subtract: bool,
+    carries: tuple[Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor, Tensor] | None:
+    """`NorseKernel.backward`'s loop through the compiled one: ``params`` = ``(v_th,
+    v_reset, 1 - c_m, c_m, 1 + c_s)``, ``carries`` = the final states' gradients. Returns
+    ``g_vd``, ``g_u`` (None for ``"li"``), ``g_in`` (None for ``"box"``), ``g_vn_all`` (each
+    ``(k, B, ...)``) and the carries into ``v`` and ``i``, or None where it does not run."""
+    k = v_d.shape[0]
+    given = [t for t in (deriv, g_y, g_mem, *carries) if t is not None]
+    if not (USE_JIT and k) or _host_arrays(v_d, y, *given) is None:
+        return None
+    if any(t.shape != v_d.shape for t in (y, deriv, g_y, g_mem) if t is not None):
+        return None
+    shape = v_d.shape[1:]
+    if any(not _steps_fit(v_d[0], c) for c in carries if c is not None):
+        return None
+    stacked = _stacked(shape, v_d, *params)
+    if stacked is None:
+        return None
+    flat = [
+        (t if t is not None else v_d).detach().contiguous().numpy().reshape(k, -1)
+        for t in (v_d, y, deriv, g_y, g_mem)
+    ]
+    g_vd, g_u, g_in, g_vn_all = (torch.empty_like(v_d) for _ in range(4))
+    out_v, out_i = v_d.new_zeros(shape), v_d.new_zeros(shape)
+    for out, carry in zip((out_v, out_i), carries, strict=True):
+        if carry is not None:
+            out.copy_(carry.expand(shape))
+    jit_loops.norse_backward_jit(
+        flat[0],
+        flat[1],
+        flat[2],
+        deriv is not None,
+        flat[3],
+        g_y is not None,
+        flat[4],
+        g_mem is not None,
+        stacked,
+        jit_loops.NORSE_MODES[mode],
+        subtract,
+        out_v.numpy().reshape(-1),
+        carries[0] is not None,
+        out_i.numpy().reshape(-1),
+        carries[1] is not None,
+        *(t.numpy().reshape(k, -1) for t in (g_vd, g_u, g_in, g_vn_all)),
+    )
+    return (
+        g_vd,
+        None if mode == "li" else g_u,
+        None if mode == "box" else g_in,
+        g_vn_all,
+        out_v,
+        out_i,
+    )

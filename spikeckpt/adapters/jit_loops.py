@@ -263,3 +263,166 @@ def synaptic_backward_jit(
                 c_syn[i] = a[i] * v
         carry_mem[start:stop] = c_mem[:width]
         carry_syn[start:stop] = c_syn[:width]
+
+
+#: Norse's feed-forward steps (`spikeckpt.adapters.kernels.NorseKernel`'s modes)
+NORSE_MODES = {"lif": 0, "box": 1, "li": 2}
+
+
+@_jit
+def norse_forward_jit(
+    v0: np.ndarray,
+    i0: np.ndarray,
+    z: np.ndarray,
+    params: np.ndarray,
+    mode: int,
+    subtract: bool,
+    vs: np.ndarray,
+    is_: np.ndarray,
+    y: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """Norse's ``lif`` / ``box`` / ``li`` feed-forward step over a chunk, the kernel's torch
+    operations in their order (`NorseKernel.forward`).
+
+    Args:
+        v0, i0: ``(n,)`` the states before the chunk (``i0`` unread for ``box``).
+        z: ``(k, n)`` the chunk's input.
+        params: ``(5, n)``: ``dt * tau_mem_inv``, ``v_leak``, ``v_th``, ``v_reset``,
+            ``-dt * tau_syn_inv`` (rows a mode does not use are unread).
+        mode: a `NORSE_MODES` value; ``subtract``: ``box``'s ``reset_subtract``.
+        vs, is_: ``(rows, n)``: step ``t``'s states go to row ``(t + 1) % rows``.
+        y: ``(k, n)`` the spikes (``li``: the membranes).
+    """
+    k, n = z.shape
+    rows = vs.shape[0]
+    v = np.empty(BLOCK, v0.dtype)
+    cur = np.empty(BLOCK, v0.dtype)
+    step_in = np.empty(BLOCK, v0.dtype)
+    zero = v0.dtype.type(0)
+    one = v0.dtype.type(1)
+    for start in range(0, n, BLOCK):
+        width = min(BLOCK, n - start)
+        stop = start + width
+        v[:width] = v0[start:stop]
+        if mode != 1:
+            cur[:width] = i0[start:stop]
+        c_m = params[0, start:stop]
+        leak = params[1, start:stop]
+        th = params[2, start:stop]
+        v_reset = params[3, start:stop]
+        c_s = params[4, start:stop]
+        for t in range(k):
+            zt = z[t, start:stop]
+            for j in range(width):
+                step_in[j] = zt[j]
+            v_row = vs[(t + 1) % rows, start:stop]
+            i_row = is_[(t + 1) % rows, start:stop]
+            out = y[t, start:stop]
+            for j in range(width):
+                if mode == 1:
+                    w = v[j] + c_m[j] * ((step_in[j] + leak[j]) - v[j])
+                else:
+                    c = cur[j] + step_in[j]
+                    w = v[j] + c_m[j] * ((leak[j] - v[j]) + c)
+                    c = c + c_s[j] * c
+                    cur[j] = c
+                    i_row[j] = c
+                if mode == 2:
+                    out[j] = w
+                else:
+                    s = one if w - th[j] > zero else zero
+                    out[j] = s
+                    if subtract:
+                        w = (one - s) * w + s * (w - th[j])
+                    else:
+                        w = (one - s) * w + s * v_reset[j]
+                v[j] = w
+                v_row[j] = w
+
+
+@_jit
+def norse_backward_jit(
+    v_d: np.ndarray,
+    y: np.ndarray,
+    deriv: np.ndarray,
+    has_deriv: bool,
+    g_y: np.ndarray,
+    has_g_y: bool,
+    g_mem: np.ndarray,
+    has_g_mem: bool,
+    params: np.ndarray,
+    mode: int,
+    subtract: bool,
+    carry_v: np.ndarray,
+    has_v: bool,
+    carry_i: np.ndarray,
+    has_i: bool,
+    g_vd: np.ndarray,
+    g_u: np.ndarray,
+    g_in: np.ndarray,
+    g_vn_all: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """`NorseKernel.backward`'s loop from the last step to the first, its operations in their
+    order: fills ``g_vd``, ``g_u`` (not ``li``), ``g_in`` (not ``box``) and ``g_vn_all``
+    (each ``(k, n)``) and leaves the carries into the states before the chunk in ``carry_v`` /
+    ``carry_i`` ``(n,)`` (read first only where ``has_v`` / ``has_i``).
+
+    Args:
+        v_d, y, deriv, g_y, g_mem: ``(k, n)``: the membranes before the reset, the outputs,
+            the surrogate's derivative, the outputs' and the membranes' gradients (the last
+            three read only where ``has_...``).
+        params: ``(5, n)``: ``v_th``, ``v_reset``, ``1 - c_m``, ``c_m``, ``1 + c_s``.
+    """
+    k, n = v_d.shape
+    gv = np.empty(BLOCK, v_d.dtype)
+    gi = np.empty(BLOCK, v_d.dtype)
+    zero = v_d.dtype.type(0)
+    one = v_d.dtype.type(1)
+    for start in range(0, n, BLOCK):
+        width = min(BLOCK, n - start)
+        stop = start + width
+        th = params[0, start:stop]
+        v_reset = params[1, start:stop]
+        one_minus_cm = params[2, start:stop]
+        c_m = params[3, start:stop]
+        keep_i = params[4, start:stop]
+        if has_v:
+            gv[:width] = carry_v[start:stop]
+        if has_i:
+            gi[:width] = carry_i[start:stop]
+        for t in range(k - 1, -1, -1):
+            carried_v = has_v or t < k - 1
+            carried_i = has_i or t < k - 1
+            vd = v_d[t, start:stop]
+            yt = y[t, start:stop]
+            dr = deriv[t, start:stop]
+            gy = g_y[t, start:stop]
+            gm = g_mem[t, start:stop]
+            out_vd = g_vd[t, start:stop]
+            out_u = g_u[t, start:stop]
+            out_in = g_in[t, start:stop]
+            out_vn = g_vn_all[t, start:stop]
+            for j in range(width):
+                g_vn = gv[j] if carried_v else zero
+                if has_g_mem:
+                    g_vn = g_vn + gm[j] if carried_v else gm[j]
+                out_vn[j] = g_vn
+                if mode == 2:
+                    g_here = g_vn + gy[j] if has_g_y else g_vn
+                else:
+                    ds = g_vn * (-th[j] if subtract else v_reset[j] - vd[j])
+                    if has_g_y:
+                        ds = ds + gy[j]
+                    g_s = ds * dr[j] if has_deriv else zero
+                    out_u[j] = g_s
+                    g_here = (g_vn if subtract else g_vn * (one - yt[j])) + g_s
+                out_vd[j] = g_here
+                gv[j] = g_here * one_minus_cm[j]
+                if mode != 1:
+                    g_new = c_m[j] * g_here
+                    if carried_i:
+                        g_new = g_new + gi[j] * keep_i[j]
+                    out_in[j] = g_new
+                    gi[j] = g_new
+        carry_v[start:stop] = gv[:width]
+        carry_i[start:stop] = gi[:width]

@@ -31,6 +31,8 @@ from torch import Tensor
 from spikeckpt.adapters.host_loops import (
     leaky_backward_on_host,
     leaky_forward_on_host,
+    norse_backward_on_host,
+    norse_forward_on_host,
     synaptic_backward_on_host,
     synaptic_forward_on_host,
 )
@@ -652,6 +654,16 @@ class NorseKernel:
         c_s = -dt * p.tau_syn_inv if self.mode != "box" else None
         v = leaves[0]
         i = leaves[1] if self.mode != "box" else None
+        spiking = self.mode != "li"
+        params = (c_m, p.v_leak, p.v_th if spiking else None, p.v_reset if spiking else None, c_s)
+        hold = keep or want_mem
+        host = norse_forward_on_host(v, i, z, params, self.mode, self.subtract, hold)
+        if host is not None:
+            v_all, i_all, y = host
+            k = z.shape[0]
+            final = [t[k].clone() if hold else t[0] for t in (v_all, i_all) if t is not None]
+            saved = (v_all, i_all, z, y) if keep else None
+            return final, y, v_all[1:] if want_mem else None, saved
         vs, is_, ys = [v], [i], []
         for z_t in z.unbind(0):
             if self.mode == "box":
@@ -706,13 +718,34 @@ class NorseKernel:
         deriv = None
         if not li and self.spike is not None:
             deriv = vjp(self.spike, v_d - p.v_th, torch.ones_like(v_d))
-        g_vd = torch.empty_like(v_d)
-        g_u = None if li else torch.empty_like(v_d)
-        g_in = None if box else torch.empty_like(v_d)  # dL/d i' per step
-        g_vn_all = torch.empty_like(v_d)  # dL/d v after each step (its reset included)
         g_v, g_i = g_final[0], (None if box else g_final[1])
         one_minus_cm = 1 - c_m
-        for t in range(k - 1, -1, -1):
+        host = norse_backward_on_host(
+            v_d,
+            y,
+            deriv,
+            g_y,
+            g_mem,
+            (
+                None if li else p.v_th,
+                None if li else p.v_reset,
+                one_minus_cm,
+                c_m,
+                None if box else keep_i,
+            ),
+            self.mode,
+            self.subtract,
+            (g_v, g_i),
+        )
+        if host is not None:
+            g_vd, g_u, g_in, g_vn_all, g_v, carry_i = host
+            g_i = None if box else carry_i
+        else:
+            g_vd = torch.empty_like(v_d)
+            g_u = None if li else torch.empty_like(v_d)
+            g_in = None if box else torch.empty_like(v_d)  # dL/d i' per step
+            g_vn_all = torch.empty_like(v_d)  # dL/d v after each step (its reset included)
+        for t in range(k - 1, -1, -1) if host is None else ():
             g_vn = g_v
             if g_mem is not None:
                 g_vn = g_mem[t] if g_vn is None else g_vn + g_mem[t]
