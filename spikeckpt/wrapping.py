@@ -24,6 +24,7 @@ from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
 from spikeckpt.engine.compiled import COMPILE_CHOICES, Compile
+from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.scan import scan
@@ -99,6 +100,8 @@ class CheckpointedSequence(nn.Module):
         super().__init__()
         self.fuse = fuse
         self.compile = _check_compile(compile)
+        #: the stack granularity's compiled step (``compile=True``; made at the first run)
+        self._compiled_step: CompiledStep | None = None
         self.module = module
         self.adapter = adapter
         self.plan = plan
@@ -264,8 +267,9 @@ class CheckpointedSequence(nn.Module):
             if decision.granularity == "layer":
                 ys, final, self.last_stats = self._run_layerwise(x, state, decision)
             else:
+                step = self._stack_step(x)
                 out = scan(
-                    self.step,
+                    step,
                     x,
                     state,
                     plan=decision.plan,
@@ -277,6 +281,7 @@ class CheckpointedSequence(nn.Module):
                     pack_tape=self.pack_tape,
                 )
                 (ys, final), self.last_stats = out, out.stats
+                self.last_stats.step_compiled = isinstance(step, CompiledStep) and step.ran_compiled
         except UnlistedParamsError as err:
             raise self._unlisted(err, x, state) from None
         finally:
@@ -287,6 +292,12 @@ class CheckpointedSequence(nn.Module):
         if self.batch_first and self.readout is None:
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
         return (ys, final) if return_state else ys
+
+    def _stack_step(self, x: Any) -> Any:
+        """`step`, compiled where ``compile=True`` (`spikeckpt.engine.compiled_step`)."""
+        if self.compile is True and self._compiled_step is None:
+            self._compiled_step = compiled_step(self.step, self.device_for(x))  # None: eager
+        return self._compiled_step if self.compile is True and self._compiled_step else self.step
 
     def _unlisted(self, err: UnlistedParamsError, x: Any, state: State) -> UnlistedParamsError:
         """``err`` (the stack granularity's: the whole step used tensors it was not given)
@@ -620,6 +631,9 @@ def wrap(
             compiled forward is timed against the eager one on the first chunk and kept when
             faster (on CPU the compiled recurrence measured slower: eager there); True:
             always (CPU too); False: never. Without a compiler: eager, with one line.
+            Stack granularity: True compiles the model's step (`spikeckpt.engine.compiled_step`;
+            seconds once per shape; CPU, 3 x 8 neurons, batch 1: 0.4x the eager time), "auto"
+            and False keep it eager; ``last_stats.step_compiled`` says how it ran.
 
     Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in
     ``seq.last_stats``. An unknown keyword is a ``TypeError`` here, not at the first forward.

@@ -425,7 +425,9 @@ def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
         else:
             mem = beta.clamp(0, 1) * mem + x
         spk = spike(mem - threshold)
-        if not is_unit(graded):
+        # compiled, the factor is always applied (times 1.0: the same values and gradients)
+        # rather than read: reading a tensor's value breaks the compiled graph
+        if torch.compiler.is_compiling() or not is_unit(graded):
             spk = spk * graded
         return state_cls(mem), spk
 

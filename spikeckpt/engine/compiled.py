@@ -39,6 +39,7 @@ __all__ = [
     "CompiledKernel",
     "compiled_kernel",
     "compiler_missing",
+    "note_eager",
     "wants_compile",
 ]
 
@@ -47,7 +48,7 @@ COMPILE_CHOICES: tuple[Any, ...] = (True, False, "auto")
 _WARNED: set[str] = set()
 
 
-def _note(reason: str) -> None:
+def note_eager(reason: str) -> None:
     """One line, once per reason: why a compiled path runs eagerly."""
     if reason not in _WARNED:
         _WARNED.add(reason)
@@ -78,7 +79,7 @@ def wants_compile(choice: Compile, device: torch.device) -> bool:
         return False
     missing = compiler_missing(device.type)
     if missing is not None:
-        _note(missing)
+        note_eager(missing)
         return False
     return True
 
@@ -132,7 +133,7 @@ class CompiledKernel:
                 return self.compiled(leaves, z, keep, want_mem)
         except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
             self.failed = True
-            _note(f"torch.compile failed on a fused neuron ({type(error).__name__}: {error})")
+            note_eager(f"torch.compile failed on a fused neuron ({type(error).__name__}: {error})")
         return self.kernel.forward(leaves, z, keep, want_mem)
 
     def _first(
@@ -148,7 +149,7 @@ class CompiledKernel:
             for a, b in zip(_outputs(got), _outputs(want), strict=True)
         )
         if not same:
-            _note("a compiled fused neuron differed from the eager one (kept eager)")
+            note_eager("a compiled fused neuron differed from the eager one (kept eager)")
             self.choice[key] = False
             return False
         if self.measure:

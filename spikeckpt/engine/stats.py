@@ -111,6 +111,8 @@ class ScanStats:
             input, outputs, gradients, activations; None without a budget).
         note: which memory the storage tier is when it counts against the budget (a CPU
             run's host tier), None otherwise.
+        step_compiled: the stack granularity's step ran compiled (``compile=True``,
+            `spikeckpt.engine.compiled_step`).
     """
 
     plan: str
@@ -132,6 +134,7 @@ class ScanStats:
     backward_chunks: int = 0
     planned: StepBytes | None = None
     note: str | None = None
+    step_compiled: bool = False
 
     @property
     def recompute_factor(self) -> float:
