@@ -140,6 +140,23 @@ def test_each_wrapped_model_compiles_its_own_step() -> None:
     assert counters["stats"]["unique_graphs"] >= 12
 
 
+def test_a_deep_copy_compiles_its_own_step() -> None:
+    """``copy.deepcopy`` of a wrapped model that ran compiled: the copy compiles its own step
+    (the original's is bound to the original's tensors) and its gradients go to its own
+    parameters."""
+    import copy
+
+    net, x = _tiny()
+    seq = sc.wrap(net, compile=True)
+    want = _step(seq, net, x)
+    twin = copy.deepcopy(seq)
+    assert twin._compiled_step is None and seq._compiled_step is not None
+    got = _step(twin, twin.module, x)
+    assert twin.last_stats.step_compiled
+    _same(want, got)
+    assert all(p.grad is not None for p in twin.module.parameters())
+
+
 def _tiny() -> tuple[nn.Module, Tensor]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(2, 3), snn.Leaky(beta=0.9))

@@ -104,6 +104,11 @@ def _own_code(step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     return types.MethodType(copy, owner)
 
 
+def _nothing() -> None:
+    """What a copied or unpickled `CompiledStep` becomes: its model compiles its own again."""
+    return None
+
+
 class CompiledStep:
     """``step(state, x_t) -> (state, y_t)`` run compiled, falling back to ``step`` itself
     (for good, with one line) where compiling or running compiled fails.
@@ -122,6 +127,11 @@ class CompiledStep:
         self.failed = False
         self.warm = False
         self.ran_compiled = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copies (``copy.deepcopy`` of the wrapped model, pickling) hold None: the compiled
+        function is bound to the original model's step and its tensors."""
+        return (_nothing, ())
 
     def __call__(self, state: Any, x_t: Any) -> Any:
         if not self.warm:  # the first step eagerly: one-time checks (an adapter verifying
