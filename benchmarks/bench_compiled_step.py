@@ -2,11 +2,13 @@
 several kinds: snnTorch Leaky, Synaptic and RLeaky, Norse LIFCell, a convolutional net.
 
 Each model runs ``BPTT()`` over T = 300 steps at batch 2, eager and compiled, in one process:
-time is the minimum of interleaved rounds after a first call (which compiles), and the outputs
-and gradients of the two are compared. Dynamo's graph breaks are counted over the compiled
+time is the minimum of interleaved rounds after two calls of each (the compiled step compiles
+in both: the first call's later steps, the second call's first step, whose state has no
+gradient yet), and the outputs and gradients of the two are compared. Dynamo's graph breaks are counted over the compiled
 calls (0: the whole step ran as one compiled graph).
 
     taskset -c 1 python benchmarks/bench_compiled_step.py --threads 1
+    python benchmarks/bench_compiled_step.py --device cuda   # Triton; in gpu_suite.sh
 """
 
 from __future__ import annotations
@@ -70,13 +72,20 @@ def models() -> Iterator[tuple[str, nn.Module, tuple[int, ...]]]:
     )
 
 
+def _sync(x: Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def one_step(seq: nn.Module, net: nn.Module, x: Tensor) -> tuple[float, Tensor, list[Tensor]]:
     """Seconds of one forward + backward (loss: the outputs' sum), the output, the grads."""
     net.zero_grad(set_to_none=True)
+    _sync(x)
     start = time.perf_counter()
     out = seq(x)
     out = out[0] if isinstance(out, tuple) else out
     out.sum().backward()
+    _sync(x)
     seconds = time.perf_counter() - start
     return seconds, out.detach(), [p.grad.clone() for p in net.parameters() if p.grad is not None]
 
@@ -87,23 +96,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
-    print(f"BPTT(), T = {args.T}, batch {args.batch}, {args.threads} thread(s)")
+    print(f"BPTT(), T = {args.T}, batch {args.batch}, {device}, {args.threads} thread(s)")
     print(
-        "| model | eager | compiled | x eager | first compiled call | graph breaks | outputs "
+        "| model | eager | compiled | x eager | first two compiled calls | graph breaks | outputs "
         "| max rel dgrad |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, net, shape in models():
         torch.manual_seed(0)
-        x = (torch.rand(args.T, args.batch, *shape) < 0.3).float()
+        net = net.to(device)
+        x = (torch.rand(args.T, args.batch, *shape) < 0.3).float().to(device)
         seqs = {c: sc.wrap(net, compile=c, plan=sc.plans.BPTT()) for c in (False, True)}
         counters.clear()
         start = time.perf_counter()
         got = one_step(seqs[True], net, x)
+        one_step(seqs[True], net, x)
         first = time.perf_counter() - start
+        one_step(seqs[False], net, x)
         want = one_step(seqs[False], net, x)
         runs: dict[bool, Callable[[], float]] = {
             c: (lambda s=s, net=net, x=x: one_step(s, net, x)[0]) for c, s in seqs.items()

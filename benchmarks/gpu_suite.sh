@@ -10,6 +10,8 @@
 #      8192;
 #   4. the T = 1000 / 4000 table on the GPU: benchmarks/bench_table.py --device cuda --fused
 #      (stack and layer-wise, fused and not where spikeckpt.wrap has fuse=/compile=);
+#   5. the stack granularity's compiled step (compile=True, Triton on CUDA) against the eager
+#      one: benchmarks/bench_compiled_step.py --device cuda;
 # and write one Markdown report: every step's command, exit status, time and output.
 #
 #   bash benchmarks/gpu_suite.sh [REPORT]          # default REPORT: gpu_report.md
@@ -146,6 +148,11 @@ step "peers' benchmark (Linear + LIF, batch 16, T = 500), $DEVICE" \
 step "T = 1000 / 4000 table (200-256-10, batch 16), $DEVICE" \
     "$PYTHON" benchmarks/bench_table.py --device "$DEVICE" --fused --chunks 25 --T $TABLE_T \
     --threads "$THREADS" --repeats "$REPEATS"
+
+# 5. the stack step compiled (compile=True) against the eager one
+step "compiled stack step (small snnTorch / Norse / conv models), $DEVICE" \
+    "$PYTHON" benchmarks/bench_compiled_step.py --device "$DEVICE" --threads "$THREADS" \
+    --rounds "$REPEATS"
 
 {
     echo "## Summary"
