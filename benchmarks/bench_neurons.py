@@ -2,7 +2,7 @@
 
 The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic`` and
-their ``"zero"`` resets, and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
+their ``"zero"`` resets, ``Leaky(reset_delay=False)``, and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
 installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - norse is an extra
 NEURONS: dict[str, Callable[[], nn.Module]] = {
     "Leaky": lambda: snn.Leaky(beta=0.95),
     "Leaky, reset zero": lambda: snn.Leaky(beta=0.95, reset_mechanism="zero"),
+    "Leaky, reset_delay=False": lambda: snn.Leaky(beta=0.95, reset_delay=False),
     "Synaptic": lambda: snn.Synaptic(alpha=0.9, beta=0.95),
     "Synaptic, reset zero": lambda: snn.Synaptic(alpha=0.9, beta=0.95, reset_mechanism="zero"),
 }

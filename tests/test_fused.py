@@ -66,6 +66,17 @@ NEURONS: dict[str, Factory] = {
     "leaky custom surrogate": lambda n: snn.Leaky(beta=0.9, spike_grad=_custom_surrogate()),
     "leaky surrogate_disable": lambda n: snn.Leaky(beta=0.9, surrogate_disable=True),
     "leaky init_hidden": lambda n: snn.Leaky(beta=0.9, init_hidden=True),
+    "leaky reset_delay False": lambda n: snn.Leaky(beta=0.9, reset_delay=False),
+    "leaky reset_delay False zero learnable": lambda n: snn.Leaky(
+        beta=torch.rand(n) * 1.1,
+        learn_beta=True,
+        reset_delay=False,
+        reset_mechanism="zero",
+        threshold=0.7,
+    ),
+    "leaky reset_delay False graded fast_sigmoid": lambda n: snn.Leaky(
+        beta=0.85, reset_delay=False, graded_spikes_factor=1.7, spike_grad=S.fast_sigmoid()
+    ),
     "synaptic": lambda n: snn.Synaptic(alpha=0.8, beta=0.9),
     "synaptic zero": lambda n: snn.Synaptic(alpha=0.7, beta=0.9, reset_mechanism="zero"),
     "synaptic none": lambda n: snn.Synaptic(alpha=0.7, beta=0.8, reset_mechanism="none"),
@@ -231,9 +242,32 @@ def test_fused_neurons_match_the_frameworks_own_step(
         _close(a, b, f"{name}: gradient {i}")
 
 
-@pytest.mark.parametrize("name", sorted(NEURONS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(n for n in NEURONS if "reset_delay False" in n)),
+    T=st.integers(1, 23),
+    chunk=st.integers(1, 26),
+    batch=st.integers(1, 3),
+    n=st.integers(1, 5),
+    output=st.sampled_from(["spikes", "mem", "both"]),
+    dropout=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_leaky_without_reset_delay_matches_snntorchs_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """``Leaky(reset_delay=False)`` (`ImmediateLeakyKernel`: the reset in the step that
+    fires, differentiated through the surrogate) against snnTorch's own step, more cases than
+    the table's share: spikes and membranes bitwise, gradients at round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
+@pytest.mark.parametrize("name", sorted(n for n in NEURONS if "reset_delay False" not in n))
 def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(name: str) -> None:
-    """Every neuron of the table with the compiled loops (Numba, `jit_loops`) on and off:
+    """Every neuron of the table with a compiled loop (Numba, `jit_loops`; all but Leaky's
+    ``reset_delay=False``, whose kernel runs the torch loop) with the compiled loops on and off:
     outputs, membranes, final states and gradients bitwise equal, 3 x 100 neurons a step (a
     block of 256 and a part), chunks of 3 over 7 steps (a carry between chunks and a short last
     chunk), and the compiled forward called for every chunk."""
@@ -293,7 +327,8 @@ def test_stats_say_how_each_neuron_ran() -> None:
         nn.Linear(6, 6),
         snn.Alpha(alpha=0.9, beta=0.8),  # no chunk kernel: one call per step
         nn.Linear(6, 3),
-        snn.Leaky(beta=0.9, reset_delay=False),  # an option the kernel does not model
+        # an option the kernel does not model: a learnable threshold with reset_delay=False
+        snn.Leaky(beta=0.9, reset_delay=False, learn_threshold=True),
     )
     x = (torch.rand(10, 2, 4) < 0.5).float()
     seq = sc.wrap(net, granularity="layer", chunk=4)

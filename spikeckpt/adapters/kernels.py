@@ -327,6 +327,129 @@ class LeakyKernel:
         return g_z, [carry], _aligned([source, thr, graded], grads, need_params)
 
 
+class ImmediateLeakyKernel:
+    """snnTorch ``Leaky`` with ``reset_delay=False``: the reset in the step that fires.
+
+    Per step, as ``Leaky.forward`` does it: ``r = (mem - thr > 0)`` (detached); ``base = b *
+    mem + z - r * thr`` (``"subtract"``) or ``b * ((1 - r) * mem) + z`` (``"zero_before"``:
+    snnTorch's ``"zero"``); ``spk = heaviside(base - thr) * graded``; ``do = spk / graded - r``;
+    ``mem = base - do * thr`` or ``base - do * base``. The immediate reset is differentiated
+    through the surrogate, as in snnTorch. The threshold and the graded factor must not
+    require grad (`accepts` declines the chunk otherwise: it then runs per step); ``beta`` may.
+
+    Args:
+        tensors: ``() -> (beta, threshold, graded)``, the module's current tensors.
+        spike: the surrogate spike function (its forward must be `heaviside`).
+        reset: ``"subtract"`` or ``"zero_before"``.
+        spike_grad: the surrogate's backward written out, when the adapter knows it.
+    """
+
+    name = "fused"
+    membrane: int | None = 0
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Tensor, Tensor, Tensor]],
+        spike: Spike,
+        reset: Reset,
+        spike_grad: SpikeGrad | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.spike = spike
+        self.reset = reset
+        self.spike_grad = spike_grad
+        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return self.tensors()
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        _, thr, graded = self.tensors()
+        return (
+            len(leaves) == 1
+            and _same_layout(leaves, z, (thr, graded))
+            and _keeps_dtype(self, leaves, z)
+        )
+
+    def forward(
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        beta, thr, graded = self.tensors()
+        b = beta.clamp(0, 1)
+        mem = leaves[0]
+        reset = mem - thr > 0
+        mems, bases, fires, resets = [mem], [], [], []
+        for z_t in z.unbind(0):
+            r = reset.to(mem.dtype)
+            if self.reset == "subtract":
+                base = b * mem + z_t - r * thr
+            else:
+                base = b * ((1 - r) * mem) + z_t
+            fired = base - thr > 0
+            spk = fired.to(mem.dtype) * graded
+            do = spk / graded - r
+            mem = base - do * thr if self.reset == "subtract" else base - do * base
+            resets.append(reset)
+            reset = mem - thr > 0
+            fires.append(fired)
+            mems.append(mem)
+            if keep:
+                bases.append(base)
+        all_fired = torch.stack(fires)
+        y = all_fired.to(mem.dtype) * graded if want_y else None
+        mem_all = torch.stack(mems) if keep or want_mem else None
+        saved = None
+        if keep:
+            saved = (mem_all, torch.stack(bases), all_fired, torch.stack(resets))
+        return [mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: Tensor | None,
+        need_z: bool,
+        need_params: Sequence[bool],
+        consume: bool = False,
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        mems, bases, fired, resets = saved
+        beta, thr, graded = self.tensors()
+        b = beta.clamp(0, 1)
+        subtract = self.reset == "subtract"
+        k = bases.shape[0]
+        g_base = torch.empty_like(bases)
+        carry = g_final[0]
+        for t in range(k - 1, -1, -1):
+            g = carry if g_mem is None else (g_mem[t] if carry is None else carry + g_mem[t])
+            if g is None:
+                g = torch.zeros_like(bases[t])
+            r = resets[t].to(g.dtype)
+            do = fired[t].to(g.dtype) * graded / graded - r
+            g_do = -g * (thr if subtract else bases[t])  # mem = base - do * (thr | base)
+            g_spk = g_do / graded if g_y is None else g_y[t] + g_do / graded
+            g_u = surrogate_grad(self.spike, bases[t], thr, g_spk * graded, self.spike_grad)
+            g_base[t] = (g if subtract else g - g * do) + g_u
+            carry = b * g_base[t] if subtract else b * g_base[t] * (1 - r)
+        beta_grad = None
+        if _wanted([beta, thr, graded], need_params)[0]:
+            pre = mems[:-1] if subtract else mems[:-1] * (~resets).to(mems.dtype)
+            beta_grad = clamp_grad(reduce_product(g_base, pre, b), beta)
+        grads = [beta_grad, None, None]
+        return (
+            g_base if need_z else None,
+            [carry],
+            _aligned([beta, thr, graded], grads, need_params),
+        )
+
+
 def _wanted(tensors: Sequence[Tensor], need_params: Sequence[bool]) -> list[bool]:
     """Per tensor: whether its gradient is asked for (``need_params`` lists the tensors that
     require grad, in order)."""

@@ -27,7 +27,14 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatelessAdapter
-from spikeckpt.adapters.kernels import LeakyKernel, Reset, SynapticKernel, clamp_grad, is_unit
+from spikeckpt.adapters.kernels import (
+    ImmediateLeakyKernel,
+    LeakyKernel,
+    Reset,
+    SynapticKernel,
+    clamp_grad,
+    is_unit,
+)
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
 
 __all__ = [
@@ -294,7 +301,9 @@ _RESETS: dict[type, dict[str, Reset]] = {
 _RANDOM_SURROGATES = ("SSO", "LSO")
 
 
-def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
+def snntorch_kernel(
+    m: nn.Module,
+) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | None:
     """The chunk kernel for the snnTorch neuron ``m`` (see
     `SnnTorchNeuronAdapter.chunk_kernel`), or None."""
     cls = type(m)
@@ -303,10 +312,11 @@ def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
         return None
     spike = m.spike_grad
     name = getattr(spike, "__qualname__", "")
+    immediate = not getattr(m, "reset_delay", True)
     if (
         getattr(m, "state_quant", True)
         or getattr(m, "inhibition", True)
-        or not getattr(m, "reset_delay", True)
+        or (immediate and cls is not snn.Leaky)
         or any(name.startswith(bad) for bad in _RANDOM_SURROGATES)
     ):
         return None
@@ -316,6 +326,10 @@ def snntorch_kernel(m: nn.Module) -> LeakyKernel | SynapticKernel | None:
         return None
     reset = resets[mechanism]
     written = _atan_grad(spike)
+    if immediate and reset != "none":  # Leaky(reset_delay=False); "none" has no reset to do
+        return ImmediateLeakyKernel(
+            lambda: (m.beta, m.threshold, m.graded_spikes_factor), spike, reset, written
+        )
     if cls is snn.Synaptic:
         return SynapticKernel(
             lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
