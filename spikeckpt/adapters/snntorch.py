@@ -191,10 +191,11 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def membrane(self, state: State) -> Tensor | None:
         return state.mem
 
-    def chunk_kernel(self) -> LeakyKernel | SynapticKernel | None:
+    def chunk_kernel(self) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | None:
         """The fused recurrence of a ``Leaky``, ``Lapicque`` or ``Synaptic`` (exactly these
-        classes, ``reset_delay=True``, no ``state_quant``, no ``inhibition``, no random
-        surrogate, the library's own ``forward`` and state function), else None."""
+        classes, ``reset_delay=True`` or a ``Leaky`` with ``reset_delay=False``, no
+        ``state_quant``, no ``inhibition``, no random surrogate, the library's own ``forward``
+        and state function), else None."""
         return snntorch_kernel(self.module)
 
     def call_outputs(self, state: State) -> tuple[Any, ...] | None:
