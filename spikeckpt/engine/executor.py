@@ -130,6 +130,7 @@ class Executor:
         # global generators (see end_forward).
         self.rng_used: bool | None = None
         self._rng_start = RngState.capture(self.cuda_devices)
+        self._rng_last: RngState | None = self._rng_start
         # Per-step input slices: views made once (indexing a (T, ...) tensor per step costs
         # more than the list lookup); leaves off the compute device are sliced and moved,
         # packed trains unpacked one step at a time.
@@ -324,10 +325,22 @@ class Executor:
         if tier == "remote":
             self._remote_count(size, written=size)
         if self.rng_used is not False and i not in self.rng:
-            self.rng[i] = RngState.capture(self.cuda_devices)
+            self.rng[i] = self._rng_now()
         if tier == "device":
             self.stored_here = True
             self.current = detached
+
+    def _rng_now(self) -> RngState:
+        """The generator states now, sharing the last capture's tensors when nothing drew in
+        between: a CPU generator's state is 5,056 bytes, which every checkpoint of the forward
+        phase held (a model that draws nothing: one copy in all; 0.39 MB against 12.8 KB of
+        checkpoints for 3 x 8 neurons, T = 2000, `Revolve(slots=73)`)."""
+        now = RngState.capture(self.cuda_devices)
+        last = self._rng_last
+        if last is not None and now.same_as(last):
+            return last
+        self._rng_last = now
+        return now
 
     def _remote_count(self, held: int, *, written: int = 0, read: int = 0) -> None:
         """Count remote bytes under the remote tier's name (device-held ones in _account)."""
