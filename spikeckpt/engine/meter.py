@@ -35,7 +35,9 @@ then count as held from that moment until they are freed.
 Not seen on the CPU: tensors made in other threads (e.g. DataLoader workers, a disk tier's I/O
 thread), NumPy arrays (the CPU spike codec's temporaries while it codes a tensor: its bit-packed
 bytes, or 8 bytes per one for index lists; at most 1 MiB while unpacking). With ``"tensors"``
-only: tensors created without an op (``torch.load``, ``torch.from_numpy``), in-place growth of
+only: tensors created without an op (``torch.load``, ``torch.from_numpy``, a generator state
+from ``torch.get_rng_state``: 5,056 bytes on the CPU, which a checkpoint keeps when the model
+draws random numbers), in-place growth of
 existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors; the
 ``"allocator"`` mode sees every block the CPU allocator hands out on the thread (but not
 ``torch.from_numpy``'s, which NumPy owns).
