@@ -191,21 +191,25 @@ def _close(a: Tensor | None, b: Tensor | None, what: str) -> None:
     torch.testing.assert_close(b, a, rtol=1e-5, atol=2e-6 * (1 + scale), equal_nan=True, msg=what)
 
 
+#: a fused neuron's random case besides its name: steps, chunk, batch, neurons, what the
+#: wrapped model returns, a Dropout before the neuron, the seed
+_CASES: dict[str, st.SearchStrategy[Any]] = {
+    "T": st.integers(1, 23),
+    "chunk": st.integers(1, 26),
+    "batch": st.integers(1, 3),
+    "n": st.integers(1, 5),
+    "output": st.sampled_from(["spikes", "mem", "both"]),
+    "dropout": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(
     max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(
-    name=st.sampled_from(sorted(NEURONS)),
-    T=st.integers(1, 23),
-    chunk=st.integers(1, 26),
-    batch=st.integers(1, 3),
-    n=st.integers(1, 5),
-    output=st.sampled_from(["spikes", "mem", "both"]),
-    dropout=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(name=st.sampled_from(sorted(NEURONS)), **_CASES)
 def test_fused_neurons_match_the_frameworks_own_step(
     name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
 ) -> None:
@@ -243,16 +247,7 @@ def test_fused_neurons_match_the_frameworks_own_step(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    name=st.sampled_from(sorted(n for n in NEURONS if "reset_delay False" in n)),
-    T=st.integers(1, 23),
-    chunk=st.integers(1, 26),
-    batch=st.integers(1, 3),
-    n=st.integers(1, 5),
-    output=st.sampled_from(["spikes", "mem", "both"]),
-    dropout=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(name=st.sampled_from(sorted(n for n in NEURONS if "reset_delay False" in n)), **_CASES)
 def test_leaky_without_reset_delay_matches_snntorchs_own_step(
     name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
 ) -> None:
