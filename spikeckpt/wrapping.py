@@ -631,9 +631,9 @@ def wrap(
             compiled forward is timed against the eager one on the first chunk and kept when
             faster (on CPU the compiled recurrence measured slower: eager there); True:
             always (CPU too); False: never. Without a compiler: eager, with one line.
-            Stack granularity: True compiles the model's step (`spikeckpt.engine.compiled_step`;
-            seconds once per shape; CPU, 3 x 8 neurons, batch 1: 0.4x the eager time), "auto"
-            and False keep it eager; ``last_stats.step_compiled`` says how it ran.
+            Stack granularity: True compiles the model's step (`spikeckpt.engine.compiled_step`:
+            seconds once per shape; outputs bitwise, gradients inductor sums at round-off; 3 x 8
+            neurons: 0.4x the eager time); "auto" and False keep it eager (`last_stats`).
 
     Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in
     ``seq.last_stats``. An unknown keyword is a ``TypeError`` here, not at the first forward.

@@ -291,14 +291,13 @@ def synaptic_backward_on_host(
     return g_syn, out_syn, out_mem
 
 
-def _stacked(shape: torch.Size, like: Tensor, *rows: Tensor | float | None) -> np.ndarray | None:
+def _stacked(shape: torch.Size, like: Tensor, *rows: Tensor | None) -> np.ndarray | None:
     """``rows`` broadcast to ``shape`` and stacked as ``(len(rows), numel)`` (None rows: zeros),
     or None where one is wider than a step or of another dtype or device than ``like``."""
     out = np.zeros((len(rows), int(np.prod(shape))), dtype=like.detach().numpy().dtype)
-    for r, value in enumerate(rows):
-        if value is None:
+    for r, tensor in enumerate(rows):
+        if tensor is None:
             continue
-        tensor = value if isinstance(value, Tensor) else torch.tensor(value, dtype=like.dtype)
         if tensor.device != like.device or tensor.dtype != like.dtype:
             return None
         if not _steps_fit(like, tensor):
@@ -311,7 +310,7 @@ def norse_forward_on_host(
     v: Tensor,
     i: Tensor | None,
     z: Tensor,
-    params: tuple[Tensor | float | None, ...],
+    params: tuple[Tensor | None, ...],
     mode: str,
     subtract: bool,
     hold: bool,
@@ -332,7 +331,7 @@ def norse_forward_on_host(
         return None
     rows = k + 1 if hold else 1
     vs = v.new_empty((rows, *shape))
-    is_ = v.new_empty((rows, *shape)) if i is not None else v.new_empty((1, *shape))
+    is_ = v.new_empty((rows, *shape)) if i is not None else vs  # "box": never written
     y = v.new_empty((k, *shape))
     if hold:
         vs[0] = v
@@ -346,7 +345,7 @@ def norse_forward_on_host(
         jit_loops.NORSE_MODES[mode],
         subtract,
         vs.detach().numpy().reshape(rows, -1),
-        is_.detach().numpy().reshape(is_.shape[0], -1),
+        is_.detach().numpy().reshape(rows, -1),
         y.detach().numpy().reshape(k, -1),
     )
     return vs, (is_ if i is not None else None), y
@@ -358,7 +357,7 @@ def norse_backward_on_host(
     deriv: Tensor | None,
     g_y: Tensor | None,
     g_mem: Tensor | None,
-    params: tuple[Tensor | float | None, ...],
+    params: tuple[Tensor | None, ...],
     mode: str,
     subtract: bool,
     carries: tuple[Tensor | None, Tensor | None],
@@ -383,7 +382,10 @@ def norse_backward_on_host(
         (t if t is not None else v_d).detach().contiguous().numpy().reshape(k, -1)
         for t in (v_d, y, deriv, g_y, g_mem)
     ]
-    g_vd, g_u, g_in, g_vn_all = (torch.empty_like(v_d) for _ in range(4))
+    g_vd, g_vn_all = torch.empty_like(v_d), torch.empty_like(v_d)
+    # the loop writes g_u except for "li" and g_in except for "box": there it gets g_vd
+    g_u = g_vd if mode == "li" else torch.empty_like(v_d)
+    g_in = g_vd if mode == "box" else torch.empty_like(v_d)
     out_v, out_i = v_d.new_zeros(shape), v_d.new_zeros(shape)
     for out, carry in zip((out_v, out_i), carries, strict=True):
         if carry is not None:

@@ -571,13 +571,13 @@ class SynapticKernel:
         alpha, beta, thr, graded = self.tensors()
         a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
         syn, mem = leaves
-        fired = mem - thr > 0
-        thr_off = thr * 0
         exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
         if exact:
             done = self._forward_on_host(syn, mem, z, (a, b, thr, graded), keep, want_mem, want_y)
             if done is not None:
                 return done
+        fired = mem - thr > 0
+        thr_off = thr * 0
         syns, mems, fires = [syn], [mem], [fired]
         for z_t in z.unbind(0):
             syn = a * syn + z_t

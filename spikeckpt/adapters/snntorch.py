@@ -395,6 +395,8 @@ _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_bas
 
 
 Step = Callable[[State, Tensor], tuple[State, Tensor]]
+#: whether torch.compile is tracing (``torch.compiler.is_compiling``; older torch: never)
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
@@ -442,7 +444,7 @@ def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
         spk = spike(mem - threshold)
         # compiled, the factor is always applied (times 1.0: the same values and gradients)
         # rather than read: reading a tensor's value breaks the compiled graph
-        if torch.compiler.is_compiling() or not is_unit(graded):
+        if _is_compiling() or not is_unit(graded):
             spk = spk * graded
         return state_cls(mem), spk
 
