@@ -561,3 +561,45 @@ def test_a_weight_changed_between_steps_is_read_afresh_even_through_data() -> No
         assert torch.equal(got, want)
         assert torch.equal(got_grad, net[0].weight.grad)
         net.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("differs", [False, True])
+def test_stats_say_how_a_compiled_neuron_ran(
+    differs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile=True``, layer-wise: a compiled forward that matches the eager one is used and
+    ``last_stats`` says "compiled"; one that differs (as Triton's contracted multiply-adds did
+    on an H200) is checked on the first chunk of each shape, never used, and the stats say
+    "fused" (the eager kernel that ran), with the eager kernel's values. ``torch.compile`` is
+    replaced by a wrapper (exact, or one that moves the membrane) to decide the outcome."""
+    from spikeckpt.engine import compiled as compiled_module
+
+    def fake_compile(fn: Callable[..., Any], dynamic: bool = False) -> Callable[..., Any]:
+        def run(leaves: list[Tensor], *rest: Any) -> Any:
+            final, y, mem, saved = fn(leaves, *rest)
+            return [f + 1 if differs else f for f in final], y, mem, saved
+
+        return run
+
+    monkeypatch.setattr(compiled_module.torch, "compile", fake_compile)
+    monkeypatch.setattr(compiled_module, "compiler_missing", lambda device_type: None)
+    monkeypatch.setattr(compiled_module, "_WARNED", set())  # its one line, again
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), snn.Leaky(beta=0.9))
+    x = (torch.rand(11, 3, 4) < 0.5).float()
+    eager = sc.wrap(net, granularity="layer", chunk=4, compile=False)
+    want, want_state = eager(x, return_state=True)
+    seq = sc.wrap(net, granularity="layer", chunk=4, compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_state = seq(x, return_state=True)
+    chunks = seq.last_stats.blocks[0].neuron_chunks
+    assert chunks == ({"fused": 3} if differs else {"compiled": 3}), chunks
+    assert torch.equal(got, want)
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(got_state),
+        torch.utils._pytree.tree_leaves(want_state),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    assert any("differed from the eager one" in str(w.message) for w in caught) == differs

@@ -103,6 +103,9 @@ class CompiledKernel:
         self.compiled: Callable[..., Any] = torch.compile(kernel.forward, dynamic=False)
         #: per shape key: whether the compiled forward is used
         self.choice: dict[tuple[Any, ...], bool] = {}
+        #: how the last forward ran: ``"compiled"``, or ``"fused"`` (the eager kernel: a
+        #: shape whose compiled forward differed or was slower, or a failed compile)
+        self.ran = "compiled"
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -124,13 +127,16 @@ class CompiledKernel:
         per shape)."""
         key = (tuple(z.shape), z.dtype, z.device, keep, want_mem, torch.is_grad_enabled())
         use = self.choice.get(key)
+        self.ran = "fused"
         if self.failed or use is False:
             return self.kernel.forward(leaves, z, keep, want_mem)
         try:
             if use is None:
                 use = self._first(key, leaves, z, keep, want_mem)
             if use:
-                return self.compiled(leaves, z, keep, want_mem)
+                result = self.compiled(leaves, z, keep, want_mem)
+                self.ran = "compiled"
+                return result
         except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
             self.failed = True
             note_eager(f"torch.compile failed on a fused neuron ({type(error).__name__}: {error})")

@@ -221,12 +221,15 @@ class LayerwiseJob(Job):
         want_mem = top and self.output != "spikes"
         kernel = self.kernels[b]
         fused = kernel is not None and self.fuse and kernel.accepts(leaves, z)
-        if not recomputing():
-            self.stats.blocks[b].count_neuron(kernel.name if kernel and fused else "per-step")
-        if fused:
-            assert kernel is not None
-            return self._run_fused(kernel, state, z, top, want_mem)
-        return self._run_steps(block, state, z, top, want_mem)
+        if not fused:
+            if not recomputing():
+                self.stats.blocks[b].count_neuron("per-step")
+            return self._run_steps(block, state, z, top, want_mem)
+        assert kernel is not None
+        result = self._run_fused(kernel, state, z, top, want_mem)
+        if not recomputing():  # a compiled kernel says how it ran (it may keep a shape eager)
+            self.stats.blocks[b].count_neuron(getattr(kernel, "ran", kernel.name))
+        return result
 
     def _run_fused(
         self, kernel: ChunkKernel, state: State, z: Tensor, top: bool, want_mem: bool
