@@ -18,7 +18,12 @@
 #
 # Environment: PYTHON (default: python), PEERS_N (default: "512 2048 8192"), TABLE_T (default:
 # "1000 4000"), REPEATS (timed rounds of both benchmarks, default 3), THREADS (torch CPU threads
-# of the benchmarks, default 1), PYTEST_ARGS (added to both pytest runs, e.g. "-k cuda").
+# of the benchmarks, default 1), PYTEST_ARGS (added to both pytest runs, e.g. "-k cuda"),
+# STEPS (the steps to run, default "1 2 3 4 5"), STEP_TIMEOUT (seconds per step, default none:
+# a step past it is stopped, its output so far kept and the step reported failed).
+# Measured on an H200 (2026-11-26, torch 2.11, 16 cores): step 1 71 s, step 2 157 s, step 3
+# 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped), step 5 about 35 s with REPEATS=2: a
+# lease of 15 minutes holds the whole suite only with STEP_TIMEOUT or fewer STEPS.
 # Exits 2 at once, writing nothing, when no CUDA device is present; else 1 when any step
 # failed, 0 when all passed. SUITE_DEVICE=cpu runs the same steps on the CPU (no CUDA check,
 # the benchmarks with --device cpu): only to check the suite itself on a machine without a GPU,
@@ -33,6 +38,8 @@ TABLE_T=${TABLE_T:-1000 4000}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
+STEPS=" ${STEPS:-1 2 3 4 5} "
+STEP_TIMEOUT=${STEP_TIMEOUT:-0}
 eval "EXTRA=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS="-k 'cuda or gpu'" works
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 case "$REPORT" in /*) ;; *) REPORT="$PWD/$REPORT" ;; esac
@@ -96,20 +103,32 @@ step() {
     command=$(printf '%q ' "$@")
     echo "== $title: $command" >&2
     start=$(date +%s)
-    "$@" >"$log" 2>&1
+    if [ "$STEP_TIMEOUT" -gt 0 ]; then
+        timeout -k 10 "$STEP_TIMEOUT" "$@" >"$log" 2>&1
+    else
+        "$@" >"$log" 2>&1
+    fi
     status=$?
     end=$(date +%s)
     if [ "$status" -ne 0 ]; then FAILED+=("$title"); fi
     {
         echo "## $title"
         echo
-        echo "\`${command% }\`: exit $status, $((end - start)) s"
+        echo "\`${command% }\`: exit $status, $((end - start)) s$([ "$status" -eq 124 ] && echo ", stopped at STEP_TIMEOUT")"
         echo
-        # Markdown tables go in as tables; the rest as text (the last 200 lines)
+        # Markdown tables go in as tables; failed tests by name (pytest's -rfE summary); the
+        # rest as text (the last 200 lines, without the trace logging some tests turn on)
         grep '^|' "$log" || true
         echo
+        if grep -E '^(FAILED|ERROR) ' "$log" >/dev/null; then
+            echo "Failed tests:"
+            echo
+            grep -E '^(FAILED|ERROR) ' "$log" | cut -c1-300 | sed 's/^/- /'
+            echo
+        fi
         echo '```text'
-        grep -v '^|' "$log" | grep -v -e '^USDT:' -e 'DeviceProperties.cpp' | tail -n 200
+        grep -v '^|' "$log" | grep -v -e '^USDT:' -e 'DeviceProperties.cpp' -e '^DEBUG ' |
+            tail -n 200
         echo '```'
         echo
     } >>"$REPORT"
@@ -117,10 +136,14 @@ step() {
     return 0
 }
 
+# wants N: whether step N is in STEPS
+wants() { [[ "$STEPS" == *" $1 "* ]]; }
+
 # 1. the CUDA tests
+if wants 1; then
 mapfile -t CUDA_FILES < <(grep -l 'cuda.is_available' tests/test_*.py)
 step "CUDA tests (${#CUDA_FILES[@]} files)" \
-    "$PYTHON" -m pytest -n 4 -q -rs -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} "${CUDA_FILES[@]}"
+    "$PYTHON" -m pytest -n 4 -q -rfEs -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} "${CUDA_FILES[@]}"
 # the tests' CUDA skips say "needs a CUDA GPU", "needs CUDA", "needs a CUDA device"
 if [ "$DEVICE" = cuda ] && grep -iE 'SKIPPED.*needs.*(cuda|gpu)' "$WORK/step.log" >/dev/null; then
     FAILED+=("CUDA tests skipped on a CUDA machine")
@@ -131,26 +154,28 @@ if [ "$DEVICE" = cuda ] && grep -iE 'SKIPPED.*needs.*(cuda|gpu)' "$WORK/step.log
         echo
     } >>"$REPORT"
 fi
+fi
 
 # 2. the budget harness on the GPU: the promise (every step within MemoryBudget) and its table
-step "budget harness (tests/test_budget_promise.py, accelerator=auto)" \
-    "$PYTHON" -m pytest -n 0 -q -rs -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} tests/test_budget_promise.py
-step "budget harness: per-step peaks, $DEVICE" "$PYTHON" tests/test_budget_promise.py
+wants 2 &&
+    step "budget harness (tests/test_budget_promise.py, accelerator=auto)" \
+    "$PYTHON" -m pytest -n 0 -q -rfEs -p no:cacheprovider ${EXTRA[@]+"${EXTRA[@]}"} tests/test_budget_promise.py
+wants 2 && step "budget harness: per-step peaks, $DEVICE" "$PYTHON" tests/test_budget_promise.py
 
 # 3. the peers' benchmark
 # shellcheck disable=SC2086  # PEERS_N is a list of sizes
-step "peers' benchmark (Linear + LIF, batch 16, T = 500), $DEVICE" \
+wants 3 && step "peers' benchmark (Linear + LIF, batch 16, T = 500), $DEVICE" \
     "$PYTHON" benchmarks/bench_peers.py --device "$DEVICE" --n $PEERS_N --threads "$THREADS" \
     --repeats "$REPEATS"
 
 # 4. the T = 1000 / 4000 table, fused and not
 # shellcheck disable=SC2086
-step "T = 1000 / 4000 table (200-256-10, batch 16), $DEVICE" \
+wants 4 && step "T = 1000 / 4000 table (200-256-10, batch 16), $DEVICE" \
     "$PYTHON" benchmarks/bench_table.py --device "$DEVICE" --fused --chunks 25 --T $TABLE_T \
     --threads "$THREADS" --repeats "$REPEATS"
 
 # 5. the stack step compiled (compile=True) against the eager one
-step "compiled stack step (small snnTorch / Norse / conv models), $DEVICE" \
+wants 5 && step "compiled stack step (small snnTorch / Norse / conv models), $DEVICE" \
     "$PYTHON" benchmarks/bench_compiled_step.py --device "$DEVICE" --threads "$THREADS" \
     --rounds "$REPEATS"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from spikeckpt.engine.meter import MemoryMeter
@@ -144,6 +145,37 @@ def test_cuda_allocator_peak() -> None:
     assert m.current_bytes == 4 << 20
     assert m.device.type == "cuda" and m.device.index is not None
     del x
+
+
+@cuda
+def test_cuda_meter_does_not_count_the_gemm_libraries_workspaces() -> None:
+    """A thread's first matrix product allocates cuBLAS's workspace (32 MiB on Hopper, kept
+    for the process) and the backward's first one autograd's worker thread's: the meter
+    allocates them at entry, so a small Linear's forward and backward in a fresh thread
+    measures its tensors (under 1 MiB), as on an H200 it did not (64 MiB more per step)."""
+    import threading
+
+    from spikeckpt.engine.gemm_workspaces import warm_gemm_workspaces
+
+    peaks: list[int] = []
+
+    def fresh_thread() -> None:
+        layer = nn.Linear(64, 64).cuda()
+        x = torch.ones(32, 64, device="cuda", dtype=torch.bfloat16)
+        with MemoryMeter("cuda") as m:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(x)
+            y.float().sum().backward()
+            z = torch.mm(x.float(), x.float().T)
+            del y, z
+        peaks.append(m.peak_bytes)
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert peaks and 0 < peaks[0] < 1 << 20, peaks
+    assert warm_gemm_workspaces(torch.device("cuda")) is True
+    assert warm_gemm_workspaces(torch.device("cpu")) is False
 
 
 @cuda

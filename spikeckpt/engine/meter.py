@@ -5,7 +5,9 @@ Three ways to measure, chosen by the device and ``mode``:
 - CUDA (``device`` is a CUDA device and CUDA is available; ``mode`` ``"auto"`` or
   ``"allocator"``): the caching allocator's counters. At entry the peak statistic is reset;
   ``peak_bytes = max_memory_allocated() - allocated at entry``. Nested CUDA meters pass the peak
-  seen so far to the enclosing ones before resetting.
+  seen so far to the enclosing ones before resetting. The first CUDA meter of a thread first
+  allocates the GEMM libraries' workspaces (`spikeckpt.engine.gemm_workspaces`: cuBLAS keeps
+  32 MiB per thread on Hopper GPUs, for the life of the process), so no block counts them.
 - ``mode="tensors"`` (the default on the CPU): torch has no CPU allocator statistics, so a
   ``TorchDispatchMode`` records the storage of every tensor an op returns that does not alias
   an input (by the op's schema), counts each storage once, and subtracts it when the storage is
@@ -56,6 +58,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from spikeckpt.engine.gemm_workspaces import warm_gemm_workspaces
 from spikeckpt.errors import ConfigError, UsageError
 
 __all__ = ["MemoryMeter", "MeterMode"]
@@ -220,6 +223,7 @@ class MemoryMeter:
                 stacklevel=2,
             )
         if self._cuda:
+            warm_gemm_workspaces(self.device)  # a fixed cost of the device, never counted
             peak_now = torch.cuda.max_memory_allocated(self.device)
             for outer in _CUDA_ACTIVE:
                 if outer.device == self.device:
