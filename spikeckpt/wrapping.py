@@ -626,11 +626,11 @@ def wrap(
             ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
             one fused computation (`spikeckpt.engine.fused`); False: one call per step.
             ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
-        compile: layer-wise, fused neurons: compile their forward with ``torch.compile``
-            (`spikeckpt.engine.compiled`): ``"auto"`` (default) on CUDA, where the
-            compiled forward is timed against the eager one on the first chunk and kept when
-            faster (on CPU the compiled recurrence measured slower: eager there); True:
-            always (CPU too); False: never. Without a compiler: eager, with one line.
+        compile: layer-wise, fused neurons: True compiles their forward with
+            ``torch.compile`` (`spikeckpt.engine.compiled`; checked bitwise against the eager
+            forward on each shape's first chunk); ``"auto"`` (default) and False keep it
+            eager (measured no faster compiled, on the CPU and on an H200). Without a
+            compiler: eager, with one line.
             Stack granularity: True compiles the model's step (`spikeckpt.engine.compiled_step`:
             seconds once per shape; outputs bitwise, gradients inductor sums at round-off; 3 x 8
             neurons: 0.4x the eager time); "auto" and False keep it eager (`last_stats`).

@@ -1,29 +1,32 @@
-"""``torch.compile`` for the engine's hot loops, where it pays: one switch, one fallback.
+"""``torch.compile`` for the engine's fused neurons: one switch, one fallback.
 
 A fused chunk kernel's forward (`spikeckpt.engine.fused`) is a loop of a few elementwise
-ops per step; compiled, it becomes one kernel per chunk (Triton on CUDA, C++ on CPU). Whether
-that pays depends on the device:
+ops per step; compiled, it becomes one kernel per chunk (Triton on CUDA, C++ on CPU). It did
+not pay where it was measured, so ``compile="auto"`` (the default) leaves it eager and only
+``compile=True`` compiles:
 
-- **CUDA**: each eager op is a kernel launch (a few microseconds), so a chunk of ``k`` steps
-  costs ``~6 k`` launches eagerly and one compiled. ``compile="auto"`` compiles there, times
-  the compiled and the eager forward on the first chunk of each shape and keeps the faster.
-- **CPU**: measured on the development machine (one thread, 16 x 512 and 16 x 2048 neurons,
-  chunks of 25 steps), inductor's C++ kernel of the LIF recurrence took 2.2-2.4x the eager
-  loop's time (it wins only below ~32 neurons, where the eager ops are all overhead), so
-  ``"auto"`` leaves CPU runs eager; ``compile=True`` compiles anyway.
+- **CPU** (the 2-core development machine, one thread, 16 x 512 and 16 x 2048 neurons, chunks
+  of 25 steps): inductor's C++ kernel of the LIF recurrence took 2.2-2.4x the eager loop's
+  time (it wins only below ~32 neurons, where the eager ops are all overhead); the eager
+  kernel's recurrence is compiled by Numba (`spikeckpt.adapters.jit_loops`).
+- **CUDA** (an H200, torch 2.11, the peers' benchmark): the compiled forward took 0.105 s
+  against the eager kernel's 0.101 s at 16 x 512 neurons and 0.117 s against 0.0918 s at
+  16 x 2048, after 9-12 s of compiling; Triton's forward differed from the eager one on some
+  shapes (kept eager by the check below), and the chunk lengths and grad modes of one run
+  reached dynamo's recompile limit.
 
 Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches the compiled
 code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
-so later runs pay far less. When no compiler is available (no C++ compiler on CPU, no Triton
-on CUDA, a torch without ``torch.compile``) or compiling fails, the kernel runs eagerly and
-one line says so (a `UserWarning`, once per reason).
+so later runs pay far less. A compiled forward is checked bitwise against the eager one on the
+first chunk of each shape and used only where equal. When no compiler is available (no C++
+compiler on CPU, no Triton on CUDA, a torch without ``torch.compile``) or compiling fails, the
+kernel runs eagerly and one line says so (a `UserWarning`, once per reason).
 """
 
 from __future__ import annotations
 
 import functools
 import shutil
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -72,10 +75,9 @@ def compiler_missing(device_type: str) -> str | None:
 
 
 def wants_compile(choice: Compile, device: torch.device) -> bool:
-    """Whether a run on ``device`` compiles for ``choice`` (``"auto"``: CUDA only)."""
-    if choice is False:
-        return False
-    if choice == "auto" and device.type != "cuda":
+    """Whether a run on ``device`` compiles its fused neurons for ``choice`` (True only:
+    ``"auto"`` is eager, see the module docstring)."""
+    if choice is not True:
         return False
     missing = compiler_missing(device.type)
     if missing is not None:
@@ -88,17 +90,15 @@ class CompiledKernel:
     """A `ChunkKernel` whose forward runs compiled.
 
     The backward stays eager (its loop is one or two ops per step; it calls autograd for the
-    surrogate's derivative). With ``measure`` (``compile="auto"``) the first chunk of each
-    shape runs both ways, timed, and the faster is kept for that shape. Any failure to
-    compile or run compiled falls back to the eager forward, with one line.
+    surrogate's derivative). Any failure to compile or run compiled falls back to the eager
+    forward, with one line.
     """
 
     name = "compiled"
 
-    def __init__(self, kernel: ChunkKernel, measure: bool) -> None:
+    def __init__(self, kernel: ChunkKernel) -> None:
         self.kernel = kernel
         self.membrane = kernel.membrane
-        self.measure = measure
         self.failed = False
         self.compiled: Callable[..., Any] = torch.compile(kernel.forward, dynamic=False)
         #: per shape key: whether the compiled forward is used
@@ -145,9 +145,9 @@ class CompiledKernel:
     def _first(
         self, key: tuple[Any, ...], leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
     ) -> bool:
-        """The first chunk of a shape: compile, check the compiled forward against the eager
-        one (states, spikes and membranes bitwise; else never use it for this shape), and with
-        ``measure`` time both once and keep the faster. Remembers and returns the choice."""
+        """The first chunk of a shape: compile and check the compiled forward against the
+        eager one (states, spikes and membranes bitwise; else never use it for this shape).
+        Remembers and returns the choice."""
         got = self.compiled(leaves, z, keep, want_mem)  # compiles
         want = self.kernel.forward(leaves, z, keep, want_mem)
         same = all(
@@ -156,20 +156,8 @@ class CompiledKernel:
         )
         if not same:
             note_eager("a compiled fused neuron differed from the eager one (kept eager)")
-            self.choice[key] = False
-            return False
-        if self.measure:
-            seconds = []
-            for fn in (self.compiled, self.kernel.forward):
-                _sync(z)
-                start = time.perf_counter()
-                fn(leaves, z, keep, want_mem)
-                _sync(z)
-                seconds.append(time.perf_counter() - start)
-            self.choice[key] = seconds[0] < seconds[1]
-        else:
-            self.choice[key] = True
-        return self.choice[key]
+        self.choice[key] = same
+        return same
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         return self.kernel.backward(*args, **kwargs)
@@ -184,15 +172,10 @@ def _outputs(result: Any) -> list[Tensor | None]:
 _CACHE: dict[int, tuple[ChunkKernel, CompiledKernel]] = {}
 
 
-def compiled_kernel(kernel: ChunkKernel, choice: Compile) -> CompiledKernel:
+def compiled_kernel(kernel: ChunkKernel) -> CompiledKernel:
     """The one `CompiledKernel` of ``kernel`` (its compiled code is kept with it)."""
     found = _CACHE.get(id(kernel))
     if found is None or found[0] is not kernel:
-        found = (kernel, CompiledKernel(kernel, measure=choice == "auto"))
+        found = (kernel, CompiledKernel(kernel))
         _CACHE[id(kernel)] = found
     return found[1]
-
-
-def _sync(t: Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)

@@ -101,7 +101,7 @@ class LayerwiseJob(Job):
         self.untaped_parts: dict[int, UntapedParts | None] = {}
         compiling = fuse and wants_compile(compile, device)
         self.kernels = [
-            compiled_kernel(b.fused, compile) if compiling and b.fused is not None else b.fused
+            compiled_kernel(b.fused) if compiling and b.fused is not None else b.fused
             for b in blocks
         ]
         self.stats: LayerwiseStats = stats
