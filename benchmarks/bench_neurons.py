@@ -1,7 +1,7 @@
 """Layer-wise fused neurons against their framework's own loop, one neuron type at a time.
 
 The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
-input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic`` and
+input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
 installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
@@ -38,6 +38,8 @@ NEURONS: dict[str, Callable[[], nn.Module]] = {
     "Leaky, reset_delay=False": lambda: snn.Leaky(beta=0.95, reset_delay=False),
     "Synaptic": lambda: snn.Synaptic(alpha=0.9, beta=0.95),
     "Synaptic, reset zero": lambda: snn.Synaptic(alpha=0.9, beta=0.95, reset_mechanism="zero"),
+    "Alpha": lambda: snn.Alpha(alpha=0.95, beta=0.9),
+    "Alpha, reset subtract": lambda: snn.Alpha(alpha=0.95, beta=0.9, reset_mechanism="subtract"),
 }
 if norse is not None:
     NEURONS |= {
@@ -56,8 +58,12 @@ def framework_loop(net: nn.Sequential, x: Tensor) -> Tensor:
             y, state = neuron(linear(x_t), state)
             outputs.append(y)
         return torch.stack(outputs)
-    synaptic = isinstance(neuron, snn.Synaptic)
-    state = neuron.init_synaptic() if synaptic else (neuron.init_leaky(),)
+    if isinstance(neuron, snn.Alpha):
+        state = neuron.reset_mem()  # (syn_exc, syn_inh, mem), made to the input's shape
+    elif isinstance(neuron, snn.Synaptic):
+        state = neuron.init_synaptic()
+    else:
+        state = (neuron.init_leaky(),)
     spikes = []
     for x_t in x:
         s, *state = neuron(linear(x_t), *state)
@@ -98,6 +104,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=25, help="layer-wise chunk, in steps")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--only", nargs="*", default=[], help="substrings of neuron names")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -113,6 +120,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, make in NEURONS.items():
+        if args.only and not any(part in name for part in args.only):
+            continue
         torch.manual_seed(0)
         linear = nn.Linear(args.n, args.n)
         with torch.no_grad():

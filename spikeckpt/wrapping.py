@@ -623,7 +623,7 @@ def wrap(
             requiring grad that the model uses and that is none of these raises
             [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the layer: pass it here.
         fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``,
-            ``Synaptic``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
+            ``Synaptic``, ``Alpha``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
             one fused computation (`spikeckpt.engine.fused`); False: one call per step.
             ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
         compile: layer-wise, fused neurons: True compiles their forward with

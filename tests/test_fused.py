@@ -88,6 +88,22 @@ NEURONS: dict[str, Factory] = {
         threshold=0.8,
         learn_threshold=True,
     ),
+    "alpha": lambda n: snn.Alpha(alpha=0.9, beta=0.8, threshold=0.5),
+    "alpha subtract": lambda n: snn.Alpha(
+        alpha=0.85, beta=0.6, threshold=0.4, reset_mechanism="subtract"
+    ),
+    "alpha none": lambda n: snn.Alpha(alpha=0.9, beta=0.7, reset_mechanism="none"),
+    "alpha learnable subtract": lambda n: snn.Alpha(
+        alpha=torch.rand(n) * 0.1 + 0.88,  # per neuron, above beta
+        beta=torch.rand(n) * 0.8,
+        learn_beta=True,
+        threshold=0.5,
+        learn_threshold=True,
+        reset_mechanism="subtract",
+    ),
+    "alpha learnable zero": lambda n: snn.Alpha(
+        alpha=0.9, beta=0.75, learn_beta=True, learn_threshold=True, threshold=0.6
+    ),
     "lapicque": lambda n: snn.Lapicque(beta=0.9),
     "lapicque RC zero": lambda n: snn.Lapicque(R=5.0, C=0.1, reset_mechanism="zero"),
     "lapicque none learnable": lambda n: snn.Lapicque(
@@ -161,6 +177,11 @@ def _framework_loop(
                     state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
                 y, syn, mem = neuron(z_t, *state)
                 state = (syn, mem)
+            elif isinstance(neuron, snn.Alpha):
+                if state is None:
+                    state = tuple(torch.zeros_like(z_t) for _ in range(3))
+                y, exc, inh, mem = neuron(z_t, *state)
+                state = (exc, inh, mem)
             elif neuron.init_hidden:
                 y = neuron(z_t)
                 mem = neuron.mem
@@ -259,10 +280,30 @@ def test_leaky_without_reset_delay_matches_snntorchs_own_step(
     )
 
 
-@pytest.mark.parametrize("name", sorted(n for n in NEURONS if "reset_delay False" not in n))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(n for n in NEURONS if n.startswith("alpha"))), **_CASES)
+def test_alpha_matches_snntorchs_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """snnTorch ``Alpha`` (`AlphaKernel`: two synaptic currents, the membrane made from them,
+    every reset, learnable ``beta`` and threshold) against snnTorch's own step: spikes and
+    membranes bitwise, gradients at round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
+#: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
+_TORCH_LOOP_ONLY = ("reset_delay False", "alpha")
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n in NEURONS if not any(part in n for part in _TORCH_LOOP_ONLY))
+)
 def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(name: str) -> None:
     """Every neuron of the table with a compiled loop (Numba, `jit_loops`; all but Leaky's
-    ``reset_delay=False``, whose kernel runs the torch loop) with the compiled loops on and off:
+    ``reset_delay=False`` and ``Alpha``, whose kernels run the torch loop) with the compiled
+    loops on and off:
     outputs, membranes, final states and gradients bitwise equal, 3 x 100 neurons a step (a
     block of 256 and a part), chunks of 3 over 7 steps (a carry between chunks and a short last
     chunk), and the compiled forward called for every chunk."""
@@ -320,7 +361,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         nn.Linear(4, 6),
         snn.Leaky(beta=0.9),
         nn.Linear(6, 6),
-        snn.Alpha(alpha=0.9, beta=0.8),  # no chunk kernel: one call per step
+        snn.RLeaky(beta=0.9, linear_features=6),  # recurrent weights: one call per step
         nn.Linear(6, 3),
         # an option the kernel does not model: a learnable threshold with reset_delay=False
         snn.Leaky(beta=0.9, reset_delay=False, learn_threshold=True),

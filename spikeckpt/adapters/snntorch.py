@@ -26,6 +26,7 @@ import snntorch as snn
 import torch
 from torch import Tensor, nn
 
+from spikeckpt.adapters.alpha_kernel import AlphaKernel
 from spikeckpt.adapters.generic import StatelessAdapter
 from spikeckpt.adapters.kernels import (
     ImmediateLeakyKernel,
@@ -191,8 +192,10 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def membrane(self, state: State) -> Tensor | None:
         return state.mem
 
-    def chunk_kernel(self) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | None:
-        """The fused recurrence of a ``Leaky``, ``Lapicque`` or ``Synaptic`` (exactly these
+    def chunk_kernel(
+        self,
+    ) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | None:
+        """The fused recurrence of a ``Leaky``, ``Lapicque``, ``Synaptic`` or ``Alpha`` (exactly these
         classes, ``reset_delay=True`` or a ``Leaky`` with ``reset_delay=False``, no
         ``state_quant``, no ``inhibition``, no random surrogate, the library's own ``forward``
         and state function), else None."""
@@ -297,6 +300,7 @@ _RESETS: dict[type, dict[str, Reset]] = {
     snn.Leaky: {"subtract": "subtract", "zero": "zero_before", "none": "none"},
     snn.Lapicque: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
     snn.Synaptic: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
+    snn.Alpha: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
 }
 #: snnTorch surrogates that draw random numbers in backward (or fail): never fused
 _RANDOM_SURROGATES = ("SSO", "LSO")
@@ -304,7 +308,7 @@ _RANDOM_SURROGATES = ("SSO", "LSO")
 
 def snntorch_kernel(
     m: nn.Module,
-) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | None:
+) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | None:
     """The chunk kernel for the snnTorch neuron ``m`` (see
     `SnnTorchNeuronAdapter.chunk_kernel`), or None."""
     cls = type(m)
@@ -330,6 +334,13 @@ def snntorch_kernel(
     if immediate and reset != "none":  # Leaky(reset_delay=False); "none" has no reset to do
         return ImmediateLeakyKernel(
             lambda: (m.beta, m.threshold, m.graded_spikes_factor), spike, reset, written
+        )
+    if cls is snn.Alpha:
+        return AlphaKernel(
+            lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
+            spike,
+            reset,
+            spike_grad=written,
         )
     if cls is snn.Synaptic:
         return SynapticKernel(
