@@ -77,6 +77,18 @@ NEURONS: dict[str, Factory] = {
     "leaky reset_delay False graded fast_sigmoid": lambda n: snn.Leaky(
         beta=0.85, reset_delay=False, graded_spikes_factor=1.7, spike_grad=S.fast_sigmoid()
     ),
+    "leaky reset_delay False learnable threshold graded": lambda n: snn.Leaky(
+        beta=torch.rand(n),
+        learn_beta=True,
+        reset_delay=False,
+        threshold=torch.rand(n) + 0.3,
+        learn_threshold=True,
+        graded_spikes_factor=1.4,
+        learn_graded_spikes_factor=True,
+    ),
+    "leaky reset_delay False zero learnable threshold": lambda n: snn.Leaky(
+        beta=0.9, reset_delay=False, reset_mechanism="zero", threshold=0.6, learn_threshold=True
+    ),
     "synaptic": lambda n: snn.Synaptic(alpha=0.8, beta=0.9),
     "synaptic zero": lambda n: snn.Synaptic(alpha=0.7, beta=0.9, reset_mechanism="zero"),
     "synaptic none": lambda n: snn.Synaptic(alpha=0.7, beta=0.8, reset_mechanism="none"),
@@ -355,6 +367,11 @@ def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(nam
         same(*pair)
 
 
+def _quantize(mem: Tensor) -> Tensor:
+    """A state quantizer (snnTorch's ``state_quant`` option): to steps of 1/64."""
+    return torch.round(mem * 64) / 64
+
+
 def test_stats_say_how_each_neuron_ran() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(
@@ -363,8 +380,8 @@ def test_stats_say_how_each_neuron_ran() -> None:
         nn.Linear(6, 6),
         snn.RLeaky(beta=0.9, linear_features=6),  # recurrent weights: one call per step
         nn.Linear(6, 3),
-        # an option the kernel does not model: a learnable threshold with reset_delay=False
-        snn.Leaky(beta=0.9, reset_delay=False, learn_threshold=True),
+        # an option the kernel does not model: state quantization
+        snn.Leaky(beta=0.9, state_quant=_quantize),
     )
     x = (torch.rand(10, 2, 4) < 0.5).float()
     seq = sc.wrap(net, granularity="layer", chunk=4)

@@ -334,8 +334,9 @@ class ImmediateLeakyKernel:
     mem + z - r * thr`` (``"subtract"``) or ``b * ((1 - r) * mem) + z`` (``"zero_before"``:
     snnTorch's ``"zero"``); ``spk = heaviside(base - thr) * graded``; ``do = spk / graded - r``;
     ``mem = base - do * thr`` or ``base - do * base``. The immediate reset is differentiated
-    through the surrogate, as in snnTorch. The threshold and the graded factor must not
-    require grad (`accepts` declines the chunk otherwise: it then runs per step); ``beta`` may.
+    through the surrogate, as in snnTorch. ``beta``, the threshold and the graded factor may
+    be learnable (the graded factor's gradient through ``do`` cancels: ``spk / graded`` does
+    not depend on it, so it is ``sum(g_y * s)`` as for the other kernels).
 
     Args:
         tensors: ``() -> (beta, threshold, graded)``, the module's current tensors.
@@ -365,12 +366,7 @@ class ImmediateLeakyKernel:
         return self.tensors()
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
-        _, thr, graded = self.tensors()
-        return (
-            len(leaves) == 1
-            and _same_layout(leaves, z, (thr, graded))
-            and _keeps_dtype(self, leaves, z)
-        )
+        return len(leaves) == 1 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
 
     def forward(
         self,
@@ -424,9 +420,11 @@ class ImmediateLeakyKernel:
         beta, thr, graded = self.tensors()
         b = beta.clamp(0, 1)
         subtract = self.reset == "subtract"
+        want = _wanted([beta, thr, graded], need_params)
         k = bases.shape[0]
         g_base = torch.empty_like(bases)
         carry = g_final[0]
+        g_thr: Tensor | None = None  # dL/d thr per element, summed over the steps
         for t in range(k - 1, -1, -1):
             g = carry if g_mem is None else (g_mem[t] if carry is None else carry + g_mem[t])
             if g is None:
@@ -437,12 +435,21 @@ class ImmediateLeakyKernel:
             g_spk = g_do / graded if g_y is None else g_y[t] + g_do / graded
             g_u = surrogate_grad(self.spike, bases[t], thr, g_spk * graded, self.spike_grad)
             g_base[t] = (g if subtract else g - g * do) + g_u
+            if want[1]:  # spike(base - thr); subtract: base = ... - r * thr, mem = ... - do * thr
+                part = g_u + (g_base[t] * r + g * do if subtract else 0)
+                g_thr = part if g_thr is None else g_thr + part
             carry = b * g_base[t] if subtract else b * g_base[t] * (1 - r)
-        beta_grad = None
-        if _wanted([beta, thr, graded], need_params)[0]:
+        beta_grad = thr_grad = graded_grad = None
+        if want[0]:
             pre = mems[:-1] if subtract else mems[:-1] * (~resets).to(mems.dtype)
             beta_grad = clamp_grad(reduce_product(g_base, pre, b), beta)
-        grads = [beta_grad, None, None]
+        if g_thr is not None:
+            thr_grad = -reduce_to(g_thr, thr)
+        if want[2] and g_y is not None:
+            graded_grad = reduce_product(g_y, fired, graded)
+        elif want[2]:
+            graded_grad = torch.zeros_like(graded)
+        grads = [beta_grad, thr_grad, graded_grad]
         return (
             g_base if need_z else None,
             [carry],
