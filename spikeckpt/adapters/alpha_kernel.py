@@ -42,6 +42,7 @@ from spikeckpt.adapters.kernels import _keeps_dtype as keeps_dtype
 from spikeckpt.adapters.kernels import _same_layout as same_layout
 from spikeckpt.adapters.kernels import _wanted as wanted
 from spikeckpt.engine.grad import grad as engine_grad
+from spikeckpt.errors import ConfigError
 
 __all__ = ["AlphaKernel", "alpha_tau"]
 
@@ -72,7 +73,7 @@ class AlphaKernel:
         spike_grad: SpikeGrad | None = None,
     ) -> None:
         if reset not in ("subtract", "zero_after", "none"):
-            raise ValueError(f"Alpha resets by subtract, zero_after or none, not {reset!r}")
+            raise ConfigError(f"Alpha resets by subtract, zero_after or none, not {reset!r}")
         self.tensors = tensors
         self.spike = spike
         self.reset = reset

@@ -1,0 +1,82 @@
+"""``wrap``'s option checks: each option is checked once, at wrap time, with a message that
+names the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from spikeckpt.engine.compiled import COMPILE_CHOICES, Compile
+from spikeckpt.errors import ConfigError, ConfigTypeError
+from spikeckpt.plans.base import Plan
+from spikeckpt.plans.schedule import Schedule
+
+__all__ = [
+    "GRANULARITIES",
+    "check_compile",
+    "check_granularity",
+    "check_options",
+    "check_params",
+    "check_plan",
+]
+
+GRANULARITIES = ("stack", "layer", "auto")
+
+
+def check_plan(plan: Any) -> None:
+    """One rule for ``plan`` at wrap time: a plan object, a ``Schedule`` or ``"auto"``."""
+    if isinstance(plan, (Plan, Schedule)) or (isinstance(plan, str) and plan == "auto"):
+        return
+    raise ConfigError(
+        f"plan must be a plan object (spikeckpt.plans.BPTT(), Uniform(10), Revolve(8), "
+        f"Double(), ...), a Schedule or 'auto', got {plan!r}"
+    )
+
+
+def check_params(params: Sequence[Tensor] | None) -> list[Tensor]:
+    """``wrap(..., params=...)``: a sequence of tensors (those requiring grad are kept)."""
+    if params is None:
+        return []
+    if isinstance(params, Tensor) or not isinstance(params, Iterable):
+        raise ConfigTypeError(
+            f"params must be a list of tensors (params=[tensor, ...]), got {type(params).__name__}"
+        )
+    params = list(params)
+    for p in params:
+        if not isinstance(p, Tensor):
+            raise ConfigTypeError(f"params must be tensors, got a {type(p).__name__} in the list")
+    return params
+
+
+def check_options(granularity: str, readout: Any, chunk: int | None, pack_tape: bool) -> None:
+    """Every option runs in the granularity asked for, or is refused here."""
+    if callable(readout) and granularity == "layer":
+        raise ConfigError(
+            "granularity='layer' supports the named readouts; a callable readout needs "
+            "granularity='stack' (or 'auto', which then runs the stack)"
+        )
+    if chunk is not None and granularity == "stack":
+        raise ConfigError(
+            f"chunk={chunk} is the layer-wise chunk; granularity='stack' has none: use "
+            "granularity='layer' (or 'auto'), or a stack plan such as Uniform(k)"
+        )
+    if pack_tape and granularity != "stack":
+        raise ConfigError(
+            f"pack_tape=True packs the stack granularity's tape; granularity={granularity!r} "
+            "may run layer-wise, which keeps one block's chunk taped and stores its spike "
+            "trains packed already: use granularity='stack' with pack_tape=True"
+        )
+
+
+def check_granularity(granularity: str) -> str:
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    return granularity
+
+
+def check_compile(choice: Any) -> Compile:
+    if choice not in COMPILE_CHOICES or not isinstance(choice, (bool, str)):
+        raise ConfigError(f"compile must be True, False or 'auto', got {choice!r}")
+    return choice  # type: ignore[no-any-return]
