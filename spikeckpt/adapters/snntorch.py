@@ -335,15 +335,8 @@ def snntorch_kernel(
         return ImmediateLeakyKernel(
             lambda: (m.beta, m.threshold, m.graded_spikes_factor), spike, reset, written
         )
-    if cls is snn.Alpha:
-        return AlphaKernel(
-            lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
-            spike,
-            reset,
-            spike_grad=written,
-        )
-    if cls is snn.Synaptic:
-        return SynapticKernel(
+    if cls in (snn.Alpha, snn.Synaptic):  # two decays: alpha, beta
+        return (AlphaKernel if cls is snn.Alpha else SynapticKernel)(
             lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
             spike,
             reset,
