@@ -113,3 +113,62 @@ def test_layerwise_chunks_past_the_probed_lengths_stay_within_the_budget(form: s
         # used, not wasted: the extrapolation is raised by a margin (and an untaped step's
         # by its stored entries' share): 0.70-0.78 of the budget measured here
         assert 0.65 * budget <= peak <= budget, (factor, budget, peak, chunk)
+
+
+def _dropout_net(p: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(20, 32), nn.Dropout(p), snn.Leaky(beta=0.9), nn.Linear(32, 5), snn.Leaky(beta=0.9)
+    )
+
+
+def test_the_probe_counts_the_generator_state_a_drawing_cpu_step_keeps() -> None:
+    """A CPU step that draws (Dropout in training) makes every checkpoint keep the CPU
+    generator's state (5,056 bytes, made without an op): the probe says so, and the account's
+    state includes it; in eval mode, or with ``p=0``, nothing is drawn nor counted. The probe
+    cache keeps them apart (same code and shapes, another tape: p=0 saves no mask)."""
+    from spikeckpt.engine.measure import probe_step
+
+    x = (torch.rand(5, 2, 20) < 0.1).float()
+    found = {}
+    for p, training in ((0.2, True), (0.2, False), (0.0, True)):
+        torch.manual_seed(0)
+        net = _dropout_net(p).train(training)
+        seq = spikeckpt.wrap(net)
+        probe = probe_step(
+            seq.step, seq.initial_state(x[0]), lambda t: x[t], 5,
+            seq.parameters_for_scan(), storage="host", device=torch.device("cpu"),
+        )  # fmt: skip
+        found[p, training] = probe
+        sizes = probe.sizes(seq.parameters_for_scan(), input_bytes=0, stacked=True)
+        assert sizes.state == probe.state_bytes + probe.rng_bytes
+    assert found[0.2, True].rng_bytes == torch.get_rng_state().nbytes == 5056
+    assert found[0.2, False].rng_bytes == found[0.0, True].rng_bytes == 0
+    assert found[0.2, True].step_bytes > found[0.0, True].step_bytes  # its mask
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", ["host", "disk"])
+def test_a_drawing_cpu_model_keeps_its_budget_by_the_allocator(storage: str) -> None:
+    """Dropout inside the step, stack plans on the CPU, every allocation counted
+    (``MemoryMeter(mode="allocator")``: generator states included). Before the probe counted
+    them: 1.12-9.36x the budget (T = 200; a `TwoLevel` plan's 200 disk checkpoints each kept
+    its 5,056-byte generator state in memory); now within, from the smallest budget on."""
+    torch.manual_seed(0)
+    net = _dropout_net(0.2)
+    x = _input((120, 2, 20))
+
+    def peak(budget: int) -> int:
+        seq = spikeckpt.wrap(net, budget=budget, granularity="stack", storage=storage)
+        net.zero_grad(set_to_none=True)
+        with MemoryMeter(mode="allocator") as meter:
+            meter.track([x])
+            out = seq(x)
+            (out * torch.arange(1, out.shape[-1] + 1)).sum().backward()
+            del out
+        return meter.peak_bytes
+
+    with pytest.raises(spikeckpt.BudgetTooSmall, match="smallest budget that fits") as info:
+        peak(4096)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, smallest * 5 // 4, smallest * 3 // 2):
+        assert peak(budget) <= budget, budget

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.phase import recompute_phase
@@ -81,6 +81,11 @@ class Probe:
         work_capped: ``work_bytes`` was measured without the parameters' gradients (the
             probe's ``max_bytes`` had no room for them); [`work_bytes`][spikeckpt.engine.measure.work_bytes] with all the
             parameters measures it with them.
+        rng_bytes: bytes of generator state each checkpoint keeps in the compute device's
+            memory: on the CPU, a step that draws random numbers (Dropout) makes the engine
+            keep the CPU generator's state (5,056 bytes) with every checkpoint, made without an
+            op (`MemoryMeter`'s tensor mode does not see it); 0 when the step draws nothing or
+            runs on CUDA (its generator states are host memory).
     """
 
     batch: int
@@ -95,6 +100,7 @@ class Probe:
     segment_seconds: float = 0.0
     work_bytes: int = 0
     work_capped: bool = False
+    rng_bytes: int = 0
 
     def scaled(self, batch: int) -> Probe:
         """The same probe for another batch size (bytes scale linearly with the batch)."""
@@ -137,7 +143,7 @@ class Probe:
         grad (``.grad`` in the step unless ``grad_in_step`` is False)."""
         trainable = [p for p in params if p.requires_grad]
         return StepSizes(
-            state=self.state_bytes,
+            state=self.state_bytes + self.rng_bytes,  # a checkpoint keeps both
             tape=self.step_bytes,
             work=self.work_bytes,
             output=self.output_bytes,
@@ -179,7 +185,8 @@ _PROBES: OrderedDict[Any, Probe] = OrderedDict()
 
 def _key(step: Step, state: Any, x0: Any, params: Sequence[Tensor], *extra: Any) -> Any:
     """What a probe depends on: the step's code (and its owner's type), the shapes, dtypes and
-    devices of the state, one step's input and the parameters, and ``extra``."""
+    devices of the state, one step's input and the parameters, the owner's modules' training
+    modes, and ``extra``."""
     step = getattr(step, "__wrapped__", step)  # scan(..., steps=n) wraps the user's step
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
@@ -190,7 +197,8 @@ def _key(step: Step, state: Any, x0: Any, params: Sequence[Tensor], *extra: Any)
         for t in leaves
         if isinstance(t, Tensor)
     )
-    return (code, type(owner) if owner is not None else None, shapes, *extra)
+    modes = tuple(m.training for m in owner.modules()) if isinstance(owner, nn.Module) else ()
+    return (code, type(owner) if owner is not None else None, shapes, modes, *extra)
 
 
 def probe_step(
@@ -225,7 +233,10 @@ def probe_step(
     """
     params = [p for p in params if p.requires_grad]
     x0 = x_at(0)
-    key = _key(step, state, x0, params, min(T, SEGMENT_PROBE_STEPS), storage, pack, max_bytes)
+    rng = _rng_bytes(step, state, x0, device)
+    # whether the step draws and its modules' modes are in the key: Dropout(p=0) or in eval
+    # mode draws nothing and tapes no mask, with the same code and shapes
+    key = _key(step, state, x0, params, min(T, SEGMENT_PROBE_STEPS), storage, pack, max_bytes, rng)
     with _LOCK:
         found = _PROBES.get(key)
     if found is not None:
@@ -254,12 +265,24 @@ def probe_step(
         segment_seconds=costs.segment,
         work_bytes=work,
         work_capped=len(timed) < len(params),
+        rng_bytes=rng,
     )
     with _LOCK:
         _PROBES[key] = probe
         while len(_PROBES) > _CACHE_SIZE:
             _PROBES.popitem(last=False)
     return probe
+
+
+def _rng_bytes(step: Step, state: Any, x0: Any, device: torch.device) -> int:
+    """`Probe.rng_bytes`: the CPU generator's state size when one untaped step on the CPU
+    draws random numbers from it, else 0 (the generators are left as they were)."""
+    if device.type != "cpu":
+        return 0
+    with torch.random.fork_rng(devices=[]), recompute_phase(), torch.no_grad():
+        generator = torch.get_rng_state()
+        step(state, x0)
+        return generator.nbytes if not torch.equal(generator, torch.get_rng_state()) else 0
 
 
 def _timed_steps(

@@ -75,6 +75,13 @@ class _Measured(NamedTuple):
     note: str | None
 
     @property
+    def remote_here(self) -> bool:
+        """Whether a stack plan's remote checkpoints count in the device's memory: the device
+        tier, the host of a CPU run, or a CPU step that draws random numbers (each checkpoint
+        keeps the generator's state in memory, wherever its state goes)."""
+        return self.on_device or self.probe.rng_bytes > 0
+
+    @property
     def layer_base(self) -> StepBytes:
         """The layer-wise step beside its working set: input, outputs and ``.grad`` when the
         step counts it (the working set holds the running sums)."""
@@ -254,7 +261,7 @@ class BudgetPlanner:
                 state_bytes=m.sizes.state,
                 step_bytes=m.sizes.tape,
                 costs=m.costs,
-                remote=self.remote and not m.on_device,
+                remote=self.remote and not m.remote_here,
             )
         return plan
 
@@ -263,7 +270,7 @@ class BudgetPlanner:
         given = self._stack_plan(m)
         try:
             if given is None:
-                remote = self.remote and not m.on_device
+                remote = self.remote and not m.remote_here
                 found = choose_step(
                     m.T, m.sizes, self.budget_bytes, remote=remote, costs=m.costs, note=m.note
                 )
@@ -273,7 +280,7 @@ class BudgetPlanner:
                     m.sizes,
                     given,
                     self.budget_bytes,
-                    remote_on_device=m.on_device,
+                    remote_on_device=m.remote_here,
                     costs=m.costs,
                     note=m.note,
                 )
@@ -340,7 +347,7 @@ class BudgetPlanner:
         given = self._stack_plan(m)
         if given is None:
             return sizes.beside(T), minimum_budget(T, sizes.state, sizes.tape) + work
-        found = check_step(T, sizes, given, 1 << 62, remote_on_device=m.on_device, costs=m.costs)
+        found = check_step(T, sizes, given, 1 << 62, remote_on_device=m.remote_here, costs=m.costs)
         return replace(found.step, activations=0), found.step.activations
 
     def _refuse_all(self, model: Planned, x: Any, state: Any, m: _Measured) -> NoReturn:
