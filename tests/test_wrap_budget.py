@@ -172,3 +172,18 @@ def test_a_drawing_cpu_model_keeps_its_budget_by_the_allocator(storage: str) -> 
     smallest = info.value.minimum_bytes
     for budget in (smallest, smallest * 5 // 4, smallest * 3 // 2):
         assert peak(budget) <= budget, budget
+
+
+def test_a_drawing_cpu_block_counts_its_replay_state_per_chunk() -> None:
+    """Layer-wise: a block that draws (Dropout in its synapse) keeps the CPU generator's state
+    per chunk for the recomputation; its measured sizes say so, the others' do not."""
+    from spikeckpt.planning.probe import block_sizes
+
+    torch.manual_seed(0)
+    seq = spikeckpt.wrap(_dropout_net(0.2), granularity="layer", chunk=4)
+    x = (torch.rand(8, 2, 20) < 0.1).float()
+    blocks = seq.layer_blocks(True)
+    assert blocks is not None
+    states = seq.block_states(seq.initial_state(x[0]))
+    sizes = block_sizes(blocks, x[0], states)
+    assert [b.rng_bytes for b in sizes] == [torch.get_rng_state().nbytes, 0]

@@ -151,7 +151,8 @@ def fitting_layer_chunk(
 ) -> int | None:
     """The largest chunk ``<= preferred`` whose modeled layer-wise peak fits ``limit``, or
     None. With the trains and chunk states off the device the peak grows with the chunk
-    ([`fitting_chunk`][spikeckpt.plans.layerwise.fitting_chunk] bisects); on the device the stored
+    ([`fitting_chunk`][spikeckpt.plans.layerwise.fitting_chunk] bisects; with a block that keeps a
+    replay state per chunk it tries every length); on the device the stored
     chunk states shrink as the chunk grows, so the peak is not monotonic: chunks are tried
     from the longest down."""
     if remote:
@@ -165,11 +166,12 @@ def fitting_layer_chunk(
 def _smallest_layerwise(
     T: int, sizes: Sequence[BlockSizes], *, remote: bool, working: MeasuredWorking | None = None
 ) -> int:
-    """The least modeled layer-wise peak over all chunk lengths."""
-    if remote:
+    """The least modeled layer-wise peak over all chunk lengths (chunks of one step when
+    the states go off the device and no block keeps a replay state per chunk)."""
+    if remote and not any(b.rng_bytes for b in sizes):
         return layerwise_cost(T, 1, sizes, remote=True, working=working).peak_bytes
     return min(
-        layerwise_cost(T, k, sizes, remote=False, working=working).peak_bytes
+        layerwise_cost(T, k, sizes, remote=remote, working=working).peak_bytes
         for k in _chunk_candidates(T, T)
     )
 

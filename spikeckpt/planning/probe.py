@@ -141,6 +141,10 @@ def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
         seq.cleanup()
 
 
+#: bytes of the CPU generator's state (what a checkpoint of a drawing CPU step keeps)
+_GENERATOR_BYTES = torch.get_rng_state().nbytes
+
+
 def block_sizes(
     blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any], fuse: bool = True
 ) -> list[BlockSizes]:
@@ -172,7 +176,10 @@ def block_sizes(
                 if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
                     tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
                 density = float(h.float().mean()) if is_binary(h) else None
-                sizes.append(BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density))
+                rng = _GENERATOR_BYTES if block.draws_random and h.device.type == "cpu" else 0
+                sizes.append(
+                    BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density, rng)
+                )
                 h = y.detach()
     finally:
         for block in blocks:

@@ -76,6 +76,9 @@ class BlockSizes:
         input_bytes: ``I_b``, one step of the block's input, dense.
         output_bytes: ``O_b``, one step of the block's output, dense.
         density: fraction of ones in the block's input, or ``None`` when it is not binary.
+        rng_bytes: what each chunk of the block keeps in memory to replay its random draws
+            in the recomputation (a CPU block that draws: the CPU generator's state, 5,056
+            bytes in torch), else 0.
     """
 
     state_bytes: int
@@ -83,6 +86,7 @@ class BlockSizes:
     input_bytes: int
     output_bytes: int
     density: float | None = None
+    rng_bytes: int = 0
 
 
 def steepest_chord(points: Sequence[tuple[int, int]], floor: int) -> int:
@@ -231,7 +235,9 @@ def layerwise_cost(
     trains = sum(T * packed_bytes(b.input_bytes, b.density) for b in blocks[1:])
     # the first block's input is the caller's tensor: referenced, never copied
     stored = trains + (n_chunks - 1) * states
-    peak = 2 * states + held + (0 if remote else stored)
+    # a drawing block's generator state per chunk stays in memory, whatever the tier
+    replay = n_chunks * sum(b.rng_bytes for b in blocks)
+    peak = 2 * states + held + (0 if remote else stored) + replay
     if seconds is not None:
         time = T * seconds[0] + n_chunks * seconds[1]
     else:
@@ -260,12 +266,16 @@ def fitting_chunk(
     working: MeasuredWorking | None = None,
 ) -> int | None:
     """The largest chunk length ``<= preferred`` whose modeled peak fits ``budget_bytes``, or
-    ``None`` when not even chunks of one step fit."""
+    ``None`` when no chunk fits."""
     lo, hi = 1, max(1, min(preferred, T))
 
     def peak(k: int) -> int:
         return layerwise_cost(T, k, blocks, remote=remote, working=working).peak_bytes
 
+    if any(b.rng_bytes for b in blocks):
+        # a replay state per chunk shrinks as the chunks grow: the peak is not monotonic
+        # and short chunks may not fit where longer ones do; every length is tried
+        return next((k for k in range(hi, 0, -1) if peak(k) <= budget_bytes), None)
     if peak(lo) > budget_bytes:
         return None
     while lo < hi:  # the modeled peak grows with the chunk: bisect
