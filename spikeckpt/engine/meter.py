@@ -39,7 +39,7 @@ thread), NumPy arrays (the CPU spike codec's temporaries while it codes a tensor
 bytes, or 8 bytes per one for index lists; at most 1 MiB while unpacking). With ``"tensors"``
 only: tensors created without an op (``torch.load``, ``torch.from_numpy``, a generator state
 from ``torch.get_rng_state``: 5,056 bytes on the CPU, which a checkpoint keeps when the model
-draws random numbers), in-place growth of
+draws random numbers; the planner counts those itself, `Probe.rng_bytes`), in-place growth of
 existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors; the
 ``"allocator"`` mode sees every block the CPU allocator hands out on the thread (but not
 ``torch.from_numpy``'s, which NumPy owns).
