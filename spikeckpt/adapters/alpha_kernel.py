@@ -32,6 +32,7 @@ from spikeckpt.adapters.kernels import (
     Reset,
     Spike,
     SpikeGrad,
+    SurrogateKernel,
     is_unit,
     reduce_product,
     reduce_to,
@@ -52,7 +53,7 @@ def alpha_tau(a: Tensor, b: Tensor) -> Tensor:
     return torch.log(a) / (torch.log(b) - torch.log(a)) + 1
 
 
-class AlphaKernel:
+class AlphaKernel(SurrogateKernel):
     """snnTorch ``Alpha``: state ``(syn_exc, syn_inh, mem)``, over a chunk.
 
     Args:
@@ -62,7 +63,6 @@ class AlphaKernel:
         spike_grad: the surrogate's backward written out, or None (its own, by autograd).
     """
 
-    name = "fused"
     membrane: int | None = 2
 
     def __init__(
@@ -74,15 +74,7 @@ class AlphaKernel:
     ) -> None:
         if reset not in ("subtract", "zero_after", "none"):
             raise ConfigError(f"Alpha resets by subtract, zero_after or none, not {reset!r}")
-        self.tensors = tensors
-        self.spike = spike
-        self.reset = reset
-        self.spike_grad = spike_grad
-        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
-
-    @property
-    def params(self) -> tuple[Tensor, ...]:
-        return self.tensors()
+        super().__init__(tensors, spike, reset, spike_grad)
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return len(leaves) == 3 and same_layout(leaves, z) and keeps_dtype(self, leaves, z)

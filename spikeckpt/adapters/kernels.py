@@ -40,6 +40,7 @@ from spikeckpt.engine.grad import grad as engine_grad
 
 __all__ = [
     "LeakyKernel",
+    "SurrogateKernel",
     "NorseKernel",
     "SynapticKernel",
     "clamp_grad",
@@ -327,7 +328,39 @@ class LeakyKernel:
         return g_z, [carry], _aligned([source, thr, graded], grads, need_params)
 
 
-class ImmediateLeakyKernel:
+class SurrogateKernel:
+    """What the snnTorch kernels with a surrogate share: the module's current tensors, the
+    surrogate spike function (and its backward written out, when the adapter knows it), the
+    reset mechanism, and the dtype checks of `_keeps_dtype`.
+
+    Args:
+        tensors: ``() -> (...)``, the module's current tensors (the kernel's ``params``).
+        spike: the surrogate spike function.
+        reset: the reset mechanism.
+        spike_grad: the surrogate's backward written out, or None (its own, by autograd).
+    """
+
+    name = "fused"
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Tensor, ...]],
+        spike: Spike,
+        reset: Reset,
+        spike_grad: SpikeGrad | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.spike = spike
+        self.reset = reset
+        self.spike_grad = spike_grad
+        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return self.tensors()
+
+
+class ImmediateLeakyKernel(SurrogateKernel):
     """snnTorch ``Leaky`` with ``reset_delay=False``: the reset in the step that fires.
 
     Per step, as ``Leaky.forward`` does it: ``r = (mem - thr > 0)`` (detached); ``base = b *
@@ -345,25 +378,7 @@ class ImmediateLeakyKernel:
         spike_grad: the surrogate's backward written out, when the adapter knows it.
     """
 
-    name = "fused"
     membrane: int | None = 0
-
-    def __init__(
-        self,
-        tensors: Callable[[], tuple[Tensor, Tensor, Tensor]],
-        spike: Spike,
-        reset: Reset,
-        spike_grad: SpikeGrad | None = None,
-    ) -> None:
-        self.tensors = tensors
-        self.spike = spike
-        self.reset = reset
-        self.spike_grad = spike_grad
-        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
-
-    @property
-    def params(self) -> tuple[Tensor, ...]:
-        return self.tensors()
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return len(leaves) == 1 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
@@ -531,7 +546,7 @@ def is_unit(graded: Tensor) -> bool:
     return known[1]
 
 
-class SynapticKernel:
+class SynapticKernel(SurrogateKernel):
     """snnTorch ``Synaptic`` (``reset_delay=True``): synaptic current, then membrane.
 
     ``syn_t = a * syn + z_t``, ``mem_t = b * mem + syn_t``, then the reset (``"subtract"``,
@@ -543,25 +558,7 @@ class SynapticKernel:
         reset: the reset mechanism.
     """
 
-    name = "fused"
     membrane: int | None = 1
-
-    def __init__(
-        self,
-        tensors: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
-        spike: Spike,
-        reset: Reset,
-        spike_grad: SpikeGrad | None = None,
-    ) -> None:
-        self.tensors = tensors
-        self.spike = spike
-        self.reset = reset
-        self.spike_grad = spike_grad
-        self.dtype_checks: dict[tuple[Any, ...], bool] = {}
-
-    @property
-    def params(self) -> tuple[Tensor, ...]:
-        return self.tensors()
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return len(leaves) == 2 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
