@@ -369,3 +369,20 @@ def test_cuda_allocator_mode_is_the_allocator_and_tensors_mode_the_tracker() -> 
             del y
         assert (m.peak_bytes, m.current_bytes) == (8 << 20, 4 << 20), mode
         del x
+
+
+def test_the_tensor_meter_counts_the_engines_generator_captures() -> None:
+    """A generator state is made without an op (no dispatch): the engine's captures
+    (`RngState.capture`) tell the tensor-mode meters of this thread, which count them until
+    they are freed; the CPU generator's state is 5,056 bytes."""
+    from spikeckpt.engine.rng import RngState
+
+    with MemoryMeter() as m:
+        kept = RngState.capture([])
+        held = m.current_bytes
+        del kept
+    assert held == torch.get_rng_state().nbytes == 5056
+    assert m.peak_bytes == 5056 and m.current_bytes == 0
+    with MemoryMeter() as quiet:
+        torch.get_rng_state()  # not the engine's: not seen (made without an op)
+    assert quiet.peak_bytes == 0

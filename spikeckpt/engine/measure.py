@@ -86,6 +86,9 @@ class Probe:
             keep the CPU generator's state (5,056 bytes) with every checkpoint, made without an
             op (`MemoryMeter`'s tensor mode does not see it); 0 when the step draws nothing or
             runs on CUDA (its generator states are host memory).
+        rng_start_bytes: the generator state the stack engine captures at the start of a run
+            and holds to its end (to tell whether the steps drew): on the CPU 5,056 bytes, in
+            the work beside the plan; 0 on CUDA.
     """
 
     batch: int
@@ -101,6 +104,7 @@ class Probe:
     work_bytes: int = 0
     work_capped: bool = False
     rng_bytes: int = 0
+    rng_start_bytes: int = 0
 
     def scaled(self, batch: int) -> Probe:
         """The same probe for another batch size (bytes scale linearly with the batch)."""
@@ -145,7 +149,7 @@ class Probe:
         return StepSizes(
             state=self.state_bytes + self.rng_bytes,  # a checkpoint keeps both
             tape=self.step_bytes,
-            work=self.work_bytes,
+            work=self.work_bytes + self.rng_start_bytes,
             output=self.output_bytes,
             input=input_bytes,
             stacked=stacked,
@@ -266,12 +270,17 @@ def probe_step(
         work_bytes=work,
         work_capped=len(timed) < len(params),
         rng_bytes=rng,
+        rng_start_bytes=_GENERATOR_BYTES if device.type == "cpu" else 0,
     )
     with _LOCK:
         _PROBES[key] = probe
         while len(_PROBES) > _CACHE_SIZE:
             _PROBES.popitem(last=False)
     return probe
+
+
+#: bytes of the CPU generator's state (``torch.get_rng_state()``)
+_GENERATOR_BYTES = torch.get_rng_state().nbytes
 
 
 def _rng_bytes(step: Step, state: Any, x0: Any, device: torch.device) -> int:

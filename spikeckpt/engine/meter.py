@@ -38,8 +38,9 @@ Not seen on the CPU: tensors made in other threads (e.g. DataLoader workers, a d
 thread), NumPy arrays (the CPU spike codec's temporaries while it codes a tensor: its bit-packed
 bytes, or 8 bytes per one for index lists; at most 1 MiB while unpacking). With ``"tensors"``
 only: tensors created without an op (``torch.load``, ``torch.from_numpy``, a generator state
-from ``torch.get_rng_state``: 5,056 bytes on the CPU, which a checkpoint keeps when the model
-draws random numbers; the planner counts those itself, `Probe.rng_bytes`), in-place growth of
+from ``torch.get_rng_state``: 5,056 bytes on the CPU; the engine's own captures, which a
+checkpoint keeps when the model draws random numbers, are counted: `count_made`), in-place
+growth of
 existing storages (``resize_``, ``out=`` into a smaller tensor), sparse tensors; the
 ``"allocator"`` mode sees every block the CPU allocator hands out on the thread (but not
 ``torch.from_numpy``'s, which NumPy owns).
@@ -61,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from spikeckpt.engine.gemm_workspaces import warm_gemm_workspaces
 from spikeckpt.errors import ConfigError, UsageError
 
-__all__ = ["MemoryMeter", "MeterMode"]
+__all__ = ["MemoryMeter", "MeterMode", "count_made"]
 
 MeterMode = Literal["auto", "tensors", "allocator"]
 _MODES = ("auto", "tensors", "allocator")
@@ -273,6 +274,16 @@ class MemoryMeter:
             f"MemoryMeter(device={str(self.device)!r}, mode={self.mode!r}, "
             f"peak_bytes={self.peak_bytes}, current_bytes={self.current_bytes})"
         )
+
+
+def count_made(tensors: Iterable[torch.Tensor]) -> None:
+    """Count ``tensors`` made without an op (no dispatch: a generator state from
+    ``torch.get_rng_state``) in every tensor-mode meter active on this thread, from now until
+    they are freed, as the meters count what ops make (the allocator mode sees them anyway)."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, _StorageTracker):
+            for tensor in tensors:
+                mode._record(tensor, set())
 
 
 class _StorageTracker(TorchDispatchMode):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.meter import count_made
+
 __all__ = ["RngState", "cuda_devices"]
 
 
@@ -33,7 +35,9 @@ class RngState:
     def capture(devices: Sequence[int]) -> RngState:
         """The generator states now: the CPU's and those of the CUDA ``devices``."""
         cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
-        return RngState(torch.get_rng_state(), cuda)
+        cpu = torch.get_rng_state()
+        count_made([cpu, *(state for _, state in cuda)])  # made without an op: meters count it
+        return RngState(cpu, cuda)
 
     def restore(self) -> None:
         """Set the generators back to the captured states."""

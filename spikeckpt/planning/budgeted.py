@@ -343,6 +343,7 @@ class BudgetPlanner:
             local = int(x.shape[1])  # this rank's batch; A is planned for ``batch``
             a_local = -(-sizes.tape * local // batch)
             work = -(-step_work_bytes(model, x, state, a_local) * batch // local)
+            work += m.probe.rng_start_bytes
         sizes = replace(sizes, work=work)
         given = self._stack_plan(m)
         if given is None:

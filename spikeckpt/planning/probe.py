@@ -427,6 +427,9 @@ def layerwise_seconds(
         return time.perf_counter() - start
 
     short, long_ = min(chunks[0], n), min(chunks[1], n)
+    if device.type == "cpu" and any(b.draws_random for b in blocks):
+        # a drawing block keeps a generator state per chunk until the backward: few chunks
+        short = max(short, long_ // 2)
     try:
         with torch.random.fork_rng(devices=cuda_devices([p for p in params])), recompute_phase():
             run(long_)  # warm-up
