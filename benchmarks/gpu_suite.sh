@@ -22,8 +22,9 @@
 # STEPS (the steps to run, default "1 2 3 4 5"), STEP_TIMEOUT (seconds per step, default none:
 # a step past it is stopped, its output so far kept and the step reported failed).
 # Measured on an H200 (2026-11-26, torch 2.11, 16 cores): step 1 71 s, step 2 157 s, step 3
-# 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped), step 5 about 35 s with REPEATS=2: a
-# lease of 15 minutes holds the whole suite only with STEP_TIMEOUT or fewer STEPS.
+# 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped); step 5 with REPEATS=2 and step 4 at
+# T = 1000 with REPEATS=1 94 s together: a lease of 15 minutes (the machine's start included)
+# holds the whole suite only with STEP_TIMEOUT or fewer STEPS.
 # Exits 2 at once, writing nothing, when no CUDA device is present; else 1 when any step
 # failed, 0 when all passed. SUITE_DEVICE=cpu runs the same steps on the CPU (no CUDA check,
 # the benchmarks with --device cpu): only to check the suite itself on a machine without a GPU,
