@@ -25,6 +25,11 @@
 # 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped); step 5 with REPEATS=2 and step 4 at
 # T = 1000 with REPEATS=1 94 s together: a lease of 15 minutes (the machine's start included)
 # holds the whole suite only with STEP_TIMEOUT or fewer STEPS.
+# On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
+# Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
+# packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
+# H200 run did: for p in norse snntorch tonic nir nirtorch importRosbag checkpoint_schedules;
+# do cp -r $SITE/$p $SITE/$p-*.dist-info .devsite/; done; PYTHONPATH=$PWD/.devsite PYTHON=python3
 # Exits 2 at once, writing nothing, when no CUDA device is present; else 1 when any step
 # failed, 0 when all passed. SUITE_DEVICE=cpu runs the same steps on the CPU (no CUDA check,
 # the benchmarks with --device cpu): only to check the suite itself on a machine without a GPU,
