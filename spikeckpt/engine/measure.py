@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.phase import recompute_phase
-from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.rng import CPU_STATE_BYTES, cuda_devices
 from spikeckpt.engine.saved import measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans.account import StepSizes
@@ -270,17 +270,13 @@ def probe_step(
         work_bytes=work,
         work_capped=len(timed) < len(params),
         rng_bytes=rng,
-        rng_start_bytes=_GENERATOR_BYTES if device.type == "cpu" else 0,
+        rng_start_bytes=CPU_STATE_BYTES if device.type == "cpu" else 0,
     )
     with _LOCK:
         _PROBES[key] = probe
         while len(_PROBES) > _CACHE_SIZE:
             _PROBES.popitem(last=False)
     return probe
-
-
-#: bytes of the CPU generator's state (``torch.get_rng_state()``)
-_GENERATOR_BYTES = torch.get_rng_state().nbytes
 
 
 def _rng_bytes(step: Step, state: Any, x0: Any, device: torch.device) -> int:
@@ -291,7 +287,7 @@ def _rng_bytes(step: Step, state: Any, x0: Any, device: torch.device) -> int:
     with torch.random.fork_rng(devices=[]), recompute_phase(), torch.no_grad():
         generator = torch.get_rng_state()
         step(state, x0)
-        return generator.nbytes if not torch.equal(generator, torch.get_rng_state()) else 0
+        return CPU_STATE_BYTES if not torch.equal(generator, torch.get_rng_state()) else 0
 
 
 def _timed_steps(

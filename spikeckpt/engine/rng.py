@@ -16,7 +16,11 @@ from torch import Tensor
 
 from spikeckpt.engine.meter import count_made
 
-__all__ = ["RngState", "cuda_devices"]
+__all__ = ["CPU_STATE_BYTES", "RngState", "cuda_devices"]
+
+#: bytes of the CPU generator's state (``torch.get_rng_state()``: 5,056 in torch 2.x), which
+#: a capture holds
+CPU_STATE_BYTES = torch.get_rng_state().nbytes
 
 
 def cuda_devices(tensors: Iterable[Tensor]) -> list[int]:

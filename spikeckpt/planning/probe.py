@@ -40,7 +40,7 @@ from spikeckpt.engine.measure import (
 )
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.phase import recompute_phase
-from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.rng import CPU_STATE_BYTES, cuda_devices
 from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans.layerwise import (
@@ -141,10 +141,6 @@ def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:
         seq.cleanup()
 
 
-#: bytes of the CPU generator's state (what a checkpoint of a drawing CPU step keeps)
-_GENERATOR_BYTES = torch.get_rng_state().nbytes
-
-
 def block_sizes(
     blocks: Sequence[LayerBlock], x_t: Tensor, states: Sequence[Any], fuse: bool = True
 ) -> list[BlockSizes]:
@@ -176,7 +172,7 @@ def block_sizes(
                 if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
                     tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
                 density = float(h.float().mean()) if is_binary(h) else None
-                rng = _GENERATOR_BYTES if block.draws_random and h.device.type == "cpu" else 0
+                rng = CPU_STATE_BYTES if block.draws_random and h.device.type == "cpu" else 0
                 sizes.append(
                     BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density, rng)
                 )
