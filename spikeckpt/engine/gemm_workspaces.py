@@ -2,17 +2,19 @@
 
 cuBLAS and cuBLASLt need scratch memory for a matrix product. PyTorch gives each (library
 handle, stream) pair one workspace, allocated through the CUDA caching allocator at that
-handle's first product and kept for the life of the process (``torch.cuda.empty_cache()``
-does not free it): 32 MiB for cuBLAS on Hopper GPUs in torch 2.x (``CUBLAS_WORKSPACE_CONFIG``
-sets it), and handles are per thread, so the forward pass (the caller's thread) and the
-backward pass (autograd's worker thread of the device) hold one each.
+handle's first product and kept until ``torch.cuda.empty_cache()`` frees it (which Lightning
+calls when a ``Trainer.fit`` ends): 32 MiB for cuBLAS on Hopper GPUs in torch 2.x
+(``CUBLAS_WORKSPACE_CONFIG`` sets it), and handles are per thread, so the forward pass (the
+caller's thread) and the backward pass (autograd's worker thread of the device) hold one each.
 
 Allocated inside a measured block, such a workspace is counted as if the step held it: on an
 H200 (torch 2.11) the first measured training step of a 100-1024-10 network came out 64 MiB
 over the plans. The workspaces belong with the CUDA context (a fixed cost of using the
 device, allocated once whatever the plan), so `warm_gemm_workspaces` allocates them before
-the first CUDA measurement (`spikeckpt.engine.meter.MemoryMeter` calls it): one small product
-of each kind on the calling thread and inside a backward pass. They then exist at every
+every CUDA measurement (`spikeckpt.engine.meter.MemoryMeter` calls it): one small product of
+each kind on the calling thread, and, the first time or when that product allocated (the
+workspaces were freed since: on the H200 the second ``Trainer.fit`` of a process measured 64
+MiB over its plans for that reason), the same inside a backward pass. They then exist at every
 block's entry and are not counted.
 """
 
@@ -31,20 +33,22 @@ _LOCK = threading.Lock()
 
 
 def warm_gemm_workspaces(device: torch.device) -> bool:
-    """Allocate the cuBLAS and cuBLASLt workspaces on CUDA ``device`` for this thread and
-    for autograd's worker thread of the device, once per thread; True when they are (or
-    were) allocated here, False where nothing was done: a device other than CUDA, or a
-    moment when no product may run (inference mode, a CUDA graph being captured)."""
+    """Make sure the cuBLAS and cuBLASLt workspaces on CUDA ``device`` exist for this thread
+    and for autograd's worker thread of the device (a few 16 x 16 products; the backward pass
+    only the first time per thread or after the workspaces were freed); True when they do,
+    False where nothing was done: a device other than CUDA, or a moment when no product may
+    run (inference mode, a CUDA graph being captured)."""
     if device.type != "cuda":
         return False
-    key = (device, threading.get_ident())
-    if key in _WARM:
-        return True
     if torch.is_inference_mode_enabled() or torch.cuda.is_current_stream_capturing():
         return False
+    key = (device, threading.get_ident())
     with _LOCK, torch.enable_grad():
+        before = torch.cuda.memory_allocated(device)
+        _products(device)  # this thread's handles; allocates only where a workspace is missing
+        if key in _WARM and torch.cuda.memory_allocated(device) == before:
+            return True
         seed = torch.zeros(1, device=device, requires_grad=True)
-        _products(device)  # this thread's handles
         _InBackward.apply(seed).sum().backward()  # the autograd worker thread's handles
         torch.cuda.synchronize(device)
         _WARM.add(key)
