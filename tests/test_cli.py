@@ -20,6 +20,8 @@ from spikeckpt.cli import build_parser, main
 from spikeckpt.cli._args import Budget, split_value_problem
 
 ROOT = Path(__file__).resolve().parents[1]
+# this checkout first, then what the caller's PYTHONPATH holds (packages carried that way)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 HAVE_DEMO_EXTRAS = all(importlib.util.find_spec(m) for m in ("lightning", "snntorch", "tonic"))
 needs_demo_extras = pytest.mark.skipif(not HAVE_DEMO_EXTRAS, reason="needs spikeckpt[all]")
 
@@ -166,7 +168,7 @@ def _early(argv: list[str], cwd: Path) -> tuple[int, list[str], str]:
     result = subprocess.run(
         [sys.executable, "-c", _NO_SLOW_IMPORTS, *argv],
         cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cwd / "cache")},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "XDG_CACHE_HOME": str(cwd / "cache")},
     )  # fmt: skip
     import json
 
@@ -231,7 +233,7 @@ def test_plan_model_too_large_is_one_line(tmp_path: Path) -> None:
     argv = ["plan", "--T", "1000", "--budget", "5%", "--model", "1000000,1000000,10"]
     result = subprocess.run(
         [sys.executable, "-m", "spikeckpt", *argv], cwd=tmp_path, capture_output=True,
-        text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        text=True, timeout=120, check=False, env={**os.environ, "PYTHONPATH": PYTHONPATH},
     )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.splitlines()
@@ -375,7 +377,7 @@ def test_demo_on_a_file_that_is_not_hdf5_names_it(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "spikeckpt", "demo", "--root", str(tmp_path), "--out", "o"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "COLUMNS": "200"},
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
@@ -497,7 +499,7 @@ def test_demo_in_a_clean_checkout(tmp_path: Path) -> None:
     )
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHONPATH,
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
         "COLUMNS": "80",
         "OMP_NUM_THREADS": "1",

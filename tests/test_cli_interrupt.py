@@ -26,6 +26,8 @@ import pytest
 from spikeckpt.cli._interrupt import EXIT_INTERRUPTED, Interrupts
 
 ROOT = Path(__file__).resolve().parents[1]
+# this checkout first, then what the caller's PYTHONPATH holds (packages carried that way)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 HAVE_DEMO_EXTRAS = all(importlib.util.find_spec(m) for m in ("lightning", "snntorch", "tonic"))
 needs_demo_extras = pytest.mark.skipif(not HAVE_DEMO_EXTRAS, reason="needs spikeckpt[all]")
 SHOW_CURSOR, HIDE_CURSOR = b"\x1b[?25h", b"\x1b[?25l"
@@ -41,7 +43,7 @@ class Run:
         self.temp.mkdir()
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": PYTHONPATH,
             "XDG_CACHE_HOME": str(tmp / "cache"),
             "TMPDIR": str(self.temp),  # the command's temporary folders land here
             # ... but torch.compile's cache stays where it is (warm: no compiling here)

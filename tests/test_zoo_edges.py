@@ -574,8 +574,14 @@ class GlobalBetaNeuron(nn.Module):
 
 
 def _tensor_beta_case(
-    cls: type, route: Callable[[nn.Module, list[Tensor], Tensor], Tensor]
+    cls: type,
+    route: Callable[[nn.Module, list[Tensor], Tensor], Tensor],
+    granularity: str = "stack",
 ) -> tuple[float, float]:
+    """Outputs bitwise the loop's for the stack granularity; layer-wise at round-off: it
+    multiplies a chunk's inputs by the weight in one product, which some BLAS libraries sum in
+    another order than the loop's per-step product (this VM's does not; the CPU of the H200
+    machine did, with one thread too: 3 cases 1 ulp off there)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), cls(8), nn.Linear(8, 4), cls(4))
     betas = [net[1].beta, net[3].beta]
@@ -591,7 +597,10 @@ def _tensor_beta_case(
     want = torch.autograd.grad(_loss(ref), wrt)
     got_y = route(net, betas, x)
     got = torch.autograd.grad(_loss(got_y), wrt)
-    assert torch.equal(got_y, ref)
+    if granularity == "stack":
+        assert torch.equal(got_y, ref)
+    else:
+        torch.testing.assert_close(got_y, ref)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
     return 0.0, max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
@@ -601,7 +610,9 @@ def _tensor_beta_case(
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_tensor_attributes_get_their_gradient(plan: Any, granularity: str) -> None:
     diff = _tensor_beta_case(
-        TensorBetaNeuron, lambda m, b, x: sc.wrap(m, plan=plan, granularity=granularity)(x)
+        TensorBetaNeuron,
+        lambda m, b, x: sc.wrap(m, plan=plan, granularity=granularity)(x),
+        granularity,
     )
     MEASURED[f"non-Parameter beta {granularity}"] = diff
 
@@ -620,6 +631,7 @@ def test_unfound_tensor_is_refused_naming_the_layer_and_wrap_params_fixes_it(
     diff = _tensor_beta_case(
         GlobalBetaNeuron,
         lambda m, b, x: sc.wrap(m, plan=plan, granularity=granularity, params=b)(x),
+        granularity,
     )
     MEASURED[f"wrap(params=...) {granularity}"] = diff
 
