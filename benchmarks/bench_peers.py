@@ -46,6 +46,8 @@ Rows (each library's model as its users write it; skipped rows are listed with t
   (``compile=True``). These rows run only when ``spikeckpt.wrap`` has the ``fuse`` /
   ``compile`` keywords (issue 24); otherwise they are listed as skipped. The plan column says
   how each block's neuron ran (``last_stats.blocks[i].neuron``: fused, compiled, per-step).
+- ``spikeckpt layer-wise, chunk K, fused, exact``: the fused eager row with ``exact=True``
+  (every synapse step by step, as the loop runs it: spikes bitwise the loop's on any device).
 
 Every spikeckpt row gets the input as a user who wants the lean peak passes it: packed,
 ``spikeckpt.SpikeTrain.from_dense(x)`` (made once, before, not counted).
@@ -347,6 +349,12 @@ def spikeckpt_rows(
         (
             f"spikeckpt layer-wise, chunk {k}, fused, eager",
             {"fuse": True, "compile": False},
+            None,
+            layer,
+        ),  # fmt: skip
+        (
+            f"spikeckpt layer-wise, chunk {k}, fused, exact",
+            {"fuse": True, "compile": False, "exact": True},
             None,
             layer,
         ),  # fmt: skip

@@ -12,6 +12,9 @@
 #      (stack and layer-wise, fused and not where spikeckpt.wrap has fuse=/compile=);
 #   5. the stack granularity's compiled step (compile=True, Triton on CUDA) against the eager
 #      one: benchmarks/bench_compiled_step.py --device cuda;
+#   6. how exact layer-wise is on the device (chunk products against per-step ones; spikes and
+#      gradients of the default, exact=True, fuse=False against the snnTorch loop):
+#      benchmarks/bench_exact.py --device cuda;
 # and write one Markdown report: every step's command, exit status, time and output.
 #
 #   bash benchmarks/gpu_suite.sh [REPORT]          # default REPORT: gpu_report.md
@@ -19,12 +22,14 @@
 # Environment: PYTHON (default: python), PEERS_N (default: "512 2048 8192"), TABLE_T (default:
 # "1000 4000"), REPEATS (timed rounds of both benchmarks, default 3), THREADS (torch CPU threads
 # of the benchmarks, default 1), PYTEST_ARGS (added to both pytest runs, e.g. "-k cuda"),
-# STEPS (the steps to run, default "1 2 3 4 5"), STEP_TIMEOUT (seconds per step, default none:
-# a step past it is stopped, its output so far kept and the step reported failed).
-# Measured on an H200 (2026-11-26, torch 2.11, 16 cores): step 1 71 s, step 2 157 s, step 3
-# 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped); step 5 with REPEATS=2 and step 4 at
-# T = 1000 with REPEATS=1 94 s together: a lease of 15 minutes (the machine's start included)
-# holds the whole suite only with STEP_TIMEOUT or fewer STEPS.
+# STEPS (the steps to run, default "1 2 3 4 5 6"), STEP_TIMEOUT (seconds per step, default
+# none: a step past it is stopped, its output so far kept and the step reported failed).
+# Measured on an H200 (2026-11-26, torch 2.11, 16 cores): step 1 71-92 s, step 2 157 s (91 s
+# the second time), step 3 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped) and over
+# 200 s at T = 4000 alone with REPEATS=1 (stopped); step 5 with REPEATS=2 and step 4 at
+# T = 1000 with REPEATS=1 94 s together; step 6's script about 20 s. A lease of 15 minutes (the
+# machine's start, 30-60 s, included) holds the whole suite only with STEP_TIMEOUT or fewer
+# STEPS, e.g. STEPS="1 2 6" first.
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
@@ -44,7 +49,7 @@ TABLE_T=${TABLE_T:-1000 4000}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
-STEPS=" ${STEPS:-1 2 3 4 5} "
+STEPS=" ${STEPS:-1 2 3 4 5 6} "
 STEP_TIMEOUT=${STEP_TIMEOUT:-0}
 eval "EXTRA=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS="-k 'cuda or gpu'" works
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -184,6 +189,11 @@ wants 4 && step "T = 1000 / 4000 table (200-256-10, batch 16), $DEVICE" \
 wants 5 && step "compiled stack step (small snnTorch / Norse / conv models), $DEVICE" \
     "$PYTHON" benchmarks/bench_compiled_step.py --device "$DEVICE" --threads "$THREADS" \
     --rounds "$REPEATS"
+
+# 6. how exact layer-wise is here
+wants 6 && step "layer-wise exactness against the snnTorch loop (200-256-10, T = 1000), $DEVICE" \
+    "$PYTHON" benchmarks/bench_exact.py --device "$DEVICE" --threads "$THREADS" \
+    --repeats "$REPEATS"
 
 {
     echo "## Summary"

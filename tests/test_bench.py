@@ -233,19 +233,23 @@ def test_plot_shows_every_series_where_they_coincide() -> None:
 # ------------------------------------------------------------------ benchmarks/bench_peers.py
 
 
-def _bench_peers() -> Any:
-    """``benchmarks/bench_peers.py`` as a module (benchmarks/ is not a package)."""
+def _benchmark(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
     import sys
 
-    if "bench_peers" in sys.modules:
-        return sys.modules["bench_peers"]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peers.py"
-    spec = importlib.util.spec_from_file_location("bench_peers", path)
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_peers"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_peers() -> Any:
+    return _benchmark("bench_peers")
 
 
 def _run_peers(tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
@@ -288,6 +292,7 @@ def test_bench_peers_runs_every_row_and_matches_the_loop(tmp_path: Path) -> None
         "spikeckpt stack, plan=auto at 100%",
         "spikeckpt auto at 100%",
         "spikeckpt layer-wise, chunk 25, per-step neuron",
+        "spikeckpt layer-wise, chunk 25, fused, exact",
     }
     assert expected <= names, names
     if importlib.util.find_spec("norse") is not None:
@@ -306,3 +311,26 @@ def test_bench_peers_compiled_rows_run_compiled(tmp_path: Path) -> None:
     _check_peers_rows(rows, table)
     names = {r["row"] for r in rows if "skipped" not in r}
     assert {"snnTorch loop", "Norse LIFCell, torch.compile, stepped"} <= names, names
+
+
+def test_bench_exact_prints_the_exact_run_bitwise(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench_exact.py`` (step 6 of the GPU suite) at a small T: its table has every run, and
+    ``exact=True`` and the stack plan match the loop's spikes exactly."""
+    pytest.importorskip("snntorch")
+    threads = torch.get_num_threads()
+    try:
+        _benchmark("bench_exact").main(["--T", "60", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    rows = [
+        line.split(" | ") for line in out.splitlines() if line.startswith("| ") and " s | " in line
+    ]
+    table = {cells[0].strip("| "): cells for cells in rows}
+    assert set(table) == {
+        "snnTorch loop", "stack, BPTT()", "layer-wise, chunk 25",
+        "layer-wise, chunk 25, exact=True", "layer-wise, chunk 25, fuse=False",
+    }, table  # fmt: skip
+    for row in ("stack, BPTT()", "layer-wise, chunk 25, exact=True"):
+        assert table[row][1] == "0", table[row]  # output spikes differing from the loop's
+    assert "outputs differ" in out

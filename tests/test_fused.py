@@ -663,23 +663,73 @@ def test_stats_say_how_a_compiled_neuron_ran(
     assert any("differed from the eager one" in str(w.message) for w in caught) == differs
 
 
-def test_gather_false_is_bitwise_the_plain_loop() -> None:
-    """``gather=False``: the first block's synaptic input is the dense product, so spikes and
-    membranes are bitwise the plain loop's; the default's gather over the input's ones sums in
-    another order (membranes at round-off, which on large layers can flip a spike)."""
+def _plain_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Each step through every layer, as snnTorch's tutorials write it: the top layer's
+    ``(spikes (T, B, n), membranes (T, B, n))``."""
+    mems: dict[int, Tensor] = {}
+    spikes, top_mems = [], []
+    for x_t in x:
+        h = x_t
+        for i, layer in enumerate(net):
+            if isinstance(layer, snn.Leaky):
+                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
+            else:
+                h = layer(h)
+        spikes.append(h)
+        top_mems.append(mems[len(net) - 1])
+    return torch.stack(spikes), torch.stack(top_mems)
+
+
+class _ProductRows(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the rows of every matrix product's left operand (``mm``, ``addmm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.rows.add(args[-2].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _exact_nets() -> dict[str, Callable[[], nn.Sequential]]:
+    return {
+        "linear": lambda: nn.Sequential(
+            nn.Linear(512, 64), snn.Leaky(beta=0.95, threshold=0.5),
+            nn.Linear(64, 32), snn.Leaky(beta=0.9, threshold=0.3),
+        ),
+        "conv": lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), snn.Leaky(beta=0.9, threshold=0.4),
+            nn.Flatten(), nn.Linear(4 * 8 * 8, 16), snn.Leaky(beta=0.9, threshold=0.3),
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["linear", "conv"])
+def test_exact_is_bitwise_the_plain_loop(name: str) -> None:
+    """``exact=True``: every synapse runs step by step, as the plain loop runs it, so the top
+    spikes and membranes are bitwise the loop's (the default's products over a chunk, and its
+    gather, may round otherwise: cuBLAS and some CPUs do) and the gradients at round-off;
+    the neuron is still fused, and no matrix product spans more than one step's rows."""
     torch.manual_seed(0)
-    n_in, n, T, B = 512, 64, 30, 4
-    net = nn.Sequential(nn.Linear(n_in, n), snn.Leaky(beta=0.95, threshold=0.5))
-    x = (torch.rand(T, B, n_in) < 0.05).float()
-    spikes, mems, _ = _framework_loop(net, x, T)
-    got = {}
-    for gather in (True, False):
-        seq = sc.wrap(net, granularity="layer", chunk=8, output="both", gather=gather)
-        (s, m), _ = seq(x, return_state=True)
-        got[gather] = (s.detach(), m.detach())
-        assert seq.gather is gather and seq.last_stats.blocks[0].neuron == "fused"
-    assert torch.equal(got[False][0], spikes.detach())
-    assert torch.equal(got[False][1], mems.detach())
-    torch.testing.assert_close(got[True][1], mems.detach(), rtol=1e-5, atol=1e-5)
-    if torch.equal(got[True][1], mems.detach()):
-        pytest.skip("this CPU's product rounds like the gather here: nothing to tell apart")
+    net = _exact_nets()[name]()
+    T, B = 30, 4
+    shape = (512,) if name == "linear" else (2, 8, 8)
+    x = (torch.rand(T, B, *shape) < 0.05).float()
+    spikes, mems = _plain_loop(net, x)
+    want = torch.autograd.grad(mems.square().sum(), list(net.parameters()))
+    seq = sc.wrap(net, granularity="layer", chunk=8, output="both", exact=True)
+    recorder = _ProductRows()
+    with recorder:
+        s, m = seq(x)
+    assert seq.exact is True and seq.last_stats.blocks[0].neuron == "fused"
+    assert torch.equal(s, spikes) and torch.equal(m, mems)
+    got = torch.autograd.grad(m.square().sum(), list(net.parameters()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert recorder.rows == {B}, recorder.rows  # the forward's products: one step each
+    default = _ProductRows()
+    with default:
+        sc.wrap(net, granularity="layer", chunk=8, output="both")(x)
+    assert max(default.rows) > B  # the default's products span the chunk (the check can fail)

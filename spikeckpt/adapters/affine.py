@@ -72,11 +72,14 @@ class LinearChunk:
         linear: the module (its own ``forward``, no hooks when it runs).
         transposed: the block's kept transpose of a small weight (shared with its sparse
             synapse, so both gather from the same values).
+        per_step: the forward product step by step, ``B`` rows each, as the plain loop and
+            the block's ``synapse`` (``exact``) compute it; else one product over the chunk.
     """
 
-    def __init__(self, linear: nn.Linear, transposed: Transposed) -> None:
+    def __init__(self, linear: nn.Linear, transposed: Transposed, per_step: bool = False) -> None:
         self.linear = linear
         self.transposed = transposed
+        self.per_step = per_step
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -103,6 +106,11 @@ class LinearChunk:
         if dense.dtype != weight.dtype or dense.device != weight.device:
             return None
         flat = dense.reshape(k * b, *dense.shape[2:])
+        if self.per_step:  # the loop's own products (F.linear of each step), into the room
+            room = flat.new_empty(k + lead, b, *dense.shape[2:-1], weight.shape[0])
+            for t, x_t in enumerate(dense.unbind(0)):
+                room[lead + t] = nn.functional.linear(x_t, weight, bias)
+            return room, (None, flat)
         if not lead or flat.dim() != 2:
             z = nn.functional.linear(flat, weight, bias)
             if lead:  # not a matrix product into a buffer: one copy into the lead's room

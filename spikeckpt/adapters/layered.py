@@ -24,9 +24,9 @@ recomputed spikes stay bitwise those of the forward pass. Values agree with the 
 ``Linear`` to float32 round-off only (the sums run in another order): a membrane within
 round-off of the threshold then spikes on one side and not the other, which on large layers
 happens (Linear(8192, 8192) + Leaky, batch 16, 5% input spikes: 20 of 65.5 million spikes
-flipped in 500 steps, the first at step 182). ``wrap(..., gather=False)`` leaves the sparse
-synapse out: the dense product, bitwise the plain loop's on the CPU, 3.6-4.7x slower on the
-peers' benchmark. The gathers live in `spikeckpt.adapters.gather`.
+flipped in 500 steps, the first at step 182). ``wrap(..., exact=True)`` leaves the sparse
+synapse out and runs every synapse step by step (``layer_blocks``): spikes bitwise the plain
+loop's on any device. The gathers live in `spikeckpt.adapters.gather`.
 
 **Untaped backward.** Such a block also gets ``affine``, the ``Linear`` written out
 (`spikeckpt.adapters.affine.LinearChunk`, computing what ``synapse`` and ``sparse_synapse``
@@ -71,8 +71,13 @@ def _draws_random(block: Block) -> bool:
     )
 
 
-def _synapse(synapses: Sequence[LayerAdapter]) -> Callable[[Tensor], Tensor]:
-    batched = [_batched_inner(layer) for layer in synapses]
+def _synapse(
+    synapses: Sequence[LayerAdapter], per_step: bool = False
+) -> Callable[[Tensor], Tensor]:
+    """The block's synapse over a chunk: layers that act on each sample alone run once on the
+    ``(k * B, ...)`` reshaped chunk, unless ``per_step`` (every layer step by step, the plain
+    loop's own calls: see ``exact`` in `layer_blocks`)."""
+    batched = [None if per_step else _batched_inner(layer) for layer in synapses]
 
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
@@ -250,9 +255,11 @@ def _weight_sink(
     return sink, ((linear.weight, sink),)
 
 
-def layer_blocks(blocks: Sequence[Block], gather: bool = True) -> list[LayerBlock]:
-    """The engine's view of each block (bottom-up); without ``gather`` no block has a
-    ``sparse_synapse`` (every synapse is the dense product)."""
+def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBlock]:
+    """The engine's view of each block (bottom-up). ``exact``: every synapse runs step by
+    step, as the plain loop runs it (no ``sparse_synapse``, no product over a chunk), so its
+    values are bitwise the loop's whatever the BLAS: one product over ``k * B`` rows may sum in
+    another order than ``k`` products over ``B`` rows (cuBLAS does; this VM's CPU does not)."""
     out = []
     for block in blocks:
         layers = (*block.synapses, block.neuron)
@@ -268,18 +275,16 @@ def layer_blocks(blocks: Sequence[Block], gather: bool = True) -> list[LayerBloc
         out.append(
             LayerBlock(
                 name=block.name,
-                synapse=_synapse(block.synapses),
+                synapse=_synapse(block.synapses, per_step=exact),
                 step=block.neuron.step,
                 membrane=block.neuron.membrane,
                 draws_random=_draws_random(block),
                 params=list(params.values()),
                 cleanup=_cleanup(block, transposed),
-                sparse_synapse=_sparse_synapse(block.synapses, sink, transposed)
-                if gather
-                else None,
+                sparse_synapse=None if exact else _sparse_synapse(block.synapses, sink, transposed),
                 sinks=sinks,
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
-                affine=None if linear is None else LinearChunk(linear, transposed),
+                affine=None if linear is None else LinearChunk(linear, transposed, exact),
             )
         )
     return out
