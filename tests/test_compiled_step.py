@@ -198,3 +198,27 @@ def test_a_failing_compiler_falls_back_to_the_eager_step(monkeypatch: pytest.Mon
     assert not seq.last_stats.step_compiled
     _same(want, got)
     _same(want, again)
+
+
+def test_under_a_dispatch_mode_the_step_runs_eagerly_and_compiled_after() -> None:
+    """Under ``MemoryMeter(mode="tensors")`` (a dispatch mode, as the planner's CPU probes run)
+    the compiled step is not called: dynamo would skip the frame, and torch up to 2.13 then
+    ran it eagerly for the rest of the process (checked with torch 2.13). Outside the mode
+    it runs compiled again, inductor's code in the profile."""
+    from spikeckpt.engine.meter import MemoryMeter
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), snn.Leaky(beta=0.9))
+    x = (torch.rand(6, 2, 3) < 0.5).float()
+    seq = sc.wrap(net, compile=True, plan=sc.plans.BPTT())
+    want = _step(seq, net, x)
+    assert seq.last_stats.step_compiled
+    with MemoryMeter(mode="tensors") as meter:
+        measured = _step(seq, net, x)
+    assert meter.peak_bytes > 0 and not seq.last_stats.step_compiled
+    _same(want, measured)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        again = _step(seq, net, x)
+    assert seq.last_stats.step_compiled
+    assert any("Compiled" in event.key for event in prof.key_averages())
+    _same(want, again)

@@ -663,6 +663,43 @@ def test_stats_say_how_a_compiled_neuron_ran(
     assert any("differed from the eager one" in str(w.message) for w in caught) == differs
 
 
+def test_a_compiled_neuron_runs_eagerly_under_a_dispatch_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``compile=True``, layer-wise, under ``MemoryMeter(mode="tensors")`` (a dispatch mode):
+    the compiled forward is never called (dynamo would skip the frame, and torch up to 2.13
+    then ran it eagerly for good), the stats say "fused"; after the meter, "compiled" again.
+    ``torch.compile`` is replaced by a counting wrapper."""
+    from spikeckpt.engine import compiled as compiled_module
+    from spikeckpt.engine.meter import MemoryMeter
+
+    calls: list[int] = []
+
+    def counting_compile(fn: Callable[..., Any], dynamic: bool = False) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            calls.append(1)
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(compiled_module.torch, "compile", counting_compile)
+    monkeypatch.setattr(compiled_module, "compiler_missing", lambda device_type: None)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), snn.Leaky(beta=0.9))
+    x = (torch.rand(11, 3, 4) < 0.5).float()
+    seq = sc.wrap(net, granularity="layer", chunk=4, compile=True)
+    want = seq(x)
+    assert seq.last_stats.blocks[0].neuron_chunks == {"compiled": 3}
+    before = len(calls)
+    with MemoryMeter(mode="tensors"):
+        measured = seq(x)
+    assert len(calls) == before, "the compiled forward was called under a dispatch mode"
+    assert seq.last_stats.blocks[0].neuron_chunks == {"fused": 3}
+    assert torch.equal(measured, want)
+    seq(x)
+    assert seq.last_stats.blocks[0].neuron_chunks == {"compiled": 3} and len(calls) > before
+
+
 def _plain_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
     """Each step through every layer, as snnTorch's tutorials write it: the top layer's
     ``(spikes (T, B, n), membranes (T, B, n))``."""

@@ -21,6 +21,12 @@ so later runs pay far less. A compiled forward is checked bitwise against the ea
 first chunk of each shape and used only where equal. When no compiler is available (no C++
 compiler on CPU, no Triton on CUDA, a torch without ``torch.compile``) or compiling fails, the
 kernel runs eagerly and one line says so (a `UserWarning`, once per reason).
+
+Under an active ``TorchDispatchMode`` (``MemoryMeter(mode="tensors")``, the planner's probes on
+the CPU) the compiled paths run the eager code and never call the compiled function
+(`under_dispatch_mode`): dynamo skips a frame called under such a mode, and torch up to 2.13
+then runs that code eagerly for the rest of the process (checked with torch 2.13 on the CPU;
+the H200's torch 2.11 showed it; 2.14 compiles it again once the mode is gone).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from spikeckpt.engine.fused import ChunkKernel
 
@@ -43,6 +50,7 @@ __all__ = [
     "compiled_kernel",
     "compiler_missing",
     "note_eager",
+    "under_dispatch_mode",
     "wants_compile",
 ]
 
@@ -56,6 +64,12 @@ def note_eager(reason: str) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"spikeckpt: running eagerly: {reason}", UserWarning, stacklevel=4)
+
+
+def under_dispatch_mode() -> bool:
+    """Whether a ``TorchDispatchMode`` is active: compiled code must not be called (see the
+    module docstring)."""
+    return bool(_get_current_dispatch_mode_stack())
 
 
 @functools.cache
@@ -128,7 +142,7 @@ class CompiledKernel:
         key = (tuple(z.shape), z.dtype, z.device, keep, want_mem, torch.is_grad_enabled())
         use = self.choice.get(key)
         self.ran = "fused"
-        if self.failed or use is False:
+        if self.failed or use is False or under_dispatch_mode():
             return self.kernel.forward(leaves, z, keep, want_mem)
         try:
             if use is None:

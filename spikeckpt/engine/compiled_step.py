@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from spikeckpt.engine.compiled import compiler_missing, note_eager
+from spikeckpt.engine.compiled import compiler_missing, note_eager, under_dispatch_mode
 
 __all__ = ["CompiledStep", "compiled_step", "exact_backend"]
 
@@ -170,7 +170,7 @@ class CompiledStep:
         if not self.warm:  # the first step eagerly: one-time checks (an adapter verifying
             self.warm = True  # its fast step) would break the compiled graph
             return self.step(state, x_t)
-        if not self.failed:
+        if not self.failed and not under_dispatch_mode():  # see spikeckpt.engine.compiled
             try:
                 out = self.compiled(state, x_t)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly

@@ -16,7 +16,9 @@ Three ways to measure, chosen by the device and ``mode``:
   thread are seen (the autograd engine carries the mode to the CPU backward). Under an active
   dispatch mode, code compiled by ``torch.compile`` does **not** run compiled (dynamo skips the
   frame, the code runs eagerly) and autograd accumulates gradients out of place: a compiled
-  training step is measured as if it were eager.
+  training step is measured as if it were eager. With torch up to 2.13 a compiled function
+  once called under it runs eagerly for the rest of the process (spikeckpt's own compiled
+  paths do not call their compiled code under a dispatch mode: `spikeckpt.engine.compiled`).
 - ``mode="allocator"`` on the CPU: the CPU allocator's own allocation and free events, recorded
   by the profiler (``torch.profiler.profile(profile_memory=True)``, CPU activity only) and
   replayed in order after the block: ``peak_bytes`` is the peak, above the level at entry, of
