@@ -345,6 +345,8 @@ def bench(T: int, args: argparse.Namespace, folder: str) -> list[Row]:
     def add(row: Row) -> None:
         if args.only and row.name != "plain loop" and not any(o in row.name for o in args.only):
             return
+        if row.name != "plain loop" and any(word in row.name for word in args.skip):
+            return
         try:
             measure_memory(row, x)
         except sc.BudgetTooSmall as error:  # a budget row refused at this size: say so, go on
@@ -474,6 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (min)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=None, help="substrings of row names")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="leave out rows whose names contain these"
+    )
     parser.add_argument("--more", action="store_true", help="also Double(), Uniform(), TwoLevel")
     parser.add_argument(
         "--chunks", type=int, nargs="*", default=[], help="also layer-wise at these fixed chunks"
