@@ -15,6 +15,9 @@
 #   6. how exact layer-wise is on the device (chunk products against per-step ones; spikes and
 #      gradients of the default, exact=True, fuse=False against the snnTorch loop):
 #      benchmarks/bench_exact.py --device cuda;
+#   7. where layer-wise spends its time at n = 8192 (1.70x the loop there on an H200): the
+#      profiler's top kernels and the host's waits for the device, layer-wise and the loop:
+#      benchmarks/profile_layerwise.py --device cuda --n 8192;
 # and write one Markdown report: every step's command, exit status, time and output.
 #
 #   bash benchmarks/gpu_suite.sh [REPORT]          # default REPORT: gpu_report.md
@@ -23,14 +26,14 @@
 # "1000 4000"), TABLE_COMPILED (1: step 4 with its compiled row), REPEATS (timed rounds of the
 # benchmarks, default 3), THREADS (torch CPU threads of the benchmarks, default 1),
 # PYTEST_ARGS (added to both pytest runs, e.g. "-k cuda"),
-# STEPS (the steps to run, default "1 2 3 4 5 6"), STEP_TIMEOUT (seconds per step, default
+# STEPS (the steps to run, default "1 2 3 4 5 6 7"), STEP_TIMEOUT (seconds per step, default
 # none: a step past it is stopped, its output so far kept and the step reported failed).
 # Measured on an H200 (2026-11-26, torch 2.11, 16 cores): step 1 71-92 s, step 2 157 s (91 s
 # the second time), step 3 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped) and over
 # 200 s at T = 4000 alone with REPEATS=1 (stopped); step 5 with REPEATS=2 and step 4 at
 # T = 1000 with REPEATS=1 94 s together; step 6's script about 20 s. A lease of 15 minutes (the
 # machine's start, 30-60 s, included) holds the whole suite only with STEP_TIMEOUT or fewer
-# STEPS. Next time, first (about 6 minutes): STEPS="1 2 6 4" TABLE_T=4000 REPEATS=1
+# STEPS. Next time, first (about 6 minutes): STEPS="1 2 6 7 4" TABLE_T=4000 REPEATS=1
 # STEP_TIMEOUT=200 (step 4's compiled row is left out unless TABLE_COMPILED=1).
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
@@ -51,7 +54,7 @@ TABLE_T=${TABLE_T:-1000 4000}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
-STEPS=" ${STEPS:-1 2 3 4 5 6} "
+STEPS=" ${STEPS:-1 2 3 4 5 6 7} "
 STEP_TIMEOUT=${STEP_TIMEOUT:-0}
 eval "EXTRA=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS="-k 'cuda or gpu'" works
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -200,6 +203,13 @@ wants 5 && step "compiled stack step (small snnTorch / Norse / conv models), $DE
 wants 6 && step "layer-wise exactness against the snnTorch loop (200-256-10, T = 1000), $DEVICE" \
     "$PYTHON" benchmarks/bench_exact.py --device "$DEVICE" --threads "$THREADS" \
     --repeats "$REPEATS"
+
+# 7. the layer-wise step's profile at n = 8192 (the GPU; 2048 on the CPU check)
+PROFILE_N=8192
+[ "$DEVICE" = cpu ] && PROFILE_N=${PEERS_N%% *}
+wants 7 && step "layer-wise profile against the loop (Linear + LIF, n = $PROFILE_N), $DEVICE" \
+    "$PYTHON" benchmarks/profile_layerwise.py --device "$DEVICE" --n "$PROFILE_N" \
+    --threads "$THREADS" --repeats "$REPEATS"
 
 {
     echo "## Summary"

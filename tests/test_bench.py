@@ -334,3 +334,18 @@ def test_bench_exact_prints_the_exact_run_bitwise(capsys: pytest.CaptureFixture[
     for row in ("stack, BPTT()", "layer-wise, chunk 25, exact=True"):
         assert table[row][1] == "0", table[row]  # output spikes differing from the loop's
     assert "outputs differ" in out
+
+
+def test_profile_layerwise_prints_both_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``profile_layerwise.py`` (step 7 of the GPU suite) at a small size: a profile of each
+    run, the host's waits for the device, and the ratio of the two times."""
+    pytest.importorskip("snntorch")
+    threads = torch.get_num_threads()
+    try:
+        _benchmark("profile_layerwise").main(["--n", "64", "--T", "30", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "## snnTorch loop: " in out and "## layer-wise fused, chunk 25: " in out
+    assert out.count("host waits for the device:") == 2
+    assert re.search(r"layer-wise / loop: \d+\.\d\d", out)

@@ -770,3 +770,32 @@ def test_exact_is_bitwise_the_plain_loop(name: str) -> None:
     with default:
         sc.wrap(net, granularity="layer", chunk=8, output="both")(x)
     assert max(default.rows) > B  # the default's products span the chunk (the check can fail)
+
+
+def test_is_unit_reads_a_factor_once_per_version() -> None:
+    """The graded-spike factor's value is read (``aten::_local_scalar_dense``: a device sync on
+    CUDA) once per tensor and version, not at every chunk: the cache was a
+    ``WeakKeyDictionary``, whose lookup compared tensors with ``==`` and so read the value
+    each time (40 reads per step of the peers' benchmark)."""
+    from spikeckpt.adapters.kernels import is_unit
+
+    class Reads(torch.utils._python_dispatch.TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    one, two = torch.tensor(1.0), torch.tensor(2.0)
+    with Reads():
+        assert is_unit(one) and not is_unit(two)
+        first = Reads.count
+        for _ in range(5):
+            assert is_unit(one) and not is_unit(two)
+        assert Reads.count == first == 2
+        one.fill_(3.0)  # a new version: read again
+        assert not is_unit(one) and Reads.count == 3
+    assert not is_unit(torch.tensor(1.0, requires_grad=True))

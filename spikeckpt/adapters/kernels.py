@@ -532,7 +532,10 @@ def surrogate_grad(
     return out
 
 
-_UNIT: weakref.WeakKeyDictionary[Tensor, tuple[int, bool]] = weakref.WeakKeyDictionary()
+#: ``is_unit``'s answers: ``id(tensor) -> (weak reference, version, answer)``. Keyed by id, not
+#: a ``WeakKeyDictionary``: its lookup compares tensors with ``==`` (``bool(a == b)`` reads the
+#: value: a device sync on CUDA), so the cache cost what it was to save.
+_UNIT: dict[int, tuple[weakref.ref[Tensor], int, bool]] = {}
 
 
 def is_unit(graded: Tensor) -> bool:
@@ -540,10 +543,16 @@ def is_unit(graded: Tensor) -> bool:
     once per tensor and version (no device sync per step)."""
     if graded.dim() != 0 or graded.requires_grad:
         return False
-    known = _UNIT.get(graded)
-    if known is None or known[0] != graded._version:
-        known = _UNIT[graded] = (graded._version, bool(graded == 1))
-    return known[1]
+    known = _UNIT.get(id(graded))
+    if known is None or known[0]() is not graded or known[1] != graded._version:
+        key = id(graded)
+        known = (
+            weakref.ref(graded, lambda _: _UNIT.pop(key, None)),
+            graded._version,
+            bool(graded == 1),
+        )
+        _UNIT[key] = known
+    return known[2]
 
 
 class SynapticKernel(SurrogateKernel):
