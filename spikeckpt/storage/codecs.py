@@ -244,15 +244,21 @@ def scan_binary(tensor: Tensor) -> tuple[Tensor, int] | None:
 
 def _scan_torch(tensor: Tensor) -> tuple[Tensor, int] | None:
     if tensor.dtype != torch.bool and tensor.numel() > 16 * _PREFIX and tensor.is_contiguous():
-        head = tensor.view(-1)[:_PREFIX]
-        ones, raw = _ones_mask(head)
-        if int(torch.count_nonzero(ones)) != int(torch.count_nonzero(raw)):
+        ones, raw = _ones_mask(tensor.view(-1)[:_PREFIX])
+        if not _same_counts(ones, raw)[0]:
             return None
     ones, raw = _ones_mask(tensor)
-    n_ones = int(torch.count_nonzero(ones))
-    if raw is not ones and n_ones != int(torch.count_nonzero(raw)):
-        return None
-    return ones.reshape(-1), n_ones
+    same, n_ones = _same_counts(ones, raw)
+    return (ones.reshape(-1), n_ones) if same else None
+
+
+def _same_counts(ones: Tensor, raw: Tensor) -> tuple[bool, int]:
+    """``(ones and raw have as many non-zeros, the count of ones)``, read from the device in
+    one transfer (each read waits for the device: on CUDA one sync, not two)."""
+    if raw is ones:
+        return True, int(torch.count_nonzero(ones))
+    n_ones, n_raw = torch.stack([torch.count_nonzero(ones), torch.count_nonzero(raw)]).tolist()
+    return n_ones == n_raw, int(n_ones)
 
 
 # CPU tensors are coded with numpy: its calls cost about a microsecond where a torch op costs
