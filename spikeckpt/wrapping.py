@@ -598,7 +598,10 @@ def wrap(
             differently (2 of 160,000 output spikes at T = 1000 on an H200; 20 of 65.5
             million at n = 8192 on the CPU). True: every synapse runs step by step, as the
             plain loop runs it: spikes and membranes bitwise the loop's on any device
-            (`spikeckpt.adapters.layered`), the neuron still fused.
+            (`spikeckpt.adapters.layered`), the neuron still fused. (Random draws: with
+            Dropout in two or more blocks, layer-wise draws a chunk's masks block by block,
+            not in the loop's order: other masks than the loop's under the same seed, with
+            gradients exact for them; the stack granularity draws in the loop's order.)
 
     Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in
     ``seq.last_stats``. An unknown keyword is a ``TypeError`` here, not at the first forward.
