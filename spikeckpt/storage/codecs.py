@@ -258,7 +258,7 @@ def _same_counts(ones: Tensor, raw: Tensor) -> tuple[bool, int]:
     if raw is ones:
         return True, int(torch.count_nonzero(ones))
     n_ones, n_raw = torch.stack([torch.count_nonzero(ones), torch.count_nonzero(raw)]).tolist()
-    return n_ones == n_raw, int(n_ones)
+    return n_ones == n_raw, n_ones
 
 
 # CPU tensors are coded with numpy: its calls cost about a microsecond where a torch op costs
