@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.adapters import jit_loops
+from spikeckpt.engine.compiled import is_compiling
 
 __all__ = [
     "HOST_LOOP_ELEMENTS",
@@ -41,7 +42,11 @@ USE_JIT = jit_loops.leaky_forward_jit is not None
 
 
 def _host_arrays(*tensors: Tensor) -> list[np.ndarray] | None:
-    """NumPy views of CPU tensors of one float dtype whose steps are small, or None."""
+    """NumPy views of CPU tensors of one float dtype whose steps are small, or None (also
+    while ``torch.compile`` traces: the torch loop then compiles whole, with no graph break
+    into NumPy or Numba)."""
+    if is_compiling():
+        return None
     first = tensors[0]
     if first.device.type != "cpu" or first.dtype not in (torch.float32, torch.float64):
         return None

@@ -36,6 +36,7 @@ from spikeckpt.adapters.host_loops import (
     synaptic_backward_on_host,
     synaptic_forward_on_host,
 )
+from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.grad import grad as engine_grad
 
 __all__ = [
@@ -231,7 +232,8 @@ class LeakyKernel:
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         if mems is not None:
             mems[0] = mem
-        exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
+        # then (mem - thr > 0) == (mem > thr); compiled: snnTorch's own form (no host read)
+        exact = not is_compiling() and _subtraction_is_exact(mem.device)
         torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
         last = None
@@ -540,8 +542,9 @@ _UNIT: dict[int, tuple[weakref.ref[Tensor], int, bool]] = {}
 
 def is_unit(graded: Tensor) -> bool:
     """Whether ``s * graded`` is ``s`` bitwise (a 0-d 1.0 without grad); the value is read
-    once per tensor and version (no device sync per step)."""
-    if graded.dim() != 0 or graded.requires_grad:
+    once per tensor and version (no device sync per step). False while ``torch.compile``
+    traces (``s * 1.0`` is ``s`` bitwise; the value read would break the graph)."""
+    if graded.dim() != 0 or graded.requires_grad or is_compiling():
         return False
     known = _UNIT.get(id(graded))
     if known is None or known[0]() is not graded or known[1] != graded._version:
@@ -584,7 +587,8 @@ class SynapticKernel(SurrogateKernel):
         alpha, beta, thr, graded = self.tensors()
         a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
         syn, mem = leaves
-        exact = _subtraction_is_exact(mem.device)  # then (mem - thr > 0) == (mem > thr)
+        # then (mem - thr > 0) == (mem > thr); compiled: snnTorch's own form (no host read)
+        exact = not is_compiling() and _subtraction_is_exact(mem.device)
         if exact:
             done = self._forward_on_host(syn, mem, z, (a, b, thr, graded), keep, want_mem, want_y)
             if done is not None:

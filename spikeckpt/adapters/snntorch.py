@@ -399,8 +399,6 @@ _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_bas
 
 
 Step = Callable[[State, Tensor], tuple[State, Tensor]]
-#: whether torch.compile is tracing (``torch.compiler.is_compiling``; older torch: never)
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
@@ -446,9 +444,9 @@ def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
         else:
             mem = beta.clamp(0, 1) * mem + x
         spk = spike(mem - threshold)
-        # compiled, the factor is always applied (times 1.0: the same values and gradients)
-        # rather than read: reading a tensor's value breaks the compiled graph
-        if _is_compiling() or not is_unit(graded):
+        # compiled, is_unit says no: the factor is applied (times 1.0: the same values and
+        # gradients) rather than read, which would break the compiled graph
+        if not is_unit(graded):
             spk = spk * graded
         return state_cls(mem), spk
 

@@ -13,7 +13,8 @@ not pay where it was measured, so ``compile="auto"`` (the default) leaves it eag
   against the eager kernel's 0.101 s at 16 x 512 neurons and 0.117 s against 0.0918 s at
   16 x 2048, after 9-12 s of compiling; Triton's forward differed from the eager one on some
   shapes (kept eager by the check below), and the chunk lengths and grad modes of one run
-  reached dynamo's recompile limit.
+  reached dynamo's recompile limit (since then each key compiles its own copy, `own_code`,
+  and the kernels trace without graph breaks: no host loop, no value read while compiling).
 
 Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches the compiled
 code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -49,7 +51,9 @@ __all__ = [
     "CompiledKernel",
     "compiled_kernel",
     "compiler_missing",
+    "is_compiling",
     "note_eager",
+    "own_code",
     "under_dispatch_mode",
     "wants_compile",
 ]
@@ -66,10 +70,38 @@ def note_eager(reason: str) -> None:
         warnings.warn(f"spikeckpt: running eagerly: {reason}", UserWarning, stacklevel=4)
 
 
+#: whether ``torch.compile`` is tracing the code that asks (``torch.compiler.is_compiling``;
+#: a torch without it never compiles)
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
 def under_dispatch_mode() -> bool:
     """Whether a ``TorchDispatchMode`` is active: compiled code must not be called (see the
     module docstring)."""
     return bool(_get_current_dispatch_mode_stack())
+
+
+def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a bound method) through a copy of its function with a code object of its
+    own (any other callable as it is).
+
+    Dynamo keeps its compiled entries per code object, at most ``recompile_limit`` (8) of
+    them, and beyond runs the function eagerly, silently to its caller: every wrapped model
+    shares the wrapper's ``step`` code and every fused neuron of a kind its kernel's
+    ``forward``, so a few models, layers, shapes and grad modes would use them up. Each copy
+    compiles into entries of its own."""
+    function = getattr(method, "__func__", None)
+    owner = getattr(method, "__self__", None)
+    if not isinstance(function, types.FunctionType) or owner is None:
+        return method
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(copy, owner)
 
 
 @functools.cache
@@ -114,8 +146,11 @@ class CompiledKernel:
         self.kernel = kernel
         self.membrane = kernel.membrane
         self.failed = False
-        self.compiled: Callable[..., Any] = torch.compile(kernel.forward, dynamic=False)
-        #: per shape key: whether the compiled forward is used
+        #: per key (shape, dtype, device, flags, grad mode): its compiled forward, each a
+        #: copy with a code object of its own (`own_code`), so it holds one dynamo entry and
+        #: no run's keys reach dynamo's recompile limit (which runs eagerly past it, unseen)
+        self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        #: per key: whether the compiled forward is used
         self.choice: dict[tuple[Any, ...], bool] = {}
         #: how the last forward ran: ``"compiled"``, or ``"fused"`` (the eager kernel: a
         #: shape whose compiled forward differed or was slower, or a failed compile)
@@ -148,7 +183,7 @@ class CompiledKernel:
             if use is None:
                 use = self._first(key, leaves, z, keep, want_mem)
             if use:
-                result = self.compiled(leaves, z, keep, want_mem)
+                result = self.compiled[key](leaves, z, keep, want_mem)
                 self.ran = "compiled"
                 return result
         except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
@@ -162,7 +197,9 @@ class CompiledKernel:
         """The first chunk of a shape: compile and check the compiled forward against the
         eager one (states, spikes and membranes bitwise; else never use it for this shape).
         Remembers and returns the choice."""
-        got = self.compiled(leaves, z, keep, want_mem)  # compiles
+        compiled = torch.compile(own_code(self.kernel.forward), dynamic=False)
+        self.compiled[key] = compiled
+        got = compiled(leaves, z, keep, want_mem)  # compiles
         want = self.kernel.forward(leaves, z, keep, want_mem)
         same = all(
             (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -35,13 +35,12 @@ import contextlib
 import functools
 import os
 import threading
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from spikeckpt.engine.compiled import compiler_missing, note_eager, under_dispatch_mode
+from spikeckpt.engine.compiled import compiler_missing, note_eager, own_code, under_dispatch_mode
 
 __all__ = ["CompiledStep", "compiled_step", "exact_backend"]
 
@@ -116,27 +115,6 @@ def _outside_ci() -> Iterator[None]:
                 os.environ["CI"] = saved
 
 
-def _own_code(step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``step`` (a bound method) through a copy of its function with a code object of its own.
-
-    Dynamo keeps its compiled entries per code object, at most ``recompile_limit`` (8) of
-    them, and runs the function eagerly beyond: every wrapped model shares the wrapper's
-    ``step`` code, so two or three models (each compiled per shape and grad mode) would use
-    them up. A copy per `CompiledStep` gives each its own."""
-    function = getattr(step, "__func__", None)
-    owner = getattr(step, "__self__", None)
-    if not isinstance(function, types.FunctionType) or owner is None:
-        return step
-    copy = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    return types.MethodType(copy, owner)
-
-
 def _nothing() -> None:
     """What a copied or unpickled `CompiledStep` becomes: its model compiles its own again."""
     return None
@@ -156,7 +134,7 @@ class CompiledStep:
 
     def __init__(self, step: Callable[[Any, Any], Any]) -> None:
         self.step = step
-        self.compiled = torch.compile(_own_code(step), dynamic=False, backend=exact_backend())
+        self.compiled = torch.compile(own_code(step), dynamic=False, backend=exact_backend())
         self.failed = False
         self.warm = False
         self.ran_compiled = False

@@ -1,0 +1,82 @@
+"""The layer-wise fused neurons compiled for real (``compile=True``, `spikeckpt.engine.compiled`):
+every chunk of a run of several lengths, grad modes and layers runs compiled, without a graph
+break, within dynamo's recompile limit, bitwise the eager kernels' outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import snntorch as snn
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import spikeckpt as sc
+from spikeckpt.engine import compiled
+
+pytestmark = [
+    pytest.mark.slow,  # each new chunk shape compiles for a second or two
+    pytest.mark.skipif(
+        compiled.compiler_missing("cpu") is not None, reason="no C++ compiler for inductor"
+    ),
+]
+
+
+def _models() -> dict[str, nn.Sequential]:
+    """Two layers of one neuron kind each: the kernels of a kind share one ``forward``."""
+    models = {
+        "Leaky": nn.Sequential(
+            nn.Linear(6, 8),
+            snn.Leaky(beta=0.9, learn_beta=True, learn_threshold=True),
+            nn.Linear(8, 3),
+            snn.Leaky(beta=0.8, reset_mechanism="zero"),
+        ),
+        "Synaptic": nn.Sequential(
+            nn.Linear(6, 8),
+            snn.Synaptic(alpha=0.8, beta=0.9),
+            nn.Linear(8, 3),
+            snn.Synaptic(alpha=0.7, beta=0.8),
+        ),
+    }
+    try:
+        import norse.torch as norse
+    except ImportError:  # pragma: no cover - norse is a test dependency
+        return models
+    models["LIFCell"] = nn.Sequential(
+        nn.Linear(6, 8), norse.LIFCell(), nn.Linear(8, 3), norse.LIFCell()
+    )
+    return models
+
+
+@pytest.mark.parametrize("kind", ["Leaky", "Synaptic", "LIFCell"])
+def test_every_chunk_of_many_shapes_runs_compiled_without_graph_breaks(kind: str) -> None:
+    """Three sequence lengths (chunks of 4 and a shorter last one), forward + backward and a
+    forward without grad, two layers of different widths: 14 keys per layer. Dynamo would run
+    code past its recompile limit (8 entries per code object) eagerly, unseen by the caller;
+    here that limit fails loudly, so a chunk past it runs eager and says "fused"."""
+    models = _models()
+    if kind not in models:
+        pytest.skip("norse is not installed")
+    torch.manual_seed(0)
+    net = models[kind]
+    eager = sc.wrap(net, granularity="layer", chunk=4, compile=False)
+    seq = sc.wrap(net, granularity="layer", chunk=4, compile=True)
+    breaks = sum(counters["graph_break"].values())
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for T in (11, 7, 13):
+            x = (torch.rand(T, 3, 6) < 0.4).float()
+            chunks = {"compiled": -(-T // 4)}
+            got = seq(x)
+            got.sum().backward()
+            assert [b.neuron_chunks for b in seq.last_stats.blocks] == [chunks, chunks]
+            got_grads = [p.grad for p in net.parameters()]
+            net.zero_grad(set_to_none=True)
+            want = eager(x)
+            want.sum().backward()
+            assert torch.equal(got, want)
+            for a, b in zip(got_grads, [p.grad for p in net.parameters()], strict=True):
+                assert torch.equal(a, b)
+            net.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                assert torch.equal(seq(x), want)
+            assert [b.neuron_chunks for b in seq.last_stats.blocks] == [chunks, chunks]
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
