@@ -4,6 +4,10 @@ break, within dynamo's recompile limit, bitwise the eager kernels' outputs and g
 
 from __future__ import annotations
 
+import time
+import warnings
+from typing import Any
+
 import pytest
 import snntorch as snn
 import torch
@@ -48,11 +52,15 @@ def _models() -> dict[str, nn.Sequential]:
 
 
 @pytest.mark.parametrize("kind", ["Leaky", "Synaptic", "LIFCell"])
-def test_every_chunk_of_many_shapes_runs_compiled_without_graph_breaks(kind: str) -> None:
+def test_every_chunk_of_many_shapes_runs_compiled_without_graph_breaks(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three sequence lengths (chunks of 4 and a shorter last one), forward + backward and a
     forward without grad, two layers of different widths: 14 keys per layer. Dynamo would run
     code past its recompile limit (8 entries per code object) eagerly, unseen by the caller;
-    here that limit fails loudly, so a chunk past it runs eager and says "fused"."""
+    here that limit fails loudly, so a chunk past it runs eager and says "fused". (The timing
+    that keeps a slower compiled forward eager is set aside: every key compiles and runs.)"""
+    monkeypatch.setattr(compiled, "compiled_is_faster", lambda *args: True)
     models = _models()
     if kind not in models:
         pytest.skip("norse is not installed")
@@ -80,3 +88,40 @@ def test_every_chunk_of_many_shapes_runs_compiled_without_graph_breaks(kind: str
                 assert torch.equal(seq(x), want)
             assert [b.neuron_chunks for b in seq.last_stats.blocks] == [chunks, chunks]
     assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+
+
+def test_a_slower_compiled_forward_is_kept_eager_and_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compiled forward that gives the eager values but takes longer (here 5 ms more per
+    call) is timed on the first chunk of its key, never used, counted "fused", with one line."""
+    slow: list[int] = []
+    real_compile = torch.compile
+
+    def slow_compile(fn: Any, **kwargs: Any) -> Any:
+        done = real_compile(fn, **kwargs)
+
+        def run(*args: Any) -> Any:
+            slow.append(1)
+            time.sleep(0.005)
+            return done(*args)
+
+        return run
+
+    monkeypatch.setattr(compiled.torch, "compile", slow_compile)
+    monkeypatch.setattr(compiled, "_WARNED", set())
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), snn.Leaky(beta=0.9))
+    x = (torch.rand(9, 3, 6) < 0.4).float()
+    want = sc.wrap(net, granularity="layer", chunk=4, compile=False)(x)
+    seq = sc.wrap(net, granularity="layer", chunk=4, compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = seq(x)
+    assert seq.last_stats.blocks[0].neuron_chunks == {"fused": 3}
+    assert torch.equal(got, want)
+    assert any("slower than the eager one" in str(w.message) for w in caught)
+    calls = len(slow)
+    assert calls == 2 * (1 + compiled.TIMED_CALLS)  # two keys (chunk 4, last 1): check + timing
+    seq(x)
+    assert len(slow) == calls  # not called again

@@ -641,6 +641,7 @@ def test_stats_say_how_a_compiled_neuron_ran(
 
     monkeypatch.setattr(compiled_module.torch, "compile", fake_compile)
     monkeypatch.setattr(compiled_module, "compiler_missing", lambda device_type: None)
+    monkeypatch.setattr(compiled_module, "compiled_is_faster", lambda *args: True)
     monkeypatch.setattr(compiled_module, "_WARNED", set())  # its one line, again
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), snn.Leaky(beta=0.9))
@@ -684,6 +685,7 @@ def test_a_compiled_neuron_runs_eagerly_under_a_dispatch_mode(
 
     monkeypatch.setattr(compiled_module.torch, "compile", counting_compile)
     monkeypatch.setattr(compiled_module, "compiler_missing", lambda device_type: None)
+    monkeypatch.setattr(compiled_module, "compiled_is_faster", lambda *args: True)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), snn.Leaky(beta=0.9))
     x = (torch.rand(11, 3, 4) < 0.5).float()

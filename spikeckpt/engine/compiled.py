@@ -6,9 +6,11 @@ not pay where it was measured, so ``compile="auto"`` (the default) leaves it eag
 ``compile=True`` compiles:
 
 - **CPU** (the 2-core development machine, one thread, 16 x 512 and 16 x 2048 neurons, chunks
-  of 25 steps): inductor's C++ kernel of the LIF recurrence took 2.2-2.4x the eager loop's
-  time (it wins only below ~32 neurons, where the eager ops are all overhead); the eager
-  kernel's recurrence is compiled by Numba (`spikeckpt.adapters.jit_loops`).
+  of 25 steps): inductor's C++ kernel of the LIF recurrence took 2.2-2.4x the eager torch
+  loop's time (it wins only below ~32 neurons, where the eager ops are all overhead); the
+  eager kernel's recurrence is compiled by Numba (`spikeckpt.adapters.jit_loops`), and
+  against it inductor's whole chunk took 9-13 ms per chunk of 25 x 16 x 512 where the eager
+  kernel's forward took well under 1 ms (the peers' benchmark's step: 0.53 s against 0.036 s).
 - **CUDA** (an H200, torch 2.11, the peers' benchmark): the compiled forward took 0.105 s
   against the eager kernel's 0.101 s at 16 x 512 neurons and 0.117 s against 0.0918 s at
   16 x 2048, after 9-12 s of compiling; Triton's forward differed from the eager one on some
@@ -19,7 +21,8 @@ not pay where it was measured, so ``compile="auto"`` (the default) leaves it eag
 Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches the compiled
 code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
 so later runs pay far less. A compiled forward is checked bitwise against the eager one on the
-first chunk of each shape and used only where equal. When no compiler is available (no C++
+first chunk of each shape and timed against it there (`compiled_is_faster`), and used only
+where equal and no slower (else the stats say "fused" for those chunks, and one line why). When no compiler is available (no C++
 compiler on CPU, no Triton on CUDA, a torch without ``torch.compile``) or compiling fails, the
 kernel runs eagerly and one line says so (a `UserWarning`, once per reason).
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import time
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -49,6 +53,7 @@ __all__ = [
     "COMPILE_CHOICES",
     "Compile",
     "CompiledKernel",
+    "compiled_is_faster",
     "compiled_kernel",
     "compiler_missing",
     "is_compiling",
@@ -207,11 +212,40 @@ class CompiledKernel:
         )
         if not same:
             note_eager("a compiled fused neuron differed from the eager one (kept eager)")
-        self.choice[key] = same
-        return same
+        use = same and compiled_is_faster(
+            compiled, self.kernel.forward, (leaves, z, keep, want_mem)
+        )
+        if same and not use:
+            note_eager("a compiled fused neuron was slower than the eager one (kept eager)")
+        self.choice[key] = use
+        return use
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         return self.kernel.backward(*args, **kwargs)
+
+
+#: interleaved timed calls of each forward, the minimum taken, to choose between them
+TIMED_CALLS = 3
+
+
+def compiled_is_faster(
+    compiled: Callable[..., Any], eager: Callable[..., Any], args: tuple[Any, ...]
+) -> bool:
+    """Whether ``compiled(*args)`` (compiled already) took no longer than ``eager(*args)``:
+    the minimum of `TIMED_CALLS` interleaved calls each (the device synchronized around each
+    on CUDA). A chunk's forward costs micro- to milliseconds, the measurement a few chunks
+    once per key; both give the same values (checked before), so only time is at stake."""
+    tensor = args[1]
+    sync = torch.cuda.synchronize if tensor.device.type == "cuda" else (lambda: None)
+    best = {id(compiled): float("inf"), id(eager): float("inf")}
+    for _ in range(TIMED_CALLS):
+        for fn in (compiled, eager):
+            sync()
+            start = time.perf_counter()
+            fn(*args)
+            sync()
+            best[id(fn)] = min(best[id(fn)], time.perf_counter() - start)
+    return best[id(compiled)] <= best[id(eager)]
 
 
 def _outputs(result: Any) -> list[Tensor | None]:
