@@ -155,13 +155,22 @@ def hand_loop(model: nn.Sequential, x: Tensor) -> Tensor:
     return torch.stack(spk_rec)
 
 
-@pytest.mark.parametrize("granularity", ["stack", "layer"])
+#: how each zoo route is wrapped: the two granularities, and layer-wise with ``exact=True``
+#: (every synapse step by step, as the loop calls it)
+GRANULARITIES = {
+    "stack": {"granularity": "stack"},
+    "layer": {"granularity": "layer"},
+    "layer-exact": {"granularity": "layer", "exact": True},
+}
+
+
+@pytest.mark.parametrize("granularity", list(GRANULARITIES))
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_tutorial5_hand_written_neuron_wraps_unchanged(plan: Any, granularity: str) -> None:
     """``forward(input_, mem)``: the protocol by arity; state starts as zeros shaped like the
     step's."""
     x = torch.rand(T, B, 6) * 2
-    route = lambda m, x: sc.wrap(m, plan=plan, granularity=granularity)(x)  # noqa: E731
+    route = lambda m, x: sc.wrap(m, plan=plan, **GRANULARITIES[granularity])(x)  # noqa: E731
     check(hand_net, hand_loop, route, x, "tutorial 5 hand-written neuron")
 
 
@@ -197,21 +206,23 @@ def csnn_loop(net: nn.Sequential, data: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(spk_rec), torch.stack(mem_rec)
 
 
-@pytest.mark.parametrize("granularity", ["stack", "layer"])
+@pytest.mark.parametrize("granularity", list(GRANULARITIES))
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 @pytest.mark.parametrize("norm", [False, True], ids=["tutorial6", "bn-dropout"])
 def test_tutorial6_csnn(norm: bool, plan: Any, granularity: str) -> None:
     x = torch.rand(T, B, 1, 14, 14) * 4
-    route = lambda m, x: sc.wrap(m, plan=plan, output="both", granularity=granularity)(x)  # noqa: E731
+    options = GRANULARITIES[granularity]
+    route = lambda m, x: sc.wrap(m, plan=plan, output="both", **options)(x)  # noqa: E731
     name = "tutorial 6 CSNN" + (" + BatchNorm, Dropout" if norm else "")
     check(lambda: csnn(1, norm, 0.25 if norm else 0.0), csnn_loop, route, x, name)
 
 
-@pytest.mark.parametrize("granularity", ["stack", "layer"])
+@pytest.mark.parametrize("granularity", list(GRANULARITIES))
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_tutorial7_nmnist(plan: Any, granularity: str) -> None:
     x = (torch.rand(T, B, 2, 14, 14) < 0.5).float()  # events, two polarities
-    route = lambda m, x: sc.wrap(m, plan=plan, output="both", granularity=granularity)(x)  # noqa: E731
+    options = GRANULARITIES[granularity]
+    route = lambda m, x: sc.wrap(m, plan=plan, output="both", **options)(x)  # noqa: E731
     check(lambda: csnn(2, False, 0.0), csnn_loop, route, x, "tutorial 7 N-MNIST")
 
 
