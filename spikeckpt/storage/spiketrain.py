@@ -9,8 +9,9 @@ A spike train of ``T`` steps is stored in one of two exact layouts (see
 - ``"index"``: the codec's 16-bit index lists, with blocks aligned to time steps: each step is
   cut into ``ceil(n / 65536)`` blocks of up to 65,536 elements; ``(n_ones,)`` int16 holds each
   one's position in its block minus 32768 (the codec's bijection), in order; ``(blocks + 1,)``
-  int64 offsets (always on the CPU, so that slicing never waits for a device) say where each
-  block's ones start. ``2 * n_ones + 8 * (T * ceil(n / 65536) + 1)`` bytes.
+  int64 offsets (always on the CPU, so that slicing never waits for a device; copied once to
+  each other device a step is unpacked on, so that no step copies from the host) say where
+  each block's ones start. ``2 * n_ones + 8 * (T * ceil(n / 65536) + 1)`` bytes.
 
 ``codec="auto"`` picks whichever of the two takes fewer bytes (bit-pack on ties). Round trips
 are exact: ``dense()`` gives back every element bitwise, with the dtype and shape passed in
@@ -91,6 +92,8 @@ class SpikeTrain:
         self.dtype = dtype
         self._data = data
         self._offsets = offsets
+        #: the offsets copied to each other device once (`_offsets_on`)
+        self._offsets_copies: dict[torch.device, Tensor] = {}
         self.ones = int(ones)
 
     # ------------------------------------------------------------------------- building
@@ -282,7 +285,7 @@ class SpikeTrain:
         if self.codec == "bitpack":
             lo, hi = a * n, b * n
             first, last = lo >> 3, (hi + 7) >> 3
-            raw = self._data[first:last].to(target, non_blocking=False)
+            raw = _moved(self._data[first:last], target)
             skip = lo - 8 * first
             flat = bitunpack(raw, skip + hi - lo, self.dtype)[skip:]
             if skip:
@@ -322,12 +325,25 @@ class SpikeTrain:
         start, end = int(offsets[k0]), int(offsets[k1])
         if end <= start:
             return torch.zeros(0, dtype=torch.int64, device=target)
-        local = self._data[start:end].to(target)
-        counts = (offsets[k0 + 1 : k1 + 1] - offsets[k0:k1]).to(target)
+        local = _moved(self._data[start:end], target)
+        there = self._offsets_on(target)  # the bounds above read on the host, no device wait
+        counts = there[k0 + 1 : k1 + 1] - there[k0:k1]
         block = torch.arange(k1 - k0, device=target)
         base = (block // per_step) * n + (block % per_step) * BLOCK
         positions = torch.repeat_interleave(base, counts, output_size=end - start)
         return positions + local.long() + _HALF
+
+    def _offsets_on(self, device: torch.device) -> Tensor:
+        """The offsets on ``device``: the CPU's own, or a copy made once per device (a copy per
+        step from pageable host memory would make the host wait for the device's queue)."""
+        offsets = self._offsets
+        assert offsets is not None
+        if device.type == "cpu":
+            return offsets
+        copy = self._offsets_copies.get(device)
+        if copy is None:
+            copy = self._offsets_copies[device] = offsets.to(device)
+        return copy
 
     def dense(self, device: torch.device | str | None = None) -> Tensor:
         """The whole train dense, ``(T, B, ...)`` in ``dtype``, on ``device`` (default: here)."""
@@ -343,7 +359,8 @@ class SpikeTrain:
         n = shape_numel(self.shape[1:])
         per_step = _blocks_per_step(n)
         blocks = offsets.numel() - 1
-        counts = (offsets[1:] - offsets[:-1]).to(self.device)
+        there = self._offsets_on(self.device)
+        counts = there[1:] - there[:-1]
         block = torch.arange(blocks, device=self.device)
         base = (block // max(per_step, 1)) * n + (block % max(per_step, 1)) * BLOCK
         out = torch.repeat_interleave(base, counts, output_size=self.ones)
@@ -412,6 +429,14 @@ class SpikeTrain:
             state["offsets"],
             state["ones"],
         )
+
+
+def _moved(part: Tensor, target: torch.device) -> Tensor:
+    """``part`` of a payload on ``target``: a copy from pinned host memory to a GPU is queued
+    without waiting (the payload outlives it; torch's pinned allocator tracks its use), any
+    other copy is an ordinary one."""
+    asynchronous = target.type == "cuda" and part.device.type == "cpu" and part.is_pinned()
+    return part.to(target, non_blocking=asynchronous)
 
 
 def as_spike_train(x: Tensor | SpikeTrain, codec: str = "auto") -> SpikeTrain:
