@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spikeckpt as sc
 from spikeckpt.plans import BPTT, Double, Revolve, TwoLevel, Uniform
@@ -276,3 +277,61 @@ def test_training_loss_falls() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+class _HostCopies(TorchDispatchMode):
+    """Counts the operations that make a tensor on another device from a CPU tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        sources = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        results = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        copies = "copy" in str(func)
+        if (
+            copies
+            and any(t.device.type == "cpu" for t in sources)
+            and any(t.device.type != "cpu" for t in results)
+        ):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("per_neuron", [False, True], ids=["0-d", "per-neuron"])
+def test_steps_on_another_device_copy_the_parameters_at_most_once(per_neuron: bool) -> None:
+    """Norse's ``p`` stays on the CPU when the model moves to a GPU. Its 0-d tensors are used
+    as they are (scalars, as Norse's own loop uses them); a per-neuron tensor is copied to the
+    device once, not at every step (a copy per step from pageable host memory makes the host
+    wait for the GPU's queue: 6 copies per step before). The "meta" device stands in for a
+    GPU."""
+    from spikeckpt.adapters.norse import NorseAdapter
+
+    tau = torch.linspace(100.0, 200.0, 5) if per_neuron else torch.as_tensor(100.0)
+    adapter = NorseAdapter(nt.LIFCell(nt.LIFParameters(tau_mem_inv=tau)), "1")
+    x = torch.rand(3, 5, device="meta")
+    state = adapter.init_state(x)
+    with _HostCopies() as copies:
+        for _ in range(10):
+            state, z = adapter.step(state, x)
+    assert z.device.type == "meta"
+    assert copies.count <= (1 if per_neuron else 0), copies.count
+
+
+def test_the_fused_kernel_takes_norse_parameters_left_on_the_cpu() -> None:
+    """The fused chunk of a ``LIFCell`` whose ``p`` stayed on the CPU runs on the device of
+    its input (before, it ran step by step there); checked on the "meta" device for shapes."""
+    from spikeckpt.adapters.norse import NorseAdapter
+
+    adapter = NorseAdapter(nt.LIFCell(), "1")
+    kernel = adapter.chunk_kernel()
+    assert kernel is not None
+    z = torch.rand(4, 3, 5, device="meta")
+    leaves = list(pytree.tree_leaves(adapter.init_state(z[0])))
+    assert kernel.accepts(leaves, z)
+    final, y, _, saved = kernel.forward(leaves, z, keep=True, want_mem=False)
+    assert y is not None and y.shape == z.shape and y.device.type == "meta"
+    g_z, g_final, _ = kernel.backward(saved, torch.ones_like(y), [None, None], None, True, [])
+    assert g_z is not None and g_z.shape == z.shape

@@ -94,6 +94,12 @@ def clamp_grad(grad: Tensor, value: Tensor) -> Tensor:
     return grad * ((value >= 0) & (value <= 1)).to(grad.dtype)
 
 
+def _host_scalar(t: Tensor) -> bool:
+    """A 0-d CPU tensor that needs no gradient: torch takes it as a scalar beside tensors on
+    any device (Norse's parameters stay on the CPU when a model moves to a GPU)."""
+    return t.dim() == 0 and t.device.type == "cpu" and not t.requires_grad
+
+
 def _same_layout(leaves: Sequence[Tensor], z: Tensor, frozen: Sequence[Tensor] = ()) -> bool:
     """Every state leaf is shaped like one step of ``z``, on its device, float32 or float64
     (the dtype the step keeps: a spike is float32, so a lower-precision state is promoted by
@@ -769,7 +775,9 @@ class NorseKernel:
             len(leaves) == (1 if self.mode == "box" else 2)
             and _same_layout(leaves, z, [t for t in frozen if isinstance(t, Tensor)])
             and all(
-                isinstance(t, Tensor) and t.device == z.device and t.dtype == leaves[0].dtype
+                isinstance(t, Tensor)
+                and t.dtype == leaves[0].dtype
+                and (t.device == z.device or _host_scalar(t))
                 for t in tensors
             )
             and all(t.dtype == z.dtype for t in leaves)

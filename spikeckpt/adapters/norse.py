@@ -23,6 +23,7 @@ This module imports Norse; import it only when a Norse layer was found.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -48,12 +49,37 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
+#: copies of parameter tensors that need no gradient, made once per device and dtype:
+#: ``(id, device, dtype) -> (weak reference, version, copy)``
+_MOVED: dict[tuple[int, torch.device, torch.dtype], tuple[weakref.ref[Tensor], int, Tensor]] = {}
+
+
 def move_params(p: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    """``p`` with its tensors on ``device`` (floating ones in ``dtype``); ``p`` itself if no
-    tensor needs to move."""
+    """``p`` with its tensors usable on ``device`` (floating ones in ``dtype``); ``p`` itself
+    if no tensor needs to move.
+
+    A 0-d CPU tensor already in its dtype and needing no gradient stays (torch takes it as a
+    scalar beside tensors on any device, as Norse's own loop does); a tensor that needs no gradient moves once per
+    device, dtype and version (a copy per step from pageable host memory would make the host
+    wait for the GPU's queue); one that needs a gradient moves at each call (the copy is part
+    of that call's graph)."""
     if isinstance(p, Tensor):
         want = dtype if dtype is not None and p.is_floating_point() else p.dtype
-        return p if p.device == device and p.dtype == want else p.to(device=device, dtype=want)
+        scalar = p.dim() == 0 and p.device.type == "cpu" and not p.requires_grad
+        if p.dtype == want and (p.device == device or scalar):
+            return p
+        if p.requires_grad:
+            return p.to(device=device, dtype=want)
+        key = (id(p), device, want)
+        known = _MOVED.get(key)
+        if known is None or known[0]() is not p or known[1] != p._version:
+            known = (
+                weakref.ref(p, lambda _: _MOVED.pop(key, None)),
+                p._version,
+                p.to(device=device, dtype=want),
+            )
+            _MOVED[key] = known
+        return known[2]
     if _is_namedtuple(p) or type(p) is tuple:
         fields = [move_params(f, device, dtype) for f in p]
         if all(a is b for a, b in zip(fields, p, strict=True)):
