@@ -256,6 +256,20 @@ def test_parameters_follow_device() -> None:
         torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layer_wise_on_cuda_runs_the_fused_neuron_with_p_on_the_cpu() -> None:
+    """A ``LIFCell`` whose ``p`` stayed on the CPU runs fused on CUDA, layer-wise, with its
+    own loop's outputs there (Norse's loop takes 0-d CPU parameters as scalars)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(IN, N), nt.LIFCell()).cuda()
+    x = torch.rand(12, 2, IN, device="cuda") * 4
+    ref_y, _ = cell_loop(net[0], net[1])(x)
+    seq = sc.wrap(net, granularity="layer", chunk=4)
+    y = seq(x)
+    assert seq.last_stats.blocks[0].neuron == "fused", seq.last_stats.blocks[0].neuron_chunks
+    torch.testing.assert_close(y, ref_y)
+
+
 def test_unsupported_norse_modules() -> None:
     with pytest.raises(sc.UnsupportedLayerError, match=r"(?s)layer '1' .*PoissonEncoder"):
         sc.wrap(nn.Sequential(nn.Linear(IN, N), nt.PoissonEncoder(10)))
