@@ -33,8 +33,11 @@
 # 200 s at T = 4000 alone with REPEATS=1 (stopped); step 5 with REPEATS=2 and step 4 at
 # T = 1000 with REPEATS=1 94 s together; step 6's script about 20 s. A lease of 15 minutes (the
 # machine's start, 30-60 s, included) holds the whole suite only with STEP_TIMEOUT or fewer
-# STEPS. Next time, first (about 6 minutes): STEPS="1 2 6 7 4" TABLE_T=4000 REPEATS=1
-# STEP_TIMEOUT=200 (step 4's compiled row is left out unless TABLE_COMPILED=1).
+# STEPS. Next time, first (about 6 minutes): STEPS="1 3 6 7 2" PEERS_N="512 8192" REPEATS=1
+# STEP_TIMEOUT=200 (step 3 first after the tests: its stack rows read a packed index train,
+# which copied from the host at every step until 2026-11-26; step 1 has a Norse layer-wise
+# CUDA test that should now run fused; step 4's compiled row is left out unless
+# TABLE_COMPILED=1).
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
