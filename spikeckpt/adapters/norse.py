@@ -59,10 +59,10 @@ def move_params(p: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
     if no tensor needs to move.
 
     A 0-d CPU tensor already in its dtype and needing no gradient stays (torch takes it as a
-    scalar beside tensors on any device, as Norse's own loop does); a tensor that needs no gradient moves once per
-    device, dtype and version (a copy per step from pageable host memory would make the host
-    wait for the GPU's queue); one that needs a gradient moves at each call (the copy is part
-    of that call's graph)."""
+    scalar beside tensors on any device, as Norse's own loop does); another tensor that needs
+    no gradient moves once per device, dtype and version (a copy per step from pageable host
+    memory would make the host wait for the GPU's queue); one that needs a gradient moves at
+    each call (the copy is part of that call's graph)."""
     if isinstance(p, Tensor):
         want = dtype if dtype is not None and p.is_floating_point() else p.dtype
         scalar = p.dim() == 0 and p.device.type == "cpu" and not p.requires_grad

@@ -22,9 +22,10 @@ Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches
 code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
 so later runs pay far less. A compiled forward is checked bitwise against the eager one on the
 first chunk of each shape and timed against it there (`compiled_is_faster`), and used only
-where equal and no slower (else the stats say "fused" for those chunks, and one line why). When no compiler is available (no C++
-compiler on CPU, no Triton on CUDA, a torch without ``torch.compile``) or compiling fails, the
-kernel runs eagerly and one line says so (a `UserWarning`, once per reason).
+where equal and no slower (else the stats say "fused" for those chunks, and one line why).
+When no compiler is available (no C++ compiler on CPU, no Triton on CUDA, a torch without
+``torch.compile``) or compiling fails, the kernel runs eagerly and one line says so (a
+`UserWarning`, once per reason).
 
 Under an active ``TorchDispatchMode`` (``MemoryMeter(mode="tensors")``, the planner's probes on
 the CPU) the compiled paths run the eager code and never call the compiled function
@@ -199,9 +200,9 @@ class CompiledKernel:
     def _first(
         self, key: tuple[Any, ...], leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
     ) -> bool:
-        """The first chunk of a shape: compile and check the compiled forward against the
-        eager one (states, spikes and membranes bitwise; else never use it for this shape).
-        Remembers and returns the choice."""
+        """The first chunk of a key: compile a copy of the forward for it, check it against
+        the eager one (states, spikes and membranes bitwise) and time both; use it only
+        where equal and no slower. Remembers and returns the choice."""
         compiled = torch.compile(own_code(self.kernel.forward), dynamic=False)
         self.compiled[key] = compiled
         got = compiled(leaves, z, keep, want_mem)  # compiles
