@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+from device_copies import HostToDeviceCopies
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import spikeckpt as sc
 from spikeckpt.plans import BPTT, Double, Revolve, TwoLevel, Uniform
@@ -293,27 +293,6 @@ def test_training_loss_falls() -> None:
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-class _HostCopies(TorchDispatchMode):
-    """Counts the operations that make a tensor on another device from a CPU tensor."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        sources = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        results = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        copies = "copy" in str(func)
-        if (
-            copies
-            and any(t.device.type == "cpu" for t in sources)
-            and any(t.device.type != "cpu" for t in results)
-        ):
-            self.count += 1
-        return out
-
-
 @pytest.mark.parametrize("per_neuron", [False, True], ids=["0-d", "per-neuron"])
 def test_steps_on_another_device_copy_the_parameters_at_most_once(per_neuron: bool) -> None:
     """Norse's ``p`` stays on the CPU when the model moves to a GPU. Its 0-d tensors are used
@@ -327,7 +306,7 @@ def test_steps_on_another_device_copy_the_parameters_at_most_once(per_neuron: bo
     adapter = NorseAdapter(nt.LIFCell(nt.LIFParameters(tau_mem_inv=tau)), "1")
     x = torch.rand(3, 5, device="meta")
     state = adapter.init_state(x)
-    with _HostCopies() as copies:
+    with HostToDeviceCopies() as copies:
         for _ in range(10):
             state, z = adapter.step(state, x)
     assert z.device.type == "meta"

@@ -7,10 +7,9 @@ import pickle
 
 import pytest
 import torch
+from device_copies import HostToDeviceCopies
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import NotBinaryError
@@ -251,24 +250,6 @@ def test_to_moves_only_the_payload_and_keeps_the_type() -> None:
     assert meta.nbytes == train.nbytes and meta.shape == train.shape
 
 
-class _HostToDeviceCopies(TorchDispatchMode):
-    """Counts the operations that copy a CPU tensor to another device."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        sources = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if any(t.device.type == "cpu" for t in sources) and any(
-            t.device.type != "cpu" for t in results
-        ):
-            self.count += 1
-        return out
-
-
 @pytest.mark.parametrize("codec", ["bitpack", "index"])
 def test_steps_of_a_device_train_copy_nothing_from_the_host_per_step(codec: str) -> None:
     """An index train's offsets live on the host; a step's bounds are read there, and its
@@ -277,7 +258,7 @@ def test_steps_of_a_device_train_copy_nothing_from_the_host_per_step(codec: str)
     "meta" device stands in for a GPU here.)"""
     x = spikes((20, 4, 300), 0.05, torch.float32, 6)
     train = SpikeTrain.from_dense(x, codec).to("meta")
-    with _HostToDeviceCopies() as copies:
+    with HostToDeviceCopies() as copies:
         for t in range(10):
             assert train.step(t).device.type == "meta"
         train.chunk(3, 17)
