@@ -16,7 +16,8 @@
 #      gradients of the default, exact=True, fuse=False against the snnTorch loop):
 #      benchmarks/bench_exact.py --device cuda;
 #   7. where layer-wise spends its time at n = 8192 (1.70x the loop there on an H200): the
-#      profiler's top kernels and the host's waits for the device, layer-wise and the loop:
+#      profiler's top kernels and the host's waits for the device, layer-wise, stack BPTT()
+#      and the loop:
 #      benchmarks/profile_layerwise.py --device cuda --n 8192;
 # and write one Markdown report: every step's command, exit status, time and output.
 #

@@ -2,7 +2,8 @@
 
 The peers' setup (``benchmarks/bench_peers.py``: ``Linear(n, n)`` + ``snn.Leaky``, batch 16,
 T = 500, 5% input spikes, loss on the output spikes): the snnTorch loop and
-``spikeckpt.wrap(..., granularity="layer", chunk=25)`` (fused neuron, packed input), one
+``spikeckpt.wrap(..., granularity="layer", chunk=25)`` (fused neuron, packed input) and the
+stack granularity's ``BPTT()`` (packed input: 1.5-1.6x the loop on the H200), one
 untimed forward + backward each, then one of each under ``torch.profiler`` (CPU activity, and
 CUDA's on a GPU). Printed per run: its wall time unprofiled (minimum of ``--repeats``), the
 profiler's top operations by self time on the device (CUDA: kernels; CPU: ops), and the host's
@@ -30,6 +31,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import make_setup, snntorch_loop, wrapped  # noqa: E402
 
+from spikeckpt.plans import BPTT  # noqa: E402
+
 #: host calls that wait for the device (or copy through it)
 WAITS = (
     "cudaStreamSynchronize",
@@ -54,10 +57,15 @@ def runs(setup: Any, chunk: int, storage: str) -> dict[str, Callable[[], Any]]:
         chunk=chunk,
         storage=storage,
     )
-    for row in (loop, layer):
+    stack = wrapped(setup, "spikeckpt stack, BPTT()", {}, {"compile": False}, plan=BPTT())
+    for row in (loop, layer, stack):
         if isinstance(row, str):  # a Skip: why the row cannot run here
             sys.exit(f"profile_layerwise.py: {row}")
-    return {"snnTorch loop": loop.run, f"layer-wise fused, chunk {chunk}": layer.run}
+    return {
+        "snnTorch loop": loop.run,
+        f"layer-wise fused, chunk {chunk}": layer.run,
+        "stack BPTT()": stack.run,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         print("host waits for the device:", waits or "none")
     ratio = best[f"layer-wise fused, chunk {args.chunk}"] / best["snnTorch loop"]
     print(f"\nlayer-wise / loop: {ratio:.2f}")
+    print(f"stack BPTT() / loop: {best['stack BPTT()'] / best['snnTorch loop']:.2f}")
 
 
 if __name__ == "__main__":
