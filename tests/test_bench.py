@@ -336,9 +336,10 @@ def test_bench_exact_prints_the_exact_run_bitwise(capsys: pytest.CaptureFixture[
     assert "outputs differ" in out
 
 
-def test_profile_layerwise_prints_both_runs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_layerwise_prints_every_run(capsys: pytest.CaptureFixture[str]) -> None:
     """``profile_layerwise.py`` (step 7 of the GPU suite) at a small size: a profile of each
-    run, the host's waits for the device, and the ratio of the two times."""
+    run (the loop, layer-wise, stack ``BPTT()``), the host's waits for the device, and the
+    ratios of the times to the loop's."""
     pytest.importorskip("snntorch")
     threads = torch.get_num_threads()
     try:
@@ -347,5 +348,7 @@ def test_profile_layerwise_prints_both_runs(capsys: pytest.CaptureFixture[str]) 
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "## snnTorch loop: " in out and "## layer-wise fused, chunk 25: " in out
-    assert out.count("host waits for the device:") == 2
+    assert "## stack BPTT(): " in out
+    assert out.count("host waits for the device:") == 3
     assert re.search(r"layer-wise / loop: \d+\.\d\d", out)
+    assert re.search(r"stack BPTT\(\) / loop: \d+\.\d\d", out)
