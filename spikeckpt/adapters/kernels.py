@@ -21,7 +21,6 @@ threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -36,6 +35,7 @@ from spikeckpt.adapters.host_loops import (
     synaptic_backward_on_host,
     synaptic_forward_on_host,
 )
+from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.grad import grad as engine_grad
 
@@ -540,10 +540,8 @@ def surrogate_grad(
     return out
 
 
-#: ``is_unit``'s answers: ``id(tensor) -> (weak reference, version, answer)``. Keyed by id, not
-#: a ``WeakKeyDictionary``: its lookup compares tensors with ``==`` (``bool(a == b)`` reads the
-#: value: a device sync on CUDA), so the cache cost what it was to save.
-_UNIT: dict[int, tuple[weakref.ref[Tensor], int, bool]] = {}
+#: ``is_unit``'s answers, per tensor and version
+_UNIT: TensorMemo[bool] = TensorMemo()
 
 
 def is_unit(graded: Tensor) -> bool:
@@ -552,16 +550,11 @@ def is_unit(graded: Tensor) -> bool:
     traces (``s * 1.0`` is ``s`` bitwise; the value read would break the graph)."""
     if graded.dim() != 0 or graded.requires_grad or is_compiling():
         return False
-    known = _UNIT.get(id(graded))
-    if known is None or known[0]() is not graded or known[1] != graded._version:
-        key = id(graded)
-        known = (
-            weakref.ref(graded, lambda _: _UNIT.pop(key, None)),
-            graded._version,
-            bool(graded == 1),
-        )
-        _UNIT[key] = known
-    return known[2]
+    return _UNIT.get(graded, _equals_one)
+
+
+def _equals_one(t: Tensor) -> bool:
+    return bool(t == 1)
 
 
 class SynapticKernel(SurrogateKernel):

@@ -23,7 +23,6 @@ This module imports Norse; import it only when a Norse layer was found.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatefulAdapter, probe, state_arity
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
+from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
 from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
@@ -49,9 +49,8 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-#: copies of parameter tensors that need no gradient, made once per device and dtype:
-#: ``(id, device, dtype) -> (weak reference, version, copy)``
-_MOVED: dict[tuple[int, torch.device, torch.dtype], tuple[weakref.ref[Tensor], int, Tensor]] = {}
+#: copies of parameter tensors that need no gradient, per device and dtype
+_MOVED: TensorMemo[Tensor] = TensorMemo()
 
 
 def move_params(p: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -70,16 +69,7 @@ def move_params(p: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
             return p
         if p.requires_grad:
             return p.to(device=device, dtype=want)
-        key = (id(p), device, want)
-        known = _MOVED.get(key)
-        if known is None or known[0]() is not p or known[1] != p._version:
-            known = (
-                weakref.ref(p, lambda _: _MOVED.pop(key, None)),
-                p._version,
-                p.to(device=device, dtype=want),
-            )
-            _MOVED[key] = known
-        return known[2]
+        return _MOVED.get(p, lambda t: t.to(device=device, dtype=want), (device, want))
     if _is_namedtuple(p) or type(p) is tuple:
         fields = [move_params(f, device, dtype) for f in p]
         if all(a is b for a, b in zip(fields, p, strict=True)):
