@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
 from spikeckpt.adapters.protocol import no_hooks
+from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.inputs import SparseChunk
 
 __all__ = ["SPARSE_DENSITY", "LinearChunk", "sparse_positions"]
@@ -91,7 +92,7 @@ class LinearChunk:
     ) -> tuple[Tensor, Any] | None:
         linear = self.linear
         weight, bias = linear.weight, linear.bias
-        if not no_hooks(linear) or torch.is_autocast_enabled(x.device.type):
+        if not no_hooks(linear) or autocast_on(x.device):
             return None
         k, b = x.shape[0], x.shape[1]
         found = sparse_positions(x, linear) if sparse else None

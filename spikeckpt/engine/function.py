@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.amp import autocast_kinds
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.errors import UsageError
@@ -85,7 +86,7 @@ class Job:
         """Remember the autocast state of the forward pass (called by `run_job`)."""
         self.autocast = [
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-            for kind in dict.fromkeys((self.device.type, "cpu"))
+            for kind in autocast_kinds(self.device)
         ]
         self.autocast_cache = torch.is_autocast_cache_enabled()
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.blocks import LayerBlock
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
@@ -208,7 +209,7 @@ class LayerwiseJob(Job):
             return False
         if affine.params[0].shape[0] < GATHER_MIN_OUTPUTS:
             return False
-        if any(torch.is_autocast_enabled(kind) for kind in ("cpu", self.device.type)):
+        if autocast_on(self.device):
             return False
         return self._untaped_parts(b) is not None
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import first_step
 from spikeckpt.engine.function import Job, run_job
@@ -344,8 +345,7 @@ def _autocast_first(plan: Any, T: int, state: list[Any], inputs: list[Any]) -> b
     device = next(
         (t.device for t in (*state, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
     )
-    kinds = {"cpu", device.type if device is not None else "cpu"}
-    return any(torch.is_autocast_enabled(kind) for kind in kinds)
+    return autocast_on(device if device is not None else torch.device("cpu"))
 
 
 def _run(
