@@ -328,3 +328,77 @@ def test_the_fused_kernel_takes_norse_parameters_left_on_the_cpu() -> None:
     assert y is not None and y.shape == z.shape and y.device.type == "meta"
     g_z, g_final, _ = kernel.backward(saved, torch.ones_like(y), [None, None], None, True, [])
     assert g_z is not None and g_z.shape == z.shape
+
+
+class _ClampedLIFCell(nt.LIFCell):
+    """A user's cell: Norse's step, then the membrane clamped (its own ``forward``)."""
+
+    def forward(self, x: torch.Tensor, state: Any = None) -> Any:
+        z, s = super().forward(x, state)
+        return z, s._replace(v=s.v.clamp(max=0.5))
+
+
+class _ClampedLIF(nt.LIF):
+    """A user's sequence module: its input clamped, then Norse's loop."""
+
+    def forward(self, x: torch.Tensor, state: Any = None) -> Any:
+        return super().forward(x.clamp(max=0.5), state)
+
+
+def _tutorial_loop(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    state, out = None, []
+    for x_t in x:
+        z, state = model(x_t, state)
+        out.append(z)
+    return torch.stack(out)
+
+
+def test_a_cell_with_its_own_forward_is_not_fused() -> None:
+    """A ``LIFCell`` subclass whose ``forward`` clamps the membrane keeps its per-step call
+    layer-wise (the fused kernel ran Norse's step instead: other spikes, silently; the check
+    on random data missed the clamp)."""
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(IN, N), _ClampedLIFCell())
+    x = (torch.rand(8, 2, IN) < 0.7).float() * 3
+    ref = _tutorial_loop(model, x)
+    ref.sum().backward()
+    ref_g = _grads(list(model.parameters()))
+    model.zero_grad()
+    seq = sc.wrap(model, plan=Uniform(4), granularity="layer")
+    y, _ = seq(x)
+    y.sum().backward()
+    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    for a, b in zip(_grads(list(model.parameters())), ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cell_with_a_forward_hook_runs_per_step_with_the_hook() -> None:
+    """A hook that clamps a ``LIFCell``'s membrane runs layer-wise as in Norse's loop: the
+    fused kernel, which never calls the cell, is not used while the cell has hooks (the check
+    on random data missed the clamp)."""
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(IN, N), nt.LIFCell(), nn.Linear(N, 3), nt.LICell())
+    model[1].register_forward_hook(
+        lambda m, args, out: (out[0], out[1]._replace(v=out[1].v.clamp(max=0.5)))
+    )
+    x = (torch.rand(8, 2, IN) < 0.7).float() * 3
+    ref = _tutorial_loop(model, x)
+    seq = sc.wrap(model, plan=Uniform(4), granularity="layer")
+    y, _ = seq(x)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step", "fused"]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sequence_module_with_its_own_forward_or_hooks_is_refused() -> None:
+    """A sequence module is stepped through its activation, never called: a ``forward`` of
+    its own or a forward hook would silently not run, so both are refused, naming the layer."""
+    model = nt.SequentialState(nn.Linear(IN, N), _ClampedLIF())
+    x = torch.rand(6, 2, IN)
+    for granularity in ("stack", "layer"):
+        with pytest.raises(sc.UnsupportedLayerError, match=r"layer '1' .*overrides Norse's"):
+            sc.wrap(model, plan=Uniform(3), granularity=granularity)(x)
+    hooked = nt.SequentialState(nn.Linear(IN, N), nt.LIF())
+    hooked[1].register_forward_hook(lambda m, args, out: out)
+    with pytest.raises(sc.UnsupportedLayerError, match=r"layer '1' .*forward hooks"):
+        sc.wrap(hooked, plan=Uniform(3))(x)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
-from spikeckpt.adapters.protocol import LayerAdapter
+from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink
@@ -102,7 +102,9 @@ class VerifiedKernel:
     one sample of it): spikes, states and membranes bitwise, gradients with respect to the
     input, the state and every parameter within float32 round-off. A kernel that fails the
     check (another framework version, an option it does not model) is never used: the block
-    keeps its per-step call, and ``last_stats`` says so."""
+    keeps its per-step call, and ``last_stats`` says so. Nor is a kernel used while the module
+    has forward hooks (its own or global ones): the kernel never calls the module, so they
+    would not run; the per-step call runs them."""
 
     def __init__(self, neuron: LayerAdapter, kernel: ChunkKernel) -> None:
         self.neuron = neuron
@@ -116,7 +118,7 @@ class VerifiedKernel:
         return self.kernel.params
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
-        if not self.kernel.accepts(leaves, z):
+        if not no_hooks(self.neuron.module) or not self.kernel.accepts(leaves, z):
             return False
         if self.verified is None:
             self.verified = _kernel_matches_step(self.neuron, self.kernel, leaves, z)

@@ -35,7 +35,13 @@ from torch import Tensor, nn
 from spikeckpt.adapters.generic import StatefulAdapter, probe, state_arity
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.memo import TensorMemo
-from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, unsupported
+from spikeckpt.adapters.protocol import (
+    AdapterFor,
+    LayerAdapter,
+    State,
+    no_hooks,
+    unsupported,
+)
 from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
 
@@ -162,9 +168,36 @@ class NorseAdapter(LayerAdapter):
         return _field(state, "v")
 
     def check(self) -> None:
-        if self.sequence and getattr(self.module, "record_states", False):
+        if self.sequence:
+            self._check_sequence()
+
+    def _check_sequence(self) -> None:
+        """A sequence module is stepped through its activation, never called: refuse what
+        its own call would add (a ``forward`` of its own, forward hooks) or change
+        (``record_states``)."""
+        m = self.module
+        if type(m).forward not in (SNN.forward, SNNRecurrent.forward) or "forward" in vars(m):
             raise unsupported(
-                self.module,
+                m,
+                self.path,
+                f"{type(m).__name__} overrides Norse's forward, and a sequence module is stepped "
+                "through its activation (its forward, which loops over time, cannot be called "
+                "one step at a time): put what your forward adds in the step instead, e.g. a "
+                "cell subclass (norse.LIFCell) whose forward(x_t, state) does it, or your own "
+                "module with forward(x_t, state) -> (z, state)",
+            )
+        if not no_hooks(m):
+            raise unsupported(
+                m,
+                self.path,
+                "it has forward hooks (its own or global ones), and a sequence module is stepped "
+                "through its activation, never called on the whole sequence: the hooks would "
+                "not run; remove them, or use the cell (norse.LIFCell for norse.LIF, ...), "
+                "whose call runs at each step, with its hooks",
+            )
+        if getattr(m, "record_states", False):
+            raise unsupported(
+                m,
                 self.path,
                 "record_states=True makes its call return every step's state stacked over "
                 "time instead of the final state, which a wrapped model returns (it keeps a "
@@ -279,7 +312,10 @@ def norse_kernel(m: nn.Module) -> NorseKernel | None:
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
     dt = getattr(m, "dt", None)
-    if mode is None or p is None or not isinstance(dt, float) or "forward" in vars(m):
+    # Norse's own call only: the kernel never runs a forward of a subclass (the check on
+    # random data may miss what it does, e.g. a clamp of the membrane)
+    own = type(m).forward in (SNNCell.forward, SNN.forward) and "forward" not in vars(m)
+    if mode is None or p is None or not isinstance(dt, float) or not own:
         return None
     subtract = False
     if mode == "box":
