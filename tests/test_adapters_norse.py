@@ -402,3 +402,48 @@ def test_a_sequence_module_with_its_own_forward_or_hooks_is_refused() -> None:
     hooked[1].register_forward_hook(lambda m, args, out: out)
     with pytest.raises(sc.UnsupportedLayerError, match=r"layer '1' .*forward hooks"):
         sc.wrap(hooked, plan=Uniform(3))(x)
+
+
+def _set_dt(cell: nn.Module) -> None:
+    cell.dt = 0.004
+
+
+def _set_reset_subtract(cell: nn.Module) -> None:
+    from norse.torch.functional.reset import reset_subtract
+
+    cell.p = cell.p._replace(reset_method=reset_subtract)
+
+
+def _set_forward(cell: nn.Module) -> None:
+    def forward(x: torch.Tensor, state: Any = None) -> Any:
+        z, s = type(cell).forward(cell, x, state)
+        return z, s._replace(v=s.v.clamp(max=0.3))
+
+    cell.forward = forward
+
+
+@pytest.mark.parametrize(
+    ("cell", "change"),
+    [
+        (lambda: nt.LIFCell(), _set_dt),
+        (lambda: nt.LIFBoxCell(nt.LIFBoxParameters(v_th=torch.tensor(0.3))), _set_reset_subtract),
+        (lambda: nt.LIFCell(), _set_forward),
+    ],
+    ids=["dt", "reset_method", "forward"],
+)
+def test_a_cell_changed_after_the_first_forward_is_not_fused_with_its_old_step(
+    cell: Callable[[], nn.Module], change: Callable[[nn.Module], None]
+) -> None:
+    """The fused kernel is built at the first layer-wise forward; a cell whose ``dt``,
+    ``reset_method`` or ``forward`` changes after it ran the old step (other spikes,
+    silently): the block now runs per step, as Norse's loop does."""
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(IN, N), cell())
+    x = (torch.rand(8, 2, IN) < 0.7).float() * 3
+    seq = sc.wrap(model, plan=Uniform(4), granularity="layer")
+    seq(x)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+    change(model[1])
+    y, _ = seq(x)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
+    torch.testing.assert_close(y, _tutorial_loop(model, x), rtol=0, atol=0)

@@ -23,6 +23,7 @@ This module imports Norse; import it only when a Norse layer was found.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -295,14 +296,17 @@ def is_sequence_stack(module: nn.Module) -> bool:
     return any(isinstance(c, (*_SEQUENCE, Lift)) for c in module.children())
 
 
-def norse_kernel(m: nn.Module) -> NorseKernel | None:
-    """The chunk kernel of the Norse cell or sequence module ``m`` (see
-    `NorseAdapter.chunk_kernel`), or None."""
+#: ``p.method`` values whose spike the fused kernel takes from Norse's ``threshold``
+_METHODS = ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc")
+
+
+def _kernel_key(m: nn.Module) -> tuple[NorseMode, bool, float] | None:
+    """``(mode, subtract, dt)`` of the fused kernel that reproduces ``m``'s step as it is
+    now, or None where none does."""
     from norse.torch.functional import reset as resets
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
-    from norse.torch.functional.threshold import threshold
 
     modes: dict[Any, NorseMode] = {
         lif_feed_forward_step: "lif",
@@ -323,14 +327,35 @@ def norse_kernel(m: nn.Module) -> NorseKernel | None:
         if reset not in (resets.reset_value, resets.reset_subtract):
             return None
         subtract = reset is resets.reset_subtract
-    spike = None
-    if mode != "li":
-        method = getattr(p, "method", None)
-        if method not in ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc"):
-            return None
+    if mode != "li" and getattr(p, "method", None) not in _METHODS:
+        return None
+    return mode, subtract, dt
+
+
+class _NorseChunkKernel(NorseKernel):
+    """`NorseKernel` for one module, declining each chunk where the module no longer has the
+    step it was built for (``dt``, ``reset_method``, ``method``, ``activation`` or
+    ``forward`` changed since: the block then runs per step, exactly)."""
+
+    def __init__(self, m: nn.Module, key: tuple[NorseMode, bool, float]) -> None:
+        from norse.torch.functional.threshold import threshold
+
+        mode, subtract, dt = key
 
         def spike(u: Tensor) -> Tensor:
             q = m.p
             return threshold(u, q.method, q.alpha)
 
-    return NorseKernel(lambda: m.p, dt, spike, mode, subtract=subtract)
+        super().__init__(lambda: m.p, dt, None if mode == "li" else spike, mode, subtract=subtract)
+        self.module = m
+        self.key = key
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        return _kernel_key(self.module) == self.key and super().accepts(leaves, z)
+
+
+def norse_kernel(m: nn.Module) -> NorseKernel | None:
+    """The chunk kernel of the Norse cell or sequence module ``m`` (see
+    `NorseAdapter.chunk_kernel`), or None."""
+    key = _kernel_key(m)
+    return None if key is None else _NorseChunkKernel(m, key)
