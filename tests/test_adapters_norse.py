@@ -447,3 +447,31 @@ def test_a_cell_changed_after_the_first_forward_is_not_fused_with_its_old_step(
     y, _ = seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
     torch.testing.assert_close(y, _tutorial_loop(model, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        lambda: nt.LIFBoxCell(nt.LIFBoxParameters(tau_mem_inv=150.0, v_th=0.3)),
+        lambda: nt.LICell(nt.LIParameters(tau_mem_inv=150.0, tau_syn_inv=150.0)),
+    ],
+    ids=["LIFBoxCell", "LICell"],
+)
+def test_python_number_parameters_run_layer_wise(cell: Callable[[], nn.Module]) -> None:
+    """``LIFBoxCell`` and ``LICell`` keep Python numbers in ``p`` as given (``LIFCell``
+    makes them tensors): layer-wise, the backward asked each one ``requires_grad``
+    (``AttributeError``); it runs per step, as Norse's loop."""
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(IN, N), cell())
+    x = (torch.rand(9, 2, IN) < 0.6).float() * 3
+    ref = _tutorial_loop(model, x)
+    ref.sum().backward()
+    ref_g = _grads(list(model.parameters()))
+    model.zero_grad()
+    seq = sc.wrap(model, plan=Uniform(4), granularity="layer")
+    y, _ = seq(x)
+    y.sum().backward()
+    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(_grads(list(model.parameters())), ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -757,12 +757,14 @@ class NorseKernel:
 
     @property
     def params(self) -> tuple[Tensor, ...]:
+        """The parameter fields that are tensors (a Python number, which Norse takes too,
+        needs no gradient; `accepts` declines such a cell)."""
         p = self.p()
-        return tuple(getattr(p, f) for f in self.fields)
+        return tuple(t for t in (getattr(p, f) for f in self.fields) if isinstance(t, Tensor))
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         p = self.p()
-        tensors = self.params
+        tensors = [getattr(p, f) for f in self.fields]
         frozen = [getattr(p, "alpha", None)]
         return (
             len(leaves) == (1 if self.mode == "box" else 2)
