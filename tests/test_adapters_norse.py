@@ -475,3 +475,35 @@ def test_python_number_parameters_run_layer_wise(cell: Callable[[], nn.Module]) 
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(_grads(list(model.parameters())), ref_g, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_reset_subtract_gives_v_reset_no_gradient_layer_wise() -> None:
+    """``reset_subtract`` does not read ``v_reset``: Norse's loop leaves its gradient None.
+    The fused kernel gave it ``reset_value``'s gradient: the check on random data refused
+    the kernel here (per step), and where its sample did not spike it passed and the
+    gradient was wrong (fuzzer: 0.56 against None). Now fused, and None."""
+    from norse.torch.functional.reset import reset_subtract
+
+    v_reset = nn.Parameter(torch.full((N,), -0.1))
+    tau = nn.Parameter(torch.full((N,), 150.0))
+    p = nt.LIFBoxParameters(
+        tau_mem_inv=tau, v_th=torch.tensor(0.3), v_reset=v_reset, reset_method=reset_subtract
+    )
+    torch.manual_seed(0)
+    model = nt.SequentialState(nn.Linear(IN, N), nt.LIFBoxCell(p))
+    x = (torch.rand(9, 2, IN) < 0.6).float() * 3
+    w = torch.randn(N)
+    ref = _tutorial_loop(model, x)
+    (ref * w).sum().backward()
+    assert v_reset.grad is None and ref.any()
+    ref_g = _grads([*model.parameters(), tau])
+    model.zero_grad()
+    tau.grad = None
+    seq = sc.wrap(model, plan=Uniform(4), granularity="layer")
+    y, _ = seq(x)
+    (y * w).sum().backward()
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    assert v_reset.grad is None or not v_reset.grad.any(), v_reset.grad
+    for a, b in zip(_grads([*model.parameters(), tau]), ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

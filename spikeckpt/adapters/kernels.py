@@ -147,11 +147,13 @@ def _keeps_dtype(kernel: Any, leaves: Sequence[Tensor], z: Tensor) -> bool:
 
 
 def _grads_for(
-    pairs: Sequence[tuple[Tensor, Callable[[], Tensor]]], need: Sequence[bool]
+    pairs: Sequence[tuple[Tensor, Callable[[], Tensor | None]]], need: Sequence[bool]
 ) -> list[Tensor | None]:
-    """Gradients of the parameters that require grad (``need`` is aligned with those)."""
+    """Gradients of the parameters that require grad (``need`` is aligned with those); None
+    where ``make`` gives None (a parameter the step does not use)."""
     wanted = [(p, make) for p, make in pairs if p.requires_grad]
-    return [reduce_to(make(), p) if n else None for (p, make), n in zip(wanted, need, strict=True)]
+    made = [make() if n else None for (_, make), n in zip(wanted, need, strict=True)]
+    return [None if g is None else reduce_to(g, p) for (p, _), g in zip(wanted, made, strict=True)]
 
 
 class LeakyKernel:
@@ -916,7 +918,7 @@ class NorseKernel:
             g_z = c_m * g_vd if box else g_in
         g_i_state = [] if box else [g_i]
         # dL/d i_d per step: the state gradient entering each step from the next
-        grads: list[tuple[Tensor, Callable[[], Tensor]]] = []
+        grads: list[tuple[Tensor, Callable[[], Tensor | None]]] = []
 
         def g_tau_mem() -> Tensor:
             return dt * (g_vd * before)
@@ -931,8 +933,9 @@ class NorseKernel:
                 total = total - g_vn_all * y
             return total
 
-        def g_reset() -> Tensor:
-            return g_vn_all * y
+        def g_reset() -> Tensor | None:
+            # reset_subtract does not read v_reset: Norse gives it no gradient
+            return None if self.subtract else g_vn_all * y
 
         def g_tau_syn() -> Tensor:
             assert g_in is not None and i_new is not None
