@@ -248,14 +248,14 @@ def type_of_li_state() -> type:
 
 
 def stack_options(module: nn.Module) -> dict[str, Any] | None:
-    """For a ``SequentialState``: how to build its stack (keyword arguments of
-    `from_sequential`); else ``None``.
+    """For a ``SequentialState`` (a plain one: `_plain_stack`): how to build its stack
+    (keyword arguments of `from_sequential`); else ``None``.
 
     Norse passes one state per position (``stateful_flags``: its ``stateful_layers``, a module
     Norse calls without a state is stepped without one); in sequence mode its plain layers see
     ``(T, B, ...)`` tensors; ``return_hidden=True`` makes each step's output the list of every
     position's output (the wrapped model returns each one over time, in Norse's order)."""
-    if not isinstance(module, SequentialState):
+    if not _plain_stack(module):
         return None
     flags = getattr(module, "stateful_layers", None)
     return {
@@ -265,11 +265,25 @@ def stack_options(module: nn.Module) -> dict[str, Any] | None:
     }
 
 
+def _plain_stack(module: nn.Module) -> bool:
+    """A ``SequentialState`` that Norse's own ``forward`` runs, with no forward hooks: it is
+    stepped as a stack of its layers. Another one (a subclass with a ``forward`` of its own,
+    or hooks on it) is a module of yours with ``forward(x_t, state) -> (z, state)``: stepped
+    through its call, so what its forward or hooks add runs at each step, as in Norse's loop
+    (the stack granularity; layer-wise needs a stack of blocks)."""
+    return (
+        isinstance(module, SequentialState)
+        and type(module).forward is SequentialState.forward
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
+
+
 def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> LayerAdapter:
     """The adapter for a Norse layer other than ``SequentialState`` (see
     `stack_options`), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (``adapter_for``: the
     registry's lookup, for the module inside ``Lift``)."""
-    if isinstance(module, SequentialState):
+    if _plain_stack(module):
         raise ConfigTypeError(
             "a SequentialState is a stack: the registry builds it (stack_options)"
         )
