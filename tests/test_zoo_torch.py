@@ -6,6 +6,7 @@ its own plain loop.
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -339,6 +340,44 @@ def test_sequential_subclass_with_its_own_forward_is_a_layer_of_yours() -> None:
     assert isinstance(adapter_for(SkipSequential(nn.Linear(4, 4))), CustomLayerAdapter)
     x = torch.rand(T, B, 4) * 2
     check(build, seq_loop, lambda m, x: sc.wrap(m, plan=Uniform(3))(x), x, "Sequential subclass")
+
+
+def _double(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+    return out * 2
+
+
+def _hooked_net(where: str) -> nn.Module:
+    """Linear + Leaky + (Linear + Leaky), a forward hook or pre-hook on the root or the
+    nested ``nn.Sequential``; weights large enough that both layers spike."""
+    inner = nn.Sequential(nn.Linear(6, 3), snn.Leaky(beta=0.8, init_hidden=True))
+    net = nn.Sequential(nn.Linear(4, 6), snn.Leaky(beta=0.8, init_hidden=True), inner)
+    with torch.no_grad():
+        for linear in (net[0], inner[0]):
+            linear.weight.mul_(3)
+    target = net if where.startswith("root") else inner
+    if where.endswith("pre"):
+        target.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    else:
+        target.register_forward_hook(_double)
+    return net
+
+
+@pytest.mark.parametrize("where", ["root", "root pre", "nested", "nested pre"])
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_hooks_on_a_sequential_run_at_every_step(where: str, granularity: str) -> None:
+    """A forward hook or pre-hook on an ``nn.Sequential`` runs when the plain loop calls it;
+    spikeckpt steps a plain ``nn.Sequential``'s layers without calling it, so one with hooks is
+    a module of yours, stepped through its call (before: the hooks never ran, outputs 2x off)."""
+    x = (torch.rand(T, B, 4) < 0.5).float()
+    route = lambda m, x: sc.wrap(m, plan=Uniform(3), granularity=granularity)(x)  # noqa: E731
+    hooked = _hooked_net(where)
+    plain = copy.deepcopy(hooked)
+    for module in plain.modules():
+        module._forward_hooks.clear()
+        module._forward_pre_hooks.clear()
+    with torch.no_grad():  # the hooks matter
+        assert not torch.equal(seq_loop(hooked, x), seq_loop(plain, x))
+    check(lambda: _hooked_net(where), seq_loop, route, x, f"hook on the {where} Sequential")
 
 
 # ----------------------------------------------------------------------------- scan's route

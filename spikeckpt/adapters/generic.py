@@ -42,6 +42,7 @@ from spikeckpt.adapters.protocol import (
     LayerAdapter,
     Registration,
     State,
+    plain_container,
     unsupported,
 )
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
@@ -673,8 +674,8 @@ def _is_generic(m: nn.Module) -> bool:
 
 
 def _is_custom(m: nn.Module) -> bool:
-    if isinstance(m, nn.Sequential):  # a subclass with a forward of its own (else: a stack)
-        return type(m).forward is not nn.Sequential.forward
+    if isinstance(m, nn.Sequential):  # a forward of its own or hooks (else: a stack)
+        return not plain_container(m, nn.Sequential.forward)
     return _foreign(m) and not isinstance(m, (nn.ModuleList, nn.ModuleDict))
 
 

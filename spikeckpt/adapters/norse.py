@@ -41,6 +41,7 @@ from spikeckpt.adapters.protocol import (
     LayerAdapter,
     State,
     no_hooks,
+    plain_container,
     unsupported,
 )
 from spikeckpt.engine import tree as pytree
@@ -271,12 +272,7 @@ def _plain_stack(module: nn.Module) -> bool:
     or hooks on it) is a module of yours with ``forward(x_t, state) -> (z, state)``: stepped
     through its call, so what its forward or hooks add runs at each step, as in Norse's loop
     (the stack granularity; layer-wise needs a stack of blocks)."""
-    return (
-        isinstance(module, SequentialState)
-        and type(module).forward is SequentialState.forward
-        and "forward" not in vars(module)
-        and not (module._forward_hooks or module._forward_pre_hooks)
-    )
+    return isinstance(module, SequentialState) and plain_container(module, SequentialState.forward)
 
 
 def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> LayerAdapter:

@@ -33,6 +33,7 @@ __all__ = [
     "attribute_tensors",
     "describe",
     "no_hooks",
+    "plain_container",
     "unsupported",
 ]
 
@@ -186,4 +187,16 @@ def no_hooks(module: nn.Module) -> bool:
         or module._forward_pre_hooks
         or getattr(torch_module, "_global_forward_hooks", None)
         or getattr(torch_module, "_global_forward_pre_hooks", None)
+    )
+
+
+def plain_container(module: nn.Module, forward: Callable[..., Any]) -> bool:
+    """Whether calling the container ``module`` runs ``forward`` (its class's own, e.g.
+    ``nn.Sequential.forward``) and no forward hook of its own, so that stepping its layers one
+    by one, without calling it, runs what its call runs. A subclass or an instance with a
+    ``forward`` of its own, or hooks on it, is a module of yours: stepped through its call."""
+    return (
+        type(module).forward is forward
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks)
     )

@@ -23,7 +23,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatefulAdapter, StatelessAdapter, TimeLiftedAdapter, probe
-from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, Registration, State, unsupported
+from spikeckpt.adapters.protocol import (
+    AdapterFor,
+    LayerAdapter,
+    Registration,
+    State,
+    plain_container,
+    unsupported,
+)
 from spikeckpt.errors import ConfigError
 
 __all__ = ["Block", "StackAdapter", "positions", "split_blocks"]
@@ -380,9 +387,10 @@ def _check_synapse(layer: LayerAdapter, why: str) -> None:
 
 
 def _is_sequential(m: nn.Module) -> bool:
-    """An ``nn.Sequential`` whose forward is ``nn.Sequential``'s (a subclass with a forward of
-    its own is a module of yours: see `spikeckpt.adapters.generic`)."""
-    return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+    """An ``nn.Sequential`` whose call runs ``nn.Sequential``'s forward and nothing else (a
+    subclass with a forward of its own, or one with forward hooks, is a module of yours: see
+    `spikeckpt.adapters.generic`)."""
+    return isinstance(m, nn.Sequential) and plain_container(m, nn.Sequential.forward)
 
 
 def _container_error(m: nn.Module, path: str) -> LayerAdapter:
