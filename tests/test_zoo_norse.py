@@ -335,3 +335,56 @@ def test_weight_shared_cell_keeps_one_state_per_position() -> None:
     for plan in PLANS:
         got = run(lambda m, x, plan=plan: sc.wrap(m, plan=plan)(x)[0], model, x)
         compare(ref, got, "Norse weight sharing")
+
+
+class LoopWithState(nn.Module):
+    """A Norse model written with its own time loop and a state argument: ``forward(x (T, B,
+    F), state=None) -> (outputs (T, B, H), state)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.lif = nt.LIFCell()
+
+    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
+        outs = []
+        for t in range(x.shape[0]):
+            z, state = self.lif(self.fc(x[t]), state)
+            outs.append(z)
+        return torch.stack(outs), state
+
+
+class SubSteps(nn.Module):
+    """One step of the input, two sub-steps of the cell (each on the whole batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.lif = nt.LIFCell()
+
+    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
+        z = self.fc(x)
+        for _ in range(B):  # as many sub-steps as the batch has rows: not a loop over time
+            y, state = self.lif(z, state)
+        return y, state
+
+
+def test_a_forward_that_loops_over_time_with_a_state_argument_is_refused() -> None:
+    """Given one step ``x[t] (B, F)``, its loop ran over the batch, carrying the state from
+    row to row, and the results were not its own loop's (before: no error)."""
+    x = torch.rand(T, B, 4)
+    with pytest.raises(sc.UnsupportedLayerError, match=r"called lif \(LIFCell\) 3 times") as err:
+        sc.wrap(LoopWithState(), plan=sc.plans.Uniform(2))(x)
+    assert "spikeckpt.scan" in str(err.value)
+
+
+def test_sub_steps_on_the_whole_batch_are_not_a_time_loop() -> None:
+    def loop(m: nn.Module, x: Tensor) -> Tensor:
+        state, outs = None, []
+        for t in range(x.shape[0]):
+            y, state = m(x[t], state)
+            outs.append(y)
+        return torch.stack(outs)
+
+    x = torch.rand(T, B, 4) * 4
+    check(SubSteps, loop, lambda m, x: sc.wrap(m, plan=sc.plans.Uniform(2))(x)[0], x, "sub-steps")

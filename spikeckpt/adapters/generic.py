@@ -376,7 +376,8 @@ class StatefulAdapter(LayerAdapter):
         if self._init is not None:
             return self._init(x_t)
         if self.accepts_none:
-            probe(self._call, None, x_t)  # checks the (y, state) protocol
+            # checks the (y, state) protocol, and that the forward does not loop over time
+            _refuse_an_own_time_loop(self, lambda: probe(self._call, None, x_t), x_t)
             return None
         errors = []
         # only the shape is learnt: a 0-d zero broadcasts in most neuron updates; then x-shaped
@@ -400,6 +401,45 @@ class StatefulAdapter(LayerAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         return self._call(state, x_t)
+
+
+def _refuse_an_own_time_loop(adapter: LayerAdapter, call: Callable[[], Any], x_t: Tensor) -> Any:
+    """Run ``call`` (one step of ``adapter``'s module of yours) counting the calls of its
+    stateful submodules; raise where one was called once per row of ``x_t (B, ...)``, each time
+    on a slice of lower rank: the forward loops over its input's first axis itself (``for t in
+    range(x.shape[0])``, written for ``x (T, B, ...)``), and given one step ``x_t`` that loop
+    would run over the batch, its results not the plain loop's."""
+    module = adapter.module
+    calls: dict[str, list[int]] = {}
+    handles = []
+    for name, child in module.named_modules():
+        if child is module or state_arity(child) < 1:
+            continue
+
+        def count(_: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            calls.setdefault(name, []).append(first.ndim if first is not None else -1)
+
+        handles.append(child.register_forward_pre_hook(count))
+    try:
+        result = call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = int(x_t.shape[0]) if x_t.ndim else 0
+    for name, ranks in calls.items():
+        if rows > 1 and len(ranks) == rows and all(0 <= r < x_t.ndim for r in ranks):
+            child = module.get_submodule(name)
+            raise own_loop_error(
+                module,
+                adapter.path,
+                f"in one step its forward called {name} ({type(child).__name__}) {rows} times, "
+                f"once per row of the step's input {tuple(x_t.shape)}, each on a slice: it "
+                "seems to loop over time itself (for t in range(x.shape[0])), and spikeckpt "
+                "calls it once per step with x[t] (B, ...), so that loop would run over the "
+                "batch",
+            )
+    return result
 
 
 class RNNCellAdapter(LayerAdapter):
