@@ -91,6 +91,24 @@ def test_a_packed_input_counts_its_packed_bytes_only() -> None:
     assert smallest["dense"] - smallest["packed"] >= dense_bytes * 0.9
 
 
+def test_a_constant_input_expanded_over_time_counts_one_step() -> None:
+    """The docs' static input ``img.expand(T, *img.shape)`` (snnTorch tutorial 5, the
+    population-coding tutorial) is a view of one step: its smallest budget is below the
+    contiguous copy's by about the copy's bytes, and it works. (It used to count T steps:
+    10.7 MB named for a step that measured 0.7 MB.)"""
+    torch.manual_seed(0)
+    net = _fc()
+    img = _input((8, 100))
+    smallest = {}
+    for form, x in (("view", img.expand(400, 8, 100)), ("copy", img.expand(400, 8, 100) + 0)):
+        with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+            _peak(net, x, 4096, "stack")
+        smallest[form] = info.value.minimum_bytes
+        assert _peak(net, x, smallest[form], "stack") <= smallest[form]
+    copy_bytes = 400 * img.numel() * img.element_size()
+    assert smallest["copy"] - smallest["view"] >= copy_bytes * 0.9
+
+
 @pytest.mark.parametrize("form", ["dense", "packed"])
 def test_layerwise_chunks_past_the_probed_lengths_stay_within_the_budget(form: str) -> None:
     """The probe measures chunks of up to 8 steps; larger budgets get chunks of 20 to 200,
