@@ -91,6 +91,37 @@ def test_a_packed_input_counts_its_packed_bytes_only() -> None:
     assert smallest["dense"] - smallest["packed"] >= dense_bytes * 0.9
 
 
+@pytest.mark.parametrize("framework", ["snntorch", "norse"])
+def test_auto_at_the_named_smallest_budget_with_a_readout_keeps_it(framework: str) -> None:
+    """``granularity="auto"``, ``readout="sum"``, at the budget the refusal names: the
+    layer-wise probe, held under it, measured chunk 1 alone, and with no slope the working
+    set was extrapolated flat: chunk 50 ran at 7x the budget (Norse) and 1.9x (snnTorch)."""
+    torch.manual_seed(0)
+    if framework == "norse":
+        norse = pytest.importorskip("norse.torch")
+        net: nn.Module = norse.SequentialState(
+            nn.Linear(40, 32), norse.LIFCell(), nn.Linear(32, 4), norse.LICell()
+        )
+    else:
+        net = nn.Sequential(nn.Linear(40, 32), snn.Leaky(0.9), nn.Linear(32, 4), snn.Leaky(0.9))
+    x = _input((50, 8, 40))
+
+    def peak(budget: int) -> int:
+        seq = spikeckpt.wrap(net, budget=budget, granularity="auto", readout="sum")
+        with MemoryMeter() as meter:
+            meter.track([x])
+            out = seq(x)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            del out
+        return meter.peak_bytes
+
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        peak(1024)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, smallest * 5 // 4, smallest * 2):
+        assert peak(budget) <= budget, budget
+
+
 def test_a_constant_input_expanded_over_time_counts_one_step() -> None:
     """The docs' static input ``img.expand(T, *img.shape)`` (snnTorch tutorial 5, the
     population-coding tutorial) is a view of one step: its smallest budget is below the
