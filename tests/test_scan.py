@@ -644,6 +644,8 @@ def test_error_bad_arguments() -> None:
         sc.scan(_tiny, torch.ones(5, 2), (v, 3), plan=P.BPTT())
     with pytest.raises(sc.ScheduleError):
         sc.scan(_tiny, torch.ones(2, 2), v, plan=make_schedule(2, [Tape(0, 2)]))
+    with torch.no_grad(), pytest.raises(sc.ConfigError, match="cannot parse '25%'"):
+        sc.scan(_tiny, torch.ones(5, 2), v, plan="auto", budget="25%")  # read as wrap reads it
 
 
 def test_pack_tape_spares_bytes_and_keeps_gradients() -> None:
