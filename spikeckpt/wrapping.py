@@ -538,8 +538,8 @@ def wrap(
             (``plans.choose`` for ``budget``; without a budget: 90% of the free CUDA memory,
             or ``Uniform()`` on the CPU).
         storage: where remote checkpoints go: ``"host"``, ``"disk"`` or ``"device"``.
-        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"`` or
-            ``fold(acc, y_t, t)``; reduces inside the loop.
+        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"``, ``"min"`` or ``fold(acc, y_t, t)``; reduces inside the loop.
         batch_first: inputs and outputs are ``(B, T, ...)``.
         budget: the training step's peak device memory (bytes or ``"2GiB"``; the one account
             of `spikeckpt.plans.account`: the input while it is on the device, outputs,
