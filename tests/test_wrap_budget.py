@@ -122,6 +122,30 @@ def test_auto_at_the_named_smallest_budget_with_a_readout_keeps_it(framework: st
         assert peak(budget) <= budget, budget
 
 
+def test_layerwise_under_cpu_autocast_counts_the_states_the_run_carries() -> None:
+    """Under ``torch.autocast`` (CPU bf16) snnTorch returns a float32 membrane from a bf16
+    start: the blocks' chunk states were counted at the start's bf16 bytes, half of what the
+    run stores, and at the refusal's smallest budget chunk 2 measured 10% over it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(30, 32), snn.Leaky(0.9), nn.Linear(32, 5), snn.Leaky(0.9))
+    x = _input((60, 8, 30))
+
+    def peak(budget: int) -> int:
+        seq = spikeckpt.wrap(net, budget=budget, granularity="layer", readout="sum")
+        with torch.autocast("cpu", dtype=torch.bfloat16), MemoryMeter() as meter:
+            meter.track([x])
+            out = seq(x)
+            out.float().sum().backward()
+            del out
+        return meter.peak_bytes
+
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        peak(1024)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, smallest * 11 // 10):
+        assert peak(budget) <= budget, budget
+
+
 def test_a_constant_input_expanded_over_time_counts_one_step() -> None:
     """The docs' static input ``img.expand(T, *img.shape)`` (snnTorch tutorial 5, the
     population-coding tutorial) is a view of one step: its smallest budget is below the
