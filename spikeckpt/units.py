@@ -23,6 +23,11 @@ _UNITS: dict[str, int] = {
     "g": 2**30,
     "t": 2**40,
 }
+#: Said when a share is given where bytes are read (``budget="25%"``, ``budget=0.25``).
+_SHARE = (
+    " (a share is not a budget here: MemoryBudget(fraction=0.25) takes a share of the free "
+    "device memory; the command line's --budget 25% is a share of plain BPTT's need)"
+)
 _PATTERN = re.compile(r"^\s*([+-]?)\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 FORMATS = (
     "a whole number of bytes ('4096'), or a number with a unit: B; kB, MB, GB, TB (powers of "
@@ -53,7 +58,8 @@ def parse_bytes(value: int | float | str) -> int:
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         if match is None:
-            raise ConfigError(f"cannot parse {value!r} as a byte count: write {FORMATS}")
+            share = _SHARE if value.strip().endswith("%") else ""
+            raise ConfigError(f"cannot parse {value!r} as a byte count{share}: write {FORMATS}")
         unit = match.group(3).lower()
         if unit not in _UNITS:
             raise ConfigError(
@@ -78,7 +84,8 @@ def parse_bytes(value: int | float | str) -> int:
         )
     total = number * scale
     if isinstance(value, float) and not total.is_integer():
-        raise ConfigError(f"a byte count must be a whole number of bytes, got {value!r}")
+        share = _SHARE if 0 < value <= 1 else ""
+        raise ConfigError(f"a byte count must be a whole number of bytes, got {value!r}{share}")
     return int(round(total))
 
 

@@ -259,6 +259,7 @@ class CheckpointedSequence(nn.Module):
                 f"x holds T=0 time steps (shape {tuple(x.shape)}, time on the {axis} axis); "
                 "pass at least one step"
             )
+        _refuse_unbatched(self.module, x, self.batch_first)
         self.adapter.check()
         x_0 = step_of(x, 0, self.device_for(x))
         if state is None:
@@ -510,6 +511,33 @@ def _strip_missing(module: nn.Module, incompatible: Any) -> None:
         ]
 
 
+def _first_layer(model: nn.Module) -> nn.Module:
+    """The layer an ``nn.Sequential`` (or a Norse ``SequentialState``) runs first."""
+    while isinstance(model, nn.Sequential) and len(model) > 0:
+        model = model[0]
+    return model
+
+
+def _refuse_unbatched(model: nn.Module, x: Any, batch_first: bool) -> None:
+    """A 2-D input whose second axis is the first ``nn.Linear``'s features has no batch axis:
+    its steps ``x[t]`` would run unbatched, one sample per step, and the outputs would look
+    plausible. Most often it is a static input ``(B, features)`` meant for every step."""
+    first = _first_layer(model)
+    if len(x.shape) != 2 or not isinstance(first, nn.Linear):
+        return
+    if int(x.shape[1]) != first.in_features:
+        return
+    T, features = int(x.shape[0]), int(x.shape[1])
+    axes = "(B, T)" if batch_first else "(T, B)"
+    raise ConfigError(
+        f"x has shape {tuple(x.shape)}: read as {axes} it has no feature axis, and its "
+        f"{features} columns are the first Linear's in_features, so each step would run one "
+        f"unbatched sample. A static input (B, {features}) fed at every step (snnTorch "
+        f"tutorial 5): pass x.expand(num_steps, *x.shape) (a view, no copy); a sequence of "
+        f"one sample: x[:, None] (T={T}, B=1, {features})"
+    )
+
+
 def wrap(
     model: nn.Module,
     plan: Any = "auto",
@@ -538,8 +566,8 @@ def wrap(
             (``plans.choose`` for ``budget``; without a budget: 90% of the free CUDA memory,
             or ``Uniform()`` on the CPU).
         storage: where remote checkpoints go: ``"host"``, ``"disk"`` or ``"device"``.
-        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"`` or
-            ``fold(acc, y_t, t)``; reduces inside the loop.
+        readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"``,
+            ``"max"``, ``"min"`` or ``fold(acc, y_t, t)``; reduces inside the loop.
         batch_first: inputs and outputs are ``(B, T, ...)``.
         budget: the training step's peak device memory (bytes or ``"2GiB"``; the one account
             of `spikeckpt.plans.account`: the input while it is on the device, outputs,

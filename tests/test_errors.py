@@ -150,3 +150,17 @@ def test_the_error_classes_are_the_builtins_they_stand_for() -> None:
         spikeckpt.wrap(__import__("torch").nn.Linear(2, 2), granularity="layers")
     with pytest.raises(spikeckpt.ConfigError, match="cannot parse"):
         spikeckpt.parse_bytes("12 parsecs")
+
+
+@pytest.mark.parametrize("share", ["25%", 0.25])
+def test_a_share_given_as_a_budget_names_where_shares_are_read(share: object) -> None:
+    """``wrap(budget="25%")`` after ``spikeckpt plan --budget 25%``: the error says that a
+    share is not a byte count here and which entry points read one, and what each means."""
+    nn = pytest.importorskip("torch").nn
+    budget_callback = pytest.importorskip("spikeckpt.lightning").MemoryBudget
+    for call in (
+        lambda: spikeckpt.wrap(nn.Linear(2, 2), budget=share),
+        lambda: budget_callback(share),
+    ):
+        with pytest.raises(spikeckpt.ConfigError, match=r"MemoryBudget\(fraction=0\.25\)"):
+            call()

@@ -541,6 +541,36 @@ def test_auto_plan_with_budget() -> None:
         sc.scan(net, inputs, state, plan="auto")
 
 
+@pytest.mark.parametrize("readout", ["sum", "mean", "max", "last"])
+def test_auto_plan_from_a_state_step_0_shapes_with_a_readout(readout: str) -> None:
+    """snnTorch's ``init_leaky()`` (an empty state) with ``plan="auto"``, a budget and a
+    reducing readout: the carried step returns no output (None), which the probe used to
+    count as a tensor (AttributeError). The result is the plain loop's."""
+    snn = pytest.importorskip("snntorch")
+    torch.manual_seed(0)
+    fc, lif = nn.Linear(6, 5), snn.Leaky(beta=0.9, reset_mechanism="none")
+
+    def step(mem: Tensor, x_t: Tensor) -> tuple[Tensor, Tensor]:
+        _, mem = lif(fc(x_t), mem)
+        return mem, mem
+
+    inputs = torch.randn(30, 3, 6)
+    ys, _ = sc.scan(step, inputs, lif.init_leaky(), plan="auto", budget="1MiB", readout=readout)
+    ys.sum().backward()
+    got = fc.weight.grad.clone()
+    fc.zero_grad()
+    mem, outs = lif.init_leaky(), []
+    for x_t in inputs:
+        mem, y = step(mem, x_t)
+        outs.append(y)
+    stacked = torch.stack(outs)
+    want = {"sum": stacked.sum(0), "mean": stacked.mean(0), "max": stacked.max(0).values}
+    want["last"] = stacked[-1]
+    torch.testing.assert_close(ys, want[readout])
+    want[readout].sum().backward()
+    torch.testing.assert_close(got, fc.weight.grad)
+
+
 def test_norse_state_round_trips() -> None:
     lif = pytest.importorskip("norse.torch.functional.lif")
     State = lif.LIFFeedForwardState
@@ -614,6 +644,8 @@ def test_error_bad_arguments() -> None:
         sc.scan(_tiny, torch.ones(5, 2), (v, 3), plan=P.BPTT())
     with pytest.raises(sc.ScheduleError):
         sc.scan(_tiny, torch.ones(2, 2), v, plan=make_schedule(2, [Tape(0, 2)]))
+    with torch.no_grad(), pytest.raises(sc.ConfigError, match="cannot parse '25%'"):
+        sc.scan(_tiny, torch.ones(5, 2), v, plan="auto", budget="25%")  # read as wrap reads it
 
 
 def test_pack_tape_spares_bytes_and_keeps_gradients() -> None:

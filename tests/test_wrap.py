@@ -184,3 +184,24 @@ def test_measuring_steps_leave_batchnorm_running_statistics_alone(granularity: s
     assert int(net[1].num_batches_tracked) == int(loop[1].num_batches_tracked) == 12
     torch.testing.assert_close(net[1].running_mean, loop[1].running_mean, rtol=0, atol=0)
     torch.testing.assert_close(net[1].running_var, loop[1].running_var, rtol=0, atol=0)
+
+
+def test_a_static_input_without_time_is_refused_with_the_expand_fix() -> None:
+    """snnTorch tutorial 5 feeds one image ``(B, 784)`` at every step: passed to the wrapped
+    net as it is, its batch was read as time and each step ran one unbatched sample (spike
+    counts of shape ``(10,)``, no error). Refused; the fix the message names runs the loop's
+    computation."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 8), snn.Leaky(0.9), nn.Linear(8, 3), snn.Leaky(0.9))
+    img = torch.rand(4, 12)
+    seq = sc.wrap(net, readout="sum")
+    with pytest.raises(sc.ConfigError, match=r"x\.expand\(num_steps, \*x\.shape\)"):
+        seq(img)
+    counts = seq(img.expand(6, *img.shape))
+    mem1, mem2, loop = net[1].init_leaky(), net[3].init_leaky(), 0
+    for _ in range(6):
+        spk1, mem1 = net[1](net[0](img), mem1)
+        spk2, mem2 = net[3](net[2](spk1), mem2)
+        loop = loop + spk2
+    assert torch.equal(counts, loop)
+    assert seq(img[:, None]).shape == (1, 3)  # a sequence of one sample, as the message says

@@ -91,6 +91,79 @@ def test_a_packed_input_counts_its_packed_bytes_only() -> None:
     assert smallest["dense"] - smallest["packed"] >= dense_bytes * 0.9
 
 
+@pytest.mark.parametrize("framework", ["snntorch", "norse"])
+def test_auto_at_the_named_smallest_budget_with_a_readout_keeps_it(framework: str) -> None:
+    """``granularity="auto"``, ``readout="sum"``, at the budget the refusal names: the
+    layer-wise probe, held under it, measured chunk 1 alone, and with no slope the working
+    set was extrapolated flat: chunk 50 ran at 7x the budget (Norse) and 1.9x (snnTorch)."""
+    torch.manual_seed(0)
+    if framework == "norse":
+        norse = pytest.importorskip("norse.torch")
+        net: nn.Module = norse.SequentialState(
+            nn.Linear(40, 32), norse.LIFCell(), nn.Linear(32, 4), norse.LICell()
+        )
+    else:
+        net = nn.Sequential(nn.Linear(40, 32), snn.Leaky(0.9), nn.Linear(32, 4), snn.Leaky(0.9))
+    x = _input((50, 8, 40))
+
+    def peak(budget: int) -> int:
+        seq = spikeckpt.wrap(net, budget=budget, granularity="auto", readout="sum")
+        with MemoryMeter() as meter:
+            meter.track([x])
+            out = seq(x)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            del out
+        return meter.peak_bytes
+
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        peak(1024)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, smallest * 5 // 4, smallest * 2):
+        assert peak(budget) <= budget, budget
+
+
+def test_layerwise_under_cpu_autocast_counts_the_states_the_run_carries() -> None:
+    """Under ``torch.autocast`` (CPU bf16) snnTorch returns a float32 membrane from a bf16
+    start: the blocks' chunk states were counted at the start's bf16 bytes, half of what the
+    run stores, and at the refusal's smallest budget chunk 2 measured 10% over it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(30, 32), snn.Leaky(0.9), nn.Linear(32, 5), snn.Leaky(0.9))
+    x = _input((60, 8, 30))
+
+    def peak(budget: int) -> int:
+        seq = spikeckpt.wrap(net, budget=budget, granularity="layer", readout="sum")
+        with torch.autocast("cpu", dtype=torch.bfloat16), MemoryMeter() as meter:
+            meter.track([x])
+            out = seq(x)
+            out.float().sum().backward()
+            del out
+        return meter.peak_bytes
+
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        peak(1024)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, smallest * 11 // 10):
+        assert peak(budget) <= budget, budget
+
+
+def test_a_constant_input_expanded_over_time_counts_one_step() -> None:
+    """The docs' static input ``img.expand(T, *img.shape)`` (snnTorch tutorial 5, the
+    population-coding tutorial) is a view of one step: its smallest budget is below the
+    contiguous copy's by about the copy's bytes, and it works. (It used to count T steps:
+    10.7 MB named for a step that measured 0.7 MB.)"""
+    torch.manual_seed(0)
+    net = _fc()
+    img = _input((8, 100))
+    smallest = {}
+    for form, x in (("view", img.expand(400, 8, 100)), ("copy", img.expand(400, 8, 100) + 0)):
+        with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+            _peak(net, x, 4096, "stack")
+        smallest[form] = info.value.minimum_bytes
+        assert _peak(net, x, smallest[form], "stack") <= smallest[form]
+    copy_bytes = 400 * img.numel() * img.element_size()
+    assert smallest["copy"] - smallest["view"] >= copy_bytes * 0.9
+
+
 @pytest.mark.parametrize("form", ["dense", "packed"])
 def test_layerwise_chunks_past_the_probed_lengths_stay_within_the_budget(form: str) -> None:
     """The probe measures chunks of up to 8 steps; larger budgets get chunks of 20 to 200,

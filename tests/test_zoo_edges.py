@@ -625,7 +625,7 @@ def test_unfound_tensor_is_refused_naming_the_layer_and_wrap_params_fixes_it(
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), GlobalBetaNeuron(8), nn.Linear(8, 4), GlobalBetaNeuron(4))
     x = torch.rand(T, B, 6)
-    where = r"layers '1', '3'" if granularity == "stack" else r"block '3'"
+    where = r"layers '1', '3'" if granularity == "stack" else r"neuron is layer '3'"
     with pytest.raises(UnlistedParamsError, match=rf"{where}.*wrap\(model, \.\.\., params="):
         sc.wrap(net, plan=plan, granularity=granularity)(x).sum().backward()
     diff = _tensor_beta_case(

@@ -162,10 +162,15 @@ def sparse_chunk_of(x: Any, a: int, b: int, device: torch.device) -> SparseChunk
 
 
 def input_nbytes(x: Any) -> int:
-    """Bytes ``x`` holds: a packed train's packed bytes, a dense tensor's storage bytes."""
+    """Bytes ``x`` holds: a packed train's packed bytes, a dense tensor's storage bytes (at
+    most its elements'): a constant input ``img.expand(T, *img.shape)`` holds one step's."""
     if is_packed(x):
         return int(x.nbytes)
-    return tensor_nbytes(x)
+    try:
+        held = x.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
+        return tensor_nbytes(x)
+    return min(tensor_nbytes(x), held)
 
 
 def drop_first(x: Any) -> Any:

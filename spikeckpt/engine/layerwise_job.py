@@ -532,7 +532,8 @@ class LayerwiseJob(Job):
         if strangers:
             shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in strangers[:5])
             raise UnlistedParamsError(
-                f"layer-wise run: block {self.blocks[b].name!r} uses {len(strangers)} tensor(s) "
+                f"layer-wise run: the block whose neuron is layer {self.blocks[b].name!r} (it "
+                f"and the layers before it) uses {len(strangers)} tensor(s) "
                 f"requiring grad that are not among the parameters it differentiates (shapes "
                 f"{shapes}); they would get no gradient. Register them as nn.Parameter, hold "
                 "them as attributes of the block's modules, or pass them: "

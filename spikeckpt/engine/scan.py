@@ -280,6 +280,8 @@ def scan(
     """
     check_storage(storage, directory, probe=False)
     check_readout(readout)
+    if budget is not None:  # read here, as wrap does: also when no gradient is taken
+        budget = parse_bytes(budget)
     if steps is not None:
         step, inputs, params = _constant_input(step, inputs, steps, params)
     inputs = as_input(inputs)

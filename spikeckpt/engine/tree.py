@@ -203,9 +203,11 @@ def tree_flatten(obj: Any) -> tuple[list[Any], TreeDef]:
     return leaves, TreeDef("pytree", spec, None, len(leaves), names)
 
 
-def leaf_bytes(leaves: Sequence[Tensor]) -> int:
-    """Bytes of the tensors' elements (``numel * element_size`` summed; views count fully)."""
-    return sum(tensor_nbytes(t) for t in leaves)
+def leaf_bytes(leaves: Sequence[Any]) -> int:
+    """Bytes of the tensors' elements (``numel * element_size`` summed; views count fully);
+    leaves that are not tensors (a step's ``None`` output, a ``None`` state kept as it is)
+    hold none."""
+    return sum(tensor_nbytes(t) for t in leaves if isinstance(t, Tensor))
 
 
 def is_float(t: Tensor) -> bool:

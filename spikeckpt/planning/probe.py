@@ -120,6 +120,9 @@ def probe_model(
             pack=bool(getattr(seq, "pack_tape", False)),
             max_bytes=max_bytes,
             batch=int(x.shape[1]),
+            # a dense input's step slices on the device are views of it, counted as the
+            # input already: what autograd saves of them costs nothing more (as in scan)
+            exclude=[x] if not is_packed(x) and x.device == device else [],
         )
     finally:
         seq.cleanup()
@@ -167,15 +170,16 @@ def block_sizes(
                 with SavedBytes(exclude=params) as neuron:
                     new, y = block.step(pytree.tree_unflatten(leaves, spec), z)
                 tape = synapse.bytes + neuron.bytes
+                # the state as the run carries it: the dtypes one step returns (under autocast
+                # snnTorch's float32 membrane from a bf16 start: twice the bytes)
+                state_bytes = max(leaf_bytes(leaves), leaf_bytes(pytree.tree_flatten(new)[0]))
                 del new  # the step's graph is freed before the fused chunk is measured
                 y, z = y.detach(), z.detach()
                 if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
                     tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
                 density = float(h.float().mean()) if is_binary(h) else None
                 rng = CPU_STATE_BYTES if block.draws_random and h.device.type == "cpu" else 0
-                sizes.append(
-                    BlockSizes(leaf_bytes(leaves), tape, _nbytes(h), _nbytes(y), density, rng)
-                )
+                sizes.append(BlockSizes(state_bytes, tape, _nbytes(h), _nbytes(y), density, rng))
                 h = y.detach()
     finally:
         for block in blocks:

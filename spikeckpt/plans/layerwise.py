@@ -142,7 +142,13 @@ class MeasuredWorking:
 
     @property
     def slope(self) -> int:
-        """Bytes per chunk step past the longest measured length."""
+        """Bytes per chunk step past the longest measured length. With one length measured
+        (a probe held under a tight budget) no chord shows the growth: it is taken as the
+        whole working set at that length per step, ``working(k) <= k * working(1)`` (an
+        untaped block's buffers grow by 13 KB per step on a small Norse net whose probe
+        measured chunk 1 alone; extrapolated flat, chunk 50 ran at 7x its budget)."""
+        if len(self.points) == 1:
+            return max(self.base_slope, -(-self.points[0][1] // self.points[0][0]))
         return steepest_chord(self.points, self.base_slope)
 
     def prefix(self, n: int) -> MeasuredWorking:
