@@ -809,3 +809,76 @@ def test_is_unit_reads_a_factor_once_per_version() -> None:
         one.fill_(3.0)  # a new version: read again
         assert not is_unit(one) and Reads.count == 3
     assert not is_unit(torch.tensor(1.0, requires_grad=True))
+
+
+def _odd_nets() -> dict[str, Callable[[], nn.Sequential]]:
+    """Widths and a batch (3) such that one step's row is not a multiple of 16 bytes: a step of
+    a chunk buffer then starts at another address modulo 16 than a new tensor does.
+    ``"view"``: the second block's ``Linear(5, 4)`` reads the first block's spikes; ``"chain"``:
+    the ``Linear`` reads the ``Dropout`` before it."""
+    return {
+        "view": lambda: nn.Sequential(
+            nn.Linear(6, 5), snn.Leaky(beta=0.9, threshold=0.5, init_hidden=True, learn_beta=True),
+            nn.Linear(5, 4), snn.Synaptic(alpha=0.8, beta=0.9, init_hidden=True, output=True),
+        ),
+        "chain": lambda: nn.Sequential(
+            nn.Dropout(0.3), nn.Linear(5, 4),
+            snn.Synaptic(alpha=0.8, beta=0.9, init_hidden=True, output=True),
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["view", "chain"])
+def test_exact_is_bitwise_the_plain_loop_whatever_the_steps_addresses(name: str) -> None:
+    """``exact=True`` on widths and a batch whose step rows are not multiples of 16 bytes:
+    MKL's small products round differently with the input's address modulo 16 bytes, and the
+    per-step synapse read each step as a view of the chunk buffer (and each layer's output as
+    a view of the stacked chunk), where the loop hands the next layer a new tensor: membranes
+    were 2.4e-7 off (found by fuzzing). Each step now runs the block's layers in turn on new
+    tensors, as the loop does."""
+    from snntorch import utils
+
+    for seed in range(6):  # one step in a few rounds otherwise (seeds 4 and 5 did on "view")
+        torch.manual_seed(seed)
+        net = _odd_nets()[name]()
+        with torch.no_grad():
+            for layer in net:
+                if isinstance(layer, nn.Linear):
+                    layer.weight.mul_(3)
+        x = (torch.rand(30, 3, 6 if name == "view" else 5) < 0.4).float()
+        utils.reset(net)
+        torch.manual_seed(1)
+        outs = [net(x_t) for x_t in x]
+        want = [torch.stack([o[i] for o in outs]) for i in range(3)]  # spk, syn, mem
+        grads = torch.autograd.grad(want[2].square().sum(), list(net.parameters()))
+        seq = sc.wrap(net, granularity="layer", chunk=4, exact=True)
+        torch.manual_seed(1)
+        got = seq(x)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (seed, (a - b).abs().max())
+        loss = got[2].square().sum()
+        for a, b in zip(torch.autograd.grad(loss, list(net.parameters())), grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_leaky_without_reset_delay_gives_float32_spikes_in_a_float64_model() -> None:
+    """snnTorch's spike is ``(u > 0).float()`` whatever the membrane's dtype, times the
+    graded factor: a float64 ``Leaky(reset_delay=False)`` with a 0-d factor returns float32
+    spikes. The fused kernel returned them in the membrane's dtype (float64), and the check
+    against the step compared values only."""
+    from snntorch import utils
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(6, 5), snn.Leaky(beta=0.9, init_hidden=True, reset_delay=False, output=True)
+    ).double()
+    x = torch.rand(7, 3, 6, dtype=torch.float64) * 2
+    utils.reset(net)
+    outs = [net(x_t) for x_t in x]
+    spikes, mems = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+    assert spikes.dtype == torch.float32
+    seq = sc.wrap(net, granularity="layer", chunk=3, output="both")
+    s, m = seq(x)
+    assert seq.last_stats.blocks[0].neuron == "fused"
+    assert s.dtype == spikes.dtype and torch.equal(s, spikes)
+    assert m.dtype == mems.dtype and torch.equal(m, mems)

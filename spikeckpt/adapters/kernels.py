@@ -424,7 +424,8 @@ class ImmediateLeakyKernel(SurrogateKernel):
             if keep:
                 bases.append(base)
         all_fired = torch.stack(fires)
-        y = all_fired.to(mem.dtype) * graded if want_y else None
+        # snnTorch's spike is float32 whatever the membrane (``heaviside``), times the factor
+        y = all_fired.float() * graded if want_y else None
         mem_all = torch.stack(mems) if keep or want_mem else None
         saved = None
         if keep:

@@ -71,16 +71,44 @@ def _draws_random(block: Block) -> bool:
     )
 
 
+#: bytes a fresh CPU tensor's data is aligned to (c10's CPU allocator)
+FRESH_ALIGNMENT = 64
+
+
+def _as_fresh(x_t: Tensor) -> Tensor:
+    """``x_t``, or a copy of it where its data does not start where a fresh tensor's would.
+
+    A step of a chunk buffer is a view at ``t * B * ...`` elements into it; the plain loop
+    hands a later block's synapse the neuron's fresh output. On the CPU, MKL's small products
+    round differently depending on the input's address modulo 16 bytes (``Linear(5, 4)`` on a
+    ``(3, 5)`` input: bitwise different at 12 of 16 float offsets), so an ``exact`` per-step
+    synapse reads each step from an aligned copy."""
+    if x_t.device.type != "cpu" or x_t.data_ptr() % FRESH_ALIGNMENT == 0:
+        return x_t
+    return x_t.clone(memory_format=torch.contiguous_format)
+
+
 def _synapse(
-    synapses: Sequence[LayerAdapter], per_step: bool = False
+    synapses: Sequence[LayerAdapter], per_step: bool = False, fresh: bool = False
 ) -> Callable[[Tensor], Tensor]:
     """The block's synapse over a chunk: layers that act on each sample alone run once on the
     ``(k * B, ...)`` reshaped chunk, unless ``per_step`` (every layer step by step, the plain
-    loop's own calls: see ``exact`` in `layer_blocks`)."""
+    loop's own calls: see ``exact`` in `layer_blocks`). ``fresh``: each step's input is read
+    where a fresh tensor's data would start (`_as_fresh`), as the plain loop hands a block
+    after the first its neuron's new output."""
     batched = [None if per_step else _batched_inner(layer) for layer in synapses]
+
+    def one_step(x_t: Tensor) -> Tensor:
+        """Every layer on one step, each on the one before's new output (the loop's calls)."""
+        for layer in synapses:
+            x_t = layer.step((), x_t)[1]
+        return x_t
 
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
+        if per_step:
+            steps = x.unbind(0)
+            return torch.stack([one_step(_as_fresh(x_t) if fresh else x_t) for x_t in steps])
         k, b = x.shape[0], x.shape[1]
         for layer, inner in zip(synapses, batched, strict=True):
             if inner is not None:
@@ -185,7 +213,9 @@ def _kernel_matches_step(
     except Exception:  # noqa: BLE001 - anything unexpected: keep the per-step call
         return False
     (outs_a, grads_a), (outs_b, grads_b) = results
-    if not all(torch.equal(a, b) for a, b in zip(outs_a, outs_b, strict=True)):
+    if not all(
+        a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(outs_a, outs_b, strict=True)
+    ):
         return False
     for a, b in zip(grads_a, grads_b, strict=True):
         if a is None or b is None:  # unused on one side: zero (or unused) on the other
@@ -263,7 +293,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
     values are bitwise the loop's whatever the BLAS: one product over ``k * B`` rows may sum in
     another order than ``k`` products over ``B`` rows (cuBLAS does; this VM's CPU does not)."""
     out = []
-    for block in blocks:
+    for index, block in enumerate(blocks):
         layers = (*block.synapses, block.neuron)
         params = {
             id(t): t
@@ -277,7 +307,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
         out.append(
             LayerBlock(
                 name=block.name,
-                synapse=_synapse(block.synapses, per_step=exact),
+                synapse=_synapse(block.synapses, per_step=exact, fresh=exact and index > 0),
                 step=block.neuron.step,
                 membrane=block.neuron.membrane,
                 draws_random=_draws_random(block),
