@@ -882,3 +882,21 @@ def test_leaky_without_reset_delay_gives_float32_spikes_in_a_float64_model() -> 
     assert seq.last_stats.blocks[0].neuron == "fused"
     assert s.dtype == spikes.dtype and torch.equal(s, spikes)
     assert m.dtype == mems.dtype and torch.equal(m, mems)
+
+
+def test_exact_untaped_recomputation_reads_the_steps_as_the_forward_pass() -> None:
+    """With ``exact=True`` a block after the first recomputes its ``Linear`` untaped
+    (`LinearChunk`, step by step); it must compute what the block's synapse computed in the
+    forward pass, bitwise, where the steps are views at unaligned addresses of the chunk."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 5), snn.Leaky(beta=0.9), nn.Linear(5, 4), snn.Leaky(beta=0.9))
+    seq = sc.wrap(net, granularity="layer", chunk=4, exact=True)
+    block = seq.layer_blocks(True)[1]
+    assert block.affine is not None
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = (torch.rand(8, 3, 5) < 0.5).float() * (torch.rand(5) + 0.5)  # graded spikes
+        with torch.no_grad():
+            made = block.affine.forward(x, False)
+            assert made is not None
+            assert torch.equal(made[0], block.synapse(x))

@@ -17,13 +17,29 @@ from spikeckpt.adapters.protocol import no_hooks
 from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.inputs import SparseChunk
 
-__all__ = ["SPARSE_DENSITY", "LinearChunk", "sparse_positions"]
+__all__ = ["FRESH_ALIGNMENT", "SPARSE_DENSITY", "LinearChunk", "as_fresh", "sparse_positions"]
 
 #: the largest share of non-zero inputs for which a sparse synapse gathers (measured on one
 #: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
 SPARSE_DENSITY = 1 / 16
 
 Positions = tuple[int, Tensor, Tensor, Tensor | None]
+
+#: bytes a new CPU tensor's data is aligned to (c10's CPU allocator)
+FRESH_ALIGNMENT = 64
+
+
+def as_fresh(x_t: Tensor) -> Tensor:
+    """``x_t``, or a copy of it where its data does not start where a new tensor's would.
+
+    A step of a chunk buffer is a view ``t * B * ...`` elements into it; the plain loop hands
+    a later block's synapse the neuron's new output. On the CPU, MKL's small products round
+    differently with the input's address modulo 16 bytes (``Linear(5, 4)`` on a ``(3, 5)``
+    input: bitwise different at 12 of 16 float offsets), so a per-step (``exact``) synapse of
+    a block after the first reads each step from an aligned copy, in both passes."""
+    if x_t.device.type != "cpu" or x_t.data_ptr() % FRESH_ALIGNMENT == 0:
+        return x_t
+    return x_t.clone(memory_format=torch.contiguous_format)
 
 
 def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | None:
@@ -75,12 +91,21 @@ class LinearChunk:
             synapse, so both gather from the same values).
         per_step: the forward product step by step, ``B`` rows each, as the plain loop and
             the block's ``synapse`` (``exact``) compute it; else one product over the chunk.
+        fresh: with ``per_step``, each step read from where a new tensor's data starts
+            (`as_fresh`), as the block's ``synapse`` reads it (a block after the first).
     """
 
-    def __init__(self, linear: nn.Linear, transposed: Transposed, per_step: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        transposed: Transposed,
+        per_step: bool = False,
+        fresh: bool = False,
+    ) -> None:
         self.linear = linear
         self.transposed = transposed
         self.per_step = per_step
+        self.fresh = fresh
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -110,7 +135,8 @@ class LinearChunk:
         if self.per_step:  # the loop's own products (F.linear of each step), into the room
             room = flat.new_empty(k + lead, b, *dense.shape[2:-1], weight.shape[0])
             for t, x_t in enumerate(dense.unbind(0)):
-                room[lead + t] = nn.functional.linear(x_t, weight, bias)
+                step = as_fresh(x_t) if self.fresh else x_t
+                room[lead + t] = nn.functional.linear(step, weight, bias)
             return room, (None, flat)
         if not lead or flat.dim() != 2:
             z = nn.functional.linear(flat, weight, bias)

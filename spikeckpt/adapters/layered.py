@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, sparse_positions
+from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, as_fresh, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
@@ -71,30 +71,13 @@ def _draws_random(block: Block) -> bool:
     )
 
 
-#: bytes a fresh CPU tensor's data is aligned to (c10's CPU allocator)
-FRESH_ALIGNMENT = 64
-
-
-def _as_fresh(x_t: Tensor) -> Tensor:
-    """``x_t``, or a copy of it where its data does not start where a fresh tensor's would.
-
-    A step of a chunk buffer is a view at ``t * B * ...`` elements into it; the plain loop
-    hands a later block's synapse the neuron's fresh output. On the CPU, MKL's small products
-    round differently depending on the input's address modulo 16 bytes (``Linear(5, 4)`` on a
-    ``(3, 5)`` input: bitwise different at 12 of 16 float offsets), so an ``exact`` per-step
-    synapse reads each step from an aligned copy."""
-    if x_t.device.type != "cpu" or x_t.data_ptr() % FRESH_ALIGNMENT == 0:
-        return x_t
-    return x_t.clone(memory_format=torch.contiguous_format)
-
-
 def _synapse(
     synapses: Sequence[LayerAdapter], per_step: bool = False, fresh: bool = False
 ) -> Callable[[Tensor], Tensor]:
     """The block's synapse over a chunk: layers that act on each sample alone run once on the
     ``(k * B, ...)`` reshaped chunk, unless ``per_step`` (every layer step by step, the plain
     loop's own calls: see ``exact`` in `layer_blocks`). ``fresh``: each step's input is read
-    where a fresh tensor's data would start (`_as_fresh`), as the plain loop hands a block
+    where a new tensor's data would start (`as_fresh`), as the plain loop hands a block
     after the first its neuron's new output."""
     batched = [None if per_step else _batched_inner(layer) for layer in synapses]
 
@@ -108,7 +91,7 @@ def _synapse(
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
         if per_step:
             steps = x.unbind(0)
-            return torch.stack([one_step(_as_fresh(x_t) if fresh else x_t) for x_t in steps])
+            return torch.stack([one_step(as_fresh(x_t) if fresh else x_t) for x_t in steps])
         k, b = x.shape[0], x.shape[1]
         for layer, inner in zip(synapses, batched, strict=True):
             if inner is not None:
@@ -316,7 +299,9 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
                 sparse_synapse=None if exact else _sparse_synapse(block.synapses, sink, transposed),
                 sinks=sinks,
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
-                affine=None if linear is None else LinearChunk(linear, transposed, exact),
+                affine=None
+                if linear is None
+                else LinearChunk(linear, transposed, exact, fresh=exact and index > 0),
             )
         )
     return out
