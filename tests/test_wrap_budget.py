@@ -260,3 +260,27 @@ def test_a_drawing_cpu_block_counts_its_replay_state_per_chunk() -> None:
     states = seq.block_states(seq.initial_state(x[0]))
     sizes = block_sizes(blocks, x[0], states)
     assert [b.rng_bytes for b in sizes] == [torch.get_rng_state().nbytes, 0]
+
+
+def test_the_probe_cache_keeps_apart_what_is_excluded() -> None:
+    """A dense input's steps are views of it (excluded: counted as the input), a packed
+    input's are new tensors the tape keeps: the same step code and shapes measure other step
+    bytes, and a cached probe of one was returned for the other."""
+    from spikeckpt.engine.measure import probe_step
+
+    x = (torch.rand(5, 2, 20) < 0.5).float()
+    seq = spikeckpt.wrap(_dropout_net(0.0))
+    probes = [
+        probe_step(
+            seq.step,
+            seq.initial_state(x[0]),
+            lambda t: x[t],
+            5,
+            seq.parameters_for_scan(),
+            storage="host",
+            device=torch.device("cpu"),
+            exclude=exclude,
+        )  # fmt: skip
+        for exclude in ([x], [])
+    ]
+    assert probes[0].step_bytes < probes[1].step_bytes  # the slices the first Linear saves

@@ -233,14 +233,28 @@ def probe_step(
     device: a step's slice is a view of it), left out of ``A`` like the parameters.
 
     A probe of the same step code, shapes, ``T`` (up to `SEGMENT_PROBE_STEPS`), tier,
-    packing and limit is measured once and kept (the last 16).
+    packing, limit and excluded tensors' shapes is measured once and kept (the last 16).
     """
     params = [p for p in params if p.requires_grad]
     x0 = x_at(0)
     rng = _rng_bytes(step, state, x0, device)
     # whether the step draws and its modules' modes are in the key: Dropout(p=0) or in eval
     # mode draws nothing and tapes no mask, with the same code and shapes
-    key = _key(step, state, x0, params, min(T, SEGMENT_PROBE_STEPS), storage, pack, max_bytes, rng)
+    # what is excluded changes the step's bytes: a packed input's unpacked slices are taped,
+    # a dense one's are views of it (the same step code and shapes otherwise)
+    excluded = tuple((tuple(t.shape), t.dtype, t.device.type) for t in exclude)
+    key = _key(
+        step,
+        state,
+        x0,
+        params,
+        min(T, SEGMENT_PROBE_STEPS),
+        storage,
+        pack,
+        max_bytes,
+        rng,
+        excluded,
+    )
     with _LOCK:
         found = _PROBES.get(key)
     if found is not None:
