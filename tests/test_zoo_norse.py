@@ -388,3 +388,14 @@ def test_sub_steps_on_the_whole_batch_are_not_a_time_loop() -> None:
 
     x = torch.rand(T, B, 4) * 4
     check(SubSteps, loop, lambda m, x: sc.wrap(m, plan=sc.plans.Uniform(2))(x)[0], x, "sub-steps")
+
+
+def test_norses_own_model_with_a_time_loop_is_refused_with_scans_route() -> None:
+    """``norse.torch.models.conv.ConvNet4`` loops over time in its ``forward(x)``: the error
+    names its stateful layers and shows the route through ``spikeckpt.scan`` (before: "no
+    per-step form", without a way forward)."""
+    from norse.torch.models.conv import ConvNet4 as NorseConvNet4
+
+    with pytest.raises(sc.UnsupportedLayerError, match=r"lif0, lif1, lif2, out") as err:
+        sc.wrap(NorseConvNet4())
+    assert "spikeckpt.scan(step, x, state" in str(err.value)

@@ -33,7 +33,7 @@ from norse.torch.module.sequential import SequentialState
 from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
 
-from spikeckpt.adapters.generic import StatefulAdapter, probe, state_arity
+from spikeckpt.adapters.generic import StatefulAdapter, own_loop_error, probe, state_arity
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.adapters.protocol import (
@@ -292,6 +292,15 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
         return adapter_for(module.lifted_module, sub)
     if state_arity(module):
         return StatefulAdapter(module, path)
+    stateful = (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent, LILinearCell)
+    inside = [n for n, m in module.named_modules() if n and isinstance(m, stateful)]
+    if inside:  # a model of Norse's (norse.torch.models: ConvNet4, ...) with its own loop
+        raise own_loop_error(
+            module,
+            path,
+            f"its forward(x) runs layers that keep state over time ({', '.join(inside[:4])}) "
+            "in a time loop of its own, so one call is not one time step",
+        )
     raise unsupported(
         module,
         path,
