@@ -454,6 +454,31 @@ def test_a_kernel_that_disagrees_with_the_step_is_never_used() -> None:
     torch.testing.assert_close(y, sc.wrap(net, granularity="layer", chunk=3, fuse=False)(x))
 
 
+def test_the_check_runs_many_rows_and_steps() -> None:
+    """A kernel wrong only past the first sample (or only late in a chunk) is caught too: the
+    check runs `CHECK_ROWS` samples over `CHECK_STEPS` steps (before: one sample, 4 steps,
+    which often never spiked, and this kernel was used)."""
+    from spikeckpt.adapters.layered import CHECK_ROWS, CHECK_STEPS
+
+    assert CHECK_ROWS > 1 and CHECK_STEPS > 4
+    net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(beta=0.9))
+    seq = sc.wrap(net, granularity="layer", chunk=6)
+    block = seq.layer_blocks(True)[0]
+    assert isinstance(block.fused, VerifiedKernel)
+    kernel = block.fused.kernel
+    real = kernel.forward
+
+    def wrong_past_the_first_sample(*args: Any) -> Any:
+        final, y, mem, saved = real(*args)
+        return final, torch.cat([y[:, :1], y[:, 1:] * 0.5], 1), mem, saved
+
+    kernel.forward = wrong_past_the_first_sample  # type: ignore[method-assign]
+    x = (torch.rand(12, 3, 4) < 0.5).float()
+    y = seq(x)
+    assert seq.last_stats.blocks[0].neuron == "per-step" and block.fused.verified is False
+    torch.testing.assert_close(y, sc.wrap(net, granularity="layer", chunk=6, fuse=False)(x))
+
+
 def test_a_state_the_step_widens_runs_per_step_until_it_is_wide() -> None:
     """A float64 decay widens a float32 membrane at the first step: that chunk runs one step
     at a time (the kernel never changes a state's dtype), later chunks fused; the same

@@ -142,23 +142,28 @@ class VerifiedKernel:
         return self.kernel.backward(*args, **kwargs)
 
 
+#: rows and steps of the random chunk `_kernel_matches_step` runs: enough that most rows
+#: spike and reset within it, and some do not
+CHECK_ROWS, CHECK_STEPS = 16, 8
+
+
 def _sample_shape(step: torch.Size, params: Sequence[Tensor]) -> tuple[int, ...]:
-    """One sample of a step's shape ``(B, ...)``, each dimension kept only where a parameter
-    varies along it (aligned from the right, as broadcasting aligns them): the smallest input
-    on which the kernel meets every parameter value."""
+    """`CHECK_ROWS` samples of a step's shape ``(B, ...)``, each dimension kept only where a
+    parameter varies along it (aligned from the right, as broadcasting aligns them): a small
+    input on which the kernel meets every parameter value, on many random values."""
     dims = list(step[1:])
     kept = [1] * len(dims)
     for p in params:
         for i in range(1, min(p.dim(), len(dims)) + 1):
             if p.shape[-i] > 1:
                 kept[-i] = dims[-i]
-    return (1, *kept)
+    return (CHECK_ROWS, *kept)
 
 
 def _kernel_matches_step(
     neuron: LayerAdapter, kernel: ChunkKernel, leaves: Sequence[Tensor], z: Tensor
 ) -> bool:
-    """Kernel and step on the same random chunk (4 steps, one sample shaped like ``z``'s):
+    """Kernel and step on the same random chunk (`CHECK_STEPS` steps, `_sample_shape`):
     outputs, states and membranes bitwise; gradients of a weighted sum of them with respect
     to the input, the initial state and the kernel's parameters within float32 round-off."""
     from spikeckpt.engine import tree as pytree
@@ -171,7 +176,8 @@ def _kernel_matches_step(
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             for fused in (False, True):
                 torch.manual_seed(0)
-                x = (torch.randn(4, *shape, dtype=leaves[0].dtype) * 2).to(z.device)
+                x = torch.randn(CHECK_STEPS, *shape, dtype=leaves[0].dtype) * 2
+                x = x.to(z.device)
                 x.requires_grad_()
                 start = [
                     (torch.randn(shape, dtype=t.dtype) * 2).to(t.device).requires_grad_()
