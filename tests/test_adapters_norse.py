@@ -553,5 +553,8 @@ def test_a_sequential_state_with_its_own_forward_or_hooks_runs_through_its_call(
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
     for a, b in zip(_grads(list(model.parameters())), ref_g, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    with pytest.raises(sc.UnsupportedLayerError, match="layer-wise"):
+    with pytest.raises(
+        sc.UnsupportedLayerError,
+        match="forward hooks or a forward of its own, so it runs through its call",
+    ):
         sc.wrap(model, plan=Uniform(3), granularity="layer")(x)

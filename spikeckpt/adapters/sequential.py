@@ -324,12 +324,19 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
 
 def _check_neuron(layer: LayerAdapter, why: str) -> None:
     if isinstance(layer, StatefulAdapter) and layer.starts_from_none:
+        container = ""
+        if isinstance(layer.module, nn.Sequential):  # not a plain stack: see _is_sequential
+            container = (
+                "this stack has forward hooks or a forward of its own, so it runs through its "
+                "call as one module of yours (register the hooks on its layers instead to "
+                "step it as a stack of blocks); "
+            )
         raise unsupported(
             layer.module,
             layer.path,
-            why + "this module builds its own state from None at step 0, and layer-wise needs "
-            "each block's state at t=0 as tensors; give it an initial_state(x) method or use "
-            "granularity='stack'",
+            why + container + "this module builds its own state from None at step 0, and "
+            "layer-wise needs each block's state at t=0 as tensors; give it an initial_state(x) "
+            "method or use granularity='stack'",
         )
 
 
