@@ -435,29 +435,23 @@ def test_neurons_that_cannot_be_fused_keep_the_per_step_call(neuron: nn.Module) 
     assert seq.last_stats.blocks[0].neuron == "per-step"
 
 
-def test_a_kernel_that_disagrees_with_the_step_is_never_used() -> None:
-    net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(beta=0.9))
-    seq = sc.wrap(net, granularity="layer", chunk=3)
-    block = seq.layer_blocks(True)[0]
-    assert isinstance(block.fused, VerifiedKernel)
-    kernel = block.fused.kernel
-    real = kernel.forward
-
-    def halved(*args: Any) -> Any:
-        final, y, mem, saved = real(*args)
-        return final, y * 0.5, mem, saved
-
-    kernel.forward = halved  # type: ignore[method-assign]
-    x = (torch.rand(8, 2, 4) < 0.5).float()
-    y = seq(x)
-    assert seq.last_stats.blocks[0].neuron == "per-step" and block.fused.verified is False
-    torch.testing.assert_close(y, sc.wrap(net, granularity="layer", chunk=3, fuse=False)(x))
+def _halved(y: Tensor) -> Tensor:
+    return y * 0.5
 
 
-def test_the_check_runs_many_rows_and_steps() -> None:
-    """A kernel wrong only past the first sample (or only late in a chunk) is caught too: the
-    check runs `CHECK_ROWS` samples over `CHECK_STEPS` steps (before: one sample, 4 steps,
-    which often never spiked, and this kernel was used)."""
+def _wrong_past_the_first_sample(y: Tensor) -> Tensor:
+    return torch.cat([y[:, :1], y[:, 1:] * 0.5], 1)
+
+
+@pytest.mark.parametrize(
+    "tamper", [_halved, _wrong_past_the_first_sample], ids=lambda f: f.__name__
+)
+def test_a_kernel_that_disagrees_with_the_step_is_never_used(
+    tamper: Callable[[Tensor], Tensor],
+) -> None:
+    """A kernel whose outputs differ from the step's is never used, even one wrong only past
+    the first sample: the check runs `CHECK_ROWS` samples over `CHECK_STEPS` steps (before:
+    one sample over 4 steps, which often never spiked, and that kernel was used)."""
     from spikeckpt.adapters.layered import CHECK_ROWS, CHECK_STEPS
 
     assert CHECK_ROWS > 1 and CHECK_STEPS > 4
@@ -468,11 +462,11 @@ def test_the_check_runs_many_rows_and_steps() -> None:
     kernel = block.fused.kernel
     real = kernel.forward
 
-    def wrong_past_the_first_sample(*args: Any) -> Any:
+    def tampered(*args: Any) -> Any:
         final, y, mem, saved = real(*args)
-        return final, torch.cat([y[:, :1], y[:, 1:] * 0.5], 1), mem, saved
+        return final, tamper(y), mem, saved
 
-    kernel.forward = wrong_past_the_first_sample  # type: ignore[method-assign]
+    kernel.forward = tampered  # type: ignore[method-assign]
     x = (torch.rand(12, 3, 4) < 0.5).float()
     y = seq(x)
     assert seq.last_stats.blocks[0].neuron == "per-step" and block.fused.verified is False
