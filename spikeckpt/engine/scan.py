@@ -284,8 +284,12 @@ def scan(
         budget = parse_bytes(budget)
     if steps is not None:
         step, inputs, params = _constant_input(step, inputs, steps, params)
-    inputs = as_input(inputs)
-    timed = time_leaves(inputs)
+        # one step's pytree expanded over time: its leaves are time-first (a tuple of them is
+        # not a sequence of per-step inputs)
+        flat, in_def = tree_flatten(inputs)
+        timed: Timed = (flat, in_def, steps)
+    else:
+        timed = time_leaves(as_input(inputs))
     if spikes:
         for leaf in timed[0]:
             if not is_packed(leaf):
@@ -294,7 +298,7 @@ def scan(
     options = _Options(plan, storage, readout, budget, directory, pack_tape)
     leaves = tree_flatten(state)[0]
     if unshaped(leaves) or _autocast_first(plan, timed[2], leaves, timed[0]):
-        ys, final, run_stats = _after_first_step(step, inputs, state, timed, param_list, options)
+        ys, final, run_stats = _after_first_step(step, state, timed, param_list, options)
     else:
         ys, final, run_stats = _run(step, timed, state, param_list, options)
     return ScanResult(ys, final, run_stats).legacy(stats, "scan")
@@ -507,7 +511,6 @@ def _measured_plan(
 
 def _after_first_step(
     step: Callable[[Any, Any], tuple[Any, Any]],
-    inputs: Any,
     state: Any,
     timed: Timed,
     param_list: list[Tensor],
@@ -527,8 +530,9 @@ def _after_first_step(
     leaves = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
     device = next((t.device for t in (*leaves, *param_list, *in_leaves)), torch.device("cpu"))
     first = first_step(step, state, in_def.unflatten([step_of(x, 0, device) for x in in_leaves]))
-    rest = time_leaves(drop_first(inputs)) if T > 1 else None
-    if readout is None or readout == "last":
+    rest = ([drop_first(x) for x in in_leaves], in_def, T - 1) if T > 1 else None
+    if readout is None or readout == "last" or (first.y is None and not callable(readout)):
+        # (a step that outputs None reduces to None: nothing to carry)
         if rest is None:
             ys = first.y if readout == "last" else first.stacked(None)
             return ys, first.rebuild(first.state), _first_step_stats(T, options)

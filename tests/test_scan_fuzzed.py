@@ -1,0 +1,71 @@
+"""Regressions found by differentially fuzzing ``scan`` against the plain Python loop (step
+functions and calls as users write them): each test compares with the loop it stands for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import spikeckpt as sc
+from spikeckpt import plans as P
+
+
+def _loop(step: Any, xs: list[Any], state: Any) -> tuple[list[Any], Any]:
+    ys = []
+    for x_t in xs:
+        state, y = step(state, x_t)
+        ys.append(y)
+    return ys, state
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+@pytest.mark.parametrize("shaped", [True, False])
+def test_steps_with_a_pytree_input_feeds_it_at_every_step(kind: str, shaped: bool) -> None:
+    """``steps=`` with one step's input as a tuple (or dict) of tensors: the tuple was read as a
+    sequence of per-step inputs (T = its length, x_t a whole leaf), a dict was refused."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 2, requires_grad=True)
+    a, b = torch.randn(4, 2), torch.randn(4, 2, requires_grad=True)
+    x = (a, b) if kind == "tuple" else {"a": a, "b": b}
+
+    def step(v: Tensor, x_t: Any) -> tuple[Tensor, Tensor]:
+        xa, xb = (x_t[0], x_t[1]) if kind == "tuple" else (x_t["a"], x_t["b"])
+        v = 0.9 * v + (xa + 0.5 * xb) @ w.t() if v.numel() else (xa + 0.5 * xb) @ w.t()
+        return v, torch.sigmoid(v)
+
+    T = 5
+    v0 = torch.zeros(4, 3) if shaped else torch.zeros(0)
+    ys_ref, v_ref = _loop(step, [x] * T, v0)
+    ys, v = sc.scan(step, x, v0, steps=T, plan=P.Uniform(2))
+    assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)
+    got = torch.autograd.grad(ys.sum() + v.sum(), [w, b])
+    want = torch.autograd.grad(torch.stack(ys_ref).sum() + v_ref.sum(), [w, b])
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("readout", ["sum", "mean", "max", "min", "last", None])
+@pytest.mark.parametrize("T", [1, 4])
+def test_none_output_from_a_state_step_0_shapes_with_a_reducing_readout(
+    readout: Any, T: int
+) -> None:
+    """A step that outputs ``None`` (the state is what matters), started from a state with a
+    ``None`` leaf, with a reducing readout: scan raised "state[1] is NoneType" (its own
+    carried accumulator) instead of returning ``None`` as the loop reduces it."""
+    w = torch.randn(3, 2, requires_grad=True)
+
+    def step(s: Any, x: Tensor) -> tuple[Any, None]:
+        v, a = s
+        a = torch.zeros_like(v) if a is None else a
+        return (0.9 * v + x @ w.t() - 0.1 * a, a + 1), None
+
+    x = torch.randn(T, 2, 2)
+    s0 = (torch.zeros(2, 3), None)
+    _, (v_ref, a_ref) = _loop(step, list(x), s0)
+    ys, (v, a) = sc.scan(step, x, s0, plan=P.Uniform(2), readout=readout)
+    assert ys is None and torch.equal(v, v_ref) and torch.equal(a, a_ref)
+    (g,) = torch.autograd.grad(v.sum(), [w])
+    torch.testing.assert_close(g, torch.autograd.grad(v_ref.sum(), [w])[0])
