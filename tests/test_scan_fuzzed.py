@@ -69,3 +69,22 @@ def test_none_output_from_a_state_step_0_shapes_with_a_reducing_readout(
     assert ys is None and torch.equal(v, v_ref) and torch.equal(a, a_ref)
     (g,) = torch.autograd.grad(v.sum(), [w])
     torch.testing.assert_close(g, torch.autograd.grad(v_ref.sum(), [w])[0])
+
+
+@pytest.mark.parametrize("readout", [None, "sum", "last"])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("shaped", [True, False])
+def test_a_none_leaf_in_the_output_is_refused_the_same_way(
+    readout: Any, T: int, shaped: bool
+) -> None:
+    """``y_t = (v, None)``: refused naming the output leaf whether or not step 0 runs apart (it
+    was an AttributeError, or "state[1][1] is NoneType", or, at T=1 with ``"sum"``, accepted)."""
+    w = torch.randn(3, 2, requires_grad=True)
+
+    def step(v: Tensor, x: Tensor) -> tuple[Tensor, Any]:
+        v = 0.9 * v + x @ w.t() if v.numel() else x @ w.t()
+        return v, (v, None)
+
+    v0 = torch.zeros(2, 3) if shaped else torch.zeros(0)
+    with pytest.raises(TypeError, match=r"step output y\[1\] is NoneType, not a tensor"):
+        sc.scan(step, torch.randn(T, 2, 2), v0, plan=P.Uniform(2), readout=readout)

@@ -94,6 +94,11 @@ class FirstStep:
 def first_step(step: Step, state: Any, x0: Any) -> FirstStep:
     """Run ``step(state, x0)`` (taped when grad mode is on) and return what it gave."""
     state1, y0 = step(state, x0)
+    if y0 is not None:  # as the checkpointed run checks every step's output (StepFn)
+        leaves, y_def = pytree.tree_flatten(y0)
+        for name, leaf in zip(y_def.names, leaves, strict=False):
+            if not isinstance(leaf, Tensor):
+                raise ConfigTypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
     inner, state1, rebuild = _without_none_leaves(step, state1)
     return FirstStep(state1, y0, inner, rebuild)
 
