@@ -88,3 +88,27 @@ def test_a_none_leaf_in_the_output_is_refused_the_same_way(
     v0 = torch.zeros(2, 3) if shaped else torch.zeros(0)
     with pytest.raises(TypeError, match=r"step output y\[1\] is NoneType, not a tensor"):
         sc.scan(step, torch.randn(T, 2, 2), v0, plan=P.Uniform(2), readout=readout)
+
+
+LOG_W = torch.randn(3, 2, requires_grad=True)
+
+
+@pytest.mark.parametrize("how", ["closure", "global", "params"])
+def test_a_weight_computed_before_the_loop_gets_its_gradient(how: str) -> None:
+    """``w = log_w.exp()`` computed once before the loop and used by the step (a closure, a
+    global, or passed in ``params``): scan refused it with ``UnlistedParamsError`` naming
+    ``log_w``, which the plain loop (and scan, differentiating ``w``) reaches through ``w``."""
+    w = LOG_W.exp()
+    globals()["W_EXP"] = w
+
+    def step(v: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        return 0.9 * v + x @ (W_EXP if how == "global" else w).t(), v  # noqa: F821
+
+    x = torch.randn(5, 4, 2)
+    params = [w] if how == "params" else None
+    ys, v = sc.scan(step, x, torch.zeros(4, 3), plan=P.Revolve(2), params=params)
+    (got,) = torch.autograd.grad(ys.sum() + v.sum(), [LOG_W], retain_graph=True)
+    ys_ref, v_ref = _loop(step, list(x), torch.zeros(4, 3))
+    assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)
+    (want,) = torch.autograd.grad(torch.stack(ys_ref).sum() + v_ref.sum(), [LOG_W])
+    torch.testing.assert_close(got, want)

@@ -123,11 +123,14 @@ def unseen_leaves(
 ) -> list[Tensor]:
     """The leaf tensors requiring grad in the autograd graph of ``roots`` (tensors; others are
     skipped) that are not (by identity) in ``known``: tensors a step uses without the engine
-    differentiating them. Walks at most ``limit`` graph nodes."""
+    differentiating them. Walks at most ``limit`` graph nodes; stops at the nodes of known
+    tensors that are not leaves (a weight ``w = log_w.exp()`` computed before the loop and
+    passed as a parameter: the engine differentiates ``w``, autograd carries it on to
+    ``log_w``)."""
     stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
     # Node wrappers may be transient: keep them alive so their ids are not reused.
-    visited: list[Any] = []
-    seen: set[int] = set()
+    visited: list[Any] = [t.grad_fn for t in known if t.grad_fn is not None]
+    seen: set[int] = {id(node) for node in visited}
     known_ids = {id(t) for t in known}
     found: list[Tensor] = []
     while stack and len(visited) < limit:
