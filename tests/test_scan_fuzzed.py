@@ -112,3 +112,27 @@ def test_a_weight_computed_before_the_loop_gets_its_gradient(how: str) -> None:
     assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)
     (want,) = torch.autograd.grad(torch.stack(ys_ref).sum() + v_ref.sum(), [LOG_W])
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+def test_steps_with_an_encoded_input_reaches_the_encoder(shaped: bool) -> None:
+    """``scan(step, enc(img), state, steps=T)``: the constant input is the output of an encoder
+    (not a leaf); scan refused the encoder's parameters as unlisted instead of letting the
+    gradient flow on to them as the loop does."""
+    torch.manual_seed(0)
+    enc = torch.nn.Linear(5, 2)
+    w = torch.randn(4, 2, requires_grad=True)
+
+    def step(v: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        v = 0.9 * v + x @ w.t() if v.numel() else x @ w.t()
+        return v, torch.sigmoid(v)
+
+    x = enc(torch.randn(3, 5))
+    v0 = torch.zeros(3, 4) if shaped else torch.zeros(0)
+    ys, v = sc.scan(step, x, v0, steps=4, plan=P.Uniform(2))
+    got = torch.autograd.grad(ys.sum() + v.sum(), [enc.weight, w], retain_graph=True)
+    ys_ref, v_ref = _loop(step, [x] * 4, v0)
+    assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)
+    want = torch.autograd.grad(torch.stack(ys_ref).sum() + v_ref.sum(), [enc.weight, w])
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r)
