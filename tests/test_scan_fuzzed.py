@@ -136,3 +136,16 @@ def test_steps_with_an_encoded_input_reaches_the_encoder(shaped: bool) -> None:
     want = torch.autograd.grad(torch.stack(ys_ref).sum() + v_ref.sum(), [enc.weight, w])
     for g, r in zip(got, want, strict=True):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+def test_a_fold_returning_none_is_refused_the_same_way(shaped: bool) -> None:
+    """A callable readout that returns ``None`` (a step whose output is ``None``): refused as a
+    readout error whether or not step 0 runs apart (it was "state[1] is NoneType")."""
+
+    def step(v: Tensor, x: Tensor) -> tuple[Tensor, None]:
+        return (0.9 * v + x if v.numel() else x), None
+
+    v0 = torch.zeros(2, 3, requires_grad=True) if shaped else torch.zeros(0)
+    with pytest.raises(TypeError, match="callable readout must return a tensor"):
+        sc.scan(step, torch.randn(3, 2, 3), v0, plan=P.Uniform(2), readout=lambda a, y, t: y)

@@ -68,7 +68,13 @@ class FirstStep:
                 s, y = step(s, x_t)
                 return (s, fold(acc, y, int(t)), t + 1), None
 
-            return fold_step, (self.state, fold(None, self.y, 0), t0)
+            acc0 = fold(None, self.y, 0)
+            acc_leaves = pytree.tree_flatten(acc0)[0]
+            if not all(isinstance(a, Tensor) for a in acc_leaves):
+                raise ConfigTypeError(  # as StepFn says it when step 0 runs in the run
+                    "a callable readout must return a tensor or a pytree of tensors"
+                )
+            return fold_step, (self.state, acc0, t0)
 
         if readout in ("max", "min"):  # max(0)'s value and gradient (to the first of ties)
             kind = readout
