@@ -149,3 +149,38 @@ def test_a_fold_returning_none_is_refused_the_same_way(shaped: bool) -> None:
     v0 = torch.zeros(2, 3, requires_grad=True) if shaped else torch.zeros(0)
     with pytest.raises(TypeError, match="callable readout must return a tensor"):
         sc.scan(step, torch.randn(3, 2, 3), v0, plan=P.Uniform(2), readout=lambda a, y, t: y)
+
+
+@pytest.mark.parametrize("start", ["shaped", "empty"])
+@pytest.mark.parametrize("readout", [None, "sum"])
+@pytest.mark.parametrize("where", ["closure", "module"])
+def test_a_generator_of_the_step_s_own_is_refused_when_steps_are_recomputed(
+    start: str, readout: Any, where: str
+) -> None:
+    """Dropout drawn with ``generator=g``: scan replays the default generators only, so a
+    recomputing plan drew other masks in the backward pass and the gradient was silently wrong
+    (off by the size of the gradient itself). Now refused; BPTT (no recomputation) runs it
+    exactly."""
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(2, 4)
+    if where == "module":
+        layer.gen = gen  # type: ignore[assignment]
+
+    def step(v: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        c = layer(x)
+        c = c * (torch.rand(c.shape, generator=gen) < 0.7)
+        v = 0.9 * v + c if v.numel() else c
+        return v, torch.tanh(v) * v
+
+    x = torch.randn(9, 3, 2)
+    v0 = torch.zeros(3, 4) if start == "shaped" else torch.zeros(0)
+    with pytest.raises(sc.ConfigError, match=r"torch\.Generator of its own.*BPTT"):
+        sc.scan(step, x, v0, plan=P.Revolve(2), readout=readout)
+    gen.manual_seed(0)
+    ys, _ = sc.scan(step, x, v0, plan=P.BPTT(), readout=readout)
+    got = torch.autograd.grad(ys.sum(), [layer.weight])
+    gen.manual_seed(0)
+    ys_ref, _ = _loop(step, list(x), v0)
+    ref = sum(ys_ref[1:], ys_ref[0]) if readout == "sum" else torch.stack(ys_ref)  # in order
+    assert torch.equal(ys, ref)
+    torch.testing.assert_close(got, torch.autograd.grad(ref.sum(), [layer.weight]))

@@ -30,6 +30,7 @@ from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError
 __all__ = [
     "StepFn",
     "default_params",
+    "reachable_generators",
     "time_leaves",
     "unshaped",
 ]
@@ -295,6 +296,8 @@ class _Reach:
         self.found: dict[int, Tensor] = {}
         self.seen: set[int] = set()
         self.modules: dict[int, nn.Module] = {}
+        #: ``torch.Generator``s of the user's own (scan replays the default generators only)
+        self.generators: dict[int, torch.Generator] = {}
 
     def visit(self, obj: Any, depth: int) -> None:
         if depth > 4 or id(obj) in self.seen or isinstance(obj, (types.ModuleType, type, str)):
@@ -329,6 +332,11 @@ class _Reach:
                     self.visit(value, depth)
                 elif isinstance(value, Tensor) and value.is_leaf:
                     self._tensor(value, depth)  # a tensor attribute: self.beta = torch.full(..)
+                elif isinstance(value, torch.Generator):
+                    self._generator(value, depth)
+
+    def _generator(self, gen: torch.Generator, depth: int) -> None:
+        self.generators.setdefault(id(gen), gen)
 
     def _partial(self, obj: functools.partial, depth: int) -> None:
         self.visit_all((obj.func, *obj.args, *obj.keywords.values()), depth)
@@ -350,6 +358,7 @@ class _Reach:
 
     _VISITS: tuple[tuple[Any, Callable[..., None]], ...] = (
         (Tensor, _tensor),
+        (torch.Generator, _generator),
         (nn.Module, _module),
         (functools.partial, _partial),
         ((list, tuple, set, frozenset), _sequence),
@@ -368,3 +377,11 @@ def reachable(step: Any) -> tuple[list[Tensor], list[nn.Module]]:
     walk = _Reach()
     walk.visit(step, 0)
     return list(walk.found.values()), list(walk.modules.values())
+
+
+def reachable_generators(step: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects reachable from ``step`` (as `reachable` walks: its
+    closure, defaults, globals, bound ``self`` and the attributes of the modules it reaches)."""
+    walk = _Reach()
+    walk.visit(step, 0)
+    return list(walk.generators.values())
