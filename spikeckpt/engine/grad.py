@@ -129,7 +129,9 @@ def unseen_leaves(
     ``log_w``)."""
     stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
     # Node wrappers may be transient: keep them alive so their ids are not reused.
-    visited: list[Any] = [t.grad_fn for t in known if t.grad_fn is not None]
+    visited: list[Any] = [
+        t.grad_fn for t in known if isinstance(t, Tensor) and t.grad_fn is not None
+    ]
     seen: set[int] = {id(node) for node in visited}
     known_ids = {id(t) for t in known}
     found: list[Tensor] = []
