@@ -335,3 +335,31 @@ def test_ddp_out_of_memory_after_planning_stops_with_a_clear_error(tmp_path: Pat
     result = _run_ddp(tmp_path, oom_after_planning=True)
     assert result.returncode != 0
     assert "cannot be retried in lockstep" in result.stderr, result.stderr[-3000:]
+
+
+def test_validation_batches_under_no_grad_are_not_planned_or_refused(tmp_path: Path) -> None:
+    # A validation batch four times the training batch: its forward runs under no_grad and
+    # tapes nothing, so a budget that fits the training step must not refuse it (it did: the
+    # sanity check planned it as a training step and raised BudgetTooSmall), nor probe it.
+    class Validated(SpikingClassifier):
+        def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x.transpose(0, 1)).sum(0), y)
+            self.log("val_loss", loss, batch_size=len(y))
+
+    T = 200
+    model = Validated()
+    bptt, fixed = _needs(model, T)
+    budget = fixed + bptt // 4  # a checkpointing plan for B=8; 4*B needs far more
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.rand(4 * BATCH, T, FEATURES, generator=generator) < 0.2).float()
+    val = DataLoader([(x, torch.randint(0, CLASSES, (4 * BATCH,), generator=generator))], None)
+    callback = MemoryBudget(budget, margin=0.0)
+    trainer = _trainer(callback, tmp_path, num_sanity_val_steps=1)
+    trainer.fit(model, _loader(T), val)
+    planner = callback.planners["net"]
+    assert set(planner.choices) == {(T, BATCH)} and planner.probes == 1
+    assert not isinstance(callback.plans["net"].plan, BPTT)
+    assert callback.measured_peak_bytes is not None
+    assert callback.measured_peak_bytes <= budget
+    assert "val_loss" in trainer.callback_metrics

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NamedTuple, NoReturn
 
+import torch
 from torch import Tensor
 
 from spikeckpt import plans
@@ -168,7 +169,14 @@ class BudgetPlanner:
             self.context += context
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
-        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
+        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``.
+
+        A forward without autograd (``torch.no_grad``: validation, test, predict) tapes
+        nothing, so the budget does not bound it: it runs as plain BPTT (no checkpoints, no
+        probe, nothing planned or cached, no cross-rank agreement needed), whatever its shape.
+        """
+        if not torch.is_grad_enabled():
+            return Decision("stack", plans.BPTT())
         T, batch = int(x.shape[0]), int(x.shape[1])
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
