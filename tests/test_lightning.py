@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 import textwrap
@@ -363,3 +364,20 @@ def test_validation_batches_under_no_grad_are_not_planned_or_refused(tmp_path: P
     assert callback.measured_peak_bytes is not None
     assert callback.measured_peak_bytes <= budget
     assert "val_loss" in trainer.callback_metrics
+
+
+def test_metrics_go_to_every_logger_at_the_batch_s_own_step(tmp_path: Path) -> None:
+    # They were logged to trainer.logger alone, at trainer.global_step: one step after the
+    # batch's own metrics (self.log), since the optimizer step has been counted by then.
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers = [CSVLogger(tmp_path / "a"), CSVLogger(tmp_path / "b")]
+    callback = MemoryBudget("64MiB", verbose=False)
+    trainer = _trainer(callback, tmp_path, logger=loggers, log_every_n_steps=1)
+    trainer.fit(SpikingClassifier(), _loader(60, batches=3))
+    key = "MemoryBudget.on_train_batch_end/net.modeled_peak_bytes"
+    for logger in loggers:
+        rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+        ours = [int(r["step"]) for r in rows if r.get(key)]
+        own = [int(r["step"]) for r in rows if r.get("loss")]
+        assert ours == own == [0, 1, 2], rows

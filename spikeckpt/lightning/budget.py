@@ -298,8 +298,13 @@ class MemoryBudget(Callback):
         measured = self._end_measuring()
         if measured is not None:
             self._check_measured(trainer, batch_idx, measured)
-        if trainer.logger is not None:
-            trainer.logger.log_metrics(self._metrics(measured), step=trainer.global_step)
+        # every logger, at the step Lightning's own ``self.log`` uses for this batch (as
+        # DeviceStatsMonitor does: ``global_step`` has already counted this batch's optimizer
+        # step, which put these metrics one row after the batch's own)
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        for logger in trainer.loggers:
+            separator = getattr(logger, "group_separator", "/")
+            logger.log_metrics(self._metrics(measured, separator), step=step)
         if self.verbose and batch_idx == 0 and trainer.current_epoch == 0:
             self._print_plans(trainer)
 
@@ -318,17 +323,18 @@ class MemoryBudget(Callback):
             self._to_measure = max(self._to_measure, again)
         return peak
 
-    def _metrics(self, measured: int | None) -> dict[str, float]:
-        """What the callback logs for this step (Lightning's ``Callback.hook/key`` names)."""
-        prefix = f"{type(self).__name__}.on_train_batch_end"
+    def _metrics(self, measured: int | None, separator: str = "/") -> dict[str, float]:
+        """What the callback logs for this step (Lightning's ``Callback.hook/key`` names,
+        ``/`` being the logger's ``group_separator``)."""
+        prefix = f"{type(self).__name__}.on_train_batch_end{separator}"
         metrics: dict[str, float] = {}
         if measured is not None:
-            metrics[f"{prefix}/measured_peak_bytes"] = float(measured)
+            metrics[f"{prefix}measured_peak_bytes"] = float(measured)
         modeled = self.modeled_step_bytes
         if modeled is not None:
-            metrics[f"{prefix}/modeled_step_bytes"] = float(modeled)
+            metrics[f"{prefix}modeled_step_bytes"] = float(modeled)
         for name, choice in self.plans.items():
-            key = f"{prefix}/{name}"
+            key = f"{prefix}{name}"
             metrics[f"{key}.modeled_peak_bytes"] = float(choice.modeled_peak_bytes)
             metrics[f"{key}.recompute_factor"] = float(choice.recompute_factor)
             metrics[f"{key}.time_factor"] = float(choice.time_factor)
