@@ -377,7 +377,7 @@ def test_metrics_go_to_every_logger_at_the_batch_s_own_step(tmp_path: Path) -> N
     trainer.fit(SpikingClassifier(), _loader(60, batches=3))
     key = "MemoryBudget.on_train_batch_end/net.modeled_peak_bytes"
     for logger in loggers:
-        rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+        rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").open()))
         ours = [int(r["step"]) for r in rows if r.get(key)]
         own = [int(r["step"]) for r in rows if r.get("loss")]
         assert ours == own == [0, 1, 2], rows
