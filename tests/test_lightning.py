@@ -381,3 +381,77 @@ def test_metrics_go_to_every_logger_at_the_batch_s_own_step(tmp_path: Path) -> N
         ours = [int(r["step"]) for r in rows if r.get(key)]
         own = [int(r["step"]) for r in rows if r.get("loss")]
         assert ours == own == [0, 1, 2], rows
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory at the given calls (1 = the first): the
+    layers after it have their gradients by then, as with a real out-of-memory error in the
+    wrapped model's backward."""
+
+    calls = 0
+    fail_at: tuple[int, ...] = ()
+
+    @staticmethod
+    def forward(ctx, h):  # type: ignore[no-untyped-def]
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        _OutOfMemoryInBackward.calls += 1
+        if _OutOfMemoryInBackward.calls in _OutOfMemoryInBackward.fail_at:
+            raise torch.OutOfMemoryError("injected in the wrapped model's backward")
+        return grad
+
+
+class _WithHead(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = spikeckpt.wrap(nn.Sequential(nn.Linear(FEATURES, HIDDEN), snn.Leaky(0.9)))
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        h = _OutOfMemoryInBackward.apply(self.net(x.transpose(0, 1)))
+        return nn.functional.cross_entropy(self.head(h.mean(0)), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fit_with_head(tmp_path: Path, fail_at: tuple[int, ...], accumulate: int) -> _WithHead:
+    _OutOfMemoryInBackward.calls, _OutOfMemoryInBackward.fail_at = 0, fail_at
+    model = _WithHead()
+    callback = MemoryBudget("64MiB", max_retries=1, verbose=False)
+    _trainer(callback, tmp_path, accumulate_grad_batches=accumulate).fit(model, _loader(20))
+    assert callback.retries == len(fail_at)
+    return model
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_batch_retried_after_out_of_memory_in_backward_trains_as_without(
+    tmp_path: Path, accumulate: int
+) -> None:
+    # The retried backward added the head's gradient a second time to what the failed one had
+    # left, and its loss missed Lightning's division by accumulate_grad_batches.
+    plain = _fit_with_head(tmp_path, (), accumulate)
+    retried = _fit_with_head(tmp_path, (1,), accumulate)
+    for (name, a), b in zip(plain.named_parameters(), retried.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_out_of_memory_in_backward_into_accumulated_gradients_is_not_retried(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(spikeckpt.UsageError, match="cannot be retried exactly"):
+        _fit_with_head(tmp_path, (2,), 2)  # the second batch adds to the first's gradients
+
+
+def test_retries_refuse_manual_optimization(tmp_path: Path) -> None:
+    class Manual(_WithHead):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(MisconfigurationException, match="needs automatic optimization"):
+        _trainer(MemoryBudget("64MiB", max_retries=1), tmp_path).fit(Manual(), _loader(20))

@@ -189,6 +189,15 @@ class MemoryBudget(Callback):
             if self.storage is not None:
                 module.set_storage(self.storage)
         if stage == "fit" and self.max_retries > 0:
+            if not pl_module.automatic_optimization:
+                raise MemoryBudgetError(
+                    f"MemoryBudget(max_retries={self.max_retries}) needs automatic optimization: "
+                    f"{type(pl_module).__name__} sets automatic_optimization=False, and a "
+                    "training_step that ran out of memory inside manual_backward cannot be "
+                    "re-run (its optimizer steps and the code after the backward would run "
+                    "twice). Pass max_retries=0 (the default), or a smaller budget= that "
+                    "leaves room for what the step allocates outside the wrapped models."
+                )
             self._install_retry(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -391,14 +400,20 @@ class MemoryBudget(Callback):
         def backward_with_retry(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             attempt = 0
             while True:
+                marks = _grad_marks(pl_module)
                 try:
                     return backward(loss, *args, **kwargs)
                 except torch.OutOfMemoryError as error:
+                    # the failed backward may have added to some .grad already (those of
+                    # the layers after the wrapped models): undo it, or refuse to retry
+                    _undo_partial_grads(pl_module, marks, error)
                     self._replan(error, attempt)
                     attempt += 1
                     step_args, step_kwargs = self._last_step_args
                     output = step(*step_args, **step_kwargs)
-                    loss = output["loss"] if isinstance(output, dict) else output
+                    loss = _as_backward_loss(
+                        output["loss"] if isinstance(output, dict) else output, pl_module.trainer
+                    )
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
         pl_module.backward = backward_with_retry  # type: ignore[method-assign]
@@ -468,6 +483,48 @@ class MemoryBudget(Callback):
             return reduce(value)
 
         return counted
+
+
+def _as_backward_loss(loss: torch.Tensor, trainer: pl.Trainer) -> torch.Tensor:
+    """A re-run ``training_step``'s loss as Lightning hands it to ``backward``: divided by
+    ``accumulate_grad_batches`` (Lightning's closure) and scaled by the precision plugin's
+    gradient scaler, if it has one ("16-mixed" on CUDA)."""
+    loss = loss / trainer.accumulate_grad_batches
+    scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    return scaler.scale(loss) if scaler is not None else loss
+
+
+def _grad_marks(module: torch.nn.Module) -> dict[torch.nn.Parameter, tuple[int, int] | None]:
+    """Each parameter's ``.grad`` before a backward: None, or its identity and version."""
+    return {
+        p: None if p.grad is None else (id(p.grad), p.grad._version) for p in module.parameters()
+    }
+
+
+def _undo_partial_grads(
+    module: torch.nn.Module,
+    marks: dict[torch.nn.Parameter, tuple[int, int] | None],
+    error: BaseException,
+) -> None:
+    """Put back the ``.grad`` a backward that failed part-way left (a retried backward would
+    add to it again): gradients that were None are None again; one that held a sum (gradient
+    accumulation) and was added to cannot be put back without a copy, so the retry is
+    refused."""
+    changed = []
+    for name, p in module.named_parameters():
+        mark = marks.get(p)
+        if mark is None:
+            p.grad = None
+        elif p.grad is None or (id(p.grad), p.grad._version) != mark:
+            changed.append(name)
+    if changed:
+        raise UsageError(
+            f"MemoryBudget: out of memory in backward after it had added to the accumulated "
+            f"gradients of {len(changed)} parameter(s) ({', '.join(changed[:3])}, ...): the "
+            "batch cannot be retried exactly (its gradient would count twice). With "
+            "gradient accumulation (accumulate_grad_batches > 1) give a smaller budget= "
+            "instead of relying on re-plans, or use accumulate_grad_batches=1."
+        ) from error
 
 
 def _reduce_max(trainer: pl.Trainer, device: torch.device) -> Callable[[int], int]:
