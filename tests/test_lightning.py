@@ -455,3 +455,21 @@ def test_retries_refuse_manual_optimization(tmp_path: Path) -> None:
 
     with pytest.raises(MisconfigurationException, match="needs automatic optimization"):
         _trainer(MemoryBudget("64MiB", max_retries=1), tmp_path).fit(Manual(), _loader(20))
+
+
+def test_a_wrapped_model_run_twice_in_a_step_is_warned_about(tmp_path: Path) -> None:
+    # Each run is planned with the whole budget, and both runs' tapes live until the backward:
+    # with measure_batches=0 the step went over the budget without a word.
+    class TwoHalves(SpikingClassifier):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            first, second = x.transpose(0, 1).chunk(2)
+            spikes = self.net(first).sum(0) + self.net(second).sum(0)
+            return nn.functional.cross_entropy(spikes, y)
+
+    callback = MemoryBudget("64MiB", measure_batches=0, verbose=False)
+    with pytest.warns(UserWarning, match="ran 2 times in training step 0") as record:
+        _trainer(callback, tmp_path).fit(TwoHalves(), _loader(40))
+    assert sum("ran 2 times" in str(w.message) for w in record) == 1  # once per model
+    assert "nothing checks it" in next(str(w.message) for w in record if "ran 2" in str(w.message))
+    assert callback.planners["net"].runs == 4

@@ -154,6 +154,8 @@ class MemoryBudget(Callback):
         self._last_step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
         self._world_size = 1
         self._collectives_this_batch = 0
+        self._runs_at_start: dict[str, int] = {}
+        self._warned_runs: set[str] = set()
 
     @property
     def state_key(self) -> str:
@@ -291,6 +293,7 @@ class MemoryBudget(Callback):
     ) -> None:
         self._collectives_this_batch = 0
         self._probes_at_start = sum(p.probes for p in self.planners.values())
+        self._runs_at_start = {name: p.runs for name, p in self.planners.items()}
         if self._to_measure > 0 and self._meter is None:
             self._meter = MemoryMeter(pl_module.device)
             self._meter.__enter__()
@@ -305,6 +308,7 @@ class MemoryBudget(Callback):
         batch_idx: int,
     ) -> None:
         measured = self._end_measuring()
+        self._warn_runs(batch_idx)
         if measured is not None:
             self._check_measured(trainer, batch_idx, measured)
         # every logger, at the step Lightning's own ``self.log`` uses for this batch (as
@@ -442,6 +446,7 @@ class MemoryBudget(Callback):
         self.retries += 1
         for planner in self.planners.values():
             planner.replan(int(planner.budget_bytes * self.retry_factor))
+        self._runs_at_start = {name: p.runs for name, p in self.planners.items()}  # the retry's
         self._to_measure = max(self._to_measure, self.measure_batches)
         gc.collect()
         if torch.cuda.is_available():
@@ -451,6 +456,28 @@ class MemoryBudget(Callback):
             f"{self.retry_factor:.0%} of the budget and retrying the batch "
             f"(retry {attempt + 1} of {self.max_retries})"
         )
+
+    def _warn_runs(self, batch_idx: int) -> None:
+        """Warn (once per wrapped model) when one ran more than once in a training step: each
+        run is planned with the model's whole part of the budget, but the runs' tapes are all
+        held until the backward."""
+        for name, planner in self.planners.items():
+            runs = planner.runs - self._runs_at_start.get(name, planner.runs)
+            if runs <= 1 or name in self._warned_runs:
+                continue
+            self._warned_runs.add(name)
+            check = (
+                "measured steps re-plan down by what they exceed"
+                if self.measure_batches > 0
+                else "with measure_batches=0 nothing checks it"
+            )
+            rank_zero_warn(
+                f"MemoryBudget: the wrapped model {name!r} ran {runs} times in training step "
+                f"{batch_idx}; each run is planned with the model's whole part of the budget, "
+                f"but the runs' tapes are held together until the backward, so the step may "
+                f"exceed the budget ({check}). Run it once per step (e.g. the views "
+                f"concatenated along the batch), or give a budget= that allows for {runs} runs."
+            )
 
     def _check_measured(self, trainer: pl.Trainer, batch_idx: int, peak: int) -> None:
         """Re-plan down when a measured step came out over the whole-step budget: each

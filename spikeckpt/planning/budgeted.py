@@ -129,6 +129,8 @@ class BudgetPlanner:
     Attributes:
         choices: shape ``(T, B)`` -> `PlanChoice`.
         probes: how many probes ran (a resumed run with known shapes runs none).
+        runs: how many forwards with autograd it decided (``MemoryBudget`` counts them per
+            training step).
         last: the latest `PlanChoice`.
     """
 
@@ -158,6 +160,7 @@ class BudgetPlanner:
         self.broadcast = broadcast
         self.choices: dict[ShapeKey, PlanChoice] = {}
         self.probes = 0
+        self.runs = 0
         self.last: PlanChoice | None = None
 
     def replan(self, budget_bytes: int, *, context: str = "") -> None:
@@ -177,6 +180,7 @@ class BudgetPlanner:
         """
         if not torch.is_grad_enabled():
             return Decision("stack", plans.BPTT())
+        self.runs += 1
         T, batch = int(x.shape[0]), int(x.shape[1])
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
