@@ -248,6 +248,12 @@ def test_setup_without_wrapped_model_explains_how_to_wrap(tmp_path: Path) -> Non
         ({"storage": "tape"}, "unknown storage"),
         ({"budget": "1GiB", "fraction": 0.5}, "not both"),
         ({"margin": 1.0}, "margin"),
+        ({"margin": "0.1"}, "margin"),
+        ({"fraction": True}, "fraction"),
+        ({"measure_batches": -1}, "measure_batches must be a whole number"),
+        ({"measure_batches": "2"}, "measure_batches must be a whole number"),
+        ({"max_retries": 1.5}, "max_retries must be a whole number"),
+        ({"retry_factor": 1.0}, "retry_factor"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], message: str) -> None:

@@ -120,18 +120,21 @@ class MemoryBudget(Callback):
         self.budget = parse_bytes(budget) if budget is not None else None
         if fraction is None and budget is None:
             fraction = 0.8
-        if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+        if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
             raise ConfigError(f"fraction must be in (0, 1], got {fraction!r}")
         self.fraction = fraction
         if storage is not None and storage not in TIER_KINDS:
             raise ConfigError(f"unknown storage {storage!r}: use one of {TIER_KINDS} or None")
         self.storage = storage
-        if not 0 <= margin < 1:
+        if not _is_number(margin) or not 0 <= margin < 1:
             raise ConfigError(f"margin must be in [0, 1), got {margin!r}")
         self.margin = margin
         self.remote = remote
-        if max_retries < 0 or not 0 < retry_factor < 1:
-            raise ConfigError("max_retries must be >= 0 and retry_factor in (0, 1)")
+        for name, count in (("max_retries", max_retries), ("measure_batches", measure_batches)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ConfigError(f"{name} must be a whole number >= 0, got {count!r}")
+        if not _is_number(retry_factor) or not 0 < retry_factor < 1:
+            raise ConfigError(f"retry_factor must be in (0, 1), got {retry_factor!r}")
         self.max_retries = max_retries
         self.retry_factor = retry_factor
         self.measure_batches = measure_batches
@@ -510,6 +513,11 @@ class MemoryBudget(Callback):
             return reduce(value)
 
         return counted
+
+
+def _is_number(value: object) -> bool:
+    """A real number (an int or a float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _as_backward_loss(loss: torch.Tensor, trainer: pl.Trainer) -> torch.Tensor:
