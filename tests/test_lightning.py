@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 import textwrap
@@ -247,6 +248,12 @@ def test_setup_without_wrapped_model_explains_how_to_wrap(tmp_path: Path) -> Non
         ({"storage": "tape"}, "unknown storage"),
         ({"budget": "1GiB", "fraction": 0.5}, "not both"),
         ({"margin": 1.0}, "margin"),
+        ({"margin": "0.1"}, "margin"),
+        ({"fraction": True}, "fraction"),
+        ({"measure_batches": -1}, "measure_batches must be a whole number"),
+        ({"measure_batches": "2"}, "measure_batches must be a whole number"),
+        ({"max_retries": 1.5}, "max_retries must be a whole number"),
+        ({"retry_factor": 1.0}, "retry_factor"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], message: str) -> None:
@@ -335,3 +342,140 @@ def test_ddp_out_of_memory_after_planning_stops_with_a_clear_error(tmp_path: Pat
     result = _run_ddp(tmp_path, oom_after_planning=True)
     assert result.returncode != 0
     assert "cannot be retried in lockstep" in result.stderr, result.stderr[-3000:]
+
+
+def test_validation_batches_under_no_grad_are_not_planned_or_refused(tmp_path: Path) -> None:
+    # A validation batch four times the training batch: its forward runs under no_grad and
+    # tapes nothing, so a budget that fits the training step must not refuse it (it did: the
+    # sanity check planned it as a training step and raised BudgetTooSmall), nor probe it.
+    class Validated(SpikingClassifier):
+        def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x.transpose(0, 1)).sum(0), y)
+            self.log("val_loss", loss, batch_size=len(y))
+
+    T = 200
+    model = Validated()
+    bptt, fixed = _needs(model, T)
+    budget = fixed + bptt // 4  # a checkpointing plan for B=8; 4*B needs far more
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.rand(4 * BATCH, T, FEATURES, generator=generator) < 0.2).float()
+    val = DataLoader([(x, torch.randint(0, CLASSES, (4 * BATCH,), generator=generator))], None)
+    callback = MemoryBudget(budget, margin=0.0)
+    trainer = _trainer(callback, tmp_path, num_sanity_val_steps=1)
+    trainer.fit(model, _loader(T), val)
+    planner = callback.planners["net"]
+    assert set(planner.choices) == {(T, BATCH)} and planner.probes == 1
+    assert not isinstance(callback.plans["net"].plan, BPTT)
+    assert callback.measured_peak_bytes is not None
+    assert callback.measured_peak_bytes <= budget
+    assert "val_loss" in trainer.callback_metrics
+
+
+def test_metrics_go_to_every_logger_at_the_batch_s_own_step(tmp_path: Path) -> None:
+    # They were logged to trainer.logger alone, at trainer.global_step: one step after the
+    # batch's own metrics (self.log), since the optimizer step has been counted by then.
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers = [CSVLogger(tmp_path / "a"), CSVLogger(tmp_path / "b")]
+    callback = MemoryBudget("64MiB", verbose=False)
+    trainer = _trainer(callback, tmp_path, logger=loggers, log_every_n_steps=1)
+    trainer.fit(SpikingClassifier(), _loader(60, batches=3))
+    key = "MemoryBudget.on_train_batch_end/net.modeled_peak_bytes"
+    for logger in loggers:
+        rows = list(csv.DictReader((Path(logger.log_dir) / "metrics.csv").open()))
+        ours = [int(r["step"]) for r in rows if r.get(key)]
+        own = [int(r["step"]) for r in rows if r.get("loss")]
+        assert ours == own == [0, 1, 2], rows
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory at the given calls (1 = the first): the
+    layers after it have their gradients by then, as with a real out-of-memory error in the
+    wrapped model's backward."""
+
+    calls = 0
+    fail_at: tuple[int, ...] = ()
+
+    @staticmethod
+    def forward(ctx, h):  # type: ignore[no-untyped-def]
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        _OutOfMemoryInBackward.calls += 1
+        if _OutOfMemoryInBackward.calls in _OutOfMemoryInBackward.fail_at:
+            raise torch.OutOfMemoryError("injected in the wrapped model's backward")
+        return grad
+
+
+class _WithHead(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = spikeckpt.wrap(nn.Sequential(nn.Linear(FEATURES, HIDDEN), snn.Leaky(0.9)))
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        h = _OutOfMemoryInBackward.apply(self.net(x.transpose(0, 1)))
+        return nn.functional.cross_entropy(self.head(h.mean(0)), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fit_with_head(tmp_path: Path, fail_at: tuple[int, ...], accumulate: int) -> _WithHead:
+    _OutOfMemoryInBackward.calls, _OutOfMemoryInBackward.fail_at = 0, fail_at
+    model = _WithHead()
+    callback = MemoryBudget("64MiB", max_retries=1, verbose=False)
+    _trainer(callback, tmp_path, accumulate_grad_batches=accumulate).fit(model, _loader(20))
+    assert callback.retries == len(fail_at)
+    return model
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_batch_retried_after_out_of_memory_in_backward_trains_as_without(
+    tmp_path: Path, accumulate: int
+) -> None:
+    # The retried backward added the head's gradient a second time to what the failed one had
+    # left, and its loss missed Lightning's division by accumulate_grad_batches.
+    plain = _fit_with_head(tmp_path, (), accumulate)
+    retried = _fit_with_head(tmp_path, (1,), accumulate)
+    for (name, a), b in zip(plain.named_parameters(), retried.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_out_of_memory_in_backward_into_accumulated_gradients_is_not_retried(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(spikeckpt.UsageError, match="cannot be retried exactly"):
+        _fit_with_head(tmp_path, (2,), 2)  # the second batch adds to the first's gradients
+
+
+def test_retries_refuse_manual_optimization(tmp_path: Path) -> None:
+    class Manual(_WithHead):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(MisconfigurationException, match="needs automatic optimization"):
+        _trainer(MemoryBudget("64MiB", max_retries=1), tmp_path).fit(Manual(), _loader(20))
+
+
+def test_a_wrapped_model_run_twice_in_a_step_is_warned_about(tmp_path: Path) -> None:
+    # Each run is planned with the whole budget, and both runs' tapes live until the backward:
+    # with measure_batches=0 the step went over the budget without a word.
+    class TwoHalves(SpikingClassifier):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            first, second = x.transpose(0, 1).chunk(2)
+            spikes = self.net(first).sum(0) + self.net(second).sum(0)
+            return nn.functional.cross_entropy(spikes, y)
+
+    callback = MemoryBudget("64MiB", measure_batches=0, verbose=False)
+    with pytest.warns(UserWarning, match="ran 2 times in training step 0") as record:
+        _trainer(callback, tmp_path).fit(TwoHalves(), _loader(40))
+    assert sum("ran 2 times" in str(w.message) for w in record) == 1  # once per model
+    assert "nothing checks it" in next(str(w.message) for w in record if "ran 2" in str(w.message))
+    assert callback.planners["net"].runs == 4

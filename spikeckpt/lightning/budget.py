@@ -120,18 +120,21 @@ class MemoryBudget(Callback):
         self.budget = parse_bytes(budget) if budget is not None else None
         if fraction is None and budget is None:
             fraction = 0.8
-        if fraction is not None and not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+        if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
             raise ConfigError(f"fraction must be in (0, 1], got {fraction!r}")
         self.fraction = fraction
         if storage is not None and storage not in TIER_KINDS:
             raise ConfigError(f"unknown storage {storage!r}: use one of {TIER_KINDS} or None")
         self.storage = storage
-        if not 0 <= margin < 1:
+        if not _is_number(margin) or not 0 <= margin < 1:
             raise ConfigError(f"margin must be in [0, 1), got {margin!r}")
         self.margin = margin
         self.remote = remote
-        if max_retries < 0 or not 0 < retry_factor < 1:
-            raise ConfigError("max_retries must be >= 0 and retry_factor in (0, 1)")
+        for name, count in (("max_retries", max_retries), ("measure_batches", measure_batches)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ConfigError(f"{name} must be a whole number >= 0, got {count!r}")
+        if not _is_number(retry_factor) or not 0 < retry_factor < 1:
+            raise ConfigError(f"retry_factor must be in (0, 1), got {retry_factor!r}")
         self.max_retries = max_retries
         self.retry_factor = retry_factor
         self.measure_batches = measure_batches
@@ -154,6 +157,8 @@ class MemoryBudget(Callback):
         self._last_step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
         self._world_size = 1
         self._collectives_this_batch = 0
+        self._runs_at_start: dict[str, int] = {}
+        self._warned_runs: set[str] = set()
 
     @property
     def state_key(self) -> str:
@@ -189,6 +194,15 @@ class MemoryBudget(Callback):
             if self.storage is not None:
                 module.set_storage(self.storage)
         if stage == "fit" and self.max_retries > 0:
+            if not pl_module.automatic_optimization:
+                raise MemoryBudgetError(
+                    f"MemoryBudget(max_retries={self.max_retries}) needs automatic optimization: "
+                    f"{type(pl_module).__name__} sets automatic_optimization=False, and a "
+                    "training_step that ran out of memory inside manual_backward cannot be "
+                    "re-run (its optimizer steps and the code after the backward would run "
+                    "twice). Pass max_retries=0 (the default), or a smaller budget= that "
+                    "leaves room for what the step allocates outside the wrapped models."
+                )
             self._install_retry(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -282,6 +296,7 @@ class MemoryBudget(Callback):
     ) -> None:
         self._collectives_this_batch = 0
         self._probes_at_start = sum(p.probes for p in self.planners.values())
+        self._runs_at_start = {name: p.runs for name, p in self.planners.items()}
         if self._to_measure > 0 and self._meter is None:
             self._meter = MemoryMeter(pl_module.device)
             self._meter.__enter__()
@@ -296,10 +311,16 @@ class MemoryBudget(Callback):
         batch_idx: int,
     ) -> None:
         measured = self._end_measuring()
+        self._warn_runs(batch_idx)
         if measured is not None:
             self._check_measured(trainer, batch_idx, measured)
-        if trainer.logger is not None:
-            trainer.logger.log_metrics(self._metrics(measured), step=trainer.global_step)
+        # every logger, at the step Lightning's own ``self.log`` uses for this batch (as
+        # DeviceStatsMonitor does: ``global_step`` has already counted this batch's optimizer
+        # step, which put these metrics one row after the batch's own)
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        for logger in trainer.loggers:
+            separator = getattr(logger, "group_separator", "/")
+            logger.log_metrics(self._metrics(measured, separator), step=step)
         if self.verbose and batch_idx == 0 and trainer.current_epoch == 0:
             self._print_plans(trainer)
 
@@ -318,17 +339,18 @@ class MemoryBudget(Callback):
             self._to_measure = max(self._to_measure, again)
         return peak
 
-    def _metrics(self, measured: int | None) -> dict[str, float]:
-        """What the callback logs for this step (Lightning's ``Callback.hook/key`` names)."""
-        prefix = f"{type(self).__name__}.on_train_batch_end"
+    def _metrics(self, measured: int | None, separator: str = "/") -> dict[str, float]:
+        """What the callback logs for this step (Lightning's ``Callback.hook/key`` names,
+        ``/`` being the logger's ``group_separator``)."""
+        prefix = f"{type(self).__name__}.on_train_batch_end{separator}"
         metrics: dict[str, float] = {}
         if measured is not None:
-            metrics[f"{prefix}/measured_peak_bytes"] = float(measured)
+            metrics[f"{prefix}measured_peak_bytes"] = float(measured)
         modeled = self.modeled_step_bytes
         if modeled is not None:
-            metrics[f"{prefix}/modeled_step_bytes"] = float(modeled)
+            metrics[f"{prefix}modeled_step_bytes"] = float(modeled)
         for name, choice in self.plans.items():
-            key = f"{prefix}/{name}"
+            key = f"{prefix}{name}"
             metrics[f"{key}.modeled_peak_bytes"] = float(choice.modeled_peak_bytes)
             metrics[f"{key}.recompute_factor"] = float(choice.recompute_factor)
             metrics[f"{key}.time_factor"] = float(choice.time_factor)
@@ -385,14 +407,20 @@ class MemoryBudget(Callback):
         def backward_with_retry(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             attempt = 0
             while True:
+                marks = _grad_marks(pl_module)
                 try:
                     return backward(loss, *args, **kwargs)
                 except torch.OutOfMemoryError as error:
+                    # the failed backward may have added to some .grad already (those of
+                    # the layers after the wrapped models): undo it, or refuse to retry
+                    _undo_partial_grads(pl_module, marks, error)
                     self._replan(error, attempt)
                     attempt += 1
                     step_args, step_kwargs = self._last_step_args
                     output = step(*step_args, **step_kwargs)
-                    loss = output["loss"] if isinstance(output, dict) else output
+                    loss = _as_backward_loss(
+                        output["loss"] if isinstance(output, dict) else output, pl_module.trainer
+                    )
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
         pl_module.backward = backward_with_retry  # type: ignore[method-assign]
@@ -421,6 +449,7 @@ class MemoryBudget(Callback):
         self.retries += 1
         for planner in self.planners.values():
             planner.replan(int(planner.budget_bytes * self.retry_factor))
+        self._runs_at_start = {name: p.runs for name, p in self.planners.items()}  # the retry's
         self._to_measure = max(self._to_measure, self.measure_batches)
         gc.collect()
         if torch.cuda.is_available():
@@ -430,6 +459,28 @@ class MemoryBudget(Callback):
             f"{self.retry_factor:.0%} of the budget and retrying the batch "
             f"(retry {attempt + 1} of {self.max_retries})"
         )
+
+    def _warn_runs(self, batch_idx: int) -> None:
+        """Warn (once per wrapped model) when one ran more than once in a training step: each
+        run is planned with the model's whole part of the budget, but the runs' tapes are all
+        held until the backward."""
+        for name, planner in self.planners.items():
+            runs = planner.runs - self._runs_at_start.get(name, planner.runs)
+            if runs <= 1 or name in self._warned_runs:
+                continue
+            self._warned_runs.add(name)
+            check = (
+                "measured steps re-plan down by what they exceed"
+                if self.measure_batches > 0
+                else "with measure_batches=0 nothing checks it"
+            )
+            rank_zero_warn(
+                f"MemoryBudget: the wrapped model {name!r} ran {runs} times in training step "
+                f"{batch_idx}; each run is planned with the model's whole part of the budget, "
+                f"but the runs' tapes are held together until the backward, so the step may "
+                f"exceed the budget ({check}). Run it once per step (e.g. the views "
+                f"concatenated along the batch), or give a budget= that allows for {runs} runs."
+            )
 
     def _check_measured(self, trainer: pl.Trainer, batch_idx: int, peak: int) -> None:
         """Re-plan down when a measured step came out over the whole-step budget: each
@@ -462,6 +513,53 @@ class MemoryBudget(Callback):
             return reduce(value)
 
         return counted
+
+
+def _is_number(value: object) -> bool:
+    """A real number (an int or a float, not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_backward_loss(loss: torch.Tensor, trainer: pl.Trainer) -> torch.Tensor:
+    """A re-run ``training_step``'s loss as Lightning hands it to ``backward``: divided by
+    ``accumulate_grad_batches`` (Lightning's closure) and scaled by the precision plugin's
+    gradient scaler, if it has one ("16-mixed" on CUDA)."""
+    loss = loss / trainer.accumulate_grad_batches
+    scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    return scaler.scale(loss) if scaler is not None else loss
+
+
+def _grad_marks(module: torch.nn.Module) -> dict[torch.nn.Parameter, tuple[int, int] | None]:
+    """Each parameter's ``.grad`` before a backward: None, or its identity and version."""
+    return {
+        p: None if p.grad is None else (id(p.grad), p.grad._version) for p in module.parameters()
+    }
+
+
+def _undo_partial_grads(
+    module: torch.nn.Module,
+    marks: dict[torch.nn.Parameter, tuple[int, int] | None],
+    error: BaseException,
+) -> None:
+    """Put back the ``.grad`` a backward that failed part-way left (a retried backward would
+    add to it again): gradients that were None are None again; one that held a sum (gradient
+    accumulation) and was added to cannot be put back without a copy, so the retry is
+    refused."""
+    changed = []
+    for name, p in module.named_parameters():
+        mark = marks.get(p)
+        if mark is None:
+            p.grad = None
+        elif p.grad is None or (id(p.grad), p.grad._version) != mark:
+            changed.append(name)
+    if changed:
+        raise UsageError(
+            f"MemoryBudget: out of memory in backward after it had added to the accumulated "
+            f"gradients of {len(changed)} parameter(s) ({', '.join(changed[:3])}, ...): the "
+            "batch cannot be retried exactly (its gradient would count twice). With "
+            "gradient accumulation (accumulate_grad_batches > 1) give a smaller budget= "
+            "instead of relying on re-plans, or use accumulate_grad_batches=1."
+        ) from error
 
 
 def _reduce_max(trainer: pl.Trainer, device: torch.device) -> Callable[[int], int]:

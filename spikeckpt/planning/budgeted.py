@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NamedTuple, NoReturn
 
+import torch
 from torch import Tensor
 
 from spikeckpt import plans
@@ -128,6 +129,8 @@ class BudgetPlanner:
     Attributes:
         choices: shape ``(T, B)`` -> `PlanChoice`.
         probes: how many probes ran (a resumed run with known shapes runs none).
+        runs: how many forwards with autograd it decided (``MemoryBudget`` counts them per
+            training step).
         last: the latest `PlanChoice`.
     """
 
@@ -157,6 +160,7 @@ class BudgetPlanner:
         self.broadcast = broadcast
         self.choices: dict[ShapeKey, PlanChoice] = {}
         self.probes = 0
+        self.runs = 0
         self.last: PlanChoice | None = None
 
     def replan(self, budget_bytes: int, *, context: str = "") -> None:
@@ -168,7 +172,15 @@ class BudgetPlanner:
             self.context += context
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
-        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``."""
+        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``.
+
+        A forward without autograd (``torch.no_grad``: validation, test, predict) tapes
+        nothing, so the budget does not bound it: it runs as plain BPTT (no checkpoints, no
+        probe, nothing planned or cached, no cross-rank agreement needed), whatever its shape.
+        """
+        if not torch.is_grad_enabled():
+            return Decision("stack", plans.BPTT())
+        self.runs += 1
         T, batch = int(x.shape[0]), int(x.shape[1])
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
