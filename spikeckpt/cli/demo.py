@@ -749,7 +749,8 @@ def _run(
     others = [c for key, c in planner.choices.items() if key != (T, B)]
     if others:
         console.print(
-            "  and for the other batch shapes it met (smaller last batches, validation, test): "
+            "  and for the other training batch shapes it met (a smaller last batch; "
+            "validation and test run without gradients, unplanned): "
             + "; ".join(f"T={c.T}, batch {c.batch}: {c.plan!r}" for c in others)
         )
 
