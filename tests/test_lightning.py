@@ -479,3 +479,15 @@ def test_a_wrapped_model_run_twice_in_a_step_is_warned_about(tmp_path: Path) -> 
     assert sum("ran 2 times" in str(w.message) for w in record) == 1  # once per model
     assert "nothing checks it" in next(str(w.message) for w in record if "ran 2" in str(w.message))
     assert callback.planners["net"].runs == 4
+
+
+def test_the_models_own_storage_is_put_back_after_fit(tmp_path: Path) -> None:
+    """``MemoryBudget(storage=...)`` sets the tier of every wrapped model for the run; after
+    ``fit`` each model has its own again (as its planner is taken away): before, the model
+    kept the callback's tier in later plain use."""
+    model = SpikingClassifier(storage="host")
+    _trainer(MemoryBudget("64MiB", storage="disk"), tmp_path, max_steps=1).fit(
+        model, train_dataloaders=_loader(8, batches=1)
+    )
+    assert model.net.last_stats.storage == "disk"  # the run used the callback's tier
+    assert model.net.storage == "host"

@@ -191,7 +191,9 @@ class MemoryBudget(Callback):
                 f"{type(pl_module).__name__}: {_HOW_TO_WRAP}"
             )
         for module in self.modules.values():
-            if self.storage is not None:
+            if self.storage is not None and module.storage != self.storage:
+                # the model's own tier is put back in teardown, as the planner is taken away
+                self._restore.append(lambda m=module, kept=module.storage: m.set_storage(kept))
                 module.set_storage(self.storage)
         if stage == "fit" and self.max_retries > 0:
             if not pl_module.automatic_optimization:
