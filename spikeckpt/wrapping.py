@@ -27,6 +27,7 @@ from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.rng import no_own_draws
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.errors import (
@@ -338,19 +339,21 @@ class CheckpointedSequence(nn.Module):
         if self.as_call and self.output == "both":
             # the top neuron's call outputs after the spikes, as extra outputs of the run
             blocks, spec = _call_blocks(blocks, self._blocks[-1].neuron, states[-1])
-        out = layerwise_scan(
-            blocks,
-            x,
-            states,
-            chunk=decision.chunk,
-            storage=self.storage,
-            readout=self.readout,
-            output=self.output,
-            params=self.parameters_for_scan(),
-            directory=self._directory(),
-            fuse=self.fuse,
-            compile=self.compile,
-        )
+        way = "draw without generator=, or use granularity='stack' with plan=BPTT()"
+        with no_own_draws(self.module, "granularity='layer'", way):  # chunks are recomputed
+            out = layerwise_scan(
+                blocks,
+                x,
+                states,
+                chunk=decision.chunk,
+                storage=self.storage,
+                readout=self.readout,
+                output=self.output,
+                params=self.parameters_for_scan(),
+                directory=self._directory(),
+                fuse=self.fuse,
+                compile=self.compile,
+            )
         (ys, finals), stats = out, out.stats
         if spec is not None:
             ys = (ys[0], *_pytree().tree_unflatten(list(ys[1:]), spec))

@@ -285,6 +285,38 @@ def test_layerwise_refuses_synapses_that_draw_random_numbers() -> None:
     check(lambda: model, seq_loop, lambda m, x: sc.wrap(m, plan=Uniform(3))(x), x)
 
 
+class StochasticNeuron(nn.Module):
+    """Spikes drawn with probability ``sigmoid(v - 1)`` from a ``torch.Generator`` of its own
+    (a straight-through estimator for the gradient)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.gen = torch.Generator().manual_seed(1)
+
+    def initial_state(self, x: Tensor) -> Tensor:
+        return x.new_zeros(x.shape[0], self.n)
+
+    def forward(self, x: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        v = 0.9 * v + x
+        p = torch.sigmoid(v - 1)
+        s = (torch.rand(v.shape, generator=self.gen) < p).float() + p - p.detach()
+        return s, v - s.detach()
+
+
+def test_layerwise_refuses_a_neuron_drawing_from_its_own_generator() -> None:
+    """Layer-wise recomputes every chunk in the backward pass and replays the default
+    generators only: a neuron drawing from a ``torch.Generator`` of its own drew other
+    numbers there (weight gradient 0.61 off the loop's, outputs equal: silently). Refused after
+    the forward, naming the way; under no_grad (nothing recomputed) it runs."""
+    model = nn.Sequential(nn.Linear(4, 6), StochasticNeuron(6))
+    x = torch.rand(T, B, 4)
+    with pytest.raises(sc.ConfigError, match=r"torch\.Generator of its own.*granularity='stack'"):
+        sc.wrap(model, granularity="layer", chunk=3)(x)
+    with torch.no_grad():
+        assert sc.wrap(model, granularity="layer", chunk=3)(x).shape == (T, B, 6)
+
+
 class ConvBlock(nn.Module):
     """A one-step block of ours: conv, BatchNorm, an ``init_hidden`` neuron (no loop)."""
 

@@ -8,15 +8,19 @@ those devices, so restoring states there never changes the generators the caller
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from spikeckpt.engine.meter import count_made
+from spikeckpt.engine.step import reachable_generators
+from spikeckpt.errors import ConfigError
 
-__all__ = ["CPU_STATE_BYTES", "RngState", "cuda_devices"]
+__all__ = ["CPU_STATE_BYTES", "RngState", "cuda_devices", "no_own_draws", "refuse_own_generators"]
 
 #: bytes of the CPU generator's state (``torch.get_rng_state()``: 5,056 in torch 2.x), which
 #: a capture holds
@@ -57,3 +61,31 @@ class RngState:
             d == e and torch.equal(a, b)
             for (d, a), (e, b) in zip(self.cuda, other.cuda, strict=True)
         )
+
+
+def refuse_own_generators(
+    generators: Sequence[torch.Generator], before: Sequence[Tensor], who: str, way: str
+) -> None:
+    """Raise when a forward pass drew from a ``torch.Generator`` of the user's own
+    (``before``: each one's state at its start) in a run that recomputes steps: the engine
+    replays torch's default generators (CPU and CUDA) only, so the recomputed steps would draw
+    other numbers and the gradient would be wrong. ``who``: the run (named in the message);
+    ``way``: the way forward."""
+    for gen, state in zip(generators, before, strict=True):
+        if not torch.equal(gen.get_state(), state):
+            raise ConfigError(
+                f"{who} recomputes steps in the backward pass, and the forward drew from a "
+                f"torch.Generator of its own (on {gen.device}), which it cannot replay (the "
+                f"gradient would be wrong): it replays torch's default generators only; {way}"
+            )
+
+
+@contextlib.contextmanager
+def no_own_draws(root: Any, who: str, way: str) -> Iterator[None]:
+    """Around a forward pass that its backward recomputes: the ``torch.Generator``s reachable
+    from ``root`` (a step, a module) must not draw (`refuse_own_generators`); nothing is
+    checked without grad (nothing will be recomputed)."""
+    generators = reachable_generators(root) if torch.is_grad_enabled() else []
+    before = [g.get_state() for g in generators]
+    yield
+    refuse_own_generators(generators, before, who, way)

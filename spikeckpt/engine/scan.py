@@ -38,7 +38,7 @@ from spikeckpt.engine.planned import (
     simulate_cached,
 )
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
-from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.rng import cuda_devices, refuse_own_generators
 from spikeckpt.engine.stats import ScanResult, ScanStats
 from spikeckpt.engine.step import (
     StepFn,
@@ -424,25 +424,14 @@ def _run(
     generators = reachable_generators(step) if recomputes else []
     drawn = [g.get_state() for g in generators]
     outs = run_job(job, [*state_leaves, *in_leaves, *param_list])
-    _refuse_own_generators(generators, drawn, schedule.plan)
+    refuse_own_generators(
+        generators,
+        drawn,
+        f"spikeckpt.scan: {schedule.plan}",
+        "draw without generator= (seed with torch.manual_seed), or use "
+        "plan=spikeckpt.plans.BPTT(), which does not recompute",
+    )
     return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats)
-
-
-def _refuse_own_generators(
-    generators: list[torch.Generator], before: list[Tensor], plan: Any
-) -> None:
-    """Raise when the step drew from a ``torch.Generator`` of its own during a run whose plan
-    recomputes steps: scan replays torch's default generators (CPU and CUDA) only, so the
-    recomputed steps would draw other numbers and the gradient would be wrong."""
-    for gen, state in zip(generators, before, strict=True):
-        if not torch.equal(gen.get_state(), state):
-            raise ConfigError(
-                f"spikeckpt.scan: the step draws from a torch.Generator of its own (on "
-                f"{gen.device}), which {plan} cannot replay when it recomputes steps in "
-                "the backward pass (the gradient would be wrong); scan replays torch's default "
-                "generators only: draw without generator= (seed with torch.manual_seed), or "
-                "use plan=spikeckpt.plans.BPTT(), which does not recompute"
-            )
 
 
 def _schedule(
