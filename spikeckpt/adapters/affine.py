@@ -15,31 +15,15 @@ from torch import Tensor, nn
 from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
 from spikeckpt.adapters.protocol import no_hooks
 from spikeckpt.engine.amp import autocast_on
-from spikeckpt.engine.inputs import SparseChunk
+from spikeckpt.engine.inputs import SparseChunk, as_fresh
 
-__all__ = ["FRESH_ALIGNMENT", "SPARSE_DENSITY", "LinearChunk", "as_fresh", "sparse_positions"]
+__all__ = ["SPARSE_DENSITY", "LinearChunk", "sparse_positions"]
 
 #: the largest share of non-zero inputs for which a sparse synapse gathers (measured on one
 #: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
 SPARSE_DENSITY = 1 / 16
 
 Positions = tuple[int, Tensor, Tensor, Tensor | None]
-
-#: bytes a new CPU tensor's data is aligned to (c10's CPU allocator)
-FRESH_ALIGNMENT = 64
-
-
-def as_fresh(x_t: Tensor) -> Tensor:
-    """``x_t``, or a copy of it where its data does not start where a new tensor's would.
-
-    A step of a chunk buffer is a view ``t * B * ...`` elements into it; the plain loop hands
-    a later block's synapse the neuron's new output. On the CPU, MKL's small products round
-    differently with the input's address modulo 16 bytes (``Linear(5, 4)`` on a ``(3, 5)``
-    input: bitwise different at 12 of 16 float offsets), so a per-step (``exact``) synapse of
-    a block after the first reads each step from an aligned copy, in both passes."""
-    if x_t.device.type != "cpu" or x_t.data_ptr() % FRESH_ALIGNMENT == 0:
-        return x_t
-    return x_t.clone(memory_format=torch.contiguous_format)
 
 
 def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | None:

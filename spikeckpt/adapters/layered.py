@@ -42,14 +42,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, as_fresh, sparse_positions
+from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink
-from spikeckpt.engine.inputs import SparseChunk
+from spikeckpt.engine.inputs import SparseChunk, as_fresh
 from spikeckpt.engine.layerwise import LayerBlock
 
 __all__ = ["SPARSE_DENSITY", "layer_blocks"]

@@ -21,6 +21,7 @@ from spikeckpt.storage.spiketrain import SpikeTrain, as_spike_train
 __all__ = [
     "SparseChunk",
     "TrainWindow",
+    "as_fresh",
     "as_input",
     "chunk_of",
     "drop_first",
@@ -130,6 +131,13 @@ def _placed(part: Tensor, t: int) -> Tensor:
     placed = buf[skip : skip + part.numel()].view(part.shape)
     placed.copy_(part)
     return placed
+
+
+def as_fresh(x_t: Tensor) -> Tensor:
+    """``x_t``, or a copy of it where its data does not start where a new CPU tensor's would
+    (a step of a chunk buffer is a view into it; the plain loop hands a later layer a new
+    tensor): placed as `_placed` places step 0."""
+    return _placed(x_t[None], 0)[0]
 
 
 def step_of(x: Any, t: int, device: torch.device) -> Tensor:

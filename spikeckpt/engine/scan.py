@@ -38,15 +38,9 @@ from spikeckpt.engine.planned import (
     simulate_cached,
 )
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
-from spikeckpt.engine.rng import cuda_devices, refuse_own_generators
+from spikeckpt.engine.rng import cuda_devices, no_own_draws
 from spikeckpt.engine.stats import ScanResult, ScanStats
-from spikeckpt.engine.step import (
-    StepFn,
-    default_params,
-    reachable_generators,
-    time_leaves,
-    unshaped,
-)
+from spikeckpt.engine.step import StepFn, default_params, time_leaves, unshaped
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten, tree_leaves, tree_map
 from spikeckpt.errors import BudgetTooSmall, ConfigError, ConfigTypeError, UsageError
 from spikeckpt.plans.account import (
@@ -421,16 +415,12 @@ def _run(
         pack_tape=options.pack_tape,
     )
     recomputes = run_stats.predicted is not None and run_stats.predicted.forward_steps > T
-    generators = reachable_generators(step) if recomputes else []
-    drawn = [g.get_state() for g in generators]
-    outs = run_job(job, [*state_leaves, *in_leaves, *param_list])
-    refuse_own_generators(
-        generators,
-        drawn,
-        f"spikeckpt.scan: {schedule.plan}",
+    way = (
         "draw without generator= (seed with torch.manual_seed), or use "
-        "plan=spikeckpt.plans.BPTT(), which does not recompute",
+        "plan=spikeckpt.plans.BPTT(), which does not recompute"
     )
+    with no_own_draws(step if recomputes else None, f"spikeckpt.scan: {schedule.plan}", way):
+        outs = run_job(job, [*state_leaves, *in_leaves, *param_list])
     return _finish(outs, job.n_outputs, fn, state_def, fold, run_stats)
 
 
