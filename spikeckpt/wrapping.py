@@ -408,11 +408,15 @@ def _call_blocks(
 ) -> tuple[list[LayerBlock], Any]:
     """``blocks`` with the top block's ``membrane`` giving the leaves of the neuron's
     ``call_outputs`` (the layer-wise run returns them after the spikes), and their structure.
-    That block's neuron runs one step at a time (a fused kernel emits the membrane only)."""
+    Where the call returns the membrane only (snnTorch ``Leaky(output=True)``: ``spk, mem``)
+    the blocks are unchanged (a fused kernel emits the membrane); else that block's neuron
+    runs one step at a time."""
     import dataclasses
 
     tree = _pytree()
-    spec = tree.tree_flatten(neuron.call_outputs(state))[1]
+    leaves, spec = tree.tree_flatten(neuron.call_outputs(state))
+    if len(leaves) == 1 and leaves[0] is blocks[-1].membrane(state):
+        return blocks, spec
 
     def outputs(s: State) -> tuple[Tensor, ...]:
         return tuple(tree.tree_leaves(neuron.call_outputs(s)))

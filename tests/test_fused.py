@@ -943,3 +943,72 @@ def test_exact_untaped_recomputation_reads_the_steps_as_the_forward_pass() -> No
             made = block.affine.forward(x, False)
             assert made is not None
             assert torch.equal(made[0], block.synapse(x))
+
+
+def _tutorial_net(top: nn.Module) -> nn.Sequential:
+    """snnTorch tutorial 5-7's shape: hidden neurons with ``init_hidden=True`` and a top
+    neuron with ``output=True``, so ``spk, mem = net(x_t)`` at each step."""
+    return nn.Sequential(
+        nn.Linear(12, 9), snn.Leaky(beta=0.9, threshold=0.4, init_hidden=True),
+        nn.Linear(9, 5), top,
+    )  # fmt: skip
+
+
+_TOPS: dict[str, Callable[[], nn.Module]] = {
+    "leaky": lambda: snn.Leaky(beta=0.85, threshold=0.3, init_hidden=True, output=True),
+    "leaky zero learnable": lambda: snn.Leaky(
+        beta=0.8, reset_mechanism="zero", learn_beta=True, init_hidden=True, output=True
+    ),
+    "leaky reset_delay False": lambda: snn.Leaky(
+        beta=0.85, threshold=0.3, reset_delay=False, init_hidden=True, output=True
+    ),
+    "lapicque": lambda: snn.Lapicque(beta=0.85, threshold=0.3, init_hidden=True, output=True),
+}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    top=st.sampled_from(sorted(_TOPS)),
+    T=st.integers(1, 17),
+    chunk=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_a_top_neuron_returning_its_membrane_stays_fused(
+    top: str, T: int, chunk: int, seed: int
+) -> None:
+    """The tutorials' net ends with ``Leaky(init_hidden=True, output=True)``: wrapped, it
+    returns ``spk, mem`` as the call does. The call returns the membrane only, which the
+    fused kernel emits, so the top block is fused (it ran per step, 1.44x the time of the
+    same net with ``output="both"``: 784-512-10, T = 500, batch 16), and the outputs are
+    bitwise the loop's (``exact=True``), gradients at round-off."""
+    from snntorch import utils
+
+    torch.manual_seed(seed)
+    net = _tutorial_net(_TOPS[top]())
+    with torch.no_grad():
+        net[0].weight.mul_(3)
+    x = (torch.rand(T, 2, 12) < 0.4).float()
+    utils.reset(net)
+    outs = [net(x_t) for x_t in x]
+    spikes, mems = torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+    params = list(net.parameters())
+    want = _grads(mems, params)
+    seq = sc.wrap(net, granularity="layer", chunk=chunk, exact=True)
+    s, m = seq(x)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+    assert torch.equal(s, spikes) and torch.equal(m, mems)
+    for a, b in zip(_grads(m, params), want, strict=True):
+        _close(b, a, top)
+
+
+def test_a_top_neuron_returning_more_than_its_membrane_runs_per_step() -> None:
+    """``Synaptic(output=True)`` returns ``spk, syn, mem``: the kernel emits no ``syn`` per
+    step, so that block keeps its per-step call (and returns what the call returns)."""
+    torch.manual_seed(0)
+    net = _tutorial_net(snn.Synaptic(alpha=0.8, beta=0.85, init_hidden=True, output=True))
+    x = (torch.rand(6, 2, 12) < 0.4).float()
+    spk, syn, mem = sc.wrap(net, granularity="layer", chunk=4)(x)
+    assert spk.shape == syn.shape == mem.shape == (6, 2, 5)
+    seq = sc.wrap(net, granularity="layer", chunk=4)
+    seq(x)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "per-step"]
