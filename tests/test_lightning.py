@@ -491,3 +491,42 @@ def test_the_models_own_storage_is_put_back_after_fit(tmp_path: Path) -> None:
     )
     assert model.net.last_stats.storage == "disk"  # the run used the callback's tier
     assert model.net.storage == "host"
+
+
+def test_a_second_fit_measures_its_first_steps_too(tmp_path: Path) -> None:
+    # The steps left to measure were set once, in the constructor: a second fit with the same
+    # callback planned afresh but did not measure its first step.
+    T = 60
+    model = SpikingClassifier()
+    callback = MemoryBudget(10 * 2**20, margin=0.0)
+    _trainer(callback, tmp_path).fit(model, _loader(T))
+    callback.measured_peak_bytes = None
+    _trainer(callback, tmp_path).fit(model, _loader(T, batches=1))  # its first step only
+    assert callback.measured_peak_bytes is not None
+
+
+def test_a_frozen_teacher_is_not_planned(tmp_path: Path) -> None:
+    # A wrapped model with no parameter requiring grad, on an input without gradient, tapes
+    # nothing in a training step: it runs as plain BPTT, unprobed, whatever the budget.
+    class Distilled(SpikingClassifier):
+        def __init__(self) -> None:
+            super().__init__()
+            teacher = nn.Sequential(nn.Linear(FEATURES, 4 * HIDDEN), snn.Leaky(beta=0.9))
+            teacher.requires_grad_(False)
+            self.teacher = spikeckpt.wrap(teacher, plan=BPTT())
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            hint = self.teacher(x.transpose(0, 1)).mean()
+            return super().training_step(batch, batch_idx) + 0 * hint
+
+    T = 200
+    model = Distilled()
+    bptt, fixed = _needs(model, T)
+    callback = MemoryBudget(fixed + bptt, margin=0.0)
+    _trainer(callback, tmp_path).fit(model, _loader(T))
+    assert callback.planners["teacher"].probes == 0 and "teacher" not in callback.plans
+    assert callback.planners["net"].probes == 1
+    assert callback.measured_peak_bytes is not None
+    net_step = callback.plans["net"].step.total  # the teacher plans nothing
+    assert callback.modeled_step_bytes == callback.overhead_bytes + net_step

@@ -171,10 +171,11 @@ class MemoryBudget(Callback):
 
     @property
     def modeled_step_bytes(self) -> int | None:
-        """The whole step's planned device peak: the model's overhead plus every wrapped
-        model's planned step (None before every wrapped model has run)."""
+        """The whole step's planned device peak: the model's overhead plus the planned step
+        of every wrapped model that tapes (None before one has run; a model run without
+        anything to differentiate, as a frozen teacher, plans nothing)."""
         plans = self.plans
-        if len(plans) < len(self.planners) or not plans:
+        if not plans:
             return None
         return self.overhead_bytes + sum(choice.step.total for choice in plans.values())
 
@@ -228,6 +229,7 @@ class MemoryBudget(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
+        self._to_measure = self.measure_batches  # each fit plans afresh: measure its start
         total = self.budget
         if total is None:
             assert self.fraction is not None

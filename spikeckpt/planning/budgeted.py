@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt import plans
+from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.inputs import input_nbytes
 from spikeckpt.errors import BudgetTooSmall
 from spikeckpt.planning.choice import (
@@ -174,11 +175,13 @@ class BudgetPlanner:
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
         """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``.
 
-        A forward without autograd (``torch.no_grad``: validation, test, predict) tapes
-        nothing, so the budget does not bound it: it runs as plain BPTT (no checkpoints, no
-        probe, nothing planned or cached, no cross-rank agreement needed), whatever its shape.
+        A forward without autograd (``torch.no_grad``: validation, test, predict), or with
+        nothing to differentiate (a frozen model on an input without gradient: a teacher),
+        tapes nothing, so the budget does not bound it: it runs as plain BPTT (no checkpoints,
+        no probe, nothing planned or cached, no cross-rank agreement needed), whatever its
+        shape.
         """
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not _differentiates(model, x, state):
             return Decision("stack", plans.BPTT())
         self.runs += 1
         T, batch = int(x.shape[0]), int(x.shape[1])
@@ -415,3 +418,14 @@ class BudgetPlanner:
         for item in state.get("choices", []):
             choice = choice_from_dict(item)
             self.choices[(choice.T, choice.batch)] = choice
+
+
+def _differentiates(model: Planned, x: Any, state: Any) -> bool:
+    """Whether a forward of ``model`` on ``x`` from ``state`` records anything for autograd:
+    a tensor it differentiates, the input or a state leaf requires grad."""
+    if isinstance(x, Tensor) and x.requires_grad:
+        return True
+    if any(t.requires_grad for t in model.parameters_for_scan()):
+        return True
+    leaves = pytree.tree_leaves(state)
+    return any(isinstance(t, Tensor) and t.requires_grad for t in leaves)
