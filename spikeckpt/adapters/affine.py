@@ -5,6 +5,7 @@ synapse runs it (`spikeckpt.adapters.gather`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,20 +17,65 @@ from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
 from spikeckpt.adapters.protocol import no_hooks
 from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.inputs import SparseChunk, as_fresh
+from spikeckpt.engine.phase import recomputing
 
-__all__ = ["SPARSE_DENSITY", "LinearChunk", "sparse_positions"]
+__all__ = ["BREAK_EVEN", "LinearChunk", "SparseLimit", "sparse_positions", "sparse_share"]
 
-#: the largest share of non-zero inputs for which a sparse synapse gathers (measured on one
-#: CPU thread, 700 -> 512, 704 rows: 2x faster at 5%, break-even near 10%)
-SPARSE_DENSITY = 1 / 16
+#: ``(output features per torch thread, share of non-zero inputs)``: a ``Linear`` gathers
+#: over its input's non-zeros up to this share (interpolated in log2 between the points, the
+#: last share past the last point; none at or below the first point). Measured on the CPU at
+#: one and two threads: the dense product's speed grows with the threads, the listing of the
+#: non-zeros' does not, so the break-even follows the outputs each thread computes. The
+#: points sit at or below the break-evens of whole layer-wise training steps (784-H-10
+#: snnTorch nets; per-thread outputs 128: under 0.10, 256: about 0.2, 500: over 0.3, 1000:
+#: over 0.3) and of one chunk's passes alone (`benchmarks/bench_gather.py`).
+BREAK_EVEN: tuple[tuple[int, float], ...] = (
+    (64, 0.0),
+    (128, 0.08),
+    (256, 0.18),
+    (512, 0.28),
+    (1024, 0.35),
+)
+
+
+def sparse_share(out_features: int, threads: int) -> float:
+    """The largest share of non-zero inputs at which a ``Linear`` with ``out_features``
+    outputs gathers on ``threads`` CPU threads (`BREAK_EVEN`)."""
+    per = out_features / max(1, threads)
+    (x0, y0), *rest = BREAK_EVEN
+    if per <= x0:
+        return 0.0
+    for x1, y1 in rest:
+        if per <= x1:
+            return y0 + (y1 - y0) * math.log2(per / x0) / math.log2(x1 / x0)
+        x0, y0 = x1, y1
+    return y0
+
+
+class SparseLimit:
+    """A block's gather limit: the threads are read in the forward pass and kept for its
+    recomputation, so a recomputed chunk takes the path its forward pass took (a gather sums in
+    another order than the dense product: another path could flip a spike)."""
+
+    def __init__(self) -> None:
+        self.threads: int | None = None
+
+    def share(self, out_features: int) -> float:
+        """`sparse_share` at the forward pass's thread count."""
+        if self.threads is None or not recomputing():
+            self.threads = torch.get_num_threads()
+        return sparse_share(out_features, self.threads)
+
 
 Positions = tuple[int, Tensor, Tensor, Tensor | None]
 
 
-def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | None:
+def sparse_positions(
+    x: Tensor | SparseChunk, linear: nn.Linear, limit: SparseLimit
+) -> Positions | None:
     """``(rows, row index, column index, values or None for ones)`` of the non-zeros of the
     chunk ``x (k, B, ..., in)`` flattened to ``(rows, in)``, where ``linear`` may gather over
-    them (CPU, its dtype, no grad, no hooks, at most `SPARSE_DENSITY` ones), else None."""
+    them (CPU, its dtype, no grad, no hooks, at most ``limit``'s share of ones), else None."""
     weight = linear.weight
     shape = x.shape
     if (
@@ -43,9 +89,12 @@ def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | 
         or not no_hooks(linear)
     ):
         return None
+    share = limit.share(weight.shape[0])
+    if share <= 0:
+        return None
     n_rows = shape[:-1].numel()
     if isinstance(x, SparseChunk):
-        if x.ones > SPARSE_DENSITY * x.numel():
+        if x.ones > share * x.numel():
             return None
         rows = x.positions.div(shape[-1], rounding_mode="floor")
         return n_rows, rows, x.positions - rows * shape[-1], None
@@ -53,7 +102,7 @@ def sparse_positions(x: Tensor | SparseChunk, linear: nn.Linear) -> Positions | 
     # through a boolean view and NumPy: counted and listed at a third of torch.nonzero's cost
     # here (200 against 430 us for 25 x 16 x 512), the same positions in the same order
     nonzero = flat.bool().numpy()
-    if np.count_nonzero(nonzero) > SPARSE_DENSITY * flat.numel():
+    if np.count_nonzero(nonzero) > share * flat.numel():
         return None
     found = np.flatnonzero(nonzero)
     if flat.numel() < 2**31:  # 32-bit positions: half the bytes (embedding_bag takes them)
@@ -73,6 +122,8 @@ class LinearChunk:
         linear: the module (its own ``forward``, no hooks when it runs).
         transposed: the block's kept transpose of a small weight (shared with its sparse
             synapse, so both gather from the same values).
+        limit: the block's gather limit (shared with its sparse synapse: both take the same
+            path for a chunk).
         per_step: the forward product step by step, ``B`` rows each, as the plain loop and
             the block's ``synapse`` (``exact``) compute it; else one product over the chunk.
         fresh: with ``per_step``, each step read from where a new tensor's data starts
@@ -83,11 +134,13 @@ class LinearChunk:
         self,
         linear: nn.Linear,
         transposed: Transposed,
+        limit: SparseLimit,
         per_step: bool = False,
         fresh: bool = False,
     ) -> None:
         self.linear = linear
         self.transposed = transposed
+        self.limit = limit
         self.per_step = per_step
         self.fresh = fresh
 
@@ -104,7 +157,7 @@ class LinearChunk:
         if not no_hooks(linear) or autocast_on(x.device):
             return None
         k, b = x.shape[0], x.shape[1]
-        found = sparse_positions(x, linear) if sparse else None
+        found = sparse_positions(x, linear, self.limit) if sparse else None
         if found is not None:
             n_rows, rows, cols, values = found
             t_weight = self.transposed.of(weight)

@@ -12,8 +12,9 @@ parameters and its cleanup. The engine sees only these callables.
 in `VerifiedKernel`: used only after a check against the adapter's own step.
 
 **Sparse first synapse.** A block whose synapse is one plain ``nn.Linear`` also gets a
-``sparse_synapse``: on the CPU, for an input chunk with at most `SPARSE_DENSITY`
-non-zeros, the synaptic input is a gather-sum over the non-zero inputs
+``sparse_synapse``: on the CPU, for an input chunk with at most the share of non-zeros at
+which a gather is measured faster (`spikeckpt.adapters.affine.sparse_share`: by the outputs
+each torch thread computes), the synaptic input is a gather-sum over the non-zero inputs
 (``embedding_bag(..., per_sample_weights=values)`` over the transposed weight) instead of
 a dense matmul, and its weight gradient ``grad.T @ x`` is a gather-sum too (bags over the
 input's columns; no weight-sized buffer outlives either gather); denser chunks take the dense
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.affine import SPARSE_DENSITY, LinearChunk, sparse_positions
+from spikeckpt.adapters.affine import LinearChunk, SparseLimit, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
@@ -52,7 +53,7 @@ from spikeckpt.engine.grad import GradSink
 from spikeckpt.engine.inputs import SparseChunk, as_fresh
 from spikeckpt.engine.layerwise import LayerBlock
 
-__all__ = ["SPARSE_DENSITY", "layer_blocks"]
+__all__ = ["layer_blocks"]
 
 
 def _batched_inner(layer: LayerAdapter) -> LayerAdapter | None:
@@ -239,25 +240,26 @@ def _plain_linear(synapses: Sequence[LayerAdapter]) -> nn.Linear | None:
 
 def _sparse_synapse(
     synapses: Sequence[LayerAdapter],
-    sink: GradSink | None = None,
-    transposed: Transposed | None = None,
+    sink: GradSink | None,
+    transposed: Transposed,
+    limit: SparseLimit,
 ) -> Callable[[Tensor | SparseChunk], Tensor] | None:
     """A synapse for inputs that need no gradient, gathering over their non-zeros (see the
     module docstring), or None unless the synapse is exactly one plain ``nn.Linear``. It takes
     the dense chunk or a packed train's `SparseChunk`; ``transposed`` keeps a small weight's
-    transpose for the pass."""
+    transpose for the pass; ``limit`` is the block's gather limit."""
     linear = _plain_linear(synapses)
     if linear is None:
         return None
     dense = _synapse(synapses)
 
     def synapse(x: Tensor | SparseChunk) -> Tensor:
-        found = sparse_positions(x, linear)
+        found = sparse_positions(x, linear, limit)
         if found is None:
             return dense(x.dense() if isinstance(x, SparseChunk) else x)
         n_rows, rows, cols, values = found
         weight = linear.weight
-        t_weight = None if transposed is None else transposed.of(weight)
+        t_weight = transposed.of(weight)
         z = GatherLinear.apply(weight, linear.bias, n_rows, rows, cols, values, sink, t_weight)
         return z.reshape(*x.shape[:-1], z.shape[-1])
 
@@ -291,7 +293,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
         }
         kernel = block.neuron.chunk_kernel()
         sink, sinks = _weight_sink(block.synapses)
-        transposed = Transposed()
+        transposed, limit = Transposed(), SparseLimit()
         linear = _plain_linear(block.synapses)
         out.append(
             LayerBlock(
@@ -302,12 +304,14 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
                 draws_random=_draws_random(block),
                 params=list(params.values()),
                 cleanup=_cleanup(block, transposed),
-                sparse_synapse=None if exact else _sparse_synapse(block.synapses, sink, transposed),
+                sparse_synapse=None
+                if exact
+                else _sparse_synapse(block.synapses, sink, transposed, limit),
                 sinks=sinks,
                 fused=None if kernel is None else VerifiedKernel(block.neuron, kernel),
                 affine=None
                 if linear is None
-                else LinearChunk(linear, transposed, exact, fresh=exact and index > 0),
+                else LinearChunk(linear, transposed, limit, exact, fresh=exact and index > 0),
             )
         )
     return out
