@@ -14,9 +14,11 @@ broadcast to the shapes and dtypes of the state after one step (Norse starts ``v
 ``v_leak`` and the currents as float32; scan needs one shape and dtype per state leaf).
 
 Norse keeps neuron parameters in a plain NamedTuple ``module.p`` that ``.to()`` does not move;
-the adapter moves its tensors to the input's device (and to the module's floating dtype, or the
-input's when the module has no parameters) at call time, and adds any of them that require grad
-(``LIFParameters(tau_mem_inv=nn.Parameter(...))``) to the parameters scan differentiates.
+the adapter moves its tensors to the input's device at call time, in their own dtype (Norse's
+own loop computes with them as they are: a float32 ``p`` beside a bf16 input under autocast, or
+in a float64 model, promotes or rounds as torch does, and a cast copy would round otherwise),
+and adds any of them that require grad (``LIFParameters(tau_mem_inv=nn.Parameter(...))``) to the
+parameters scan differentiates.
 
 This module imports Norse; import it only when a Norse layer was found.
 """
@@ -57,29 +59,31 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-#: copies of parameter tensors that need no gradient, per device and dtype
+#: copies of parameter tensors that need no gradient, per device
 _MOVED: TensorMemo[Tensor] = TensorMemo()
 
 
-def move_params(p: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    """``p`` with its tensors usable on ``device`` (floating ones in ``dtype``); ``p`` itself
-    if no tensor needs to move.
+def move_params(p: Any, device: torch.device) -> Any:
+    """``p`` with its tensors usable on ``device``, each in its own dtype; ``p`` itself if no
+    tensor needs to move.
 
-    A 0-d CPU tensor already in its dtype and needing no gradient stays (torch takes it as a
-    scalar beside tensors on any device, as Norse's own loop does); another tensor that needs
-    no gradient moves once per device, dtype and version (a copy per step from pageable host
-    memory would make the host wait for the GPU's queue); one that needs a gradient moves at
-    each call (the copy is part of that call's graph)."""
+    The dtype is never changed: Norse's own loop uses ``p`` as it is, and a copy in the
+    input's dtype rounds otherwise (``dt * tau_mem_inv`` in bf16 is 0.1001, not 0.1: the
+    membrane 7e-4 off the loop's under bf16 autocast, 5e-9 in a float64 model). A 0-d CPU
+    tensor needing no gradient stays (torch takes it as a scalar beside tensors on any
+    device, as Norse's own loop does); another tensor that needs no gradient moves once per
+    device and version (a copy per step from pageable host memory would make the host wait
+    for the GPU's queue); one that needs a gradient moves at each call (the copy is part of
+    that call's graph)."""
     if isinstance(p, Tensor):
-        want = dtype if dtype is not None and p.is_floating_point() else p.dtype
         scalar = p.dim() == 0 and p.device.type == "cpu" and not p.requires_grad
-        if p.dtype == want and (p.device == device or scalar):
+        if p.device == device or scalar:
             return p
         if p.requires_grad:
-            return p.to(device=device, dtype=want)
-        return _MOVED.get(p, lambda t: t.to(device=device, dtype=want), (device, want))
+            return p.to(device=device)
+        return _MOVED.get(p, lambda t: t.to(device=device), (device,))
     if _is_namedtuple(p) or type(p) is tuple:
-        fields = [move_params(f, device, dtype) for f in p]
+        fields = [move_params(f, device) for f in p]
         if all(a is b for a, b in zip(fields, p, strict=True)):
             return p
         return type(p)(*fields) if _is_namedtuple(p) else tuple(fields)
@@ -133,12 +137,6 @@ class NorseAdapter(LayerAdapter):
         self.sequence = isinstance(module, _SEQUENCE)
         self.recurrent = isinstance(module, _RECURRENT)
 
-    def _dtype(self, x_t: Tensor) -> torch.dtype | None:
-        for t in self.module.parameters():
-            if t.is_floating_point():
-                return t.dtype
-        return x_t.dtype if x_t.is_floating_point() else None
-
     def init_state(self, x_t: Tensor) -> State:
         m = self.module
         init = m.state_fallback(x_t.unsqueeze(0) if self.sequence else x_t)
@@ -147,7 +145,7 @@ class NorseAdapter(LayerAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         m = self.module
-        p = move_params(m.p, x_t.device, self._dtype(x_t))
+        p = move_params(m.p, x_t.device)
         if self.sequence:
             sparse = m.activation_sparse is not None and x_t.is_sparse
             act = m.activation_sparse if sparse else m.activation
