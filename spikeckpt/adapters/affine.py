@@ -75,11 +75,14 @@ def sparse_positions(
 ) -> Positions | None:
     """``(rows, row index, column index, values or None for ones)`` of the non-zeros of the
     chunk ``x (k, B, ..., in)`` flattened to ``(rows, in)``, where ``linear`` may gather over
-    them (CPU, its dtype, no grad, no hooks, at most ``limit``'s share of ones), else None."""
+    them (CPU, its dtype, no grad, no hooks, no autocast, at most ``limit``'s share of ones),
+    else None. Under ``torch.autocast`` the loop's ``Linear`` runs in the reduced dtype (a bf16
+    product, rounded to bf16): a float32 gather would give other values and dtype."""
     weight = linear.weight
     shape = x.shape
     if (
         x.device.type != "cpu"
+        or autocast_on(x.device)
         or weight.device.type != "cpu"
         or x.dtype != weight.dtype
         or not x.dtype.is_floating_point
