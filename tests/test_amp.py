@@ -1,0 +1,186 @@
+"""Mixed precision against the framework's own plain loop, run the same way (found by a
+differential fuzzer of ``wrap`` under CPU autocast and half-precision models):
+
+- Norse's ``p`` is used in its own dtype, as Norse's loop uses it: the adapter cast it to the
+  input's dtype (bf16 under autocast: ``dt * tau_mem_inv`` = 0.1001, not 0.1), a LIFCell's
+  membrane 7e-4 off the loop's under bf16 autocast, 1.2e-4 under fp16, 5e-9 in a float64 model;
+- layer-wise never gathers a ``Linear``'s sparse input under autocast: the loop's ``Linear``
+  runs in bf16/fp16 there, the float32 gather gave other synaptic inputs (an snnTorch top
+  membrane 0.21 off the loop's) and, for a chunk without spikes into a Norse ``LICell``, a
+  float32 output where the loop's is fp16.
+
+Outputs are compared bitwise (the forward of a checkpointed run is the loop's forward);
+gradients to the reduced precision's round-off of their largest magnitude (a plan sums a
+parameter's gradient in another order, and autocast's weight copy accumulates in bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import spikeckpt as sc
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    snn = pytest.importorskip("snntorch")
+    nt = pytest.importorskip("norse.torch")
+
+#: gradient tolerance, of each gradient's largest magnitude (bf16: 8 significant bits)
+RTOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float64: 1e-12}
+MODES = ["bf16-autocast", "fp16-autocast", "float64-model"]
+
+
+def _context(mode: str) -> Any:
+    if mode.endswith("autocast"):
+        dtype = torch.bfloat16 if mode.startswith("bf16") else torch.float16
+        return torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _dtype(mode: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode[:4], torch.float64)
+
+
+def _norse_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Norse's tutorials' loop: ``z, state = cell(x_t, state)`` from ``state=None``; the top
+    cell's ``(outputs (T, B, n), membranes (T, B, n))``."""
+    states: list[Any] = [None] * len(net)
+    ys, mems = [], []
+    for x_t in x:
+        h = x_t
+        for i, layer in enumerate(net):
+            if type(layer).__module__.startswith("norse"):
+                h, states[i] = layer(h, states[i])
+            else:
+                h = layer(h)
+        ys.append(h)
+        mems.append(states[-1].v)
+    return torch.stack(ys), torch.stack(mems)
+
+
+def _snn_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
+    """snnTorch's explicit-state loop (zeros at t=0): the top ``(spikes, membranes)``."""
+    mems: dict[int, Tensor] = {}
+    ys, top = [], []
+    for x_t in x:
+        h = x_t
+        for i, layer in enumerate(net):
+            if isinstance(layer, snn.Leaky):
+                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
+            else:
+                h = layer(h)
+        ys.append(h)
+        top.append(mems[len(net) - 1])
+    return torch.stack(ys), torch.stack(top)
+
+
+def _grads(out: tuple[Tensor, Tensor], net: nn.Module) -> list[Tensor]:
+    _, mem = out
+    weights = torch.linspace(-1, 1, mem.numel()).reshape(mem.shape)
+    params = list(net.parameters())
+    return list(torch.autograd.grad((mem.float() * weights).sum(), params, allow_unused=True))
+
+
+def _compare(
+    build: Callable[[], nn.Sequential],
+    loop: Callable[[nn.Sequential, Tensor], tuple[Tensor, Tensor]],
+    x: Tensor,
+    mode: str,
+    **wrap_kwargs: Any,
+) -> None:
+    """The wrapped run's (outputs, membranes) bitwise the loop's, same dtypes; gradients to
+    the mode's round-off."""
+    torch.manual_seed(0)
+    net = build()
+    if mode == "float64-model":
+        net, x = net.double(), x.double()
+    wrapped = copy.deepcopy(net)
+    with _context(mode):
+        want = loop(net, x)
+        got = sc.wrap(wrapped, output="both", **wrap_kwargs)(x)
+    for a, b, what in zip(want, got, ("outputs", "membranes"), strict=True):
+        assert a.dtype == b.dtype, f"{what}: {b.dtype}, the loop's {a.dtype}"
+        assert torch.equal(a, b), f"{what} differ by {(a.double() - b.double()).abs().max()}"
+    rtol = RTOL[_dtype(mode)]
+    for a, b in zip(_grads(want, net), _grads(got, wrapped), strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        assert float((a - b).abs().max()) <= rtol * float(a.abs().max()) + 1e-30
+
+
+NORSE_CELLS = {"LIFCell": nt.LIFCell, "LIFBoxCell": nt.LIFBoxCell, "LICell": nt.LICell}
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cell", sorted(NORSE_CELLS))
+def test_norse_parameters_keep_their_dtype(cell: str, mode: str, granularity: str) -> None:
+    """LIFCell's membrane was 7e-4 (bf16 autocast), 1.2e-4 (fp16) and 5e-9 (float64 model)
+    off Norse's own loop, in both granularities."""
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 5), NORSE_CELLS[cell]())
+
+    x = (torch.rand(9, 2, 4, generator=torch.Generator().manual_seed(1)) < 0.5).float()
+    _compare(build, _norse_loop, x, mode, plan=sc.plans.Uniform(4), granularity=granularity)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from(["bf16-autocast", "fp16-autocast"]),
+    T=st.integers(1, 12),
+    batch=st.integers(1, 3),
+    density=st.sampled_from([0.0, 0.02, 0.05]),
+    packed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_layerwise_sparse_input_under_autocast_is_the_loops(
+    dtype: str, T: int, batch: int, density: float, packed: bool, seed: int
+) -> None:
+    """Input spikes at most 1 in 16 (where layer-wise gathers a Linear's input on the CPU),
+    ``exact=False``: bitwise the loop's under autocast (an snnTorch top membrane was 0.21
+    off, from float32 synaptic inputs where the loop's are bf16)."""
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(
+            nn.Linear(64, 16), snn.Leaky(beta=0.9, threshold=0.3),
+            nn.Linear(16, 8), snn.Leaky(beta=0.8, threshold=0.2),
+        )  # fmt: skip
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(T, batch, 64, generator=g) < density).float()
+    torch.manual_seed(seed)
+    net = build()
+    wrapped = copy.deepcopy(net)
+    with _context(dtype):
+        want = _snn_loop(net, x)
+        inp = sc.SpikeTrain.from_dense(x) if packed else x
+        got = sc.wrap(wrapped, granularity="layer", plan=sc.plans.Uniform(5), output="both")(inp)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a - b).abs().max()
+    rtol = RTOL[_dtype(dtype)]
+    for a, b in zip(_grads(want, net), _grads(got, wrapped), strict=True):
+        assert float((a - b).abs().max()) <= rtol * float(a.abs().max()) + 1e-30
+
+
+@pytest.mark.parametrize("mode", ["bf16-autocast", "fp16-autocast"])
+def test_a_chunk_without_spikes_keeps_the_autocast_dtype(mode: str) -> None:
+    """A Norse LICell behind a Linear, an input without spikes: the loop's membrane is fp16
+    (bf16); the wrapped run's was float32 (the gather of no input)."""
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 5), nt.LICell())
+
+    x = torch.zeros(3, 2, 4)
+    _compare(build, _norse_loop, x, mode, plan=sc.plans.BPTT(), granularity="layer")
