@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.layered import layer_blocks
@@ -25,8 +26,14 @@ from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
+from spikeckpt.engine.function import refuse_func_transforms
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.phase import (
+    recomputing,
+    refuse_power_iteration,
+    uncached_parametrizations,
+)
 from spikeckpt.engine.rng import no_own_draws
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
@@ -239,8 +246,13 @@ class CheckpointedSequence(nn.Module):
             legacy: deprecated positional forms, ``seq(x, state)`` and ``seq(x, True)``
                 (a ``DeprecationWarning``; pass ``state=`` and ``return_state=`` by keyword).
         """
+        refuse_func_transforms()
         if legacy:
             state, return_state = _legacy_call(legacy, state, return_state)
+        with uncached_parametrizations():  # each step computes its parametrized weights
+            return self._forward(x, state, return_state)
+
+    def _forward(self, x: Any, state: State | None, return_state: bool) -> Any:
         return_state = return_state or self.adapter.returns_state
         x = as_input(x)
         packed = is_packed(x)
@@ -277,7 +289,7 @@ class CheckpointedSequence(nn.Module):
             else:
                 step = self._stack_step(x)
                 out = scan(
-                    step,
+                    _ForwardTensors(step, _tensor_slots(self.module)),
                     x,
                     state,
                     plan=decision.plan,
@@ -334,6 +346,9 @@ class CheckpointedSequence(nn.Module):
             )
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
+        _refuse_swapped(self.module, blocks)
+        if torch.is_grad_enabled():
+            refuse_power_iteration(list(self.module.modules()))
         states = self.block_states(state)
         spec = None
         if self.as_call and self.output == "both":
@@ -395,6 +410,72 @@ class CheckpointedSequence(nn.Module):
             if peak is not None:
                 text += f" (measured peak {format_bytes(peak)})"
         return text
+
+
+#: one tensor slot of a module: its ``_parameters`` or ``_buffers`` dict, the name, the tensor
+_Slot = tuple[dict[str, Any], str, Tensor]
+
+
+def _tensor_slots(module: nn.Module) -> list[_Slot]:
+    """Every parameter and buffer of ``module`` and its submodules, where it sits now."""
+    return [
+        (d, name, t)
+        for m in module.modules()
+        for d in (m._parameters, m._buffers)
+        for name, t in d.items()
+        if t is not None
+    ]
+
+
+class _ForwardTensors:
+    """The stack step, run in the backward phase with the tensors the forward ran with.
+
+    ``torch.func.functional_call(seq, params, (x,))`` (and ``torch.nn.utils.stateless``) puts
+    ``params`` into the model's modules for the forward call only; the backward phase, which
+    recomputes steps after the call has returned, would otherwise recompute them with the
+    module's own parameters: other values, and gradients for tensors the forward never used.
+    While recomputing, the slots that no longer hold the forward's tensors get them back for
+    the step's call (one identity check per parameter and buffer per recomputed step).
+    """
+
+    def __init__(self, step: Callable[[Any, Any], Any], slots: list[_Slot]) -> None:
+        self.step = step
+        self.__wrapped__ = step  # plan caches key on the step's code (`plan_key`)
+        self.slots = slots
+
+    def __call__(self, state: Any, x_t: Any) -> Any:
+        if not recomputing():
+            return self.step(state, x_t)
+        moved = [(d, k, t, d.get(k)) for d, k, t in self.slots if d.get(k) is not t]
+        if not moved:
+            return self.step(state, x_t)
+        for d, k, t, _ in moved:
+            d[k] = t
+        try:
+            return self.step(state, x_t)
+        finally:
+            for d, k, _, now in moved:
+                d[k] = now
+
+
+def _refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
+    """Layer-wise blocks hold the parameters they were built with; refuse a forward whose
+    model holds other tensors that require grad (``torch.func.functional_call``, or a
+    parameter replaced after the first forward) instead of failing on them later."""
+    known = {id(p) for b in blocks for p in b.params}
+    moved = [
+        name
+        for name, t in module.named_parameters(remove_duplicate=False)
+        if t.requires_grad and id(t) not in known
+    ]
+    if moved:
+        raise ConfigError(
+            f"granularity='layer': the model's parameters {', '.join(moved[:4])} are not the "
+            "tensors its layer-wise blocks were built with (torch.func.functional_call or "
+            "torch.nn.utils.stateless swap them in for one call; or a parameter was replaced "
+            "after the first forward). Use granularity='stack' (exact under functional_call), "
+            "or wrap the model again after replacing parameters."
+        )
 
 
 def _pytree() -> Any:

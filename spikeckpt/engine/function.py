@@ -29,13 +29,37 @@ from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.errors import UsageError
 
-__all__ = ["Job", "run_job"]
+__all__ = ["SECOND_BACKWARD", "Job", "refuse_func_transforms", "run_job"]
+
+#: the end of the message a second backward through one forward gets (scan's and layer-wise)
+SECOND_BACKWARD = (
+    " (a second backward(retain_graph=True), torch.autograd.functional.jacobian or hessian, "
+    "autograd.grad twice over the same outputs); run the forward again for each backward"
+)
 
 _NO_DOUBLE_BACKWARD = (
     "spikeckpt: a checkpointed time loop has no second-order gradients: backward was called "
     "with create_graph=True (double backward, e.g. a gradient penalty) through a wrapped model "
     "or scan. Compute the penalty on a plain (unwrapped) loop, or drop create_graph=True."
 )
+
+_NO_TRANSFORMS = (
+    "spikeckpt: torch.func transforms (torch.func.grad, vmap, jacrev, jacfwd, jvp, "
+    "hessian) cannot run through a checkpointed time loop: its backward recomputes steps "
+    "outside the transform. Take gradients with loss.backward() or torch.autograd.grad; "
+    "torch.func.functional_call(seq, params, (x,)) on its own works (stack granularity), "
+    "and so does a plain (unwrapped) loop under the transform."
+)
+
+
+def refuse_func_transforms() -> None:
+    """Raise [`UsageError`][spikeckpt.errors.UsageError] inside a ``torch.func`` transform
+    (``grad``, ``vmap``, ...): the one Function of a run is not a functorch-aware Function,
+    and torch's own error there (``setup_context``) does not say what to do."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        raise UsageError(_NO_TRANSFORMS)
 
 
 class Job:
@@ -128,4 +152,5 @@ class _RunFunction(torch.autograd.Function):
 
 def run_job(job: Job, tensors: Sequence[Tensor]) -> list[Tensor]:
     """Apply ``job`` as one autograd Function to ``tensors``; returns its outputs."""
+    refuse_func_transforms()
     return list(_RunFunction.apply(job, *tensors))

@@ -16,7 +16,7 @@ from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.blocks import LayerBlock
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
-from spikeckpt.engine.function import Job
+from spikeckpt.engine.function import SECOND_BACKWARD, Job
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink, grad, unseen_leaves
 from spikeckpt.engine.inputs import SparseChunk, chunk_of, is_packed, sparse_chunk_of
@@ -469,7 +469,7 @@ class LayerwiseJob(Job):
         if self.closed or self.store is None:
             raise UsageError(
                 "spikeckpt layer-wise scan: backward can run only once per forward (its stored "
-                "spike trains are freed as it goes); run the forward again"
+                "spike trains are freed as it goes)" + SECOND_BACKWARD
             )
         x = self.x
         assert x is not None

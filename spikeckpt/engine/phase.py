@@ -16,12 +16,16 @@ from typing import Any
 
 from torch import nn
 
+from spikeckpt.errors import UnsupportedLayerError
+
 __all__ = [
     "RUNNING_STATS_TYPES",
     "frozen_running_stats",
     "guard_running_stats",
     "recompute_phase",
     "recomputing",
+    "refuse_power_iteration",
+    "uncached_parametrizations",
 ]
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("spikeckpt_recomputing", default=False)
@@ -113,3 +117,52 @@ def _stats_back(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook (always called): put back what `_stats_aside` set aside."""
     stack = module.__dict__.get("_spikeckpt_kept")
     _put_back(module, stack.pop() if stack else None)
+
+
+# ----------------------------------------------------------------------------- spectral norm
+
+
+def _power_iterating(m: nn.Module) -> bool:
+    """Whether ``m`` is a spectral norm that runs a power iteration on each call (training
+    mode): ``nn.utils.parametrizations.spectral_norm``'s parametrization, or the module of the
+    older ``nn.utils.spectral_norm`` (a forward pre-hook)."""
+    if not m.training:
+        return False
+    if type(m).__name__ == "_SpectralNorm" and hasattr(m, "_u"):
+        return True
+    return any(type(h).__name__ == "SpectralNorm" for h in m._forward_pre_hooks.values())
+
+
+def refuse_power_iteration(modules: Sequence[nn.Module]) -> None:
+    """Refuse a training-mode spectral norm among ``modules``: its power iteration updates
+    the ``u``/``v`` buffers at every weight access, so each step of the plain loop uses other
+    ones, and a recomputed step (or one evaluated apart) would use, and update, others again:
+    gradients off by round-off-sized amounts and buffers unlike the loop's, silently."""
+    for m in modules:
+        if _power_iterating(m):
+            raise UnsupportedLayerError(
+                f"{type(m).__name__} in training mode: spectral_norm runs a power iteration "
+                "at every weight access (its u, v buffers change at every step), which steps "
+                "recomputed in the backward pass cannot replay. Put it in eval mode for the "
+                "wrapped call (e.g. net[0].parametrizations.weight[0].eval(): u, v stay "
+                "fixed, exact), and run the power iteration yourself between batches "
+                "(train(), read net[0].weight under torch.no_grad(), eval() again)"
+            )
+
+
+@contextlib.contextmanager
+def uncached_parametrizations() -> Iterator[None]:
+    """Inside, ``torch.nn.utils.parametrize.cached()`` is off: a parametrized weight
+    (``weight_norm``, ``orthogonal``, ...) is computed at each access, inside each step. A
+    weight cached outside the run is not an input of the run's Function: the gradients of
+    the steps taped in the forward pass would never reach its parameters (they were lost,
+    silently). Each step computes the weight from its parameters instead, as the uncached
+    loop does (the cached loop's gradients up to float round-off)."""
+    from torch.nn.utils import parametrize
+
+    enabled = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = enabled

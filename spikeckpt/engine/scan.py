@@ -26,9 +26,10 @@ from torch import Tensor
 from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import first_step
-from spikeckpt.engine.function import Job, run_job
+from spikeckpt.engine.function import SECOND_BACKWARD, Job, refuse_func_transforms, run_job
 from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.measure import probe_step, work_bytes
+from spikeckpt.engine.phase import uncached_parametrizations
 from spikeckpt.engine.planned import (
     check_plan,
     needs_measuring,
@@ -141,7 +142,7 @@ class _Job(Job):
         if ex is None or ex.closed:
             raise UsageError(
                 "spikeckpt.scan: backward can run only once per forward (its checkpoints are "
-                "freed as it goes); run scan again for another backward"
+                "freed as it goes)" + SECOND_BACKWARD
             )
         n = self.n_outputs
         y_grad = self.reducer.y_grad(grads[:n]) if self.reducer is not None else lambda t: ()
@@ -278,6 +279,7 @@ def scan(
         structure of ``y_t`` with a leading ``T`` axis (``readout=None``) or the reduced
         value.
     """
+    refuse_func_transforms()
     check_storage(storage, directory, probe=False)
     check_readout(readout)
     if budget is not None:  # read here, as wrap does: also when no gradient is taken
@@ -297,10 +299,11 @@ def scan(
     param_list = default_params(step, params)
     options = _Options(plan, storage, readout, budget, directory, pack_tape)
     leaves = tree_flatten(state)[0]
-    if unshaped(leaves) or _autocast_first(plan, timed[2], leaves, timed[0]):
-        ys, final, run_stats = _after_first_step(step, state, timed, param_list, options)
-    else:
-        ys, final, run_stats = _run(step, timed, state, param_list, options)
+    with uncached_parametrizations():  # each step computes its parametrized weights
+        if unshaped(leaves) or _autocast_first(plan, timed[2], leaves, timed[0]):
+            ys, final, run_stats = _after_first_step(step, state, timed, param_list, options)
+        else:
+            ys, final, run_stats = _run(step, timed, state, param_list, options)
     return ScanResult(ys, final, run_stats).legacy(stats, "scan")
 
 

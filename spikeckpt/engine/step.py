@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from spikeckpt.engine.grad import unseen_leaves
 from spikeckpt.engine.inputs import is_packed
-from spikeckpt.engine.phase import guard_running_stats
+from spikeckpt.engine.phase import guard_running_stats, refuse_power_iteration
 from spikeckpt.engine.readout import ReadoutFn
 from spikeckpt.engine.tree import TreeDef, tree_flatten, tree_map
 from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError
@@ -269,6 +269,8 @@ def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
     layers ``step`` reaches (`guard_running_stats`)."""
     found, modules = reachable(step)
     guard_running_stats(modules)
+    if torch.is_grad_enabled():
+        refuse_power_iteration(modules)
     if params is None:
         params = found
     unique: dict[int, Tensor] = {}
