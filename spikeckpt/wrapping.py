@@ -24,16 +24,13 @@ from spikeckpt.adapters.layered import layer_blocks
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
+from spikeckpt.call_tensors import ForwardTensors, refuse_swapped, tensor_slots
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.function import refuse_func_transforms
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
-from spikeckpt.engine.phase import (
-    recomputing,
-    refuse_power_iteration,
-    uncached_parametrizations,
-)
+from spikeckpt.engine.phase import refuse_power_iteration, uncached_parametrizations
 from spikeckpt.engine.rng import no_own_draws
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
@@ -44,6 +41,7 @@ from spikeckpt.errors import (
     UnsupportedLayerError,
 )
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
+from spikeckpt.state_keys import add_prefix, strip_missing, strip_prefix
 from spikeckpt.storage.tiers import check_storage
 from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrap_options import (
@@ -59,7 +57,6 @@ __all__ = ["CheckpointedSequence", "unwrap", "wrap"]
 Output = Literal["spikes", "mem", "both"]
 _OUTPUTS = ("spikes", "mem", "both")
 Granularity = Literal["stack", "layer", "auto"]
-_INNER = "module"
 
 
 class CheckpointedSequence(nn.Module):
@@ -142,9 +139,9 @@ class CheckpointedSequence(nn.Module):
         self._layer_blocks: list[LayerBlock] | None = None
         if granularity == "layer":
             self.layer_blocks(True)  # refuse a model that has no blocks now, not at forward
-        self._register_state_dict_hook(_strip_prefix)
-        self.register_load_state_dict_pre_hook(_add_prefix)
-        self.register_load_state_dict_post_hook(_strip_missing)
+        self._register_state_dict_hook(strip_prefix)
+        self.register_load_state_dict_pre_hook(add_prefix)
+        self.register_load_state_dict_post_hook(strip_missing)
 
     # -- what the engine and the planners use ------------------------------------------------
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
@@ -289,7 +286,7 @@ class CheckpointedSequence(nn.Module):
             else:
                 step = self._stack_step(x)
                 out = scan(
-                    _ForwardTensors(step, _tensor_slots(self.module)),
+                    ForwardTensors(step, tensor_slots(self.module)),
                     x,
                     state,
                     plan=decision.plan,
@@ -346,7 +343,7 @@ class CheckpointedSequence(nn.Module):
             )
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
-        _refuse_swapped(self.module, blocks)
+        refuse_swapped(self.module, blocks)
         if torch.is_grad_enabled():
             refuse_power_iteration(list(self.module.modules()))
         states = self.block_states(state)
@@ -410,72 +407,6 @@ class CheckpointedSequence(nn.Module):
             if peak is not None:
                 text += f" (measured peak {format_bytes(peak)})"
         return text
-
-
-#: one tensor slot of a module: its ``_parameters`` or ``_buffers`` dict, the name, the tensor
-_Slot = tuple[dict[str, Any], str, Tensor]
-
-
-def _tensor_slots(module: nn.Module) -> list[_Slot]:
-    """Every parameter and buffer of ``module`` and its submodules, where it sits now."""
-    return [
-        (d, name, t)
-        for m in module.modules()
-        for d in (m._parameters, m._buffers)
-        for name, t in d.items()
-        if t is not None
-    ]
-
-
-class _ForwardTensors:
-    """The stack step, run in the backward phase with the tensors the forward ran with.
-
-    ``torch.func.functional_call(seq, params, (x,))`` (and ``torch.nn.utils.stateless``) puts
-    ``params`` into the model's modules for the forward call only; the backward phase, which
-    recomputes steps after the call has returned, would otherwise recompute them with the
-    module's own parameters: other values, and gradients for tensors the forward never used.
-    While recomputing, the slots that no longer hold the forward's tensors get them back for
-    the step's call (one identity check per parameter and buffer per recomputed step).
-    """
-
-    def __init__(self, step: Callable[[Any, Any], Any], slots: list[_Slot]) -> None:
-        self.step = step
-        self.__wrapped__ = step  # plan caches key on the step's code (`plan_key`)
-        self.slots = slots
-
-    def __call__(self, state: Any, x_t: Any) -> Any:
-        if not recomputing():
-            return self.step(state, x_t)
-        moved = [(d, k, t, d.get(k)) for d, k, t in self.slots if d.get(k) is not t]
-        if not moved:
-            return self.step(state, x_t)
-        for d, k, t, _ in moved:
-            d[k] = t
-        try:
-            return self.step(state, x_t)
-        finally:
-            for d, k, _, now in moved:
-                d[k] = now
-
-
-def _refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
-    """Layer-wise blocks hold the parameters they were built with; refuse a forward whose
-    model holds other tensors that require grad (``torch.func.functional_call``, or a
-    parameter replaced after the first forward) instead of failing on them later."""
-    known = {id(p) for b in blocks for p in b.params}
-    moved = [
-        name
-        for name, t in module.named_parameters(remove_duplicate=False)
-        if t.requires_grad and id(t) not in known
-    ]
-    if moved:
-        raise ConfigError(
-            f"granularity='layer': the model's parameters {', '.join(moved[:4])} are not the "
-            "tensors its layer-wise blocks were built with (torch.func.functional_call or "
-            "torch.nn.utils.stateless swap them in for one call; or a parameter was replaced "
-            "after the first forward). Use granularity='stack' (exact under functional_call), "
-            "or wrap the model again after replacing parameters."
-        )
 
 
 def _pytree() -> Any:
@@ -565,38 +496,6 @@ def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
     from spikeckpt.engine.tree import tree_map
 
     return tree_map(fn, tree)
-
-
-def _strip_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    """state_dict hook: ``prefix + "module." + key`` -> ``prefix + key`` (and metadata)."""
-    inner = prefix + _INNER + "."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
-    meta = getattr(state_dict, "_metadata", None)
-    if meta is not None:
-        own = prefix + _INNER
-        for key in [k for k in meta if k == own or k.startswith(own + ".")]:
-            new = prefix[:-1] if key == own else prefix + key[len(own) + 1 :]
-            meta[new] = meta.pop(key)
-
-
-def _add_prefix(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
-) -> None:
-    """load_state_dict pre-hook: accept the original model's keys (and already prefixed ones)."""
-    inner = prefix + _INNER + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
-
-
-def _strip_missing(module: nn.Module, incompatible: Any) -> None:
-    """Report missing/unexpected keys under the original model's names."""
-    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
-        keys[:] = [
-            k.replace(_INNER + ".", "", 1) if k.startswith(_INNER + ".") else k for k in keys
-        ]
 
 
 def _first_layer(model: nn.Module) -> nn.Module:

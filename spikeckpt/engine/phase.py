@@ -38,10 +38,14 @@ def recomputing() -> bool:
 
 @contextlib.contextmanager
 def recompute_phase() -> Iterator[None]:
-    """Mark the code inside as recomputation (the engine's backward phase)."""
+    """Mark the code inside as recomputation (the engine's backward phase); parametrized
+    weights are computed afresh at each access there (`uncached_parametrizations`: a backward
+    inside ``parametrize.cached()`` would otherwise reuse one recomputed segment's weight,
+    and its freed graph, in the next)."""
     token = _RECOMPUTING.set(True)
     try:
-        yield
+        with uncached_parametrizations():
+            yield
     finally:
         _RECOMPUTING.reset(token)
 
