@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
 from spikeckpt.adapters.protocol import no_hooks
 from spikeckpt.engine.amp import autocast_on
-from spikeckpt.engine.inputs import SparseChunk, as_fresh
+from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.phase import recomputing
 
 __all__ = ["BREAK_EVEN", "LinearChunk", "SparseLimit", "sparse_positions", "sparse_share"]
@@ -160,6 +160,13 @@ class LinearChunk:
         if not no_hooks(linear) or autocast_on(x.device):
             return None
         k, b = x.shape[0], x.shape[1]
+        if not self.per_step and one_step_repeated(x):  # as the block's synapse: once
+            x0 = x[0]
+            if x0.dtype != weight.dtype or x0.device != weight.device:
+                return None
+            room = x0.new_empty(k + lead, *x0.shape[:-1], weight.shape[0])
+            room[lead:] = nn.functional.linear(x[:1].reshape(x0.shape), weight, bias)
+            return room, (None, x0)
         found = sparse_positions(x, linear, self.limit) if sparse else None
         if found is not None:
             n_rows, rows, cols, values = found
@@ -212,7 +219,10 @@ class LinearChunk:
                 new[0] = gather_weight_grad(g, rows, cols, values, (out, n_in), sums[0])
             else:
                 x2 = flat.reshape(-1, n_in)
-                new[0] = g.t().mm(x2) if sums[0] is None else sums[0].addmm_(g.t(), x2)
+                g_w = g
+                if x2.shape[0] < g.shape[0]:  # a static input: one step's rows, every step
+                    g_w = g.reshape(-1, x2.shape[0], out).sum(0)
+                new[0] = g_w.t().mm(x2) if sums[0] is None else sums[0].addmm_(g_w.t(), x2)
         if len(sums) > 1 and need[1]:
             g_b = g.sum(0)
             new[1] = g_b if sums[1] is None else sums[1].add_(g_b)

@@ -50,7 +50,7 @@ from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink
-from spikeckpt.engine.inputs import SparseChunk, as_fresh
+from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 
 __all__ = ["layer_blocks"]
@@ -79,8 +79,12 @@ def _synapse(
     ``(k * B, ...)`` reshaped chunk, unless ``per_step`` (every layer step by step, the plain
     loop's own calls: see ``exact`` in `layer_blocks`). ``fresh``: each step's input is read
     where a new tensor's data would start (`as_fresh`), as the plain loop hands a block
-    after the first its neuron's new output."""
+    after the first its neuron's new output. A static input (`one_step_repeated`: every step
+    the same tensor) through layers of torch's own that act on each sample alone and draw
+    nothing (`_pure`) runs them on one step and repeats it, as the loop computes the same
+    values at every step."""
     batched = [None if per_step else _batched_inner(layer) for layer in synapses]
+    all_batched = all(inner is not None for inner in batched)
 
     def one_step(x_t: Tensor) -> Tensor:
         """Every layer on one step, each on the one before's new output (the loop's calls)."""
@@ -93,6 +97,10 @@ def _synapse(
         if per_step:
             steps = x.unbind(0)
             return torch.stack([one_step(as_fresh(x_t) if fresh else x_t) for x_t in steps])
+        if one_step_repeated(x) and all_batched and all(_pure(s.module) for s in synapses):
+            # a static input (every step the same tensor): every step's z is step 0's
+            z0 = synapse(x[:1])
+            return z0.expand(x.shape[0], *z0.shape[1:]).contiguous()
         k, b = x.shape[0], x.shape[1]
         for layer, inner in zip(synapses, batched, strict=True):
             if inner is not None:
@@ -103,6 +111,16 @@ def _synapse(
         return x
 
     return synapse
+
+
+def _pure(module: nn.Module) -> bool:
+    """Whether ``module``'s output is a function of its input alone, computed by torch's own
+    ``forward`` and nothing else: a torch.nn class (not a subclass of yours), no hooks, no
+    random draws (Dropout in training mode)."""
+    if not type(module).__module__.startswith("torch.nn.") or not no_hooks(module):
+        return False
+    dropout = isinstance(module, nn.modules.dropout._DropoutNd)
+    return not (dropout and module.training and module.p > 0)
 
 
 Step = Callable[[Any, Tensor], tuple[Any, Tensor]]
@@ -254,6 +272,8 @@ def _sparse_synapse(
     dense = _synapse(synapses)
 
     def synapse(x: Tensor | SparseChunk) -> Tensor:
+        if one_step_repeated(x):  # once for the chunk (as `LinearChunk` computes it too)
+            return dense(x)
         found = sparse_positions(x, linear, limit)
         if found is None:
             return dense(x.dense() if isinstance(x, SparseChunk) else x)

@@ -27,6 +27,7 @@ __all__ = [
     "drop_first",
     "input_nbytes",
     "is_packed",
+    "one_step_repeated",
     "sparse_chunk_of",
     "step_of",
 ]
@@ -138,6 +139,13 @@ def as_fresh(x_t: Tensor) -> Tensor:
     (a step of a chunk buffer is a view into it; the plain loop hands a later layer a new
     tensor): placed as `_placed` places step 0."""
     return _placed(x_t[None], 0)[0]
+
+
+def one_step_repeated(x: Any) -> bool:
+    """Whether the dense chunk ``x (k, B, ...)`` is one step's tensor at every step (a time
+    stride of 0: ``img.expand(T, *img.shape)``, a static input fed at each step), with more
+    than one step: a layer that acts on each step alone gives every step the same output."""
+    return isinstance(x, Tensor) and x.dim() >= 2 and x.shape[0] > 1 and x.stride(0) == 0
 
 
 def step_of(x: Any, t: int, device: torch.device) -> Tensor:
