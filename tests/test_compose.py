@@ -118,3 +118,9 @@ def test_parametrize_cached_around_the_call_keeps_every_gradient() -> None:
         loss(seq(x)).backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_wrapping_a_compiled_model_names_the_way() -> None:
+    # torch.compile(model) is lazy (nothing compiles here); its wrapper is not a layer
+    with pytest.raises(sc.errors.UnsupportedLayerError, match="compile=True"):
+        sc.wrap(torch.compile(net()))

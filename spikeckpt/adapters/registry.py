@@ -108,6 +108,15 @@ def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
         for entry in registered_adapters():
             if entry.predicate(module):
                 return entry.factory(module, path)
+        if hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+            raise unsupported(
+                module,
+                path,
+                "it is the wrapper torch.compile(model) returns, whose forward is the compiled "
+                "whole model. Wrap the model itself: spikeckpt.wrap(model, compile=True) "
+                "compiles its step (or the fused neurons, layer-wise); torch.compile(seq) "
+                "after wrapping also runs",
+            )
         raise unsupported(module, path, "no adapter knows this layer type")
     except UnsupportedLayerError as err:
         message = str(err)
