@@ -27,11 +27,11 @@ __all__ = ["BREAK_EVEN", "LinearChunk", "SparseLimit", "sparse_positions", "spar
 #: one and two threads: the dense product's speed grows with the threads, the listing of the
 #: non-zeros' does not, so the break-even follows the outputs each thread computes. The
 #: points sit at or below the break-evens of whole layer-wise training steps (784-H-10
-#: snnTorch nets; per-thread outputs 128: under 0.10, 256: about 0.2, 500: over 0.3, 1000:
+#: snnTorch nets; per-thread outputs 128: under 0.08, 256: about 0.2, 500: over 0.3, 1000:
 #: over 0.3) and of one chunk's passes alone (`benchmarks/bench_gather.py`).
 BREAK_EVEN: tuple[tuple[int, float], ...] = (
     (64, 0.0),
-    (128, 0.08),
+    (128, 0.06),
     (256, 0.18),
     (512, 0.28),
     (1024, 0.35),
