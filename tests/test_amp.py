@@ -184,3 +184,64 @@ def test_a_chunk_without_spikes_keeps_the_autocast_dtype(mode: str) -> None:
 
     x = torch.zeros(3, 2, 4)
     _compare(build, _norse_loop, x, mode, plan=sc.plans.BPTT(), granularity="layer")
+
+
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _half_model(neuron: str, dtype: torch.dtype) -> tuple[nn.Sequential, Tensor]:
+    torch.manual_seed(0)
+    lif = snn.Leaky(beta=0.9) if neuron == "Leaky" else snn.Lapicque(beta=0.8)
+    net = nn.Sequential(nn.Linear(4, 6), lif).to(dtype)
+    return net, (torch.rand(12, 2, 4) < 0.5).to(dtype)
+
+
+def _init_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
+    """snnTorch's explicit-state loop from its own ``init_leaky()`` / ``init_lapicque()``
+    (a float32 empty state): ``(spikes, membranes)``."""
+    lif = net[1]
+    mem = lif.init_leaky() if isinstance(lif, snn.Leaky) else lif.init_lapicque()
+    ys, mems = [], []
+    for x_t in x:
+        y, mem = lif(net[0](x_t), mem)
+        ys.append(y)
+        mems.append(mem)
+    return torch.stack(ys), torch.stack(mems)
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+@pytest.mark.parametrize("neuron", ["Leaky", "Lapicque"])
+@pytest.mark.parametrize("half", list(HALF))
+def test_a_half_precision_model_whose_state_step_0_widens_runs_as_the_loop(
+    half: str, neuron: str, granularity: str
+) -> None:
+    """An fp16/bf16 model (no autocast) with snnTorch's explicit state: its reset (a float32
+    spike) makes step 0 return a float32 membrane from the model-dtype start. The stack
+    granularity refused it ("step 0 changed state ... float32 ... float16", pointing at
+    torch.autocast); scan now runs step 0 apart whenever an untaped step 0 changes a state
+    dtype: outputs and membranes bitwise the loop's, gradients to the precision's round-off."""
+    net, x = _half_model(neuron, HALF[half])
+    wrapped = copy.deepcopy(net)
+    want = _init_loop(net, x)
+    want_grads = _grads(want, net)
+    want = tuple(t.detach() for t in want)
+    for plan in (sc.plans.Uniform(4), "auto"):
+        wrapped.zero_grad()
+        got = sc.wrap(wrapped, plan=plan, granularity=granularity, output="both")(x)
+        for a, b in zip(want, got, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), plan
+        rtol = RTOL[HALF[half]]
+        for a, b in zip(want_grads, _grads(got, wrapped), strict=True):
+            assert float((a - b).abs().max()) <= rtol * float(a.abs().max()) + 1e-30, plan
+
+
+def test_a_schedule_for_all_steps_names_the_step_that_widens_the_state() -> None:
+    """Where step 0 cannot run apart (a Schedule built for all T steps), the refusal names
+    the real cause (the step returns another dtype), not autocast, and the fix."""
+    net, x = _half_model("Leaky", torch.float16)
+    seq = sc.wrap(net, plan=sc.plans.Uniform(4).schedule(12), granularity="stack")
+    with pytest.raises(sc.errors.ConfigError) as info:
+        seq(x)
+    message = str(info.value)
+    assert "step 0 returns this state in torch.float32 from a torch.float16 one" in message
+    assert "build it for T-1, or pass an initial state in torch.float32" in message

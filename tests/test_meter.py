@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.engine.meter import MemoryMeter, unmetered
 from spikeckpt.storage.base import Ledger
 from spikeckpt.storage.tiers import DiskStore
 
@@ -395,3 +395,17 @@ def test_the_tensor_meter_counts_the_engines_generator_captures() -> None:
     with MemoryMeter() as quiet:
         torch.get_rng_state()  # not the engine's: not seen (made without an op)
     assert quiet.peak_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["tensors", "allocator"])
+def test_unmetered_work_is_hidden_from_the_meters(mode: str) -> None:
+    """One-time work (an adapter's check at first use) inside `unmetered` counts in no meter;
+    what is allocated after it counts as before."""
+    with MemoryMeter(mode=mode) as m:  # type: ignore[arg-type]
+        held = torch.ones(1000)  # 4000 bytes
+        with unmetered():
+            scratch = torch.ones(100_000)
+            del scratch
+        more = torch.ones(500)  # 2000 bytes
+        del held, more
+    assert m.peak_bytes == 6000

@@ -284,3 +284,44 @@ def test_the_probe_cache_keeps_apart_what_is_excluded() -> None:
         for exclude in ([x], [])
     ]
     assert probes[0].step_bytes < probes[1].step_bytes  # the slices the first Linear saves
+
+
+@pytest.mark.parametrize("storage", ["host", "disk"])
+def test_layerwise_under_cpu_autocast_with_per_neuron_beta_keeps_a_fitting_budget(
+    storage: str, tmp_path: Any
+) -> None:
+    """A mixed-precision fuzzer's case: ``Leaky`` with one beta per neuron under CPU bf16
+    autocast. The blocks' sizes (measured from the bf16 initial state, which the fused kernel
+    declines) left the kernel's one-time check against the neuron's own step to the first
+    chunk that carries the float32 membrane: inside the probe's meter, 37,790 bytes at chunk 1
+    where the step holds 320, so 16 KiB was refused, naming 1.17 KiB (from a second probe,
+    the check done by then). The check is hidden from meters: 16 KiB runs, and the
+    refusal's smallest budget works."""
+
+    def peak(budget: int | str) -> tuple[int, Any]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(beta=torch.rand(5) * 0.5 + 0.5))
+        x = torch.zeros(10, 1, 4)
+        x[3, 0, 1] = x[7, 0, 2] = 1
+        seq = spikeckpt.wrap(
+            net, plan="auto", budget=budget, granularity="layer", storage=storage,
+            output="mem", directory=tmp_path if storage == "disk" else None,
+        )  # fmt: skip
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
+            MemoryMeter() as meter,
+        ):
+            meter.track([x])
+            out = seq(x)
+            out.float().sum().backward()
+            del out
+        return meter.peak_bytes, seq.last_stats
+
+    _, stats = peak("16KiB")
+    assert stats.plan.startswith("layer-wise")
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        peak(256)
+    smallest = info.value.minimum_bytes
+    assert 256 < smallest < 4096
+    used, stats = peak(smallest)
+    assert stats.plan.startswith("layer-wise") and used <= smallest

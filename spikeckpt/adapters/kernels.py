@@ -38,6 +38,7 @@ from spikeckpt.adapters.host_loops import (
 from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.grad import grad as engine_grad
+from spikeckpt.engine.meter import unmetered
 
 __all__ = [
     "LeakyKernel",
@@ -138,7 +139,7 @@ def _keeps_dtype(kernel: Any, leaves: Sequence[Tensor], z: Tensor) -> bool:
     key = tuple((t.dtype, t.dim()) for t in tensors)
     known = kernel.dtype_checks.get(key)
     if known is None:
-        with torch.no_grad():
+        with torch.no_grad(), unmetered():  # once per dtypes: not part of any step
             one = [t[:1] for t in leaves]  # one sample: every broadcast stays as it is
             final = kernel.forward(one, z[:1, :1], False, False)[0]
         known = all(a.dtype == b.dtype for a, b in zip(final, leaves, strict=True))

@@ -52,6 +52,7 @@ from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
+from spikeckpt.engine.meter import unmetered
 
 __all__ = ["layer_blocks"]
 
@@ -151,7 +152,8 @@ class VerifiedKernel:
         if not no_hooks(self.neuron.module) or not self.kernel.accepts(leaves, z):
             return False
         if self.verified is None:
-            self.verified = _kernel_matches_step(self.neuron, self.kernel, leaves, z)
+            with unmetered():  # once per kernel, not part of any step: no meter counts it
+                self.verified = _kernel_matches_step(self.neuron, self.kernel, leaves, z)
         return self.verified
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

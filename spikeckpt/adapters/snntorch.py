@@ -37,6 +37,7 @@ from spikeckpt.adapters.kernels import (
     is_unit,
 )
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
+from spikeckpt.engine.meter import unmetered
 
 __all__ = [
     "AlphaState",
@@ -162,7 +163,8 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         fast = self._fast
         if fast is not None and no_hooks(self.module):
             if self.fast_verified is None:
-                self.fast_verified = _same_results(self.module_step, fast, self)
+                with unmetered():  # once per neuron, not part of any step: no meter counts it
+                    self.fast_verified = _same_results(self.module_step, fast, self)
             if self.fast_verified:
                 return fast(state, x_t)
         return self.module_step(state, x_t)

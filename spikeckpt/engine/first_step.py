@@ -20,10 +20,12 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.readout import Readout, take_extremum
+from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.errors import ConfigError, ConfigTypeError
 
-__all__ = ["FirstStep", "first_step"]
+__all__ = ["FirstStep", "changes_dtype", "first_step"]
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -107,6 +109,45 @@ def first_step(step: Step, state: Any, x0: Any) -> FirstStep:
                 raise ConfigTypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
     inner, state1, rebuild = _without_none_leaves(step, state1)
     return FirstStep(state1, y0, inner, rebuild)
+
+
+#: floating dtypes narrower than float32: a step on them often computes something in float32
+#: (snnTorch's spike ``(mem - thr > 0).float()`` resets an fp16 membrane into float32)
+_NARROW = (torch.float16, torch.bfloat16)
+
+
+def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
+    """Whether step 0 returns a state leaf in another dtype than the initial state's (a
+    half-precision model whose step promotes its state to float32): scan then runs step 0
+    apart and carries the dtypes it returns, as the plain loop does. Tried with one untaped
+    step (RNG forked, layers' side effects skipped) only where a dtype may change: a floating
+    state leaf narrower than float32, or floating state, input and parameter leaves of more
+    than one dtype; False elsewhere (no step run)."""
+    leaves = pytree.tree_flatten(state)[0]
+    floats = [t for t in leaves if isinstance(t, Tensor) and t.is_floating_point()]
+    if not floats:
+        return False
+    others = [
+        t
+        for t in (*pytree.tree_flatten(x0)[0], *params)
+        if isinstance(t, Tensor) and t.is_floating_point()
+    ]
+    dtypes = {t.dtype for t in (*floats, *others)}
+    if not any(t.dtype in _NARROW for t in floats) and len(dtypes) < 2:
+        return False
+    with (
+        torch.random.fork_rng(devices=cuda_devices([*floats, *others])),
+        recompute_phase(),
+        torch.no_grad(),
+    ):
+        new, _ = step(state, x0)
+    after = pytree.tree_flatten(new)[0]
+    if len(after) != len(leaves):
+        return False  # another structure: the run's own check names it
+    return any(
+        isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype != b.dtype
+        for a, b in zip(leaves, after, strict=True)
+    )
 
 
 def _without_none_leaves(step: Step, state: Any) -> tuple[Step, Any, Callable[[Any], Any]]:

@@ -54,7 +54,7 @@ import contextlib
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, Literal
 
@@ -64,13 +64,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from spikeckpt.engine.gemm_workspaces import warm_gemm_workspaces
 from spikeckpt.errors import ConfigError, UsageError
 
-__all__ = ["MemoryMeter", "MeterMode", "count_made"]
+__all__ = ["MemoryMeter", "MeterMode", "count_made", "unmetered"]
 
 MeterMode = Literal["auto", "tensors", "allocator"]
 _MODES = ("auto", "tensors", "allocator")
 
 _ALIASES: dict[Any, tuple[bool, ...]] = {}
 _CUDA_ACTIVE: list[MemoryMeter] = []
+_PROFILED: list[_AllocatorEvents] = []  # the allocator-mode meter recording (one at a time)
 
 
 class MemoryMeter:
@@ -288,6 +289,41 @@ def count_made(tensors: Iterable[torch.Tensor]) -> None:
                 mode._record(tensor, set())
 
 
+@contextlib.contextmanager
+def unmetered() -> Iterator[None]:
+    """Hide what the block allocates from every meter active on this thread: for one-time
+    work that no later step repeats (an adapter checking a fused kernel or a fast step
+    against the layer's own call at first use), so that a meter measures what a step
+    allocates whenever it runs, whether or not the check happened to run inside it.
+
+    Tensor-mode meters skip the block's ops; allocator-mode meters skip its allocations
+    (their frees, matched by address, then free nothing counted); CUDA meters keep the peak
+    seen before the block and reset the allocator's peak after it. What the block leaves
+    allocated is counted from then on where the allocator's figures see it (CUDA), else not.
+    """
+    trackers = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _StorageTracker)]
+    for tracker in trackers:
+        tracker.paused += 1
+    devices = {m.device for m in _CUDA_ACTIVE}
+    for device in devices:
+        peak_now = torch.cuda.max_memory_allocated(device)
+        for meter in _CUDA_ACTIVE:
+            if meter.device == device:
+                meter._seen_peak = max(meter._seen_peak, peak_now)
+    events = _PROFILED[-1] if _PROFILED else None
+    if events is not None:
+        events.pause(True)
+    try:
+        yield
+    finally:
+        if events is not None:
+            events.pause(False)
+        for device in devices:
+            torch.cuda.reset_peak_memory_stats(device)
+        for tracker in trackers:
+            tracker.paused -= 1
+
+
 class _StorageTracker(TorchDispatchMode):
     """Live and peak bytes of the storages that ops on this thread allocate on ``device``."""
 
@@ -299,6 +335,7 @@ class _StorageTracker(TorchDispatchMode):
         self.peak = 0
         self._lock = threading.RLock()
         self._finalizers: dict[int, weakref.finalize] = {}  # data_ptr -> finalizer
+        self.paused = 0  # inside `unmetered` blocks: ops are not recorded
 
     def __torch_dispatch__(
         self,
@@ -308,6 +345,8 @@ class _StorageTracker(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         aliases = _ALIASES.get(func)
         if aliases is None:
             aliases = _ALIASES[func] = tuple(r.alias_info is not None for r in func._schema.returns)
@@ -377,6 +416,7 @@ def _input_pointers(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> set
 
 
 _MARK = "spikeckpt.MemoryMeter.track#"
+_PAUSE = "spikeckpt.MemoryMeter.unmetered#"
 
 
 class _AllocatorEvents:
@@ -408,6 +448,12 @@ class _AllocatorEvents:
             )
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
+        _PROFILED.append(self)
+
+    def pause(self, on: bool) -> None:
+        """Mark the start (``on``) or end of an `unmetered` block in the event stream."""
+        with torch.profiler.record_function(f"{_PAUSE}{int(on)}"):
+            pass
 
     def _mark(self, nbytes: int) -> None:
         with self._lock:
@@ -449,6 +495,8 @@ class _AllocatorEvents:
         self._finalizers.clear()
         profile = self._profile
         profile.__exit__(None, None, None)
+        if self in _PROFILED:
+            _PROFILED.remove(self)
         allocation = torch._C._profiler._ExtraFields_Allocation
         # (time, preorder index, value): an allocator event's fields, or a marker's bytes
         timeline: list[tuple[int, int, Any]] = []
@@ -463,13 +511,19 @@ class _AllocatorEvents:
             elif event.name.startswith(_MARK):
                 amount = self._amounts[int(event.name[len(_MARK) :])]
                 timeline.append((event.start_time_ns, len(timeline), amount))
+            elif event.name.startswith(_PAUSE):
+                timeline.append((event.start_time_ns, len(timeline), event.name[-1] == "1"))
         timeline.sort(key=lambda item: (item[0], item[1]))
         blocks: dict[int, int] = {}  # address -> bytes of the blocks allocated inside
-        live = peak = 0
+        live = peak = paused = 0
         for _, _, value in timeline:
-            if isinstance(value, int):
+            if isinstance(value, bool):  # an `unmetered` block starts or ends
+                paused += 1 if value else -1
+            elif isinstance(value, int):
                 live += value
             elif value.alloc_size > 0:
+                if paused:
+                    continue
                 blocks[value.ptr] = value.alloc_size
                 live += value.alloc_size
             else:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.executor import Executor
-from spikeckpt.engine.first_step import first_step
+from spikeckpt.engine.first_step import changes_dtype, first_step
 from spikeckpt.engine.function import SECOND_BACKWARD, Job, refuse_func_transforms, run_job
 from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.measure import probe_step, work_bytes
@@ -223,9 +223,10 @@ def scan(
             own state), empty tensors (snnTorch's ``init_leaky()``) and 0-d tensors (Norse's
             ``initial_state(x).v``): step 0 then runs first, taped as in the plain loop, and
             the checkpointed run starts from its state (``stats`` describe steps ``1..T-1``).
-            Under ``torch.autocast`` step 0 runs first too (unless ``plan`` is a
-            ``Schedule`` for ``T`` steps): the state takes the dtypes step 0 returns (a
-            float32 membrane from a bf16 input, in snnTorch), as in the plain loop.
+            Under ``torch.autocast``, and where an untaped step 0 returns a state leaf in
+            another dtype (a half-precision snnTorch model: its float32 reset makes a
+            float32 membrane), step 0 runs first too (unless ``plan`` is a ``Schedule`` for
+            ``T`` steps): the state takes the dtypes step 0 returns, as in the plain loop.
         plan: a plan (``spikeckpt.plans.Uniform(50)``, ...), a ``Schedule`` for this ``T``, or
             ``"auto"`` (measures one step in the measuring room,
             [`probe_step`][spikeckpt.engine.measure.probe_step]: sizes, working bytes and operation
@@ -300,7 +301,7 @@ def scan(
     options = _Options(plan, storage, readout, budget, directory, pack_tape)
     leaves = tree_flatten(state)[0]
     with uncached_parametrizations():  # each step computes its parametrized weights
-        if unshaped(leaves) or _autocast_first(plan, timed[2], leaves, timed[0]):
+        if unshaped(leaves) or _first_apart(step, state, plan, timed, leaves, param_list):
             ys, final, run_stats = _after_first_step(step, state, timed, param_list, options)
         else:
             ys, final, run_stats = _run(step, timed, state, param_list, options)
@@ -344,17 +345,32 @@ def _constant_input(
 #: ``id`` of the state a ``_scan_after_step0`` call passes on: shaped by step 0 already (its
 
 
-def _autocast_first(plan: Any, T: int, state: list[Any], inputs: list[Any]) -> bool:
-    """Whether scan runs step 0 first because autocast is on (the step may return the state in
-    another dtype than the initial state's, as snnTorch's neurons do: a float32 membrane from
-    a bf16 input): the plain loop then carries the dtypes step 0 gives, and so does scan.
-    Not with a ``Schedule`` built for ``T`` steps (it would not fit ``T - 1``)."""
+def _first_apart(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    state: Any,
+    plan: Any,
+    timed: Timed,
+    leaves: list[Any],
+    params: list[Tensor],
+) -> bool:
+    """Whether scan runs step 0 first because the step may return the state in another dtype
+    than the initial state's: autocast is on (snnTorch's neurons return a float32 membrane
+    from a bf16 input), or one untaped step 0 does change a dtype (`changes_dtype`: a
+    half-precision model whose step computes its state in float32). The plain loop then
+    carries the dtypes step 0 gives, and so does scan. Not with a ``Schedule`` built for
+    ``T`` steps (it would not fit ``T - 1``)."""
+    inputs, in_def, T = timed
     if isinstance(plan, Schedule) and plan.T == T:
         return False
     device = next(
-        (t.device for t in (*state, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
+        (t.device for t in (*leaves, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
     )
-    return autocast_on(device if device is not None else torch.device("cpu"))
+    device = device if device is not None else torch.device("cpu")
+    if autocast_on(device):
+        return True
+    return changes_dtype(
+        step, state, in_def.unflatten([step_of(x, 0, device) for x in inputs]), params
+    )
 
 
 def _run(

@@ -170,9 +170,11 @@ class StepFn:
                     f"{leaf.device}, the initial state's is {tuple(shape)} {dtype} on {device}; "
                     "the state's shapes and dtypes must stay the same at every step"
                     + (
-                        " (under torch.autocast scan takes the dtypes step 0 returns, unless "
-                        "the plan is a Schedule built for all T steps: build it for T-1)"
-                        if leaf.dtype != dtype and t == 0
+                        f" (step 0 returns this state in {leaf.dtype} from a {dtype} one: "
+                        "scan carries the dtypes step 0 returns by running it apart, as under "
+                        "torch.autocast, but not with a Schedule built for all T steps: build "
+                        f"it for T-1, or pass an initial state in {leaf.dtype})"
+                        if leaf.dtype != dtype and leaf.shape == shape and t == 0
                         else ""
                     )
                 )
