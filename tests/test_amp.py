@@ -26,6 +26,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from snn_loops import leaky_loop as _snn_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -66,22 +67,6 @@ def _norse_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
         ys.append(h)
         mems.append(states[-1].v)
     return torch.stack(ys), torch.stack(mems)
-
-
-def _snn_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
-    """snnTorch's explicit-state loop (zeros at t=0): the top ``(spikes, membranes)``."""
-    mems: dict[int, Tensor] = {}
-    ys, top = [], []
-    for x_t in x:
-        h = x_t
-        for i, layer in enumerate(net):
-            if isinstance(layer, snn.Leaky):
-                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
-            else:
-                h = layer(h)
-        ys.append(h)
-        top.append(mems[len(net) - 1])
-    return torch.stack(ys), torch.stack(top)
 
 
 def _grads(out: tuple[Tensor, Tensor], net: nn.Module) -> list[Tensor]:

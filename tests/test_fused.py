@@ -21,6 +21,7 @@ import snntorch as snn
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from snn_loops import leaky_loop as _plain_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -743,23 +744,6 @@ def test_a_compiled_neuron_runs_eagerly_under_a_dispatch_mode(
     assert torch.equal(measured, want)
     seq(x)
     assert seq.last_stats.blocks[0].neuron_chunks == {"compiled": 3} and len(calls) > before
-
-
-def _plain_loop(net: nn.Sequential, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Each step through every layer, as snnTorch's tutorials write it: the top layer's
-    ``(spikes (T, B, n), membranes (T, B, n))``."""
-    mems: dict[int, Tensor] = {}
-    spikes, top_mems = [], []
-    for x_t in x:
-        h = x_t
-        for i, layer in enumerate(net):
-            if isinstance(layer, snn.Leaky):
-                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
-            else:
-                h = layer(h)
-        spikes.append(h)
-        top_mems.append(mems[len(net) - 1])
-    return torch.stack(spikes), torch.stack(top_mems)
 
 
 class _ProductRows(torch.utils._python_dispatch.TorchDispatchMode):

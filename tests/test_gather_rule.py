@@ -12,15 +12,15 @@ pinned one of the other tests (``conftest.py``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import snntorch as snn
 import torch
-from torch import Tensor, nn
+from snn_loops import gather_calls, leaky_loop
+from torch import nn
 
 import spikeckpt as sc
-from spikeckpt.adapters import affine, gather
+from spikeckpt.adapters import affine
 
 pytestmark = pytest.mark.measured_gather_rule
 
@@ -51,33 +51,6 @@ def _tutorial_net() -> nn.Sequential:
     )  # fmt: skip
 
 
-def _plain(net: nn.Sequential, x: Tensor) -> Tensor:
-    mems: dict[int, Tensor] = {}
-    out = []
-    for x_t in x:
-        h = x_t
-        for i, layer in enumerate(net):
-            if isinstance(layer, snn.Leaky):
-                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
-            else:
-                h = layer(h)
-        out.append(h)
-    return torch.stack(out)
-
-
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    seen: list[tuple[int, ...]] = []
-    real = gather.gather
-
-    def spy(weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        seen.append(tuple(weight.shape))
-        return real(weight, *args, **kwargs)
-
-    monkeypatch.setattr(gather, "gather", spy)
-    monkeypatch.setattr(affine, "gather", spy)
-    return seen
-
-
 def test_a_chunk_is_recomputed_on_the_path_of_its_forward_pass(
     one_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -86,11 +59,11 @@ def test_a_chunk_is_recomputed_on_the_path_of_its_forward_pass(
     recomputation still gathers, as its forward pass did (it multiplied densely: a sum in
     another order, which can flip a spike near the threshold), and the gradients are the
     plain loop's."""
-    seen = _counting(monkeypatch)
+    seen = gather_calls(monkeypatch)
     net = _tutorial_net()
     x = (torch.rand(12, 4, 100) < 0.1).float()
     params = list(net.parameters())
-    want = torch.autograd.grad(_plain(net, x).sum(), params)
+    want = torch.autograd.grad(leaky_loop(net, x)[0].sum(), params)
     seq = sc.wrap(net, granularity="layer", chunk=4)
     out = seq(x)
     assert seq.last_stats.blocks[0].neuron == "fused"
@@ -109,7 +82,7 @@ def test_narrow_outputs_per_thread_multiply_densely(
     """``Linear(100, 64)``: a gather loses to the dense product at every density measured
     (0.91x at 3% on one thread, 0.50x on two), so it never gathers; the pinned rule of the
     other tests gathered there."""
-    seen = _counting(monkeypatch)
+    seen = gather_calls(monkeypatch)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(100, 64), snn.Leaky(beta=0.9))
     x = (torch.rand(12, 4, 100) < 0.03).float()

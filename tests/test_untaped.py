@@ -20,6 +20,7 @@ import snntorch as snn
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from snn_loops import gather_calls
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -228,8 +229,6 @@ def test_a_later_block_gathers_over_its_input_spikes_in_both_passes(
     in the forward pass and in the recomputation alike (its input gradient is ``dL/dz @ W``):
     outputs bitwise the plain loop's, gradients at round-off; with the untaped path off it
     multiplies densely, as it does a block of fewer than `GATHER_MIN_OUTPUTS` outputs."""
-    from spikeckpt.adapters import affine, gather
-
     net = _gathering_net()
     dense = (torch.rand(24, 4, 50) < 0.1).float()
     plain = _plain_loop(net, dense)
@@ -237,15 +236,7 @@ def test_a_later_block_gathers_over_its_input_spikes_in_both_passes(
     assert 0 < float(_hidden_rate(net, dense)) < 1 / 16
     params = list(net.parameters())
     want = _grads(plain, params)
-    seen: list[tuple[int, ...]] = []
-    real = gather.gather
-
-    def spy(weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        seen.append(tuple(weight.shape))
-        return real(weight, *args, **kwargs)
-
-    monkeypatch.setattr(gather, "gather", spy)
-    monkeypatch.setattr(affine, "gather", spy)
+    seen = gather_calls(monkeypatch)
     for untaped in (True, False):
         seen.clear()
         seq, out = _run(net, dense, 6, untaped)
