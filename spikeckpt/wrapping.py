@@ -20,9 +20,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.layered import layer_blocks
+from spikeckpt.adapters.layered import layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
-from spikeckpt.adapters.registry import adapter_for
+from spikeckpt.adapters.registry import adapter_for, model_key
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
 from spikeckpt.call_tensors import ForwardTensors, refuse_swapped, tensor_slots
 from spikeckpt.engine.compiled import Compile
@@ -137,6 +137,8 @@ class CheckpointedSequence(nn.Module):
         self._own: tuple[tuple[Any, ...], Planner] | None = None
         self._blocks: list[Block] | None = None
         self._layer_blocks: list[LayerBlock] | None = None
+        #: the model's layers and options the adapter was made from (`_refresh`)
+        self._key: tuple[Any, ...] = model_key(module)
         if granularity == "layer":
             self.layer_blocks(True)  # refuse a model that has no blocks now, not at forward
         self._register_state_dict_hook(strip_prefix)
@@ -185,6 +187,7 @@ class CheckpointedSequence(nn.Module):
     def layer_blocks(self, required: bool) -> list[LayerBlock] | None:
         """The model's feed-forward blocks for the layer-wise granularity; ``None`` when it has
         none (``UnsupportedLayerError`` saying why when ``required``)."""
+        self._refresh()
         if self._blocks is None:
             try:
                 self._blocks = split_blocks(self.adapter)
@@ -193,7 +196,56 @@ class CheckpointedSequence(nn.Module):
                     raise
                 return None
             self._layer_blocks = layer_blocks(self._blocks, exact=self.exact)
+        assert self._layer_blocks is not None
+        # a Dropout's mode may have changed since (.train() / .eval()): read it now
+        self._layer_blocks = with_current_modes(self._layer_blocks, self._blocks)
         return self._layer_blocks
+
+    def _refresh(self) -> None:
+        """Remake the adapter, and drop what was made from it (layer-wise blocks, their
+        verified kernels, the compiled step, the own planner's decisions), when the model's
+        layers or their options changed since it was made: a layer replaced or appended
+        (``net[1] = snn.Leaky(...)``), a neuron's ``spike_grad`` or ``reset_mechanism`` set,
+        Norse's ``cell.p`` reassigned, a parameter replaced, a copy (`copy.deepcopy`, pickle).
+        In-place changes of tensors (an optimizer's step, ``beta.fill_``, ``.double()``)
+        keep it: the steps read the module's tensors at each call."""
+        key = model_key(self.module)
+        if key == self._key:
+            return
+        adapter = adapter_for(self.module, "")
+        adapter.cleanup()
+        if self.output != "spikes" and not self.as_call and not _has_membrane(adapter):
+            raise ConfigError(
+                f"output={self.output!r} needs the last layer to be a neuron with a membrane "
+                f"potential, and the model changed since wrapping: its last layer is now "
+                f"{adapter!r}; wrap it again with output='spikes'"
+            )
+        self.adapter = adapter
+        self._blocks = self._layer_blocks = None
+        self._compiled_step = None
+        self._own = None
+        self._key = key
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For `copy.deepcopy` and pickle: what is made from the model (the adapter, its
+        closures over the modules, blocks, kernels, compiled step) is left out and made again
+        from the copy's own modules."""
+        state = dict(super().__getstate__())
+        state.update(
+            adapter=None,
+            _blocks=None,
+            _layer_blocks=None,
+            _compiled_step=None,
+            _own=None,
+            _key=(),
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.adapter is None:
+            self.adapter = adapter_for(self.module, "")
+            self._key = model_key(self.module)
 
     def block_states(self, state: State) -> list[State]:
         """Each block's state: ``state[neuron index]`` for a stack, the whole state for a
@@ -270,6 +322,7 @@ class CheckpointedSequence(nn.Module):
                 "pass at least one step"
             )
         _refuse_unbatched(self.module, x, self.batch_first)
+        self._refresh()
         self.adapter.check()
         x_0 = step_of(x, 0, self.device_for(x))
         if state is None:

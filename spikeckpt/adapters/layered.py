@@ -38,6 +38,7 @@ a chunk without autograd (`spikeckpt.engine.direct`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
 
-__all__ = ["layer_blocks"]
+__all__ = ["layer_blocks", "with_current_modes"]
 
 
 def _batched_inner(layer: LayerAdapter) -> LayerAdapter | None:
@@ -336,4 +337,15 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
                 else LinearChunk(linear, transposed, limit, exact, fresh=exact and index > 0),
             )
         )
+    return out
+
+
+def with_current_modes(layers: Sequence[LayerBlock], blocks: Sequence[Block]) -> list[LayerBlock]:
+    """``layers`` (made by `layer_blocks` from ``blocks``) with each block's ``draws_random``
+    read now: a ``Dropout`` made in eval mode draws once the model is put in training mode,
+    and the run must then replay its masks in the recomputation."""
+    out = []
+    for layer, block in zip(layers, blocks, strict=True):
+        draws = _draws_random(block)
+        out.append(layer if layer.draws_random == draws else replace(layer, draws_random=draws))
     return out

@@ -13,7 +13,9 @@ Norse's lazily, when one of their layers is found); those that adapt children re
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+from torch import Tensor, nn
 
 from spikeckpt.adapters import generic, sequential
 from spikeckpt.adapters.protocol import (
@@ -28,6 +30,7 @@ from spikeckpt.errors import UnsupportedLayerError
 __all__ = [
     "Registration",
     "adapter_for",
+    "model_key",
     "register_adapter",
     "registered_adapters",
     "supported_summary",
@@ -126,6 +129,34 @@ def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
                 "Add your own with spikeckpt.adapters.register_adapter(predicate, factory).",
             )
         raise
+
+
+#: attributes every ``nn.Module`` has (its parameter, buffer, child and hook dicts, mode)
+_MODULE_ATTRS = frozenset(vars(nn.Module()))
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def model_key(model: nn.Module) -> tuple[Any, ...]:
+    """What the adapters of ``model`` are made from, comparable with ``==``: each module at
+    each position (identity and type), its parameters (identity), the buffers requiring grad
+    it holds, and its other non-tensor attributes (plain values by value, objects such as a
+    snnTorch ``spike_grad``, a bound ``state_function`` or Norse's ``p`` by identity). Equal
+    keys: the adapter made for ``model`` before still steps it; tensors changed in place (an
+    optimizer's step, ``.double()``) and ``.train()`` / ``.eval()`` do not change the key, as
+    the adapters read them at each call."""
+    key: list[Any] = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        attrs = tuple(
+            (k, v if isinstance(v, _PLAIN) else id(v))
+            for k, v in vars(m).items()
+            if k not in _MODULE_ATTRS
+            and not k.startswith("_spikeckpt")  # the engine's own marks
+            and not isinstance(v, Tensor)
+        )
+        params = tuple(None if t is None else id(t) for t in m._parameters.values())
+        grads = tuple(id(t) for t in m._buffers.values() if t is not None and t.requires_grad)
+        key.append((name, id(m), type(m), attrs, params, grads))
+    return tuple(key)
 
 
 def _from_package(module: nn.Module, package: str) -> bool:
