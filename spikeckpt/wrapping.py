@@ -137,6 +137,7 @@ class CheckpointedSequence(nn.Module):
         self._own: tuple[tuple[Any, ...], Planner] | None = None
         self._blocks: list[Block] | None = None
         self._layer_blocks: list[LayerBlock] | None = None
+        self._blocks_exact = exact  # the ``exact`` the layer-wise blocks were made with
         #: the model's layers and options the adapter was made from (`_refresh`)
         self._key: tuple[Any, ...] = model_key(module)
         if granularity == "layer":
@@ -188,6 +189,8 @@ class CheckpointedSequence(nn.Module):
         """The model's feed-forward blocks for the layer-wise granularity; ``None`` when it has
         none (``UnsupportedLayerError`` saying why when ``required``)."""
         self._refresh()
+        if self._layer_blocks is not None and self._blocks_exact != self.exact:
+            self._blocks = self._layer_blocks = None  # ``seq.exact`` set since they were made
         if self._blocks is None:
             try:
                 self._blocks = split_blocks(self.adapter)
@@ -196,6 +199,7 @@ class CheckpointedSequence(nn.Module):
                     raise
                 return None
             self._layer_blocks = layer_blocks(self._blocks, exact=self.exact)
+            self._blocks_exact = self.exact
         assert self._layer_blocks is not None
         # a Dropout's mode may have changed since (.train() / .eval()): read it now
         self._layer_blocks = with_current_modes(self._layer_blocks, self._blocks)
