@@ -144,3 +144,16 @@ def test_output_mem_refused_when_the_last_neuron_was_replaced_by_a_layer() -> No
     net[3] = nn.ReLU()
     with pytest.raises(sc.errors.ConfigError, match="output='mem'.*wrap it again"):
         seq(x)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_graded_spikes_factor_written_through_data_scales_the_spikes(granularity: str) -> None:
+    """``.data`` writes keep the tensor's version counter: the factor is read again at each
+    forward (it was taken as 1.0 from the first call: the spikes unscaled)."""
+    net, x = leaky_net(), x_in()
+    seq = sc.wrap(net, plan=Uniform(3), granularity=granularity)
+    run(through(seq), net, x)
+    net[3].graded_spikes_factor.data.fill_(0.5)
+    got = run(through(seq), net, x)
+    assert got.outputs[0].max() == 0.5
+    compare(run(loop, copy.deepcopy(net), x), got)

@@ -48,6 +48,7 @@ __all__ = [
     "clamp_grad",
     "heaviside",
     "is_unit",
+    "read_unit_again",
     "reduce_to",
     "vjp",
 ]
@@ -555,6 +556,13 @@ def is_unit(graded: Tensor) -> bool:
     if graded.dim() != 0 or graded.requires_grad or is_compiling():
         return False
     return _UNIT.get(graded, _equals_one)
+
+
+def read_unit_again(graded: Tensor) -> None:
+    """Make `is_unit` read ``graded`` again at its next call (once per forward: a write
+    through ``graded.data``, e.g. ``lif.graded_spikes_factor.data.fill_(0.5)``, keeps the
+    version counter that `is_unit`'s memo goes by)."""
+    _UNIT.forget(graded)
 
 
 def _equals_one(t: Tensor) -> bool:

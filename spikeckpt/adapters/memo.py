@@ -38,3 +38,8 @@ class TensorMemo(Generic[V]):
             )
             self._known[slot] = known
         return known[2]
+
+    def forget(self, tensor: Tensor, key: Hashable = None) -> None:
+        """Drop ``tensor``'s value for ``key``: the next `get` makes it again (a write through
+        ``tensor.data`` changes the values and keeps the version counter)."""
+        self._known.pop((id(tensor), key), None)

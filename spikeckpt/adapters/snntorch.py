@@ -35,6 +35,7 @@ from spikeckpt.adapters.kernels import (
     SynapticKernel,
     clamp_grad,
     is_unit,
+    read_unit_again,
 )
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
 from spikeckpt.engine.meter import unmetered
@@ -231,6 +232,11 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def take_state(self) -> State:
         """The state the module's own call left on it (``init_hidden=True``)."""
         return self.state_cls(*(getattr(self.module, name) for name in self.fields))
+
+    def check(self) -> None:
+        graded = getattr(self.module, "graded_spikes_factor", None)
+        if isinstance(graded, Tensor):  # read at this forward (``.data`` writes since)
+            read_unit_again(graded)
 
     def cleanup(self) -> None:
         mem = getattr(self.module, "mem", None)
