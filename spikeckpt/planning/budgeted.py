@@ -160,6 +160,8 @@ class BudgetPlanner:
         self.reduce_max = reduce_max
         self.broadcast = broadcast
         self.choices: dict[ShapeKey, PlanChoice] = {}
+        #: `model_signature` of the model the choices were made for (None: not known yet)
+        self.signature: tuple[Any, ...] | None = None
         self.probes = 0
         self.runs = 0
         self.last: PlanChoice | None = None
@@ -183,6 +185,11 @@ class BudgetPlanner:
         """
         if not torch.is_grad_enabled() or not _differentiates(model, x, state):
             return Decision("stack", plans.BPTT())
+        signature = model_signature(model)
+        if signature != self.signature:  # measured on another model: plan every shape again
+            if self.signature is not None:
+                self.choices.clear()
+            self.signature = signature
         self.runs += 1
         T, batch = int(x.shape[0]), int(x.shape[1])
         if self.reduce_max is not None:
@@ -418,6 +425,17 @@ class BudgetPlanner:
         for item in state.get("choices", []):
             choice = choice_from_dict(item)
             self.choices[(choice.T, choice.batch)] = choice
+
+
+def model_signature(model: Planned) -> tuple[Any, ...]:
+    """What a plan measured on ``model`` depends on besides the input's shape: the shape,
+    dtype and device of each tensor it differentiates and whether it requires grad. It changes
+    with ``model.double()`` or ``.to(device)``, layers frozen or thawed (fine-tuning), a layer
+    replaced by one of another size: the step's bytes change, so a plan chosen before may no
+    longer fit the budget."""
+    return tuple(
+        (tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in model.parameters_for_scan()
+    )
 
 
 def _differentiates(model: Planned, x: Any, state: Any) -> bool:

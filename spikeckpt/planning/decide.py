@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt import plans
-from spikeckpt.planning.budgeted import BudgetPlanner
+from spikeckpt.planning.budgeted import BudgetPlanner, model_signature
 from spikeckpt.planning.choice import Decision, PlanChoice, Planned
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
@@ -99,6 +99,8 @@ class Planner:
         self.decisions: dict[ShapeKey, Decision] = {}
         self.filled: dict[tuple[Any, int, int], Plan] = {}
         self.budgeted: BudgetPlanner | None = None
+        #: `model_signature` of the model ``filled`` and ``decisions`` were measured on
+        self.signature: tuple[Any, ...] | None = None
 
     def _budget_for(self, model: Planned, x: Any) -> int | None:
         """The budget to plan with: the one given; for ``"auto"`` without one, 90% of the
@@ -130,6 +132,11 @@ class Planner:
     def decide(self, model: Planned, x: Any, state: Any) -> Decision:
         """The `Decision` for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
         from ``state``."""
+        signature = model_signature(model)
+        if signature != self.signature:  # another dtype, frozen layers, ...: measure again
+            self.filled.clear()
+            self.decisions.clear()
+            self.signature = signature
         budget = self._budget_for(model, x)
         if budget is not None:
             return self._within_budget(model, x, state, budget)
