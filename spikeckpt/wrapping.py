@@ -246,6 +246,9 @@ class CheckpointedSequence(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_blocks_exact", state.get("exact", False))  # older pickles
+        if "_key" not in state:
+            state.update(adapter=None, _blocks=None, _layer_blocks=None, _own=None)
         super().__setstate__(state)
         if self.adapter is None:
             self.adapter = adapter_for(self.module, "")
