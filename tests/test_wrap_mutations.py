@@ -162,11 +162,11 @@ def test_a_graded_spikes_factor_written_through_data_scales_the_spikes(granulari
 def norse_stack() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(16, 64),
+        nn.Linear(16, 32),
         nt.LIFCell(),
-        nn.Linear(64, 64),
+        nn.Linear(32, 32),
         nt.LIFCell(),
-        nn.Linear(64, 4),
+        nn.Linear(32, 4),
         nt.LIFCell(),
     )
 
@@ -180,23 +180,23 @@ def _plan_of(seq: sc.CheckpointedSequence, x: Tensor) -> str:
 def test_a_budgeted_plan_is_chosen_again_once_frozen_layers_are_thawed() -> None:
     """Fine-tuning: a plan chosen while layers were frozen (fewer gradients) is not kept once
     they are thawed; it is the plan a fresh wrap chooses."""
-    x = (torch.rand(200, 8, 16, generator=torch.Generator().manual_seed(0)) < 0.1).float()
+    x = (torch.rand(60, 4, 16, generator=torch.Generator().manual_seed(0)) < 0.1).float()
     net = norse_stack()
     for p in net[:2].parameters():
         p.requires_grad_(False)
-    seq = sc.wrap(net, plan="auto", budget="300KiB")
+    seq = sc.wrap(net, plan="auto", budget="64KiB")
     frozen = _plan_of(seq, x)
     for p in net.parameters():
         p.requires_grad_(True)
     thawed = _plan_of(seq, x)
-    assert thawed == _plan_of(sc.wrap(copy.deepcopy(net), plan="auto", budget="300KiB"), x)
+    assert thawed == _plan_of(sc.wrap(copy.deepcopy(net), plan="auto", budget="64KiB"), x)
     assert thawed != frozen
 
 
 def test_a_budgeted_plan_is_checked_again_after_double() -> None:
-    x = (torch.rand(200, 8, 16, generator=torch.Generator().manual_seed(0)) < 0.1).float()
+    x = (torch.rand(60, 4, 16, generator=torch.Generator().manual_seed(0)) < 0.1).float()
     net = norse_stack()
-    seq = sc.wrap(net, plan="auto", budget="300KiB")
+    seq = sc.wrap(net, plan="auto", budget="64KiB")
     _plan_of(seq, x)
     net.double()
     with pytest.raises(sc.BudgetTooSmall, match="the smallest budget that fits"):
