@@ -1,8 +1,12 @@
-"""A wrapped model's ``state_dict`` under the original model's keys.
+"""A wrapped model's state: its ``state_dict`` under the original model's keys, and what it
+made from the model's modules, made again when the model changes.
 
 `CheckpointedSequence` holds the model as its ``module``; its state dict hooks drop that
 prefix when saving and accept the original model's keys (and prefixed ones) when loading, so
-checkpoints move freely between the plain and the wrapped model.
+checkpoints move freely between the plain and the wrapped model. What it made from the model
+(the adapter, layer-wise blocks and their verified kernels, a compiled step, its own planner's
+decisions) is made again when the model changes after a call, and left out of copies
+(`Remade`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["INNER", "add_prefix", "strip_missing", "strip_prefix"]
+from spikeckpt.adapters.protocol import LayerAdapter
+from spikeckpt.adapters.registry import adapter_for, model_key
+from spikeckpt.adapters.sequential import StackAdapter
+from spikeckpt.errors import ConfigError
+
+__all__ = ["INNER", "Remade", "add_prefix", "has_membrane", "strip_missing", "strip_prefix"]
 
 #: the attribute of `CheckpointedSequence` that holds the wrapped model
 INNER = "module"
@@ -45,3 +54,60 @@ def strip_missing(module: nn.Module, incompatible: Any) -> None:
     """Report missing/unexpected keys under the original model's names."""
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [k.replace(INNER + ".", "", 1) if k.startswith(INNER + ".") else k for k in keys]
+
+
+#: what is made from the model's modules (left out of copies, remade from the copy's)
+_MADE = ("adapter", "_blocks", "_layer_blocks", "_compiled_step", "_own")
+
+
+class Remade(nn.Module):
+    """A module holding an adapter made from ``self.module`` (`model_key` says when it is
+    stale) and what was made from the adapter."""
+
+    module: nn.Module
+    adapter: LayerAdapter
+    output: str
+    as_call: bool
+    _key: tuple[Any, ...]
+
+    def _refresh(self) -> None:
+        """Remake the adapter, and drop what was made from it, when the model's layers or
+        their options changed since it was made: a layer replaced or appended (``net[1] =
+        snn.Leaky(...)``), a neuron's ``spike_grad`` or ``reset_mechanism`` set, Norse's
+        ``cell.p`` or ``dt`` reassigned, a copy. Tensors changed in
+        place (an optimizer's step, ``beta.fill_``, ``.double()``) keep it: the steps read
+        the module's tensors at each call."""
+        key = model_key(self.module)
+        if key == self._key:
+            return
+        adapter = adapter_for(self.module, "")
+        adapter.cleanup()
+        if self.output != "spikes" and not self.as_call and not has_membrane(adapter):
+            raise ConfigError(
+                f"output={self.output!r} needs the last layer to be a neuron with a membrane "
+                f"potential, and the model changed since wrapping: its last layer is now "
+                f"{adapter!r}; wrap it again with output='spikes'"
+            )
+        self.__dict__.update(dict.fromkeys(_MADE), adapter=adapter, _key=key)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For `copy.deepcopy` and pickle: what is made from the model (closures over its
+        modules among them) is left out and made again from the copy's own modules."""
+        state = dict(super().__getstate__())
+        state.update(dict.fromkeys(_MADE), _key=())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_blocks_exact", state.get("exact", False))  # older pickles
+        if "_key" not in state:
+            state.update(dict.fromkeys(_MADE))
+        super().__setstate__(state)
+        if self.adapter is None:
+            self.__dict__.update(adapter=adapter_for(self.module, ""), _key=model_key(self.module))
+
+
+def has_membrane(adapter: LayerAdapter) -> bool:
+    """Whether the last layer ``adapter`` steps is a neuron with a membrane potential."""
+    while isinstance(adapter, StackAdapter) and adapter.layers:
+        adapter = adapter.layers[-1]
+    return type(adapter).membrane is not LayerAdapter.membrane

@@ -41,7 +41,7 @@ from spikeckpt.errors import (
     UnsupportedLayerError,
 )
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
-from spikeckpt.state_keys import add_prefix, strip_missing, strip_prefix
+from spikeckpt.state_keys import Remade, add_prefix, has_membrane, strip_missing, strip_prefix
 from spikeckpt.storage.tiers import check_storage
 from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrap_options import (
@@ -59,7 +59,7 @@ _OUTPUTS = ("spikes", "mem", "both")
 Granularity = Literal["stack", "layer", "auto"]
 
 
-class CheckpointedSequence(nn.Module):
+class CheckpointedSequence(Remade):
     """A model whose time loop runs through spikeckpt's engine (checkpointed memory, exact
     gradients). Build it with [`wrap`][spikeckpt.wrapping.wrap].
 
@@ -204,55 +204,6 @@ class CheckpointedSequence(nn.Module):
         # a Dropout's mode may have changed since (.train() / .eval()): read it now
         self._layer_blocks = with_current_modes(self._layer_blocks, self._blocks)
         return self._layer_blocks
-
-    def _refresh(self) -> None:
-        """Remake the adapter, and drop what was made from it (layer-wise blocks, their
-        verified kernels, the compiled step, the own planner's decisions), when the model's
-        layers or their options changed since it was made: a layer replaced or appended
-        (``net[1] = snn.Leaky(...)``), a neuron's ``spike_grad`` or ``reset_mechanism`` set,
-        Norse's ``cell.p`` reassigned, a parameter replaced, a copy (`copy.deepcopy`, pickle).
-        In-place changes of tensors (an optimizer's step, ``beta.fill_``, ``.double()``)
-        keep it: the steps read the module's tensors at each call."""
-        key = model_key(self.module)
-        if key == self._key:
-            return
-        adapter = adapter_for(self.module, "")
-        adapter.cleanup()
-        if self.output != "spikes" and not self.as_call and not _has_membrane(adapter):
-            raise ConfigError(
-                f"output={self.output!r} needs the last layer to be a neuron with a membrane "
-                f"potential, and the model changed since wrapping: its last layer is now "
-                f"{adapter!r}; wrap it again with output='spikes'"
-            )
-        self.adapter = adapter
-        self._blocks = self._layer_blocks = None
-        self._compiled_step = None
-        self._own = None
-        self._key = key
-
-    def __getstate__(self) -> dict[str, Any]:
-        """For `copy.deepcopy` and pickle: what is made from the model (the adapter, its
-        closures over the modules, blocks, kernels, compiled step) is left out and made again
-        from the copy's own modules."""
-        state = dict(super().__getstate__())
-        state.update(
-            adapter=None,
-            _blocks=None,
-            _layer_blocks=None,
-            _compiled_step=None,
-            _own=None,
-            _key=(),
-        )
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("_blocks_exact", state.get("exact", False))  # older pickles
-        if "_key" not in state:
-            state.update(adapter=None, _blocks=None, _layer_blocks=None, _own=None)
-        super().__setstate__(state)
-        if self.adapter is None:
-            self.adapter = adapter_for(self.module, "")
-            self._key = model_key(self.module)
 
     def block_states(self, state: State) -> list[State]:
         """Each block's state: ``state[neuron index]`` for a stack, the whole state for a
@@ -701,7 +652,7 @@ def wrap(
     adapter.cleanup()
     as_call = output is None and adapter.returns_more
     output = ("both" if as_call else "spikes") if output is None else output
-    if output != "spikes" and not as_call and not _has_membrane(adapter):
+    if output != "spikes" and not as_call and not has_membrane(adapter):
         raise ConfigError(
             f"output={output!r} needs the last layer to be a neuron with a membrane potential "
             f"(got {adapter!r})"
@@ -725,12 +676,6 @@ def wrap(
         compile=compile,
         exact=exact,
     )
-
-
-def _has_membrane(adapter: LayerAdapter) -> bool:
-    while isinstance(adapter, StackAdapter) and adapter.layers:
-        adapter = adapter.layers[-1]
-    return type(adapter).membrane is not LayerAdapter.membrane
 
 
 def unwrap(seq: nn.Module) -> nn.Module:

@@ -138,12 +138,12 @@ _PLAIN = (str, int, float, bool, type(None))
 
 def model_key(model: nn.Module) -> tuple[Any, ...]:
     """What the adapters of ``model`` are made from, comparable with ``==``: each module at
-    each position (identity and type), its parameters (identity), the buffers requiring grad
-    it holds, and its other non-tensor attributes (plain values by value, objects such as a
-    snnTorch ``spike_grad``, a bound ``state_function`` or Norse's ``p`` by identity). Equal
-    keys: the adapter made for ``model`` before still steps it; tensors changed in place (an
-    optimizer's step, ``.double()``) and ``.train()`` / ``.eval()`` do not change the key, as
-    the adapters read them at each call."""
+    each position (identity and type) and its non-tensor attributes (plain values by value,
+    objects such as a snnTorch ``spike_grad``, a bound ``state_function`` or Norse's ``p`` by
+    identity). Equal keys: the adapter made for ``model`` before still steps it. Tensors are
+    not part of it: the adapters read them at each call (changed in place by an optimizer's
+    step or ``.double()``), and a parameter swapped in for one call
+    (``torch.func.functional_call``) is the wrapper's to refuse, not to adapt to."""
     key: list[Any] = []
     for name, m in model.named_modules(remove_duplicate=False):
         attrs = tuple(
@@ -153,9 +153,7 @@ def model_key(model: nn.Module) -> tuple[Any, ...]:
             and not k.startswith("_spikeckpt")  # the engine's own marks
             and not isinstance(v, Tensor)
         )
-        params = tuple(None if t is None else id(t) for t in m._parameters.values())
-        grads = tuple(id(t) for t in m._buffers.values() if t is not None and t.requires_grad)
-        key.append((name, id(m), type(m), attrs, params, grads))
+        key.append((name, id(m), type(m), attrs))
     return tuple(key)
 
 
