@@ -201,3 +201,18 @@ def test_a_budgeted_plan_is_checked_again_after_double() -> None:
     net.double()
     with pytest.raises(sc.BudgetTooSmall, match="the smallest budget that fits"):
         seq(x.double())
+
+
+@pytest.mark.parametrize("how", ["requires_grad_", "Parameter"])
+def test_a_decay_made_learnable_after_a_layerwise_call_gets_its_gradient(how: str) -> None:
+    """``lif.beta`` (a buffer) made to require grad after the blocks were made: they are made
+    again with it among their parameters (was refused: a swapped parameter, or one unlisted)."""
+    net, x = leaky_net(), x_in()
+    seq = sc.wrap(net, plan=Uniform(3), granularity="layer")
+    run(through(seq), net, x)
+    if how == "Parameter":
+        net[1].beta = nn.Parameter(net[1].beta.detach().clone())
+    else:
+        net[1].beta.requires_grad_(True)
+    compare(run(loop, copy.deepcopy(net), x), run(through(seq), net, x))
+    assert net[1].beta.grad is not None and net[1].beta.grad.abs().sum() > 0

@@ -140,10 +140,11 @@ def model_key(model: nn.Module) -> tuple[Any, ...]:
     """What the adapters of ``model`` are made from, comparable with ``==``: each module at
     each position (identity and type) and its non-tensor attributes (plain values by value,
     objects such as a snnTorch ``spike_grad``, a bound ``state_function`` or Norse's ``p`` by
-    identity). Equal keys: the adapter made for ``model`` before still steps it. Tensors are
-    not part of it: the adapters read them at each call (changed in place by an optimizer's
-    step or ``.double()``), and a parameter swapped in for one call
-    (``torch.func.functional_call``) is the wrapper's to refuse, not to adapt to."""
+    identity), the names of its parameters and of its buffers that require grad. Equal keys:
+    the adapter made for ``model`` before still steps it. Tensor objects are not part of it:
+    the adapters read them at each call (changed in place by an optimizer's step or
+    ``.double()``), and a parameter swapped in for one call (``torch.func.functional_call``)
+    is the wrapper's to refuse, not to adapt to."""
     key: list[Any] = []
     for name, m in model.named_modules(remove_duplicate=False):
         attrs = tuple(
@@ -153,7 +154,11 @@ def model_key(model: nn.Module) -> tuple[Any, ...]:
             and not k.startswith("_spikeckpt")  # the engine's own marks
             and not isinstance(v, Tensor)
         )
-        key.append((name, id(m), type(m), attrs))
+        # names only: which tensors are parameters or buffers requiring grad (``lif.beta =
+        # nn.Parameter(...)``, ``lif.beta.requires_grad_()``), not which tensor objects
+        params = tuple(m._parameters)
+        grads = tuple(k for k, t in m._buffers.items() if t is not None and t.requires_grad)
+        key.append((name, id(m), type(m), attrs, params, grads))
     return tuple(key)
 
 
