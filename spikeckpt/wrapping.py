@@ -24,7 +24,6 @@ from spikeckpt.adapters.layered import layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for, model_key
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
-from spikeckpt.call_tensors import ForwardTensors, refuse_swapped, tensor_slots
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.function import refuse_func_transforms
@@ -41,7 +40,6 @@ from spikeckpt.errors import (
     UnsupportedLayerError,
 )
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
-from spikeckpt.state_keys import Remade, add_prefix, has_membrane, strip_missing, strip_prefix
 from spikeckpt.storage.tiers import check_storage
 from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrap_options import (
@@ -50,6 +48,14 @@ from spikeckpt.wrap_options import (
     check_options,
     check_params,
     check_plan,
+)
+from spikeckpt.wrapped.call_tensors import ForwardTensors, refuse_swapped, tensor_slots
+from spikeckpt.wrapped.state_keys import (
+    Remade,
+    add_prefix,
+    has_membrane,
+    strip_missing,
+    strip_prefix,
 )
 
 __all__ = ["CheckpointedSequence", "unwrap", "wrap"]

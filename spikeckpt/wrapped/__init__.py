@@ -1,0 +1,3 @@
+"""What `spikeckpt.wrapping.CheckpointedSequence` keeps of the model it wraps: the tensors a
+call ran with (`call_tensors`) and its state dict keys and what it remakes when the model
+changes (`state_keys`)."""
