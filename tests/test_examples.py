@@ -40,11 +40,17 @@ EXPECTED: dict[str, list[str]] = {
         "max gradient difference",
     ],
     "plan_table.py": ["T = 10,000 steps", "Revolve(slots=498)", "Double(remote_interval=42,"],
+    "snntorch_tutorial5.py": [
+        "tutorial 5: 784-1000-10, 25 steps, batch 128",
+        "layer-wise(chunk=5), neurons: ['fused', 'fused']",
+        "output spikes equal to the loop's: True",
+    ],
     "snntorch_wrap.py": ["wrapped, Revolve(slots=8):", "max gradient difference"],
 }
 NEEDS = {
     "lightning_shd.py": ("lightning", "snntorch", "tonic"),
     "norse_wrap.py": ("norse",),
+    "snntorch_tutorial5.py": ("snntorch",),
     "snntorch_wrap.py": ("snntorch",),
 }
 
