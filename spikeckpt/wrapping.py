@@ -591,10 +591,10 @@ def wrap(
             synapse layers then one neuron, else ``UnsupportedLayerError`` says why) or
             ``"auto"`` (when the model splits into such blocks, the readout is not callable
             and the input is exactly binary, [`spikeckpt.planning.Planner`][spikeckpt.planning.decide.Planner] measures one
-            step per block and models the layer-wise run; it is used when its modeled device
-            peak fits the budget, or the stack plan's own modeled peak without one, and its
-            modeled time is at most 5% above the stack plan's; stack otherwise; decided once
-            per ``(T, B)``). With layer-wise, ``seq.last_stats`` is a
+            step per block and the layer-wise step at a few chunk lengths; it is used when its
+            modeled whole step fits the budget, or the stack plan's own modeled step without
+            one, and its calibrated time is at most 5% above the stack plan's; stack
+            otherwise; decided once per ``(T, B)``). With layer-wise, ``seq.last_stats`` is a
             [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] (spike density per block, bytes
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
         chunk: layer-wise time steps per chunk (default: the plan's interval, e.g.

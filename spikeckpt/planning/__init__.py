@@ -13,7 +13,6 @@ from spikeckpt.planning.decide import (
     PlanChoice,
     Planned,
     Planner,
-    layer_or_stack,
 )
 from spikeckpt.planning.probe import (
     SEGMENT_PROBE_STEPS,
@@ -36,7 +35,6 @@ __all__ = [
     "Probe",
     "Probed",
     "block_sizes",
-    "layer_or_stack",
     "probe_model",
     "segment_seconds",
     "step_costs",

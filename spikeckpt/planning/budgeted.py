@@ -210,6 +210,25 @@ class BudgetPlanner:
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
 
+    def layer_within(self, model: Planned, x: Any, state: Any, chunk: int | None) -> int | None:
+        """``granularity="auto"`` without a budget, this planner's ``plan`` given (a `Plan`):
+        the chunk of the layer-wise run whose modeled whole step fits the plan's own (this
+        planner's budget becomes that step) and whose time, calibrated by the measured chunks,
+        is at most `LAYERWISE_TIME_TOLERANCE` above the plan's (calibrated by the measured
+        step); None: the stack plan runs."""
+        T, batch = int(x.shape[0]), int(x.shape[1])
+        m = self._measure(model, x, state, T, batch)
+        stack = self._stack_choice(m)
+        if stack is None or m.blocks is None:
+            return None
+        self.budget_bytes = stack.step.total
+        layer = self._layer_best(m, chunk)
+        if layer is None or layer.modeled.time > stack.modeled.time * (
+            1 + LAYERWISE_TIME_TOLERANCE
+        ):
+            return None
+        return layer.chunk
+
     def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
         """Probe the model and choose, so that the step's planned peak fits the budget."""
         m = self._measure(model, x, state, T, batch)

@@ -17,11 +17,12 @@ and returns a `Decision`; decisions are cached per input shape ``(T, B)``.
 - `BudgetPlanner` (also what the Lightning callback installs) plans to a budget with
   the full probe, agrees across DDP ranks, and remembers its choices in a checkpoint.
 
-Both decide the granularity the same way (`layer_or_stack`): with ``granularity="auto"``
-layer-wise runs when the model splits into feed-forward blocks, the readout is not callable,
-the input is exactly binary, its modeled device peak fits (the budget, else the stack plan's
-own modeled peak) and its modeled time is at most `LAYERWISE_TIME_TOLERANCE` above the
-stack plan's.
+Both decide the granularity the same way: with ``granularity="auto"`` layer-wise runs when
+the model splits into feed-forward blocks, the readout is not callable, the input is exactly
+binary, its modeled whole step fits (the budget, else the stack plan's own modeled step) and
+its time, calibrated by measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the
+stack plan's (calibrated by the measured step): `BudgetPlanner` weighs them, given no budget
+the stack plan's step as one (`BudgetPlanner.layer_within`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from spikeckpt.planning.choice import Decision, PlanChoice, Planned
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
     chunk_for,
-    layer_or_stack,
-    layerwise_candidate,
     layerwise_may_pay,
 )
 from spikeckpt.planning.probe import (
@@ -50,6 +49,9 @@ from spikeckpt.plans.account import StepBytes, host_is_device
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.units import parse_bytes
 
+#: a budget that bounds nothing (the probes of `Planner._auto` run unconstrained)
+_UNBOUNDED = 1 << 62
+
 __all__ = [
     "LAYERWISE_TIME_TOLERANCE",
     "BudgetPlanner",
@@ -59,7 +61,6 @@ __all__ = [
     "Planner",
     "StepBytes",
     "host_is_device",
-    "layer_or_stack",
 ]
 
 ShapeKey = tuple[int, int]
@@ -176,18 +177,12 @@ class Planner:
         return decision
 
     def _auto(self, model: Planned, x: Any, state: Any, plan: Any) -> Decision:
-        found = layerwise_candidate(model, x, state, False, budgeted=False)
-        if found is None:
+        """Layer-wise or the stack ``plan`` without a budget: measured, as `BudgetPlanner`
+        weighs them, within the stack plan's own whole step (`BudgetPlanner.layer_within`)."""
+        if not isinstance(plan, Plan) or model.layer_blocks(False) is None:
             return Decision("stack", plan)
-        T = int(x.shape[0])
-        chunk = layer_or_stack(
-            T,
-            found.sizes,
-            plan,
-            limit=None,
-            remote=model.storage != "device",
-            chunk=self.chunk,
-        )
+        judge = BudgetPlanner(_UNBOUNDED, plan=plan)
+        chunk = judge.layer_within(model, x, state, self.chunk)
         if chunk is None:
             return Decision("stack", plan)
         return Decision("layer", plan, chunk)

@@ -1,10 +1,10 @@
 """Granularity: whether layer-wise pays for a model, and the layer-wise chunk that fits.
 
-Both planners decide the granularity the same way (`layer_or_stack`): with
-``granularity="auto"`` layer-wise runs when the model splits into feed-forward blocks, the
-readout is not callable, the input is exactly binary, its modeled device peak fits (the
-budget, else the stack plan's own modeled peak) and its modeled time is at most
-`LAYERWISE_TIME_TOLERANCE` above the stack plan's.
+Both planners decide the granularity the same way (`spikeckpt.planning.budgeted.BudgetPlanner`
+weighs them): with ``granularity="auto"`` layer-wise runs when the model splits into
+feed-forward blocks, the readout is not callable, the input is exactly binary, its modeled
+whole step fits (the budget, else the stack plan's own modeled step) and its time, calibrated
+by measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the stack plan's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from spikeckpt import plans
 from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
 from spikeckpt.errors import ConfigTypeError
@@ -25,7 +24,6 @@ from spikeckpt.planning.probe import (
     layerwise_seconds,
     layerwise_working_bytes,
 )
-from spikeckpt.plans import CostModel, Plan, choose
 from spikeckpt.plans.account import host_is_device
 from spikeckpt.plans.layerwise import (
     BlockSizes,
@@ -35,11 +33,10 @@ from spikeckpt.plans.layerwise import (
 )
 from spikeckpt.storage.codecs import is_binary
 
-__all__ = ["LAYERWISE_TIME_TOLERANCE", "chunk_for", "layer_or_stack"]
+__all__ = ["LAYERWISE_TIME_TOLERANCE", "chunk_for"]
 
-#: ``granularity="auto"`` accepts a layer-wise modeled time this much above the stack plan's:
-#: the model counts ``2T`` step evaluations against e.g. ``Uniform``'s ``2T - k`` (it keeps its
-#: last segment taped) but not the layer-wise batched synapse op, which measured faster.
+#: ``granularity="auto"`` accepts a layer-wise time this much above the stack plan's (both
+#: modeled, calibrated by what the probes measured).
 LAYERWISE_TIME_TOLERANCE = 0.05
 
 
@@ -73,14 +70,10 @@ def layerwise_candidate(
     state: Any,
     required: bool,
     *,
-    budgeted: bool = True,
     max_bytes: int | None = None,
 ) -> Layered | None:
-    """The blocks and their sizes when layer-wise can run, else None.
-
-    ``budgeted=False``: the sizes `block_sizes` measures (what a model's own
-    `Planner` compares with the stack plan). ``budgeted=True`` (the
-    `BudgetPlanner`'s): made safe for a budget: stored spike trains are counted at
+    """The blocks and their sizes when layer-wise can run, else None: made safe for a budget
+    (the `BudgetPlanner`'s; both planners plan through it): stored spike trains are counted at
     the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
     density of hidden spikes grows as the model trains, and index lists with it), dense with
     the device tier (it stores them unpacked); ``working`` is the training step's working set
@@ -93,8 +86,6 @@ def layerwise_candidate(
     device = compute_device(model, x)
     fuse = bool(getattr(model, "fuse", True))
     sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state), fuse)
-    if not budgeted:
-        return Layered(blocks, sizes)
     unpacked = model.storage == "device"
     sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
     working = layerwise_working_bytes(
@@ -209,40 +200,3 @@ def smallest_probed_layerwise(
         if again <= need:
             return need
         need = again
-
-
-def layer_or_stack(
-    T: int,
-    sizes: Sequence[BlockSizes],
-    plan: Any,
-    *,
-    limit: int | None,
-    remote: bool,
-    chunk: int | None,
-    costs: CostModel | None = None,
-) -> int | None:
-    """Layer-wise or stack for ``T`` steps of blocks of ``sizes``: the layer-wise chunk, or
-    None when the stack plan wins.
-
-    ``plan``: the stack plan (or ``"auto"``: chosen here for ``limit``); ``limit``: the device
-    budget (None: the stack plan's own modeled peak); ``chunk``: a fixed chunk (None: the
-    plan's interval, else ``ceil(sqrt(T))``, shrunk to the largest that fits ``limit``).
-    """
-    S = sum(b.state_bytes for b in sizes)
-    A = max(1, sum(b.step_bytes for b in sizes))
-    k = chunk if chunk is not None else chunk_for(plan, T)
-    if limit is not None and chunk is None:
-        k = fitting_layer_chunk(T, sizes, limit, k, remote=remote) or k
-    layer = layerwise_cost(T, k, sizes, remote=remote, costs=costs)
-    if isinstance(plan, str):  # "auto" with a budget
-        try:
-            plan = choose(T, S, A, limit if limit is not None else 0, remote=remote, costs=costs)
-        except plans.BudgetTooSmall:
-            fits = limit is not None and layer.peak_bytes <= limit
-            return layer.chunk if fits else None
-    if not isinstance(plan, Plan):  # a hand-written schedule: run it as written
-        return None
-    stack = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
-    fits = layer.peak_bytes <= (limit if limit is not None else stack.peak_bytes)
-    close_in_time = layer.time <= stack.time * (1 + LAYERWISE_TIME_TOLERANCE)
-    return layer.chunk if fits and close_in_time else None
