@@ -589,8 +589,8 @@ def wrap(
             block's input spike train stored packed in ``storage``, blocks recomputed one at a
             time per time chunk; the model must be a flat ``nn.Sequential`` of blocks, stateless
             synapse layers then one neuron, else ``UnsupportedLayerError`` says why) or
-            ``"auto"`` (when the model splits into such blocks, the readout is not callable
-            and the input is exactly binary, [`spikeckpt.planning.Planner`][spikeckpt.planning.decide.Planner] measures one
+            ``"auto"`` (when the model splits into such blocks and the readout is not
+            callable, [`spikeckpt.planning.Planner`][spikeckpt.planning.decide.Planner] measures one
             step per block and the layer-wise step at a few chunk lengths; it is used when its
             modeled whole step fits the budget, or the stack plan's own modeled step without
             one, and its calibrated time is at most 5% above the stack plan's; stack

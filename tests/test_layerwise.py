@@ -23,7 +23,7 @@ from spikeckpt.engine.stats import LayerwiseStats
 from spikeckpt.errors import BudgetTooSmall, UnsupportedLayerError
 from spikeckpt.planning import block_sizes
 from spikeckpt.planning.granularity import chunk_for
-from spikeckpt.plans import Double, Revolve, Uniform
+from spikeckpt.plans import BPTT, Double, Revolve, Uniform
 from spikeckpt.plans.layerwise import layerwise_cost
 
 snn = pytest.importorskip("snntorch")
@@ -289,7 +289,7 @@ def _three_blocks() -> nn.Sequential:
     return net
 
 
-def test_auto_picks_layer_for_binary_input_and_stack_otherwise() -> None:
+def test_auto_picks_layer_wise_within_the_stack_plans_memory_for_spikes_and_currents() -> None:
     # Without a budget the stack plan is the CPU default, Uniform(ceil(sqrt(T))) = Uniform(15);
     # layer-wise runs when its modeled step fits that plan's and its measured time is not
     # slower: the largest such chunk, in about the stack plan's memory
@@ -305,8 +305,19 @@ def test_auto_picks_layer_for_binary_input_and_stack_otherwise() -> None:
     with sc.MemoryMeter() as stack_meter:
         loss_of(stack(x)).backward()
     assert layer_meter.peak_bytes <= 1.1 * stack_meter.peak_bytes
-    seq(x + 0.5)  # not binary: stack granularity
-    assert not isinstance(seq.last_stats, LayerwiseStats)
+    # input currents, not spikes: weighed the same way (layer-wise keeps the blocks' spikes,
+    # and a reference to the input), within the stack plan's memory, the loop's outputs
+    currents = x * torch.rand(x.shape[-1]) + 0.5
+    want = sc.wrap(net, plan=BPTT())(currents)
+    got = seq(currents)  # the first call probes and plans
+    loss_of(stack(currents)).backward()
+    assert isinstance(seq.last_stats, LayerwiseStats)
+    torch.testing.assert_close(got, want)
+    with sc.MemoryMeter() as layer_meter:
+        loss_of(seq(currents)).backward()
+    with sc.MemoryMeter() as stack_meter:
+        loss_of(stack(currents)).backward()
+    assert layer_meter.peak_bytes <= 1.1 * stack_meter.peak_bytes
 
 
 def test_auto_keeps_the_stack_when_its_plan_models_less_memory() -> None:

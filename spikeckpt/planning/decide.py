@@ -18,8 +18,8 @@ and returns a `Decision`; decisions are cached per input shape ``(T, B)``.
   the full probe, agrees across DDP ranks, and remembers its choices in a checkpoint.
 
 Both decide the granularity the same way: with ``granularity="auto"`` layer-wise runs when
-the model splits into feed-forward blocks, the readout is not callable, the input is exactly
-binary, its modeled whole step fits (the budget, else the stack plan's own modeled step) and
+the model splits into feed-forward blocks, the readout is not callable, its modeled whole
+step fits (the budget, else the stack plan's own modeled step) and
 its time, calibrated by measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the
 stack plan's (calibrated by the measured step): `BudgetPlanner` weighs them, given no budget
 the stack plan's step as one (`BudgetPlanner.layer_within`).

@@ -2,7 +2,7 @@
 
 Both planners decide the granularity the same way (`spikeckpt.planning.budgeted.BudgetPlanner`
 weighs them): with ``granularity="auto"`` layer-wise runs when the model splits into
-feed-forward blocks, the readout is not callable, the input is exactly binary, its modeled
+feed-forward blocks, the readout is not callable, its modeled
 whole step fits (the budget, else the stack plan's own modeled step) and its time, calibrated
 by measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the stack plan's.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from spikeckpt.engine.inputs import is_packed, step_of
+from spikeckpt.engine.inputs import step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
 from spikeckpt.errors import ConfigTypeError
 from spikeckpt.planning.choice import Planned
@@ -31,7 +31,6 @@ from spikeckpt.plans.layerwise import (
     fitting_chunk,
     layerwise_cost,
 )
-from spikeckpt.storage.codecs import is_binary
 
 __all__ = ["LAYERWISE_TIME_TOLERANCE", "chunk_for"]
 
@@ -117,9 +116,10 @@ def layerwise_candidate(
 
 
 def layerwise_may_pay(model: Planned, x: Any) -> bool:
-    """``granularity="auto"`` considers layer-wise only for named readouts and binary inputs
-    (its stored trains are packed to 1 bit per element only when they are spikes)."""
-    return not callable(model.readout) and (is_packed(x) or is_binary(x))
+    """``granularity="auto"`` considers layer-wise for named readouts (a callable one runs
+    in the stack only), whatever the input: layer-wise stores the blocks' output spikes (the
+    input itself is referenced, as the stack's steps read it)."""
+    return not callable(model.readout)
 
 
 def _chunk_candidates(T: int, preferred: int) -> list[int]:
