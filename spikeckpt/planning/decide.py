@@ -133,14 +133,14 @@ class Planner:
     def decide(self, model: Planned, x: Any, state: Any) -> Decision:
         """The `Decision` for input ``x`` ``(T, B, ...)`` (a tensor or a packed train)
         from ``state``."""
+        budget = self._budget_for(model, x)
+        if budget is not None:  # the budget planner re-plans on a changed model itself
+            return self._within_budget(model, x, state, budget)
         signature = model_signature(model)
         if signature != self.signature:  # another dtype, frozen layers, ...: measure again
             self.filled.clear()
             self.decisions.clear()
             self.signature = signature
-        budget = self._budget_for(model, x)
-        if budget is not None:
-            return self._within_budget(model, x, state, budget)
         T = int(x.shape[0])
         plan = self.plan
         if isinstance(plan, str):  # "auto" on the CPU without a budget: ceil(sqrt(T))
@@ -155,8 +155,8 @@ class Planner:
             model.layer_blocks(True)  # raises UnsupportedLayerError saying why it cannot
             chunk = self.chunk if self.chunk is not None else chunk_for(plan, T)
             return Decision("layer", plan, min(chunk, T))
-        if not layerwise_may_pay(model, x):
-            return Decision("stack", plan)
+        if not layerwise_may_pay(model, x) or not torch.is_grad_enabled():
+            return Decision("stack", plan)  # no_grad (validation): nothing taped, no probe
         key = (T, int(x.shape[1]))
         if key not in self.decisions:
             self.decisions[key] = self._auto(model, x, state, plan)
