@@ -746,6 +746,39 @@ def test_a_compiled_neuron_runs_eagerly_under_a_dispatch_mode(
     assert seq.last_stats.blocks[0].neuron_chunks == {"compiled": 3} and len(calls) > before
 
 
+def test_a_compiled_neuron_does_not_outlive_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile=True``, layer-wise: the compiled kernels live with the wrapped model; once
+    model and wrapper are gone, nothing of spikeckpt keeps the model's neurons (and their
+    parameters, on a GPU its memory) alive: a sweep that wraps many models does not grow.
+    (A module-level table kept every compiled kernel, and through it the Norse cells; snnTorch
+    keeps its own neurons alive in ``SpikingNeuron.instances``, hence Norse here.)
+    ``torch.compile`` is replaced by a pass-through wrapper."""
+    import gc
+    import weakref
+
+    norse = pytest.importorskip("norse.torch")
+    from spikeckpt.engine import compiled as compiled_module
+
+    monkeypatch.setattr(
+        compiled_module.torch, "compile", lambda fn, dynamic=False: lambda *args: fn(*args)
+    )
+    monkeypatch.setattr(compiled_module, "compiler_missing", lambda device_type: None)
+    monkeypatch.setattr(compiled_module, "compiled_is_faster", lambda *args: True)
+    x = (torch.rand(9, 3, 4) < 0.5).float()
+    cells: list[weakref.ref[nn.Module]] = []
+    for _ in range(3):
+        net = norse.SequentialState(
+            nn.Linear(4, 6), norse.LIFCell(), nn.Linear(6, 2), norse.LICell()
+        )
+        seq = sc.wrap(net, granularity="layer", chunk=4, compile=True)
+        seq(x)[0].sum().backward()
+        assert seq.last_stats.blocks[0].neuron_chunks == {"compiled": 3}
+        cells += [weakref.ref(net[1]), weakref.ref(net[3])]
+        del net, seq
+    gc.collect()
+    assert [ref() is None for ref in cells] == [True] * 6
+
+
 class _ProductRows(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the rows of every matrix product's left operand (``mm``, ``addmm``)."""
 

@@ -255,13 +255,16 @@ def _outputs(result: Any) -> list[Tensor | None]:
     return [*final, y, mem]
 
 
-_CACHE: dict[int, tuple[ChunkKernel, CompiledKernel]] = {}
+#: the attribute a kernel keeps its `CompiledKernel` in: it lives (and its compiled code
+#: with it) as long as the kernel, which its wrapped model holds; no module-level table keeps
+#: a model's kernels, modules and parameters alive after the model is gone
+_COMPILED_ATTR = "_spikeckpt_compiled"
 
 
 def compiled_kernel(kernel: ChunkKernel) -> CompiledKernel:
     """The one `CompiledKernel` of ``kernel`` (its compiled code is kept with it)."""
-    found = _CACHE.get(id(kernel))
-    if found is None or found[0] is not kernel:
-        found = (kernel, CompiledKernel(kernel))
-        _CACHE[id(kernel)] = found
-    return found[1]
+    found = getattr(kernel, _COMPILED_ATTR, None)
+    if not isinstance(found, CompiledKernel):
+        found = CompiledKernel(kernel)
+        setattr(kernel, _COMPILED_ATTR, found)
+    return found
