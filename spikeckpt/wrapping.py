@@ -656,14 +656,15 @@ def wrap(
         budget = parse_bytes(budget)
     adapter = adapter_for(model, "")
     adapter.cleanup()
-    as_call = output is None and adapter.returns_more
+    follows_call = output is None
+    as_call = follows_call and adapter.returns_more
     output = ("both" if as_call else "spikes") if output is None else output
     if output != "spikes" and not as_call and not has_membrane(adapter):
         raise ConfigError(
             f"output={output!r} needs the last layer to be a neuron with a membrane potential "
             f"(got {adapter!r})"
         )
-    return CheckpointedSequence(
+    seq = CheckpointedSequence(
         model,
         adapter,
         plan=plan,
@@ -682,6 +683,8 @@ def wrap(
         compile=compile,
         exact=exact,
     )
+    seq.follows_call = follows_call
+    return seq
 
 
 def unwrap(seq: nn.Module) -> nn.Module:

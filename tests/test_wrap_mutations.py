@@ -146,6 +146,35 @@ def test_output_mem_refused_when_the_last_neuron_was_replaced_by_a_layer() -> No
         seq(x)
 
 
+def call_loop(net: nn.Module, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+    """snnTorch's plain loop, each of the net's outputs stacked (``spk, mem = net(x_t)``)."""
+    snn_utils.reset(net)
+    outs = [net(x_t) for x_t in x]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(list(field)) for field in zip(*outs, strict=True))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_the_outputs_follow_the_last_neurons_output_option_set_after_a_call(
+    granularity: str,
+) -> None:
+    """``wrap(net)`` (``output=None``) returns what the net's call returns: once the last
+    neuron is replaced by one with ``output=True``, ``spk, mem``, as a fresh wrap does (it
+    kept returning the spikes alone); and the spikes again once ``output`` is unset."""
+    net, x = leaky_net(), x_in()
+    seq = sc.wrap(net, plan=Uniform(3), granularity=granularity)
+    assert isinstance(seq(x), Tensor)
+    net[3] = snn.Leaky(beta=0.8, init_hidden=True, output=True)
+    got = run(through(seq), net, x)
+    assert len(got.outputs) == 2  # spk, mem
+    compare(run(call_loop, copy.deepcopy(net), x), got)
+    net[3].output = False
+    got = run(through(seq), net, x)
+    assert len(got.outputs) == 1
+    compare(run(call_loop, copy.deepcopy(net), x), got)
+
+
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_a_graded_spikes_factor_written_through_data_scales_the_spikes(granularity: str) -> None:
     """``.data`` writes keep the tensor's version counter: the factor is read again at each

@@ -68,6 +68,9 @@ class Remade(nn.Module):
     adapter: LayerAdapter
     output: str
     as_call: bool
+    #: ``wrap(..., output=None)``: ``output`` and ``as_call`` follow what the model's own
+    #: call returns, read again when the model changes (a last neuron set to ``output=True``)
+    follows_call: bool = False
     _key: tuple[Any, ...]
 
     def _refresh(self) -> None:
@@ -82,6 +85,9 @@ class Remade(nn.Module):
             return
         adapter = adapter_for(self.module, "")
         adapter.cleanup()
+        if self.follows_call:
+            self.as_call = adapter.returns_more
+            self.output = "both" if self.as_call else "spikes"
         if self.output != "spikes" and not self.as_call and not has_membrane(adapter):
             raise ConfigError(
                 f"output={self.output!r} needs the last layer to be a neuron with a membrane "
