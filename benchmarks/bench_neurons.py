@@ -2,7 +2,8 @@
 
 The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
-their ``"zero"`` resets, ``Leaky(reset_delay=False)``, and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
+their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
+one-to-one), and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
 installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
@@ -40,7 +41,12 @@ NEURONS: dict[str, Callable[[], nn.Module]] = {
     "Synaptic, reset zero": lambda: snn.Synaptic(alpha=0.9, beta=0.95, reset_mechanism="zero"),
     "Alpha": lambda: snn.Alpha(alpha=0.95, beta=0.9),
     "Alpha, reset subtract": lambda: snn.Alpha(alpha=0.95, beta=0.9, reset_mechanism="subtract"),
+    # recurrent weights inside the neuron: made for the layer's width (`main`)
+    "RLeaky": lambda: snn.RLeaky(beta=0.95, linear_features=WIDTH[0]),
+    "RLeaky, one-to-one": lambda: snn.RLeaky(beta=0.95, all_to_all=False, V=0.5),
 }
+#: the neurons per layer of the run (``--n``), for the neurons whose weights need it
+WIDTH = [512]
 if norse is not None:
     NEURONS |= {
         "Norse LIFCell": lambda: norse.LIFCell(),
@@ -58,6 +64,13 @@ def framework_loop(net: nn.Sequential, x: Tensor) -> Tensor:
             y, state = neuron(linear(x_t), state)
             outputs.append(y)
         return torch.stack(outputs)
+    if isinstance(neuron, snn.RLeaky):  # (spk, mem) in and out
+        spk = mem = torch.zeros_like(x[0])
+        spikes = []
+        for x_t in x:
+            spk, mem = neuron(linear(x_t), spk, mem)
+            spikes.append(spk)
+        return torch.stack(spikes)
     if isinstance(neuron, snn.Alpha):
         state = neuron.reset_mem()  # (syn_exc, syn_inh, mem), made to the input's shape
     elif isinstance(neuron, snn.Synaptic):
@@ -108,6 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
+    WIDTH[0] = args.n
     torch.manual_seed(0)
     x = (torch.rand(args.T, args.batch, args.n) < 0.05).float()
     print(

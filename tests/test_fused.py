@@ -118,6 +118,22 @@ NEURONS: dict[str, Factory] = {
     "alpha learnable zero": lambda n: snn.Alpha(
         alpha=0.9, beta=0.75, learn_beta=True, learn_threshold=True, threshold=0.6
     ),
+    "rleaky": lambda n: snn.RLeaky(beta=0.9, linear_features=n),
+    "rleaky zero learnable": lambda n: snn.RLeaky(
+        beta=torch.rand(n) * 1.1,
+        learn_beta=True,
+        linear_features=n,
+        reset_mechanism="zero",
+        threshold=0.7,
+        learn_threshold=True,
+    ),
+    "rleaky none fast_sigmoid": lambda n: snn.RLeaky(
+        beta=0.8, linear_features=n, reset_mechanism="none", spike_grad=S.fast_sigmoid()
+    ),
+    "rleaky one-to-one": lambda n: snn.RLeaky(beta=0.85, all_to_all=False, V=torch.rand(n)),
+    "rleaky one-to-one fixed init_hidden": lambda n: snn.RLeaky(
+        beta=0.9, all_to_all=False, V=0.5, learn_recurrent=False, init_hidden=True
+    ),
     "lapicque": lambda n: snn.Lapicque(beta=0.9),
     "lapicque RC zero": lambda n: snn.Lapicque(R=5.0, C=0.1, reset_mechanism="zero"),
     "lapicque none learnable": lambda n: snn.Lapicque(
@@ -191,6 +207,15 @@ def _framework_loop(
                     state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
                 y, syn, mem = neuron(z_t, *state)
                 state = (syn, mem)
+            elif isinstance(neuron, snn.RLeaky) and neuron.init_hidden:
+                y = neuron(z_t)
+                mem = neuron.mem
+                state = (neuron.spk, mem)
+            elif isinstance(neuron, snn.RLeaky):
+                if state is None:
+                    state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
+                y, mem = neuron(z_t, *state)
+                state = (y, mem)
             elif isinstance(neuron, snn.Alpha):
                 if state is None:
                     state = tuple(torch.zeros_like(z_t) for _ in range(3))
@@ -330,8 +355,22 @@ def test_alpha_matches_snntorchs_own_step(
     )
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(n for n in NEURONS if n.startswith("rleaky"))), **_CASES)
+def test_rleaky_matches_snntorchs_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """snnTorch ``RLeaky`` (`RLeakyKernel`: the previous spikes fed back through the
+    recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset, learnable
+    ``beta``, threshold and recurrent weights) against snnTorch's own step: spikes and
+    membranes bitwise, gradients at round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
-_TORCH_LOOP_ONLY = ("reset_delay False", "alpha")
+_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky")
 
 
 @pytest.mark.parametrize(
@@ -403,7 +442,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         nn.Linear(4, 6),
         snn.Leaky(beta=0.9),
         nn.Linear(6, 6),
-        snn.RLeaky(beta=0.9, linear_features=6),  # recurrent weights: one call per step
+        snn.RSynaptic(alpha=0.8, beta=0.9, linear_features=6),  # recurrent: one call per step
         nn.Linear(6, 3),
         # an option the kernel does not model: state quantization
         snn.Leaky(beta=0.9, state_quant=_quantize),
@@ -423,10 +462,11 @@ def test_stats_say_how_each_neuron_ran() -> None:
     [
         snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
         snn.Leaky(beta=0.9, inhibition=True),
-        snn.RLeaky(beta=0.9, linear_features=5),  # recurrent weights inside the neuron
+        snn.RSynaptic(alpha=0.8, beta=0.9, linear_features=5),  # recurrent weights inside
+        snn.RLeaky(beta=0.9, linear_features=5, reset_delay=False),
         norse.LIFRecurrentCell(5, 5),
     ],
-    ids=["SSO surrogate", "inhibition", "RLeaky", "norse recurrent"],
+    ids=["SSO surrogate", "inhibition", "RSynaptic", "RLeaky reset_delay False", "norse recurrent"],
 )
 def test_neurons_that_cannot_be_fused_keep_the_per_step_call(neuron: nn.Module) -> None:
     net = nn.Sequential(nn.Linear(4, 5), neuron)

@@ -45,6 +45,7 @@ NEURONS = {
     "synaptic": lambda n: snn.Synaptic(alpha=0.8, beta=0.9),
     "lapicque": lambda n: snn.Lapicque(beta=0.9),
     "norse lif": lambda n: norse.LIFCell(),
+    "rleaky": lambda n: snn.RLeaky(beta=0.9, linear_features=n, learn_beta=True),
 }
 
 
@@ -73,6 +74,10 @@ def _plain_loop(net: nn.Sequential, x: Tensor) -> Tensor:
                 syn, mem = states[j] or (torch.zeros_like(z), torch.zeros_like(z))
                 h, syn, mem = neuron(z, syn, mem)
                 states[j] = (syn, mem)
+            elif isinstance(neuron, snn.RLeaky):
+                spk, mem = states[j] or (torch.zeros_like(z), torch.zeros_like(z))
+                h, mem = neuron(z, spk, mem)
+                states[j] = (h, mem)
             else:
                 h, states[j] = neuron(z, states[j] if states[j] is not None else z * 0)
         out.append(h)

@@ -38,6 +38,7 @@ from spikeckpt.adapters.kernels import (
     read_unit_again,
 )
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
+from spikeckpt.adapters.recurrent_kernel import RLeakyKernel
 from spikeckpt.engine.meter import unmetered
 
 __all__ = [
@@ -195,11 +196,10 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def membrane(self, state: State) -> Tensor | None:
         return state.mem
 
-    def chunk_kernel(
-        self,
-    ) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | None:
-        """The fused recurrence of a ``Leaky``, ``Lapicque``, ``Synaptic`` or ``Alpha`` (exactly these
-        classes, ``reset_delay=True`` or a ``Leaky`` with ``reset_delay=False``, no
+    def chunk_kernel(self) -> Kernel | None:
+        """The fused recurrence of a ``Leaky``, ``Lapicque``, ``Synaptic``, ``Alpha`` or
+        ``RLeaky`` (exactly these classes, ``reset_delay=True`` or a ``Leaky`` with
+        ``reset_delay=False``, ``RLeaky`` with a linear or one-to-one recurrence, no
         ``state_quant``, no ``inhibition``, no random surrogate, the library's own ``forward``
         and state function), else None."""
         return snntorch_kernel(self.module)
@@ -302,6 +302,9 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
     raise unsupported(module, path, "this snnTorch layer has no step adapter")
 
 
+#: the chunk kernels of snnTorch's neurons
+Kernel = LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | RLeakyKernel
+
 #: the reset mechanisms as the kernels name them, per class (``Leaky`` resets to zero before
 #: the decay, ``Lapicque`` and ``Synaptic`` after it)
 _RESETS: dict[type, dict[str, Reset]] = {
@@ -309,6 +312,7 @@ _RESETS: dict[type, dict[str, Reset]] = {
     snn.Lapicque: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
     snn.Synaptic: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
     snn.Alpha: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
+    snn.RLeaky: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
 }
 #: snnTorch surrogates that draw random numbers in backward (or fail): never fused
 _RANDOM_SURROGATES = ("SSO", "LSO")
@@ -316,7 +320,7 @@ _RANDOM_SURROGATES = ("SSO", "LSO")
 
 def snntorch_kernel(
     m: nn.Module,
-) -> LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | None:
+) -> Kernel | None:
     """The chunk kernel for the snnTorch neuron ``m`` (see
     `SnnTorchNeuronAdapter.chunk_kernel`), or None."""
     cls = type(m)
@@ -343,6 +347,8 @@ def snntorch_kernel(
         return ImmediateLeakyKernel(
             lambda: (m.beta, m.threshold, m.graded_spikes_factor), spike, reset, written
         )
+    if cls is snn.RLeaky:
+        return _rleaky_kernel(m, spike, reset, written)
     if cls in (snn.Alpha, snn.Synaptic):  # two decays: alpha, beta
         return (AlphaKernel if cls is snn.Alpha else SynapticKernel)(
             lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
@@ -370,6 +376,35 @@ def snntorch_kernel(
         frozen=lambda: (m.C, m.time_step),
         spike_grad=written,
     )
+
+
+def _rleaky_kernel(
+    m: nn.Module, spike: Any, reset: Reset, written: Callable[[Tensor, Tensor], Tensor] | None
+) -> RLeakyKernel | None:
+    """``RLeaky``'s kernel where its recurrent map is torch's own ``Linear``
+    (``all_to_all=True`` with ``linear_features``) or snnTorch's one-to-one ``spk * V``, with
+    no forward hook; None for a convolutional one (it steps per call)."""
+    rec = getattr(m, "recurrent", None)
+    if type(rec) is nn.Linear:
+        return RLeakyKernel(
+            lambda: (m.beta, m.threshold, m.graded_spikes_factor, rec.weight, rec.bias),
+            True,
+            spike,
+            reset,
+            written,
+            usable=lambda: m.recurrent is rec and no_hooks(rec),
+        )
+    one_to_one = type(rec).__name__ == "RecurrentOneToOne" and "forward" not in vars(rec)
+    if one_to_one and isinstance(getattr(rec, "V", None), Tensor):
+        return RLeakyKernel(
+            lambda: (m.beta, m.threshold, m.graded_spikes_factor, rec.V),
+            False,
+            spike,
+            reset,
+            written,
+            usable=lambda: m.recurrent is rec and no_hooks(rec) and isinstance(rec.V, Tensor),
+        )
+    return None
 
 
 def _atan_grad(spike: Any) -> Callable[[Tensor, Tensor], Tensor] | None:

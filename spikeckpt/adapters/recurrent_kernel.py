@@ -1,0 +1,239 @@
+"""The chunk kernel of a neuron with recurrent weights inside it (snnTorch ``RLeaky``).
+
+Each step feeds the previous step's spikes back through the neuron's own recurrent map, so
+the steps cannot be batched over the chunk as a block's synapse is; what the kernel saves is
+autograd's bookkeeping: per step one matrix product and a few elementwise ops in the forward
+pass, and in the backward pass one product with the recurrent weight (the spikes' gradient)
+plus a few elementwise ops, the weight's own gradient summed over the whole chunk in one
+product. Notation as in `spikeckpt.adapters.kernels`: ``z_t`` the synaptic input, ``r_t`` the
+reset (spike of the membrane entering step ``t``, no gradient), ``s_t`` the spike, ``y_t = s_t
+* graded``, fed back at step ``t + 1`` as ``rec(y_t)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spikeckpt.adapters.kernels import (
+    Reset,
+    SpikeGrad,
+    SurrogateKernel,
+    _aligned,
+    _keeps_dtype,
+    _same_layout,
+    _subtraction_is_exact,
+    _wanted,
+    clamp_grad,
+    reduce_product,
+    reduce_to,
+    surrogate_grad,
+)
+from spikeckpt.engine.compiled import is_compiling
+
+__all__ = ["RLeakyKernel"]
+
+
+class RLeakyKernel(SurrogateKernel):
+    """snnTorch ``RLeaky`` (``reset_delay=True``): previous spikes and one membrane.
+
+    Per step, as ``RLeaky.forward`` does it: ``r = (mem - thr > 0)`` (detached); ``base = b *
+    mem + z + rec(spk)`` with ``rec`` the recurrent ``Linear`` (``F.linear(spk, W, bias)``) or
+    the one-to-one ``spk * V``; ``mem = base - r * thr`` (``"subtract"``), ``base - r * base``
+    (``"zero_after"``: snnTorch's ``"zero"``) or ``base``; ``spk = heaviside(mem - thr) *
+    graded``; ``b = beta.clamp(0, 1)``. The state's leaves are ``(spk, mem)``.
+
+    Args:
+        tensors: ``() -> (beta, threshold, graded, W, bias)`` (bias may be None) or ``(beta,
+            threshold, graded, V)``, the module's current tensors.
+        linear: whether the recurrent map is the ``Linear`` (else ``spk * V``).
+        spike: the surrogate spike function (its forward must be `heaviside`).
+        reset: ``"subtract"``, ``"zero_after"`` or ``"none"``.
+        spike_grad: the surrogate's backward written out, when the adapter knows it.
+        usable: ``() -> bool``, whether the recurrent map is still what the kernel computes
+            (no forward hook on it: the kernel never calls it), asked at every chunk.
+    """
+
+    membrane: int | None = 1
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Any, ...]],
+        linear: bool,
+        spike: Callable[[Tensor], Tensor],
+        reset: Reset,
+        spike_grad: SpikeGrad | None = None,
+        usable: Callable[[], bool] = lambda: True,
+    ) -> None:
+        super().__init__(tensors, spike, reset, spike_grad)
+        self.linear = linear
+        self.usable = usable
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors() if t is not None)
+
+    def _rec(self, spk: Tensor, recurrent: Sequence[Tensor | None]) -> Tensor:
+        """The recurrent map of the previous spikes ``(B, H) -> (B, H)``."""
+        if self.linear:
+            return F.linear(spk, recurrent[0], recurrent[1])  # type: ignore[arg-type]
+        return spk * recurrent[0]  # type: ignore[operator]
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        return (
+            len(leaves) == 2
+            and self.usable()
+            and _same_layout(leaves, z)
+            and _keeps_dtype(self, leaves, z)
+        )
+
+    def forward(
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        beta, thr, graded, *recurrent = self.tensors()
+        b = beta.clamp(0, 1)
+        spk0, mem = leaves
+        k = z.shape[0]
+        hold = keep or want_mem
+        # membranes, spikes and resets straight into their buffers (out=: the same values)
+        mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
+        fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
+        dtype = torch.result_type(torch.ones(1), graded)  # a float32 spike's times graded
+        ys = torch.empty((k, *mem.shape), dtype=dtype, device=mem.device)
+        if mems is not None:
+            mems[0] = mem
+        # then (mem - thr > 0) == (mem > thr); compiled: snnTorch's own form (no host read)
+        exact = not is_compiling() and _subtraction_is_exact(mem.device)
+        torch.gt(mem - thr, 0, out=fires[0])
+        thr_off = thr * 0
+        spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
+        for t, z_t in enumerate(z.unbind(0)):
+            fired, out = fires[t], (mems[t + 1] if mems is not None else None)
+            base = b * mem + z_t + self._rec(spk, recurrent)
+            if self.reset == "subtract":
+                mem = torch.sub(base, torch.where(fired, thr, thr_off), out=out)
+            elif self.reset == "zero_after":
+                mem = torch.sub(base, fired.to(base.dtype) * base, out=out)
+            else:
+                mem = base if out is None else out.copy_(base)
+            if exact:
+                torch.gt(mem, thr, out=fires[t + 1])
+            else:
+                torch.gt(mem - thr, 0, out=fires[t + 1])
+            # snnTorch's spike: heaviside (float32) times the factor, a tensor of its own: a
+            # matrix product's sums may round differently on a view at another alignment
+            spk = fires[t + 1].float() * graded
+            ys[t] = spk
+        saved = (mems, fires, spk0, ys) if keep else None
+        final = [spk, mem.clone() if mems is not None else mem]
+        return final, ys if want_y else None, mems[1:] if want_mem else None, saved  # type: ignore[index]
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: Tensor | None,
+        need_z: bool,
+        need_params: Sequence[bool],
+        consume: bool = False,
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        mems, fired, spk0, ys = saved  # (k + 1, B, H), (k + 1, B, H) bool, (B, H), (k, B, H)
+        tensors = self.tensors()
+        beta, thr, graded, *recurrent = tensors
+        b = beta.clamp(0, 1)
+        k = mems.shape[0] - 1
+        want = _wanted([t for t in tensors if t is not None], need_params)
+        # d spike / d u at every step, once for the chunk (the surrogate is elementwise)
+        slope = surrogate_grad(
+            self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad
+        )
+        g_base = torch.empty_like(mems[1:])
+        # dL/d y_t, every path: kept for the threshold's and the factor's gradients
+        g_spikes = torch.empty_like(ys) if want[1] or want[2] else None
+        carry_spk, carry_mem = g_final
+        for t in range(k - 1, -1, -1):
+            g_s = (
+                carry_spk if g_y is None else (g_y[t] if carry_spk is None else g_y[t] + carry_spk)
+            )
+            if g_s is None:
+                g_s = torch.zeros_like(ys[t])
+            if g_spikes is not None:
+                g_spikes[t] = g_s
+            g_m = slope[t] * (g_s * graded)  # dL/d mem_t through the spike
+            if carry_mem is not None:
+                g_m = g_m + carry_mem
+            if g_mem is not None:
+                g_m = g_m + g_mem[t]
+            if self.reset == "zero_after":
+                torch.mul(g_m, (~fired[t]).to(g_m.dtype), out=g_base[t])
+            else:
+                g_base[t] = g_m
+            carry_mem = b * g_base[t]
+            carry_spk = self._rec_grad(g_base[t], recurrent)
+        grads: list[Tensor | None] = []
+        if want[0]:
+            grads.append(clamp_grad(reduce_product(g_base, mems[:-1], b), beta))
+        else:
+            grads.append(None)
+        thr_grad = None
+        if want[1]:
+            # spike(mem - thr): -(slope * graded * g_s); subtract: mem = base - r * thr
+            thr_grad = -reduce_product(slope, g_spikes * graded, thr)  # type: ignore[operator]
+            if self.reset == "subtract":
+                thr_grad = thr_grad - reduce_product(g_base, fired[:-1], thr)
+        grads.append(thr_grad)
+        # y = s * graded, fed back and output: dL/d graded = sum(dL/d y * s)
+        grads.append(reduce_product(g_spikes, fired[1:], graded) if want[2] else None)  # type: ignore[arg-type]
+        grads += self._recurrent_grads(g_base, spk0, ys, recurrent, want[3:])
+        return (
+            g_base if need_z else None,
+            [carry_spk, carry_mem],
+            _aligned([t for t in tensors if t is not None], grads, need_params),
+        )
+
+    def _rec_grad(self, g: Tensor, recurrent: Sequence[Tensor | None]) -> Tensor:
+        """dL/d spk through the recurrent map, given dL/d its output ``g (B, H)``."""
+        if self.linear:
+            return g @ recurrent[0]  # type: ignore[operator]
+        return g * recurrent[0]  # type: ignore[operator]
+
+    def _recurrent_grads(
+        self,
+        g: Tensor,
+        spk0: Tensor,
+        ys: Tensor,
+        recurrent: Sequence[Tensor | None],
+        want: Sequence[bool],
+    ) -> list[Tensor | None]:
+        """The recurrent map's parameters' gradients over the chunk (``g``: dL/d its output
+        ``(k, B, H)``; its input: ``spk0`` at the first step, ``ys[t - 1]`` at step ``t``),
+        aligned with the tensors that are not None."""
+        first = spk0.to(ys.dtype)
+        if not self.linear:
+            if not want[0]:
+                return [None]
+            v = recurrent[0]
+            assert v is not None
+            grad = reduce_to(g[0] * first, v)
+            return [grad + reduce_product(g[1:], ys[:-1], v) if g.shape[0] > 1 else grad]
+        h = g.shape[-1]
+        out: list[Tensor | None] = [None]
+        if want[0]:  # sum over steps and rows of g_t^T y_(t-1): one product for the chunk
+            weight = g[0].reshape(-1, h).T @ first.reshape(-1, h)
+            if g.shape[0] > 1:
+                weight.addmm_(g[1:].reshape(-1, h).T, ys[:-1].reshape(-1, h))
+            out[0] = weight
+        if recurrent[1] is not None:
+            out.append(g.reshape(-1, h).sum(0) if want[1] else None)
+        return out
