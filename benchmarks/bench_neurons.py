@@ -3,7 +3,7 @@
 The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
-one-to-one), and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
+one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
 installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
@@ -44,6 +44,7 @@ NEURONS: dict[str, Callable[[], nn.Module]] = {
     # recurrent weights inside the neuron: made for the layer's width (`main`)
     "RLeaky": lambda: snn.RLeaky(beta=0.95, linear_features=WIDTH[0]),
     "RLeaky, one-to-one": lambda: snn.RLeaky(beta=0.95, all_to_all=False, V=0.5),
+    "RSynaptic": lambda: snn.RSynaptic(alpha=0.9, beta=0.95, linear_features=WIDTH[0]),
 }
 #: the neurons per layer of the run (``--n``), for the neurons whose weights need it
 WIDTH = [512]
@@ -64,12 +65,12 @@ def framework_loop(net: nn.Sequential, x: Tensor) -> Tensor:
             y, state = neuron(linear(x_t), state)
             outputs.append(y)
         return torch.stack(outputs)
-    if isinstance(neuron, snn.RLeaky):  # (spk, mem) in and out
-        spk = mem = torch.zeros_like(x[0])
+    if isinstance(neuron, (snn.RLeaky, snn.RSynaptic)):  # (spk, [syn,] mem) in and out
+        state = (torch.zeros_like(x[0]),) * (3 if isinstance(neuron, snn.RSynaptic) else 2)
         spikes = []
         for x_t in x:
-            spk, mem = neuron(linear(x_t), spk, mem)
-            spikes.append(spk)
+            state = neuron(linear(x_t), *state)
+            spikes.append(state[0])
         return torch.stack(spikes)
     if isinstance(neuron, snn.Alpha):
         state = neuron.reset_mem()  # (syn_exc, syn_inh, mem), made to the input's shape

@@ -134,6 +134,25 @@ NEURONS: dict[str, Factory] = {
     "rleaky one-to-one fixed init_hidden": lambda n: snn.RLeaky(
         beta=0.9, all_to_all=False, V=0.5, learn_recurrent=False, init_hidden=True
     ),
+    "rsynaptic": lambda n: snn.RSynaptic(alpha=0.8, beta=0.9, linear_features=n),
+    "rsynaptic zero learnable": lambda n: snn.RSynaptic(
+        alpha=torch.rand(n),
+        beta=torch.rand(n) * 1.1,
+        learn_alpha=True,
+        learn_beta=True,
+        linear_features=n,
+        reset_mechanism="zero",
+        threshold=0.7,
+        learn_threshold=True,
+    ),
+    "rsynaptic one-to-one none init_hidden": lambda n: snn.RSynaptic(
+        alpha=0.9,
+        beta=0.8,
+        all_to_all=False,
+        V=torch.rand(n),
+        reset_mechanism="none",
+        init_hidden=True,
+    ),
     "lapicque": lambda n: snn.Lapicque(beta=0.9),
     "lapicque RC zero": lambda n: snn.Lapicque(R=5.0, C=0.1, reset_mechanism="zero"),
     "lapicque none learnable": lambda n: snn.Lapicque(
@@ -207,6 +226,15 @@ def _framework_loop(
                     state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
                 y, syn, mem = neuron(z_t, *state)
                 state = (syn, mem)
+            elif isinstance(neuron, snn.RSynaptic) and neuron.init_hidden:
+                y = neuron(z_t)
+                mem = neuron.mem
+                state = (neuron.spk, neuron.syn, mem)
+            elif isinstance(neuron, snn.RSynaptic):
+                if state is None:
+                    state = tuple(torch.zeros_like(z_t) for _ in range(3))
+                y, syn, mem = neuron(z_t, *state)
+                state = (y, syn, mem)
             elif isinstance(neuron, snn.RLeaky) and neuron.init_hidden:
                 y = neuron(z_t)
                 mem = neuron.mem
@@ -355,22 +383,26 @@ def test_alpha_matches_snntorchs_own_step(
     )
 
 
+#: the neurons with recurrent weights inside
+_RECURRENT = ("rleaky", "rsynaptic")
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(sorted(n for n in NEURONS if n.startswith("rleaky"))), **_CASES)
-def test_rleaky_matches_snntorchs_own_step(
+@given(name=st.sampled_from(sorted(n for n in NEURONS if n.startswith(_RECURRENT))), **_CASES)
+def test_recurrent_neurons_match_snntorchs_own_step(
     name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
 ) -> None:
-    """snnTorch ``RLeaky`` (`RLeakyKernel`: the previous spikes fed back through the
-    recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset, learnable
-    ``beta``, threshold and recurrent weights) against snnTorch's own step: spikes and
-    membranes bitwise, gradients at round-off."""
+    """snnTorch ``RLeaky`` and ``RSynaptic`` (`RLeakyKernel`: the previous spikes fed back
+    through the recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset,
+    learnable ``alpha``, ``beta``, threshold and recurrent weights) against snnTorch's own
+    step: spikes and membranes bitwise, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
         name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
     )
 
 
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
-_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky")
+_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky", "rsynaptic")
 
 
 @pytest.mark.parametrize(
@@ -442,7 +474,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         nn.Linear(4, 6),
         snn.Leaky(beta=0.9),
         nn.Linear(6, 6),
-        snn.RSynaptic(alpha=0.8, beta=0.9, linear_features=6),  # recurrent: one call per step
+        snn.RSynaptic(alpha=0.8, beta=0.9, linear_features=6),  # fused, recurrent weights
         nn.Linear(6, 3),
         # an option the kernel does not model: state quantization
         snn.Leaky(beta=0.9, state_quant=_quantize),
@@ -450,7 +482,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
     x = (torch.rand(10, 2, 4) < 0.5).float()
     seq = sc.wrap(net, granularity="layer", chunk=4)
     seq(x).sum().backward()
-    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "per-step", "per-step"]
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused", "per-step"]
     assert seq.last_stats.blocks[0].neuron_chunks == {"fused": 3}
     seq = sc.wrap(net, granularity="layer", chunk=4, fuse=False)
     seq(x).sum().backward()
@@ -462,11 +494,10 @@ def test_stats_say_how_each_neuron_ran() -> None:
     [
         snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
         snn.Leaky(beta=0.9, inhibition=True),
-        snn.RSynaptic(alpha=0.8, beta=0.9, linear_features=5),  # recurrent weights inside
         snn.RLeaky(beta=0.9, linear_features=5, reset_delay=False),
         norse.LIFRecurrentCell(5, 5),
     ],
-    ids=["SSO surrogate", "inhibition", "RSynaptic", "RLeaky reset_delay False", "norse recurrent"],
+    ids=["SSO surrogate", "inhibition", "RLeaky reset_delay False", "norse recurrent"],
 )
 def test_neurons_that_cannot_be_fused_keep_the_per_step_call(neuron: nn.Module) -> None:
     net = nn.Sequential(nn.Linear(4, 5), neuron)

@@ -46,6 +46,7 @@ NEURONS = {
     "lapicque": lambda n: snn.Lapicque(beta=0.9),
     "norse lif": lambda n: norse.LIFCell(),
     "rleaky": lambda n: snn.RLeaky(beta=0.9, linear_features=n, learn_beta=True),
+    "rsynaptic": lambda n: snn.RSynaptic(alpha=0.8, beta=0.9, all_to_all=False, V=0.7),
 }
 
 
@@ -74,6 +75,10 @@ def _plain_loop(net: nn.Sequential, x: Tensor) -> Tensor:
                 syn, mem = states[j] or (torch.zeros_like(z), torch.zeros_like(z))
                 h, syn, mem = neuron(z, syn, mem)
                 states[j] = (syn, mem)
+            elif isinstance(neuron, snn.RSynaptic):
+                zeros = (torch.zeros_like(z),) * 3
+                h, syn, mem = neuron(z, *(states[j] or zeros))
+                states[j] = (h, syn, mem)
             elif isinstance(neuron, snn.RLeaky):
                 spk, mem = states[j] or (torch.zeros_like(z), torch.zeros_like(z))
                 h, mem = neuron(z, spk, mem)

@@ -38,27 +38,35 @@ from spikeckpt.engine.compiled import is_compiling
 __all__ = ["RLeakyKernel"]
 
 
+def _row(buffer: Tensor | None, t: int) -> Tensor | None:
+    """Row ``t`` of ``buffer``, or None (an ``out=`` that makes a new tensor)."""
+    return None if buffer is None else buffer[t]
+
+
 class RLeakyKernel(SurrogateKernel):
-    """snnTorch ``RLeaky`` (``reset_delay=True``): previous spikes and one membrane.
+    """snnTorch ``RLeaky`` (``reset_delay=True``): previous spikes and one membrane; with
+    ``synaptic``, ``RSynaptic``: previous spikes, synaptic current and membrane.
 
     Per step, as ``RLeaky.forward`` does it: ``r = (mem - thr > 0)`` (detached); ``base = b *
     mem + z + rec(spk)`` with ``rec`` the recurrent ``Linear`` (``F.linear(spk, W, bias)``) or
     the one-to-one ``spk * V``; ``mem = base - r * thr`` (``"subtract"``), ``base - r * base``
     (``"zero_after"``: snnTorch's ``"zero"``) or ``base``; ``spk = heaviside(mem - thr) *
-    graded``; ``b = beta.clamp(0, 1)``. The state's leaves are ``(spk, mem)``.
+    graded``; ``b = beta.clamp(0, 1)``. ``RSynaptic``: ``syn = a * syn + z + rec(spk)``,
+    ``base = b * mem + syn``, ``a = alpha.clamp(0, 1)``, the same resets (of the membrane).
+    The state's leaves are ``(spk, mem)`` or ``(spk, syn, mem)``.
 
     Args:
         tensors: ``() -> (beta, threshold, graded, W, bias)`` (bias may be None) or ``(beta,
-            threshold, graded, V)``, the module's current tensors.
+            threshold, graded, V)``, the module's current tensors; with ``synaptic``,
+            ``alpha`` first.
         linear: whether the recurrent map is the ``Linear`` (else ``spk * V``).
         spike: the surrogate spike function (its forward must be `heaviside`).
         reset: ``"subtract"``, ``"zero_after"`` or ``"none"``.
         spike_grad: the surrogate's backward written out, when the adapter knows it.
         usable: ``() -> bool``, whether the recurrent map is still what the kernel computes
             (no forward hook on it: the kernel never calls it), asked at every chunk.
+        synaptic: ``RSynaptic``'s synaptic current between the input and the membrane.
     """
-
-    membrane: int | None = 1
 
     def __init__(
         self,
@@ -68,14 +76,25 @@ class RLeakyKernel(SurrogateKernel):
         reset: Reset,
         spike_grad: SpikeGrad | None = None,
         usable: Callable[[], bool] = lambda: True,
+        synaptic: bool = False,
     ) -> None:
         super().__init__(tensors, spike, reset, spike_grad)
         self.linear = linear
         self.usable = usable
+        self.synaptic = synaptic
+        self.membrane: int | None = 2 if synaptic else 1
 
     @property
     def params(self) -> tuple[Tensor, ...]:
         return tuple(t for t in self.tensors() if t is not None)
+
+    def _split(self) -> tuple[Tensor | None, Tensor, Tensor, Tensor, list[Tensor | None]]:
+        """``(alpha or None, beta, threshold, graded, the recurrent map's tensors)``."""
+        tensors = self.tensors()
+        if not self.synaptic:
+            tensors = (None, *tensors)
+        alpha, beta, thr, graded, *recurrent = tensors
+        return alpha, beta, thr, graded, recurrent
 
     def _rec(self, spk: Tensor, recurrent: Sequence[Tensor | None]) -> Tensor:
         """The recurrent map of the previous spikes ``(B, H) -> (B, H)``."""
@@ -85,7 +104,7 @@ class RLeakyKernel(SurrogateKernel):
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return (
-            len(leaves) == 2
+            len(leaves) == (3 if self.synaptic else 2)
             and self.usable()
             and _same_layout(leaves, z)
             and _keeps_dtype(self, leaves, z)
@@ -100,18 +119,23 @@ class RLeakyKernel(SurrogateKernel):
         want_y: bool = True,
         into: Tensor | None = None,
     ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
-        beta, thr, graded, *recurrent = self.tensors()
+        alpha, beta, thr, graded, recurrent = self._split()
+        a = None if alpha is None else alpha.clamp(0, 1)
         b = beta.clamp(0, 1)
-        spk0, mem = leaves
+        spk0, mem = leaves[0], leaves[-1]
+        syn = leaves[1] if self.synaptic else None
         k = z.shape[0]
         hold = keep or want_mem
         # membranes, spikes and resets straight into their buffers (out=: the same values)
         mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
+        syns = mem.new_empty((k + 1, *mem.shape)) if keep and syn is not None else None
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         dtype = torch.result_type(torch.ones(1), graded)  # a float32 spike's times graded
         ys = torch.empty((k, *mem.shape), dtype=dtype, device=mem.device)
         if mems is not None:
             mems[0] = mem
+        if syns is not None:
+            syns[0] = syn
         # then (mem - thr > 0) == (mem > thr); compiled: snnTorch's own form (no host read)
         exact = not is_compiling() and _subtraction_is_exact(mem.device)
         torch.gt(mem - thr, 0, out=fires[0])
@@ -119,7 +143,11 @@ class RLeakyKernel(SurrogateKernel):
         spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
         for t, z_t in enumerate(z.unbind(0)):
             fired, out = fires[t], (mems[t + 1] if mems is not None else None)
-            base = b * mem + z_t + self._rec(spk, recurrent)
+            if syn is not None:  # RSynaptic: the current, then the membrane
+                syn = torch.add(a * syn + z_t, self._rec(spk, recurrent), out=_row(syns, t + 1))
+                base = b * mem + syn
+            else:
+                base = b * mem + z_t + self._rec(spk, recurrent)
             if self.reset == "subtract":
                 mem = torch.sub(base, torch.where(fired, thr, thr_off), out=out)
             elif self.reset == "zero_after":
@@ -134,8 +162,10 @@ class RLeakyKernel(SurrogateKernel):
             # matrix product's sums may round differently on a view at another alignment
             spk = fires[t + 1].float() * graded
             ys[t] = spk
-        saved = (mems, fires, spk0, ys) if keep else None
+        saved = (mems, syns, fires, spk0, ys) if keep else None
         final = [spk, mem.clone() if mems is not None else mem]
+        if syn is not None:
+            final.insert(1, syn.clone() if syns is not None else syn)
         return final, ys if want_y else None, mems[1:] if want_mem else None, saved  # type: ignore[index]
 
     def backward(
@@ -148,20 +178,27 @@ class RLeakyKernel(SurrogateKernel):
         need_params: Sequence[bool],
         consume: bool = False,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
-        mems, fired, spk0, ys = saved  # (k + 1, B, H), (k + 1, B, H) bool, (B, H), (k, B, H)
-        tensors = self.tensors()
-        beta, thr, graded, *recurrent = tensors
+        # (k + 1, B, H) membranes, currents (RSynaptic) and spikes (bool: r_t at t < k,
+        # s_t at t > 0); the initial spikes (B, H); the spikes (k, B, H)
+        mems, syns, fired, spk0, ys = saved
+        alpha, beta, thr, graded, recurrent = self._split()
+        a = None if alpha is None else alpha.clamp(0, 1)
         b = beta.clamp(0, 1)
         k = mems.shape[0] - 1
-        want = _wanted([t for t in tensors if t is not None], need_params)
+        tensors = [t for t in (alpha, beta, thr, graded, *recurrent) if t is not None]
+        want = _wanted(tensors, need_params)
+        if alpha is None:
+            want.insert(0, False)
         # d spike / d u at every step, once for the chunk (the surrogate is elementwise)
         slope = surrogate_grad(
             self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad
         )
-        g_base = torch.empty_like(mems[1:])
+        g_base = torch.empty_like(mems[1:])  # dL/d the membrane before its reset
+        g_in = torch.empty_like(g_base) if a is not None else g_base  # dL/d z_t, rec_t
         # dL/d y_t, every path: kept for the threshold's and the factor's gradients
-        g_spikes = torch.empty_like(ys) if want[1] or want[2] else None
-        carry_spk, carry_mem = g_final
+        g_spikes = torch.empty_like(ys) if want[2] or want[3] else None
+        carry_spk, carry_mem = g_final[0], g_final[-1]
+        carry_syn = g_final[1] if a is not None else None
         for t in range(k - 1, -1, -1):
             g_s = (
                 carry_spk if g_y is None else (g_y[t] if carry_spk is None else g_y[t] + carry_spk)
@@ -180,27 +217,32 @@ class RLeakyKernel(SurrogateKernel):
             else:
                 g_base[t] = g_m
             carry_mem = b * g_base[t]
-            carry_spk = self._rec_grad(g_base[t], recurrent)
-        grads: list[Tensor | None] = []
+            if a is not None:  # syn_t feeds base_t and syn_(t + 1)
+                if carry_syn is None:
+                    g_in[t] = g_base[t]
+                else:
+                    torch.add(g_base[t], carry_syn, out=g_in[t])
+                carry_syn = a * g_in[t]
+            carry_spk = self._rec_grad(g_in[t], recurrent)
+        grads: list[Tensor | None] = [None, None, None, None]
         if want[0]:
-            grads.append(clamp_grad(reduce_product(g_base, mems[:-1], b), beta))
-        else:
-            grads.append(None)
-        thr_grad = None
+            assert alpha is not None and a is not None
+            grads[0] = clamp_grad(reduce_product(g_in, syns[:-1], a), alpha)
         if want[1]:
+            grads[1] = clamp_grad(reduce_product(g_base, mems[:-1], b), beta)
+        if want[2]:
             # spike(mem - thr): -(slope * graded * g_s); subtract: mem = base - r * thr
             thr_grad = -reduce_product(slope, g_spikes * graded, thr)  # type: ignore[operator]
             if self.reset == "subtract":
                 thr_grad = thr_grad - reduce_product(g_base, fired[:-1], thr)
-        grads.append(thr_grad)
-        # y = s * graded, fed back and output: dL/d graded = sum(dL/d y * s)
-        grads.append(reduce_product(g_spikes, fired[1:], graded) if want[2] else None)  # type: ignore[arg-type]
-        grads += self._recurrent_grads(g_base, spk0, ys, recurrent, want[3:])
-        return (
-            g_base if need_z else None,
-            [carry_spk, carry_mem],
-            _aligned([t for t in tensors if t is not None], grads, need_params),
-        )
+            grads[2] = thr_grad
+        if want[3]:  # y = s * graded, fed back and output: dL/d graded = sum(dL/d y * s)
+            grads[3] = reduce_product(g_spikes, fired[1:], graded)  # type: ignore[arg-type]
+        grads += self._recurrent_grads(g_in, spk0, ys, recurrent, want[4:])
+        if alpha is None:
+            grads.pop(0)
+        initial = [carry_spk, carry_mem] if a is None else [carry_spk, carry_syn, carry_mem]
+        return g_in if need_z else None, initial, _aligned(tensors, grads, need_params)
 
     def _rec_grad(self, g: Tensor, recurrent: Sequence[Tensor | None]) -> Tensor:
         """dL/d spk through the recurrent map, given dL/d its output ``g (B, H)``."""

@@ -197,9 +197,9 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         return state.mem
 
     def chunk_kernel(self) -> Kernel | None:
-        """The fused recurrence of a ``Leaky``, ``Lapicque``, ``Synaptic``, ``Alpha`` or
-        ``RLeaky`` (exactly these classes, ``reset_delay=True`` or a ``Leaky`` with
-        ``reset_delay=False``, ``RLeaky`` with a linear or one-to-one recurrence, no
+        """The fused recurrence of a ``Leaky``, ``Lapicque``, ``Synaptic``, ``Alpha``,
+        ``RLeaky`` or ``RSynaptic`` (exactly these classes, ``reset_delay=True`` or a ``Leaky``
+        with ``reset_delay=False``, a linear or one-to-one recurrence, no
         ``state_quant``, no ``inhibition``, no random surrogate, the library's own ``forward``
         and state function), else None."""
         return snntorch_kernel(self.module)
@@ -313,6 +313,7 @@ _RESETS: dict[type, dict[str, Reset]] = {
     snn.Synaptic: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
     snn.Alpha: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
     snn.RLeaky: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
+    snn.RSynaptic: {"subtract": "subtract", "zero": "zero_after", "none": "none"},
 }
 #: snnTorch surrogates that draw random numbers in backward (or fail): never fused
 _RANDOM_SURROGATES = ("SSO", "LSO")
@@ -347,8 +348,8 @@ def snntorch_kernel(
         return ImmediateLeakyKernel(
             lambda: (m.beta, m.threshold, m.graded_spikes_factor), spike, reset, written
         )
-    if cls is snn.RLeaky:
-        return _rleaky_kernel(m, spike, reset, written)
+    if cls in (snn.RLeaky, snn.RSynaptic):
+        return _recurrent_kernel(m, spike, reset, written)
     if cls in (snn.Alpha, snn.Synaptic):  # two decays: alpha, beta
         return (AlphaKernel if cls is snn.Alpha else SynapticKernel)(
             lambda: (m.alpha, m.beta, m.threshold, m.graded_spikes_factor),
@@ -378,31 +379,38 @@ def snntorch_kernel(
     )
 
 
-def _rleaky_kernel(
+def _recurrent_kernel(
     m: nn.Module, spike: Any, reset: Reset, written: Callable[[Tensor, Tensor], Tensor] | None
 ) -> RLeakyKernel | None:
-    """``RLeaky``'s kernel where its recurrent map is torch's own ``Linear``
-    (``all_to_all=True`` with ``linear_features``) or snnTorch's one-to-one ``spk * V``, with
-    no forward hook; None for a convolutional one (it steps per call)."""
+    """``RLeaky``'s or ``RSynaptic``'s kernel where its recurrent map is torch's own
+    ``Linear`` (``all_to_all=True`` with ``linear_features``) or snnTorch's one-to-one ``spk *
+    V``, with no forward hook; None for a convolutional one (it steps per call)."""
     rec = getattr(m, "recurrent", None)
+    synaptic = isinstance(m, snn.RSynaptic)
+
+    def decays() -> tuple[Tensor, ...]:
+        return (m.alpha, m.beta) if synaptic else (m.beta,)
+
     if type(rec) is nn.Linear:
         return RLeakyKernel(
-            lambda: (m.beta, m.threshold, m.graded_spikes_factor, rec.weight, rec.bias),
+            lambda: (*decays(), m.threshold, m.graded_spikes_factor, rec.weight, rec.bias),
             True,
             spike,
             reset,
             written,
             usable=lambda: m.recurrent is rec and no_hooks(rec),
+            synaptic=synaptic,
         )
     one_to_one = type(rec).__name__ == "RecurrentOneToOne" and "forward" not in vars(rec)
     if one_to_one and isinstance(getattr(rec, "V", None), Tensor):
         return RLeakyKernel(
-            lambda: (m.beta, m.threshold, m.graded_spikes_factor, rec.V),
+            lambda: (*decays(), m.threshold, m.graded_spikes_factor, rec.V),
             False,
             spike,
             reset,
             written,
             usable=lambda: m.recurrent is rec and no_hooks(rec) and isinstance(rec.V, Tensor),
+            synaptic=synaptic,
         )
     return None
 
