@@ -392,7 +392,7 @@ _RECURRENT = ("rleaky", "rsynaptic")
 def test_recurrent_neurons_match_snntorchs_own_step(
     name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
 ) -> None:
-    """snnTorch ``RLeaky`` and ``RSynaptic`` (`RLeakyKernel`: the previous spikes fed back
+    """snnTorch ``RLeaky`` and ``RSynaptic`` (`RecurrentKernel`: the previous spikes fed back
     through the recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset,
     learnable ``alpha``, ``beta``, threshold and recurrent weights) against snnTorch's own
     step: spikes and membranes bitwise, gradients at round-off."""

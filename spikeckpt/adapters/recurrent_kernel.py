@@ -35,7 +35,7 @@ from spikeckpt.adapters.kernels import (
 )
 from spikeckpt.engine.compiled import is_compiling
 
-__all__ = ["RLeakyKernel"]
+__all__ = ["RecurrentKernel"]
 
 
 def _row(buffer: Tensor | None, t: int) -> Tensor | None:
@@ -43,7 +43,7 @@ def _row(buffer: Tensor | None, t: int) -> Tensor | None:
     return None if buffer is None else buffer[t]
 
 
-class RLeakyKernel(SurrogateKernel):
+class RecurrentKernel(SurrogateKernel):
     """snnTorch ``RLeaky`` (``reset_delay=True``): previous spikes and one membrane; with
     ``synaptic``, ``RSynaptic``: previous spikes, synaptic current and membrane.
 

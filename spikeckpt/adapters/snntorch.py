@@ -38,7 +38,7 @@ from spikeckpt.adapters.kernels import (
     read_unit_again,
 )
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
-from spikeckpt.adapters.recurrent_kernel import RLeakyKernel
+from spikeckpt.adapters.recurrent_kernel import RecurrentKernel
 from spikeckpt.engine.meter import unmetered
 
 __all__ = [
@@ -303,7 +303,7 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
 
 
 #: the chunk kernels of snnTorch's neurons
-Kernel = LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | RLeakyKernel
+Kernel = LeakyKernel | ImmediateLeakyKernel | SynapticKernel | AlphaKernel | RecurrentKernel
 
 #: the reset mechanisms as the kernels name them, per class (``Leaky`` resets to zero before
 #: the decay, ``Lapicque`` and ``Synaptic`` after it)
@@ -381,7 +381,7 @@ def snntorch_kernel(
 
 def _recurrent_kernel(
     m: nn.Module, spike: Any, reset: Reset, written: Callable[[Tensor, Tensor], Tensor] | None
-) -> RLeakyKernel | None:
+) -> RecurrentKernel | None:
     """``RLeaky``'s or ``RSynaptic``'s kernel where its recurrent map is torch's own
     ``Linear`` (``all_to_all=True`` with ``linear_features``) or snnTorch's one-to-one ``spk *
     V``, with no forward hook; None for a convolutional one (it steps per call)."""
@@ -392,7 +392,7 @@ def _recurrent_kernel(
         return (m.alpha, m.beta) if synaptic else (m.beta,)
 
     if type(rec) is nn.Linear:
-        return RLeakyKernel(
+        return RecurrentKernel(
             lambda: (*decays(), m.threshold, m.graded_spikes_factor, rec.weight, rec.bias),
             True,
             spike,
@@ -403,7 +403,7 @@ def _recurrent_kernel(
         )
     one_to_one = type(rec).__name__ == "RecurrentOneToOne" and "forward" not in vars(rec)
     if one_to_one and isinstance(getattr(rec, "V", None), Tensor):
-        return RLeakyKernel(
+        return RecurrentKernel(
             lambda: (*decays(), m.threshold, m.graded_spikes_factor, rec.V),
             False,
             spike,
