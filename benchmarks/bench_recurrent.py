@@ -1,0 +1,120 @@
+"""Recurrent snnTorch layers as SHD models write them, against their own loop.
+
+``nn.Sequential(Linear(700, H), RLeaky | RSynaptic(linear_features=H, init_hidden=True),
+Linear(H, 20), Leaky(init_hidden=True, output=True))``, input spikes at 5%, loss on the output
+membrane (``spk, mem = net(x_t)``), batch 32. Rows: snnTorch's own loop; ``wrap`` layer-wise
+with the recurrent neuron fused (`spikeckpt.adapters.recurrent_kernel`) and per step
+(``fuse=False``: as before the kernel); the stack with ``wrap``'s defaults; ``BPTT()``; and
+``granularity="auto"``. Time is the minimum of interleaved rounds after a warm-up, in one
+process; peak is `spikeckpt.MemoryMeter`'s (live tensors on the CPU, the allocator on CUDA) of
+one training step; the gradient of the first ``Linear`` relative to the loop's.
+
+    taskset -c 1 python benchmarks/bench_recurrent.py --T 500 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+
+import snntorch as snn
+import torch
+from snntorch import utils
+from torch import Tensor, nn
+
+import spikeckpt as sc
+
+NEURONS: dict[str, Callable[[int], nn.Module]] = {
+    "RLeaky": lambda h: snn.RLeaky(beta=0.9, linear_features=h, init_hidden=True),
+    # alpha = beta = 0.9 here: the loop's own gradient overflows to inf / nan by T = 500
+    "RSynaptic": lambda h: snn.RSynaptic(alpha=0.5, beta=0.5, linear_features=h, init_hidden=True),
+}
+
+
+def shd_net(neuron: nn.Module, hidden: int) -> nn.Sequential:
+    """700 -> ``hidden`` (the recurrent neuron) -> 20 (``Leaky``, ``output=True``)."""
+    return nn.Sequential(
+        nn.Linear(700, hidden),
+        neuron,
+        nn.Linear(hidden, 20),
+        snn.Leaky(beta=0.9, init_hidden=True, output=True),
+    )
+
+
+def snntorch_loop(net: nn.Sequential, x: Tensor) -> Tensor:
+    """The users' loop: ``spk, mem = net(x_t)``; the membranes ``(T, B, 20)``."""
+    utils.reset(net)
+    return torch.stack([net(x_t)[1] for x_t in x])
+
+
+def rows(name: str, net: nn.Sequential, x: Tensor, rounds: int) -> None:
+    """Time, peak and gradient of each row for ``net``; one table row each."""
+    wrapped = {
+        "layer-wise, fused": sc.wrap(net, granularity="layer"),
+        "layer-wise, per step": sc.wrap(net, granularity="layer", fuse=False),
+        "stack, wrap's defaults": sc.wrap(net),
+        "stack, BPTT()": sc.wrap(net, plan=sc.plans.BPTT()),
+        'granularity="auto"': sc.wrap(net, granularity="auto"),
+    }
+    runs: dict[str, Callable[[], Tensor]] = {"snnTorch loop": lambda: snntorch_loop(net, x)}
+    for row, seq in wrapped.items():
+        runs[row] = lambda seq=seq: seq(x)[1]
+
+    def step(run: Callable[[], Tensor]) -> tuple[float, Tensor]:
+        net.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        run().sum().backward()
+        return time.perf_counter() - start, net[0].weight.grad.clone()
+
+    grads = {row: step(run)[1] for row, run in runs.items()}  # warm-up: plans, checks
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for row, run in runs.items():
+            best[row] = min(best[row], step(run)[0])
+    loop_grad = grads["snnTorch loop"]
+    for row, run in runs.items():
+        with sc.MemoryMeter() as meter:
+            step(run)
+        seq = wrapped.get(row)
+        ran = "-"
+        if seq is not None and seq.last_stats.granularity == "layer":
+            ran = seq.last_stats.blocks[0].neuron
+        elif seq is not None:
+            ran = f"stack, {seq.last_stats.plan}"
+        rel = ((grads[row] - loop_grad).abs().max() / loop_grad.abs().max()).item()
+        print(
+            f"| {name} | {row} | {best[row]:.3f} s | {best[row] / best['snnTorch loop']:.2f} "
+            f"| {meter.peak_bytes / 2**20:.2f} MiB | {ran} | {rel:.1e} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--T", type=int, default=500, help="time steps")
+    parser.add_argument("--hidden", type=int, default=256, help="recurrent neurons")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--only", nargs="*", default=[], help="substrings of neuron names")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    x = (torch.rand(args.T, args.batch, 700) < 0.05).float()
+    print(
+        f"700-{args.hidden}-20, batch {args.batch}, T = {args.T}, {args.threads} thread(s); "
+        f"min of {args.rounds} interleaved rounds"
+    )
+    print("| neuron | row | time | x loop | peak | neuron ran | max rel dW |")
+    print("|---|---|---|---|---|---|---|")
+    for name, make in NEURONS.items():
+        if args.only and not any(part in name for part in args.only):
+            continue
+        torch.manual_seed(0)
+        rows(name, shd_net(make(args.hidden), args.hidden), x, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
