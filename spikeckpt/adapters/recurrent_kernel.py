@@ -193,8 +193,11 @@ class RecurrentKernel(SurrogateKernel):
         slope = surrogate_grad(
             self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad
         )
-        g_base = torch.empty_like(mems[1:])  # dL/d the membrane before its reset
-        g_in = torch.empty_like(g_base) if a is not None else g_base  # dL/d z_t, rec_t
+        # dL/d the membrane before its reset, per step; RSynaptic keeps it for the chunk only
+        # where a gradient reads it (beta's, a subtracted threshold's)
+        whole = a is None or want[1] or (want[2] and self.reset == "subtract")
+        g_base = torch.empty_like(mems[1:]) if whole else torch.empty_like(mems[:1])
+        g_in = torch.empty_like(mems[1:]) if a is not None else g_base  # dL/d z_t, rec_t
         # dL/d y_t, every path: kept for the threshold's and the factor's gradients
         g_spikes = torch.empty_like(ys) if want[2] or want[3] else None
         carry_spk, carry_mem = g_final[0], g_final[-1]
@@ -212,16 +215,17 @@ class RecurrentKernel(SurrogateKernel):
                 g_m = g_m + carry_mem
             if g_mem is not None:
                 g_m = g_m + g_mem[t]
+            row = g_base[t] if whole else g_base[0]
             if self.reset == "zero_after":
-                torch.mul(g_m, (~fired[t]).to(g_m.dtype), out=g_base[t])
+                torch.mul(g_m, (~fired[t]).to(g_m.dtype), out=row)
             else:
-                g_base[t] = g_m
-            carry_mem = b * g_base[t]
+                row.copy_(g_m)
+            carry_mem = b * row
             if a is not None:  # syn_t feeds base_t and syn_(t + 1)
                 if carry_syn is None:
-                    g_in[t] = g_base[t]
+                    g_in[t] = row
                 else:
-                    torch.add(g_base[t], carry_syn, out=g_in[t])
+                    torch.add(row, carry_syn, out=g_in[t])
                 carry_syn = a * g_in[t]
             carry_spk = self._rec_grad(g_in[t], recurrent)
         grads: list[Tensor | None] = [None, None, None, None]
