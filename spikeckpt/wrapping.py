@@ -438,8 +438,9 @@ def _call_blocks(
     """``blocks`` with the top block's ``membrane`` giving the leaves of the neuron's
     ``call_outputs`` (the layer-wise run returns them after the spikes), and their structure.
     Where the call returns the membrane only (snnTorch ``Leaky(output=True)``: ``spk, mem``)
-    the blocks are unchanged (a fused kernel emits the membrane); else that block's neuron
-    runs one step at a time."""
+    the blocks are unchanged (a fused kernel emits the membrane); where it returns state
+    leaves (``Synaptic``: ``spk, syn, mem``; ``Alpha``) a fused kernel that `emits_states`
+    emits them (the block's ``emits``); else that block's neuron runs one step at a time."""
     import dataclasses
 
     tree = _pytree()
@@ -450,7 +451,12 @@ def _call_blocks(
     def outputs(s: State) -> tuple[Tensor, ...]:
         return tuple(tree.tree_leaves(neuron.call_outputs(s)))
 
-    top = dataclasses.replace(blocks[-1], membrane=outputs, fused=None)
+    own = tree.tree_leaves(state)
+    index = {id(t): i for i, t in enumerate(own)}
+    fused, emits = blocks[-1].fused, tuple(index.get(id(t), -1) for t in leaves)
+    if fused is None or not fused.emits_states or -1 in emits or len(index) < len(own):
+        fused, emits = None, None  # not the state's leaves (or one tensor twice): per step
+    top = dataclasses.replace(blocks[-1], membrane=outputs, fused=fused, emits=emits)
     return [*blocks[:-1], top], spec
 
 

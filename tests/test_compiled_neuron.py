@@ -125,3 +125,33 @@ def test_a_slower_compiled_forward_is_kept_eager_and_said(
     assert calls == 2 * (1 + compiled.TIMED_CALLS)  # two keys (chunk 4, last 1): check + timing
     seq(x)
     assert len(slow) == calls  # not called again
+
+
+@pytest.mark.parametrize("kind", ["Synaptic", "Alpha"])
+def test_a_top_neuron_emitting_its_states_runs_compiled(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Synaptic`` / ``Alpha(init_hidden=True, output=True)`` at the top: the wrapped net
+    returns the call's ``spk, syn, mem`` (``spk, syn_exc, syn_inh, mem``), which the compiled
+    kernel emits per step: every chunk compiled, bitwise the eager run, gradients of a loss
+    on every output bitwise too (the backward is the eager kernel's)."""
+    monkeypatch.setattr(compiled, "compiled_is_faster", lambda *args: True)
+    torch.manual_seed(0)
+    neuron = getattr(snn, kind)
+    net = nn.Sequential(
+        nn.Linear(6, 8), neuron(alpha=0.8, beta=0.7, init_hidden=True),
+        nn.Linear(8, 3), neuron(alpha=0.8, beta=0.7, init_hidden=True, output=True),
+    )  # fmt: skip
+    x = (torch.rand(9, 3, 6) < 0.4).float()
+    found = []
+    for compile in (True, False):
+        seq = sc.wrap(net, granularity="layer", chunk=4, compile=compile)
+        outs = seq(x)
+        way = "compiled" if compile else "fused"
+        assert [b.neuron_chunks for b in seq.last_stats.blocks] == [{way: 3}, {way: 3}]
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs)
+        found.append((outs, torch.autograd.grad(loss, list(net.parameters()))))
+    (got, got_grads), (want, want_grads) = found
+    assert len(got) == (4 if kind == "Alpha" else 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))

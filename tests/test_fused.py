@@ -1089,9 +1089,10 @@ def test_a_top_neuron_returning_its_membrane_stays_fused(
         _close(b, a, top)
 
 
-def test_a_top_neuron_returning_more_than_its_membrane_runs_per_step() -> None:
-    """``Synaptic(output=True)`` returns ``spk, syn, mem``: the kernel emits no ``syn`` per
-    step, so that block keeps its per-step call (and returns what the call returns)."""
+def test_a_top_neuron_returning_more_than_its_membrane_stays_fused() -> None:
+    """``Synaptic(output=True)`` returns ``spk, syn, mem``: the kernel emits ``syn`` and
+    ``mem`` per step, so that block stays fused (and returns what the call returns; checked
+    against the loop in ``test_call_outputs_fused.py``)."""
     torch.manual_seed(0)
     net = _tutorial_net(snn.Synaptic(alpha=0.8, beta=0.85, init_hidden=True, output=True))
     x = (torch.rand(6, 2, 12) < 0.4).float()
@@ -1099,4 +1100,4 @@ def test_a_top_neuron_returning_more_than_its_membrane_runs_per_step() -> None:
     assert spk.shape == syn.shape == mem.shape == (6, 2, 5)
     seq = sc.wrap(net, granularity="layer", chunk=4)
     seq(x)
-    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "per-step"]
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]

@@ -33,7 +33,9 @@ from spikeckpt.adapters.kernels import (
     Spike,
     SpikeGrad,
     SurrogateKernel,
+    emitted,
     is_unit,
+    per_leaf,
     reduce_product,
     reduce_to,
     surrogate_grad,
@@ -42,6 +44,7 @@ from spikeckpt.adapters.kernels import _aligned as aligned
 from spikeckpt.adapters.kernels import _keeps_dtype as keeps_dtype
 from spikeckpt.adapters.kernels import _same_layout as same_layout
 from spikeckpt.adapters.kernels import _wanted as wanted
+from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 from spikeckpt.engine.grad import grad as engine_grad
 from spikeckpt.errors import ConfigError
 
@@ -64,6 +67,7 @@ class AlphaKernel(SurrogateKernel):
     """
 
     membrane: int | None = 2
+    emits_states = True
 
     def __init__(
         self,
@@ -87,8 +91,10 @@ class AlphaKernel(SurrogateKernel):
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
-        """``(final [exc, inh, mem], y (k, B, ...), mem (k, B, ...) or None, saved)``;
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
+        """``(final [exc, inh, mem], y (k, B, ...), mem (k, B, ...) or None, saved)`` (with
+        ``emit``: a tuple of the numbered leaves after each step in place of ``mem``);
         ``saved``: the membranes ``(k + 1, ...)``, the spikes ``(k + 1, ...)`` (bool) and,
         where ``alpha`` or ``beta`` needs a gradient, the currents entering each step and
         ``E + I`` of each step."""
@@ -97,9 +103,11 @@ class AlphaKernel(SurrogateKernel):
         tau = alpha_tau(a, b)
         exc, inh, mem = leaves
         learn = keep and (alpha.requires_grad or beta.requires_grad)
+        # the currents after each step (row 0: before the chunk), where saved or emitted
+        hold = [learn or (want_mem and emit is not None and i in emit) for i in (0, 1)]
         fired = mem - thr > 0
         mems, fires = [mem], [fired]
-        excs, inhs, sums = [], [], []
+        excs, inhs, sums = [exc], [inh], []
         for z_t in z.unbind(0):
             r = fired.to(mem.dtype)
             e = a * exc + z_t
@@ -107,8 +115,6 @@ class AlphaKernel(SurrogateKernel):
             total = e + i
             base = tau * total
             if learn:
-                excs.append(exc)
-                inhs.append(inh)
                 sums.append(total)
             if self.reset == "subtract":
                 mem = base - (-inh) * r
@@ -122,32 +128,41 @@ class AlphaKernel(SurrogateKernel):
             fires.append(fired)
             if keep or want_mem:
                 mems.append(mem)
+            if hold[0]:
+                excs.append(exc)
+            if hold[1]:
+                inhs.append(inh)
         y = None
         if want_y:
             s = torch.stack(fires[1:]).float()
             y = s if is_unit(graded) else s * graded
         mem_all = torch.stack(mems) if keep or want_mem else None
+        exc_all, inh_all = [
+            torch.stack(t) if h else None for t, h in zip((excs, inhs), hold, strict=True)
+        ]
         saved = None
         if keep:
-            currents = [torch.stack(t) if learn else None for t in (excs, inhs, sums)]
-            saved = (mem_all, torch.stack(fires), *currents)
-        return [exc, inh, mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
+            currents = [t[:-1] if learn else None for t in (exc_all, inh_all)]  # type: ignore[index]
+            saved = (mem_all, torch.stack(fires), *currents, torch.stack(sums) if learn else None)
+        return [exc, inh, mem], y, emitted(want_mem, emit, (exc_all, inh_all, mem_all), 2), saved
 
     def backward(
         self,
         saved: Any,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
-        g_mem: Tensor | None,
+        g_mem: EmittedGrad,
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         mems, fired, *currents = saved
         alpha, beta, thr, graded = self.tensors()
         a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
         tau = alpha_tau(a, b)
         k = mems.shape[0] - 1
+        g_excs, g_inhs, g_mem = per_leaf(g_mem, emit, 3, 2)  # dL/d each leaf given per step
         want = wanted([alpha, beta, thr, graded], need_params)
         thr_grad = graded_grad = None
         if g_y is not None:
@@ -172,6 +187,10 @@ class AlphaKernel(SurrogateKernel):
         for t in range(k - 1, -1, -1):
             g_e[t] = g_total[t]
             g_i[t] = g_total[t]
+            if g_excs is not None:  # exc' and inh' of step t are emitted: their own gradients
+                carry_e = g_excs[t] if carry_e is None else carry_e + g_excs[t]
+            if g_inhs is not None:
+                carry_i = g_inhs[t] if carry_i is None else carry_i + g_inhs[t]
             if carry_e is not None:
                 if self.reset == "subtract" and want[2]:
                     part = carry_e * r[t]

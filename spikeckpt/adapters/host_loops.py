@@ -258,20 +258,23 @@ def synaptic_backward_on_host(
     beta: Tensor,
     fired: Tensor,
     reset: str,
-    carry_mem: Tensor | None,
-    carry_syn: Tensor | None,
+    carries: tuple[Tensor | None, Tensor | None],
+    g_syns: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """The Synaptic chunk's backward through the compiled loop: ``g_mem`` ``(k, B, ...)``
     becomes dL/d mem_t in place; returns dL/d syn_t ``(k, B, ...)`` and the carries into the
     current and the membrane before the chunk, or None (``g_mem`` untouched) where it does not
-    run."""
+    run. ``carries``: dL/d the membrane and the current after the chunk (or None);
+    ``g_syns``: dL/d each step's current given from outside (the call's emitted ``syn``)."""
     k = g_mem.shape[0]
-    carries = [c for c in (carry_mem, carry_syn) if c is not None]
+    carry_mem, carry_syn = carries
+    carries_in = [c for c in carries if c is not None]
+    extra = [] if g_syns is None else [g_syns]
     if not (USE_JIT and k and g_mem.is_contiguous() and fired.is_contiguous()):
         return None
-    if _host_arrays(g_mem, alpha, beta, *carries) is None:
+    if _host_arrays(g_mem, alpha, beta, *carries_in, *extra) is None:
         return None
-    if not _steps_fit(g_mem[0], alpha, beta, *carries):
+    if not _steps_fit(g_mem[0], alpha, beta, *carries_in):
         return None
     shape = g_mem.shape[1:]
     g_syn = torch.empty_like(g_mem)
@@ -281,6 +284,7 @@ def synaptic_backward_on_host(
         out_mem.copy_(carry_mem)
     if carry_syn is not None:
         out_syn.copy_(carry_syn)
+    given = g_syn if g_syns is None else g_syns.detach().contiguous()  # unread without g_syns
     jit_loops.synaptic_backward_jit(
         g_mem.detach().numpy().reshape(k, -1),
         g_syn.numpy().reshape(k, -1),
@@ -288,10 +292,9 @@ def synaptic_backward_on_host(
         _flat(beta, shape),
         fired.numpy().reshape(fired.shape[0], -1),
         jit_loops.RESET_CODES[reset],
-        out_mem.numpy().reshape(-1),
-        carry_mem is not None,
-        out_syn.numpy().reshape(-1),
-        carry_syn is not None,
+        (out_mem.numpy().reshape(-1), out_syn.numpy().reshape(-1)),
+        (carry_mem is not None, carry_syn is not None, g_syns is not None),
+        given.numpy().reshape(k, -1),
     )
     return g_syn, out_syn, out_mem
 

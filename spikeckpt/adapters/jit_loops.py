@@ -222,15 +222,17 @@ def synaptic_backward_jit(
     beta: np.ndarray,
     fired: np.ndarray,
     reset: int,
-    carry_mem: np.ndarray,
-    has_mem: bool,
-    carry_syn: np.ndarray,
-    has_syn: bool,
+    carries: tuple[np.ndarray, np.ndarray],
+    has: tuple[bool, bool, bool],
+    given: np.ndarray,
 ) -> None:  # pragma: no cover - runs compiled
     """The Synaptic chunk's backward from the last step to the first: ``g_mem[t] += carry``
-    (in place: dL/d mem_t), ``g_syn[t]`` (written: dL/d syn_t), and the carries into the states
-    before the chunk left in ``carry_mem`` / ``carry_syn`` ``(n,)`` (read first only where
-    ``has_mem`` / ``has_syn``). ``"zero_after"`` multiplies by ``1 - r_t`` (``fired[t]``)."""
+    (in place: dL/d mem_t), ``g_syn[t]`` (written: dL/d syn_t, ``given[t]`` added where
+    ``has[2]``: the current's own per-step gradient), and the carries into the states before
+    the chunk left in ``carries = (carry_mem, carry_syn)`` ``(n,)`` (read first only where
+    ``has[0]`` / ``has[1]``). ``"zero_after"`` multiplies by ``1 - r_t`` (``fired[t]``)."""
+    carry_mem, carry_syn = carries
+    has_mem, has_syn, has_given = has
     k, n = g_mem.shape
     c_mem = np.empty(BLOCK, g_mem.dtype)
     c_syn = np.empty(BLOCK, g_mem.dtype)
@@ -248,6 +250,7 @@ def synaptic_backward_jit(
         for t in range(k - 1, -1, -1):
             gm = g_mem[t, start:stop]
             gs = g_syn[t, start:stop]
+            extra = given[t, start:stop]
             reset_t = fired[t, start:stop]
             add_mem = has_mem or t < k - 1
             add_syn = has_syn or t < k - 1
@@ -259,6 +262,8 @@ def synaptic_backward_jit(
                     base = base * (zero if reset_t[i] else one)
                 c_mem[i] = b[i] * base
                 v = base + c_syn[i] if add_syn else base
+                if has_given:
+                    v = v + extra[i]
                 gs[i] = v
                 c_syn[i] = a[i] * v
         carry_mem[start:stop] = c_mem[:width]

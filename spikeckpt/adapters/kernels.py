@@ -37,6 +37,7 @@ from spikeckpt.adapters.host_loops import (
 )
 from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.engine.compiled import is_compiling
+from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 from spikeckpt.engine.grad import grad as engine_grad
 from spikeckpt.engine.meter import unmetered
 
@@ -46,8 +47,10 @@ __all__ = [
     "NorseKernel",
     "SynapticKernel",
     "clamp_grad",
+    "emitted",
     "heaviside",
     "is_unit",
+    "per_leaf",
     "read_unit_again",
     "reduce_to",
     "vjp",
@@ -182,6 +185,7 @@ class LeakyKernel:
 
     name = "fused"
     membrane: int | None = 0
+    emits_states = False
 
     def __init__(
         self,
@@ -223,7 +227,8 @@ class LeakyKernel:
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         source, thr, graded = self.tensors()
         decay = self.decay_of(source)
         zin = z if self.input_scale is None else self.input_scale(z)
@@ -278,10 +283,11 @@ class LeakyKernel:
         saved: Any,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
-        g_mem: Tensor | None,
+        g_mem: EmittedGrad,
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         mems, fired, z = saved  # (k + 1, B, ...): membranes; spikes (bool), the reset of t
         source, thr, graded = self.tensors()
@@ -353,6 +359,7 @@ class SurrogateKernel:
     """
 
     name = "fused"
+    emits_states = False
 
     def __init__(
         self,
@@ -403,7 +410,8 @@ class ImmediateLeakyKernel(SurrogateKernel):
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         beta, thr, graded = self.tensors()
         b = beta.clamp(0, 1)
         mem = leaves[0]
@@ -439,10 +447,11 @@ class ImmediateLeakyKernel(SurrogateKernel):
         saved: Any,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
-        g_mem: Tensor | None,
+        g_mem: EmittedGrad,
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         mems, bases, fired, resets = saved
         beta, thr, graded = self.tensors()
@@ -498,6 +507,33 @@ def _aligned(
     """The gradients of the tensors that require grad, aligned with ``need_params``."""
     out = [g for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
     return [g if n else None for g, n in zip(out, need_params, strict=True)]
+
+
+def emitted(want_mem: bool, emit: Emit, held: Sequence[Tensor | None], membrane: int) -> Emitted:
+    """A forward's per-step output from the states it held, ``(k + 1, B, ...)`` per leaf
+    (row 0: before the chunk): the membrane's rows ``1..``, or with ``emit`` those of the
+    leaves it numbers (a tuple); None without ``want_mem``."""
+    if not want_mem:
+        return None
+    rows = [held[membrane]] if emit is None else [held[i] for i in emit]
+    assert all(t is not None for t in rows)
+    if emit is None:
+        return rows[0][1:]  # type: ignore[index]
+    return tuple(t[1:] for t in rows)  # type: ignore[index]
+
+
+def per_leaf(g_mem: EmittedGrad, emit: Emit, n: int, membrane: int) -> list[Tensor | None]:
+    """A backward's ``g_mem`` as one gradient per state leaf (``n`` leaves, None where it has
+    none): all on the membrane, or with ``emit`` on the leaves it numbers."""
+    out: list[Tensor | None] = [None] * n
+    if emit is None:
+        out[membrane] = g_mem  # type: ignore[assignment]
+        return out
+    for i, g in zip(emit, g_mem, strict=True):  # type: ignore[arg-type]
+        if g is not None:
+            before = out[i]
+            out[i] = g if before is None else before + g
+    return out
 
 
 #: the surrogate's backward and the parameters' gradient products run on pieces of at most
@@ -582,6 +618,7 @@ class SynapticKernel(SurrogateKernel):
     """
 
     membrane: int | None = 1
+    emits_states = True
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return len(leaves) == 2 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
@@ -594,14 +631,17 @@ class SynapticKernel(SurrogateKernel):
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         alpha, beta, thr, graded = self.tensors()
         a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
         syn, mem = leaves
         # then (mem - thr > 0) == (mem > thr); compiled: snnTorch's own form (no host read)
         exact = not is_compiling() and _subtraction_is_exact(mem.device)
         if exact:
-            done = self._forward_on_host(syn, mem, z, (a, b, thr, graded), keep, want_mem, want_y)
+            done = self._forward_on_host(
+                syn, mem, z, (a, b, thr, graded), keep, (want_mem, want_y, emit)
+            )
             if done is not None:
                 return done
         fired = mem - thr > 0
@@ -627,8 +667,9 @@ class SynapticKernel(SurrogateKernel):
             s = all_fired[1:].float()
             y = s if is_unit(graded) else s * graded
         mem_all = torch.stack(mems) if keep or want_mem else None
-        saved = (torch.stack(syns), mem_all, all_fired) if keep else None
-        return [syn, mem], y, mem_all[1:] if want_mem else None, saved  # type: ignore[index]
+        syn_all = torch.stack(syns) if keep or (want_mem and emit) else None
+        saved = (syn_all, mem_all, all_fired) if keep else None
+        return [syn, mem], y, emitted(want_mem, emit, (syn_all, mem_all), 1), saved
 
     def _forward_on_host(
         self,
@@ -637,11 +678,12 @@ class SynapticKernel(SurrogateKernel):
         z: Tensor,
         tensors: tuple[Tensor, Tensor, Tensor, Tensor],
         keep: bool,
-        want_mem: bool,
-        want_y: bool,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any] | None:
-        """`forward` through the compiled loop (`host_loops`), or None where it declines."""
+        wants: tuple[bool, bool, Emit],
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any] | None:
+        """`forward` through the compiled loop (`host_loops`), or None where it declines;
+        ``wants``: ``(want_mem, want_y, emit)``."""
         a, b, thr, graded = tensors
+        want_mem, want_y, emit = wants
         k = z.shape[0]
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         torch.gt(mem - thr, 0, out=fires[0])
@@ -657,22 +699,24 @@ class SynapticKernel(SurrogateKernel):
             y = s if is_unit(graded) else s * graded
         saved = (syns, mems, fires) if keep else None
         states = [t.clone() for t in last] if hold else last
-        return states, y, mems[1:] if want_mem else None, saved
+        return states, y, emitted(want_mem, emit, (syns, mems), 1), saved
 
     def backward(
         self,
         saved: Any,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
-        g_mem: Tensor | None,
+        g_mem: EmittedGrad,
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         syns, mems, fired = saved
         alpha, beta, thr, graded = self.tensors()
         a, b = alpha.clamp(0, 1), beta.clamp(0, 1)
         k = mems.shape[0] - 1
+        g_syns, g_mem = per_leaf(g_mem, emit, 2, 1)  # dL/d syn_t, mem_t given per step
         want = _wanted([alpha, beta, thr, graded], need_params)
         thr_grad = graded_grad = None
         if g_y is not None:
@@ -689,7 +733,7 @@ class SynapticKernel(SurrogateKernel):
             g_m += g_mem
         keep_old = (~fired[:-1]).to(g_m.dtype) if self.reset == "zero_after" else None
         carry_m, carry_s = g_final[1], g_final[0]
-        host = synaptic_backward_on_host(g_m, a, b, fired, self.reset, carry_m, carry_s)
+        host = synaptic_backward_on_host(g_m, a, b, fired, self.reset, (carry_m, carry_s), g_syns)
         if host is not None:
             g_syn, carry_s, carry_m = host
         else:
@@ -703,6 +747,8 @@ class SynapticKernel(SurrogateKernel):
                 g_syn[t] = g_base
             else:
                 torch.add(g_base, carry_s, out=g_syn[t])
+            if g_syns is not None:
+                g_syn[t] += g_syns[t]
             carry_s = a * g_syn[t]
         if want[2] and self.reset == "subtract":
             part = reduce_product(g_m, fired[:-1], thr)
@@ -747,6 +793,7 @@ class NorseKernel:
 
     name = "fused"
     membrane: int | None = 0
+    emits_states = False
 
     def __init__(
         self,
@@ -802,7 +849,8 @@ class NorseKernel:
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         p = self.p()
         dt = self.dt
         c_m = dt * p.tau_mem_inv
@@ -849,10 +897,11 @@ class NorseKernel:
         saved: Any,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
-        g_mem: Tensor | None,
+        g_mem: EmittedGrad,
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         vs, is_, z, y = saved  # (k + 1, B, ...) states, the input chunk, the outputs
         p = self.p()

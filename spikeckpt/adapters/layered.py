@@ -143,6 +143,7 @@ class VerifiedKernel:
         self.kernel = kernel
         self.name = kernel.name
         self.membrane = kernel.membrane
+        self.emits_states = kernel.emits_states
         self.verified: bool | None = None
 
     @property

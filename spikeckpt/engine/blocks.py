@@ -47,6 +47,9 @@ class LayerBlock:
         sinks: ``(parameter, sink)`` pairs: the synapse's backward adds that parameter's
             gradient into the engine's running sum in place (`GradSink`), so no
             parameter-sized gradient is made per chunk.
+        emits: where ``membrane`` returns state leaves, their indices (``pytree`` order):
+            a ``fused`` kernel that `emits_states` then emits them per step (at the top, with
+            ``output="mem"`` or ``"both"``); None: its membrane is ``membrane``'s tensor.
     """
 
     name: str
@@ -60,3 +63,4 @@ class LayerBlock:
     fused: ChunkKernel | None = None
     sinks: tuple[tuple[Tensor, GradSink], ...] = ()
     affine: AffineChunk | None = None
+    emits: tuple[int, ...] | None = None

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from spikeckpt.engine.fused import ChunkKernel
+from spikeckpt.engine.fused import ChunkKernel, Emit, Emitted
 
 __all__ = [
     "COMPILE_CHOICES",
@@ -151,6 +151,7 @@ class CompiledKernel:
     def __init__(self, kernel: ChunkKernel) -> None:
         self.kernel = kernel
         self.membrane = kernel.membrane
+        self.emits_states = kernel.emits_states
         self.failed = False
         #: per key (shape, dtype, device, flags, grad mode): its compiled forward, each a
         #: copy with a code object of its own (`own_code`), so it holds one dynamo entry and
@@ -177,45 +178,47 @@ class CompiledKernel:
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         """The compiled forward (``y`` always made and ``into`` not used: one compiled graph
         per shape)."""
-        key = (tuple(z.shape), z.dtype, z.device, keep, want_mem, torch.is_grad_enabled())
+        flags = (keep, want_mem, emit)
+        key = (tuple(z.shape), z.dtype, z.device, *flags, torch.is_grad_enabled())
         use = self.choice.get(key)
         self.ran = "fused"
         if self.failed or use is False or under_dispatch_mode():
-            return self.kernel.forward(leaves, z, keep, want_mem)
+            return self.kernel.forward(leaves, z, keep, want_mem, emit=emit)
         try:
             if use is None:
-                use = self._first(key, leaves, z, keep, want_mem)
+                use = self._first(key, leaves, z, flags)
             if use:
-                result = self.compiled[key](leaves, z, keep, want_mem)
+                result = self.compiled[key](leaves, z, keep, want_mem, True, None, emit)
                 self.ran = "compiled"
                 return result
         except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
             self.failed = True
             note_eager(f"torch.compile failed on a fused neuron ({type(error).__name__}: {error})")
-        return self.kernel.forward(leaves, z, keep, want_mem)
+        return self.kernel.forward(leaves, z, keep, want_mem, emit=emit)
 
     def _first(
-        self, key: tuple[Any, ...], leaves: list[Tensor], z: Tensor, keep: bool, want_mem: bool
+        self, key: tuple[Any, ...], leaves: list[Tensor], z: Tensor, flags: tuple[Any, ...]
     ) -> bool:
         """The first chunk of a key: compile a copy of the forward for it, check it against
         the eager one (states, spikes and membranes bitwise) and time both; use it only
-        where equal and no slower. Remembers and returns the choice."""
+        where equal and no slower. Remembers and returns the choice. ``flags``: ``(keep,
+        want_mem, emit)``."""
+        args = (leaves, z, *flags[:2], True, None, flags[2])  # forward's, positional
         compiled = torch.compile(own_code(self.kernel.forward), dynamic=False)
         self.compiled[key] = compiled
-        got = compiled(leaves, z, keep, want_mem)  # compiles
-        want = self.kernel.forward(leaves, z, keep, want_mem)
+        got = compiled(*args)  # compiles
+        want = self.kernel.forward(*args)
         same = all(
             (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
             for a, b in zip(_outputs(got), _outputs(want), strict=True)
         )
         if not same:
             note_eager("a compiled fused neuron differed from the eager one (kept eager)")
-        use = same and compiled_is_faster(
-            compiled, self.kernel.forward, (leaves, z, keep, want_mem)
-        )
+        use = same and compiled_is_faster(compiled, self.kernel.forward, args)
         if same and not use:
             note_eager("a compiled fused neuron was slower than the eager one (kept eager)")
         self.choice[key] = use
@@ -250,9 +253,10 @@ def compiled_is_faster(
 
 
 def _outputs(result: Any) -> list[Tensor | None]:
-    """A kernel forward's tensors: final leaves, spikes, membranes (not what it saves)."""
+    """A kernel forward's tensors: final leaves, spikes, membranes or emitted leaves (not
+    what it saves)."""
     final, y, mem, _ = result
-    return [*final, y, mem]
+    return [*final, y, *(mem if isinstance(mem, tuple) else [mem])]
 
 
 #: the attribute a kernel keeps its `CompiledKernel` in: it lives (and its compiled code

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from spikeckpt.engine.fused import ChunkKernel
+from spikeckpt.engine.fused import ChunkKernel, Emit
 from spikeckpt.engine.inputs import SparseChunk
 
 __all__ = ["AffineChunk", "Untaped", "UntapedParts", "untaped_backward", "untaped_parts"]
@@ -116,10 +116,12 @@ def untaped_backward(
     want_input: bool,
     grads: list[Any],
     sums: Sequence[Tensor | None],
+    emit: Emit = None,
 ) -> Untaped | None:
     """Recompute ``kernel(affine(x))`` over a chunk from the state ``leaves`` and backpropagate
     ``grads = [dL/d spikes, dL/d membranes, dL/d final state leaves]`` through it, without
-    autograd (call under ``no_grad``); the affine parameters' gradients go into ``sums``
+    autograd (call under ``no_grad``; with ``emit``, the second is a tuple: dL/d each state
+    leaf the kernel emitted, see `ChunkKernel`); the affine parameters' gradients go into ``sums``
     (see `AffineChunk.backward`). Gradients come out in their inputs' dtypes, as autograd
     hands them on. ``grads`` is emptied once read (its tensors can go before the synapse's
     backward); None, ``grads`` untouched, where the affine map or the kernel declines."""
@@ -137,7 +139,14 @@ def untaped_backward(
     del z, room
     k_params = [p for p in kernel.params if p.requires_grad]
     g_z, g_leaves, g_kernel = kernel.backward(
-        saved, grads[0], list(grads[2]), grads[1], True, [True] * len(k_params), consume=True
+        saved,
+        grads[0],
+        list(grads[2]),
+        grads[1],
+        True,
+        [True] * len(k_params),
+        consume=True,
+        emit=emit,
     )
     del saved
     grads.clear()

@@ -17,7 +17,7 @@ from spikeckpt.engine.blocks import LayerBlock
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
 from spikeckpt.engine.function import SECOND_BACKWARD, Job
-from spikeckpt.engine.fused import ChunkKernel, run_fused
+from spikeckpt.engine.fused import ChunkKernel, Emit, run_fused
 from spikeckpt.engine.grad import GradSink, grad, unseen_leaves
 from spikeckpt.engine.inputs import SparseChunk, chunk_of, is_packed, sparse_chunk_of
 from spikeckpt.engine.phase import recomputing
@@ -227,24 +227,23 @@ class LayerwiseJob(Job):
                 self.stats.blocks[b].count_neuron("per-step")
             return self._run_steps(block, state, z, top, want_mem)
         assert kernel is not None
-        result = self._run_fused(kernel, state, z, top, want_mem)
+        result = self._run_fused(kernel, state, z, want_mem, block.emits if want_mem else None)
         if not recomputing():  # a compiled kernel says how it ran (it may keep a shape eager)
             self.stats.blocks[b].count_neuron(getattr(kernel, "ran", kernel.name))
         return result
 
     def _run_fused(
-        self, kernel: ChunkKernel, state: State, z: Tensor, top: bool, want_mem: bool
+        self, kernel: ChunkKernel, state: State, z: Tensor, want_mem: bool, emit: Emit
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """A block's neuron over the chunk ``z`` in one fused computation."""
-        state, y_all, mem_all = run_fused(kernel, state, z, want_mem)
+        """A block's neuron over the chunk ``z`` in one fused computation (`run_fused`)."""
+        state, y_all, mem_all = run_fused(kernel, state, z, want_mem, emit)
         self.stats.forward_steps += z.shape[0]
         final = pytree.tree_leaves(state)
-        if not top or self.output == "spikes":
+        if not want_mem:
             return [y_all], final
         assert mem_all is not None
-        if self.output == "mem":
-            return [mem_all], final
-        return [y_all, mem_all], final
+        mems = list(mem_all) if isinstance(mem_all, tuple) else [mem_all]
+        return (mems if self.output == "mem" else [y_all, *mems]), final
 
     def _run_steps(
         self, block: LayerBlock, state: State, z: Tensor, top: bool, want_mem: bool
@@ -628,16 +627,20 @@ class LayerwiseJob(Job):
         kernel, affine, k_idx, a_idx = found
         mem_out = top and self.output != "spikes"
         spikes_out = not mem_out or self.output == "both"
+        emit = self.blocks[b].emits if mem_out else None
         # the output gradients, handed over: freed once the neuron's backward has read them
-        grads = [g_out[0] if spikes_out else None, g_out[-1] if mem_out else None, g_state]
+        mems = g_out[int(spikes_out) :] if mem_out else [None]
+        grads = [g_out[0] if spikes_out else None, tuple(mems) if emit else mems[-1], g_state]
+        del mems
         g_out.clear()
         # the running sums this job owns are added into in place
         sums = [grad_p[j] if j is not None and j in self.owned else None for j in a_idx]
         sparse = self._sparse(c, b)
         with torch.no_grad():
-            done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums)
+            done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums, emit)
         if done is None:  # declined before reading them: the taped path gets them back
-            g_out.extend(g for g, out in zip(grads[:2], (spikes_out, mem_out), strict=True) if out)
+            mems = list(grads[1]) if emit else [grads[1]]
+            g_out.extend([grads[0]] * spikes_out + mems * mem_out)
             return None
         self.stats.forward_steps += done.steps
         self._accumulate(k_idx, done.kernel_grads, grad_p)  # type: ignore[arg-type]
