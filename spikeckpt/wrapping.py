@@ -453,9 +453,11 @@ def _call_blocks(
 
     own = tree.tree_leaves(state)
     index = {id(t): i for i, t in enumerate(own)}
-    fused, emits = blocks[-1].fused, tuple(index.get(id(t), -1) for t in leaves)
-    if fused is None or not fused.emits_states or -1 in emits or len(index) < len(own):
-        fused, emits = None, None  # not the state's leaves (or one tensor twice): per step
+    found = tuple(index.get(id(t), -1) for t in leaves)
+    fused = blocks[-1].fused
+    if fused is None or not fused.emits_states or -1 in found or len(index) < len(own):
+        fused = None  # not the state's leaves (or one tensor twice): per step
+    emits = None if fused is None else found
     top = dataclasses.replace(blocks[-1], membrane=outputs, fused=fused, emits=emits)
     return [*blocks[:-1], top], spec
 

@@ -66,9 +66,10 @@ def _loop(net: nn.Sequential, x: Tensor) -> list[Tensor]:
 def _loss(outs: list[Tensor], on: int | None) -> Tensor:
     """A weighted sum of output ``on`` (None: of every output)."""
     picked = outs if on is None else [outs[on]]
-    return sum(
-        (o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in picked
-    )  # type: ignore[return-value]
+    total = torch.zeros(())
+    for o in picked:
+        total = total + (o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum()
+    return total
 
 
 def _close(want: Tensor | None, got: Tensor | None, what: str) -> None:

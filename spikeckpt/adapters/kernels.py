@@ -290,6 +290,7 @@ class LeakyKernel:
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         mems, fired, z = saved  # (k + 1, B, ...): membranes; spikes (bool), the reset of t
+        g_mem = per_leaf(g_mem, emit, 1, 0)[0]  # the membrane's (leaf 0)
         source, thr, graded = self.tensors()
         decay = self.decay_of(source)
         k = mems.shape[0] - 1
@@ -454,6 +455,7 @@ class ImmediateLeakyKernel(SurrogateKernel):
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         mems, bases, fired, resets = saved
+        g_mem = per_leaf(g_mem, emit, 1, 0)[0]  # the membrane's (leaf 0)
         beta, thr, graded = self.tensors()
         b = beta.clamp(0, 1)
         subtract = self.reset == "subtract"
@@ -904,6 +906,7 @@ class NorseKernel:
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         vs, is_, z, y = saved  # (k + 1, B, ...) states, the input chunk, the outputs
+        g_mem = per_leaf(g_mem, emit, 1, 0)[0]  # the membrane's (leaf 0)
         p = self.p()
         dt = self.dt
         c_m = dt * p.tau_mem_inv

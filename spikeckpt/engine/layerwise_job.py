@@ -639,8 +639,8 @@ class LayerwiseJob(Job):
         with torch.no_grad():
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums, emit)
         if done is None:  # declined before reading them: the taped path gets them back
-            mems = list(grads[1]) if emit else [grads[1]]
-            g_out.extend([grads[0]] * spikes_out + mems * mem_out)
+            back = list(grads[1]) if emit else [grads[1]]  # type: ignore[arg-type]
+            g_out.extend([grads[0]] * spikes_out + back * mem_out)
             return None
         self.stats.forward_steps += done.steps
         self._accumulate(k_idx, done.kernel_grads, grad_p)  # type: ignore[arg-type]
