@@ -29,11 +29,14 @@ from spikeckpt.adapters.kernels import (
     _subtraction_is_exact,
     _wanted,
     clamp_grad,
+    emitted,
+    per_leaf,
     reduce_product,
     reduce_to,
     surrogate_grad,
 )
 from spikeckpt.engine.compiled import is_compiling
+from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 
 __all__ = ["RecurrentKernel"]
 
@@ -118,7 +121,8 @@ class RecurrentKernel(SurrogateKernel):
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         alpha, beta, thr, graded, recurrent = self._split()
         a = None if alpha is None else alpha.clamp(0, 1)
         b = beta.clamp(0, 1)
@@ -166,21 +170,25 @@ class RecurrentKernel(SurrogateKernel):
         final = [spk, mem.clone() if mems is not None else mem]
         if syn is not None:
             final.insert(1, syn.clone() if syns is not None else syn)
-        return final, ys if want_y else None, mems[1:] if want_mem else None, saved  # type: ignore[index]
+        held = (None, syns, mems) if syn is not None else (None, mems)
+        return final, ys if want_y else None, emitted(want_mem, emit, held, len(held) - 1), saved
 
     def backward(
         self,
         saved: Any,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
-        g_mem: Tensor | None,
+        g_mem: EmittedGrad,
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         # (k + 1, B, H) membranes, currents (RSynaptic) and spikes (bool: r_t at t < k,
         # s_t at t > 0); the initial spikes (B, H); the spikes (k, B, H)
         mems, syns, fired, spk0, ys = saved
+        n = 3 if self.synaptic else 2
+        g_mem = per_leaf(g_mem, emit, n, n - 1)[n - 1]  # the membrane's (the last leaf)
         alpha, beta, thr, graded, recurrent = self._split()
         a = None if alpha is None else alpha.clamp(0, 1)
         b = beta.clamp(0, 1)
