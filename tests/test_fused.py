@@ -171,6 +171,10 @@ NEURONS: dict[str, Factory] = {
             v_reset=nn.Parameter(torch.tensor(-0.1)),
         )
     ),
+    "norse lif recurrent": lambda n: norse.LIFRecurrentCell(n, n),
+    "norse lif recurrent tanh autapses": lambda n: norse.LIFRecurrentCell(
+        n, n, p=norse.LIFParameters(method="tanh", v_th=torch.tensor(0.4)), autapses=True
+    ),
     "norse lifbox": lambda n: norse.LIFBoxCell(),
     "norse lifbox subtract": lambda n: norse.LIFBoxCell(
         norse.LIFBoxParameters(
@@ -384,25 +388,26 @@ def test_alpha_matches_snntorchs_own_step(
 
 
 #: the neurons with recurrent weights inside
-_RECURRENT = ("rleaky", "rsynaptic")
+_RECURRENT = ("rleaky", "rsynaptic", "norse lif recurrent")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(n for n in NEURONS if n.startswith(_RECURRENT))), **_CASES)
-def test_recurrent_neurons_match_snntorchs_own_step(
+def test_recurrent_neurons_match_the_frameworks_own_step(
     name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
 ) -> None:
     """snnTorch ``RLeaky`` and ``RSynaptic`` (`RecurrentKernel`: the previous spikes fed back
     through the recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset,
-    learnable ``alpha``, ``beta``, threshold and recurrent weights) against snnTorch's own
-    step: spikes and membranes bitwise, gradients at round-off."""
+    learnable ``alpha``, ``beta``, threshold and recurrent weights) and Norse's
+    ``LIFRecurrentCell`` (`NorseRecurrentKernel`: input and recurrent weights inside the cell)
+    against the framework's own step: spikes and membranes bitwise, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
         name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
     )
 
 
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
-_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky", "rsynaptic")
+_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent")
 
 
 @pytest.mark.parametrize(
@@ -495,7 +500,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
         snn.Leaky(beta=0.9, inhibition=True),
         snn.RLeaky(beta=0.9, linear_features=5, reset_delay=False),
-        norse.LIFRecurrentCell(5, 5),
+        norse.LSNNRecurrentCell(5, 5),
     ],
     ids=["SSO surrogate", "inhibition", "RLeaky reset_delay False", "norse recurrent"],
 )

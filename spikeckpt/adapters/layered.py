@@ -193,6 +193,10 @@ def _kernel_matches_step(
 
     params = [p for p in kernel.params if p.requires_grad]
     shape = _sample_shape(z.shape[1:], kernel.params)
+    shapes = [shape] * len(leaves)
+    if any(t.shape[1:] != z.shape[2:] for t in leaves):  # a cell weighting its own input
+        shape = (CHECK_ROWS, *z.shape[2:])
+        shapes = [(CHECK_ROWS, *t.shape[1:]) for t in leaves]
     spec = pytree.tree_structure(neuron.init_state(z[0, :1]))
     results = []
     try:
@@ -203,8 +207,8 @@ def _kernel_matches_step(
                 x = x.to(z.device)
                 x.requires_grad_()
                 start = [
-                    (torch.randn(shape, dtype=t.dtype) * 2).to(t.device).requires_grad_()
-                    for t in leaves
+                    (torch.randn(size, dtype=t.dtype) * 2).to(t.device).requires_grad_()
+                    for t, size in zip(leaves, shapes, strict=True)
                 ]
                 state = pytree.tree_unflatten(start, spec)
                 if fused:

@@ -46,6 +46,7 @@ from spikeckpt.adapters.protocol import (
     plain_container,
     unsupported,
 )
+from spikeckpt.adapters.recurrent_kernel import NorseRecurrentKernel
 from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
 
@@ -212,11 +213,14 @@ class NorseAdapter(LayerAdapter):
             found.setdefault(id(t), t)
         return list(found.values())
 
-    def chunk_kernel(self) -> NorseKernel | None:
+    def chunk_kernel(self) -> NorseKernel | NorseRecurrentKernel | None:
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
-        ``reset_value`` or ``reset_subtract``) or ``li_feed_forward_step``, else None."""
-        return norse_kernel(self.module) if not self.recurrent else None
+        ``reset_value`` or ``reset_subtract``) or ``li_feed_forward_step``, or of a
+        ``LIFRecurrentCell`` (``lif_step``), else None."""
+        if self.recurrent:
+            return norse_recurrent_kernel(self.module)
+        return norse_kernel(self.module)
 
 
 class LILinearAdapter(StatefulAdapter):
@@ -376,3 +380,37 @@ def norse_kernel(m: nn.Module) -> NorseKernel | None:
     `NorseAdapter.chunk_kernel`), or None."""
     key = _kernel_key(m)
     return None if key is None else _NorseChunkKernel(m, key)
+
+
+def _recurrent_key(m: nn.Module) -> tuple[float, str] | None:
+    """``(dt, method)`` of a ``LIFRecurrentCell`` whose step the `NorseRecurrentKernel`
+    reproduces as it is now (Norse's own call, ``lif_step``, a spike method it knows), or
+    None."""
+    from norse.torch.functional.lif import lif_step
+
+    p, dt = getattr(m, "p", None), getattr(m, "dt", None)
+    own = type(m).forward is SNNRecurrentCell.forward and "forward" not in vars(m)
+    method = getattr(p, "method", None)
+    if getattr(m, "activation", None) is not lif_step or not own or not isinstance(dt, float):
+        return None
+    return (dt, method) if method in _METHODS else None
+
+
+def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | None:
+    """The chunk kernel of the ``LIFRecurrentCell`` ``m``, or None."""
+    from norse.torch.functional.threshold import threshold
+
+    key = _recurrent_key(m)
+    if key is None:
+        return None
+
+    def spike(u: Tensor) -> Tensor:
+        return threshold(u, m.p.method, m.p.alpha)
+
+    def tensors() -> tuple[Any, Tensor, Tensor]:
+        return m.p, m.input_weights, m.recurrent_weights
+
+    def usable() -> bool:
+        return _recurrent_key(m) == key and no_hooks(m)
+
+    return NorseRecurrentKernel(tensors, key[0], spike, usable)

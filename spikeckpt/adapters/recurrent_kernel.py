@@ -38,7 +38,7 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 
-__all__ = ["RecurrentKernel"]
+__all__ = ["NorseRecurrentKernel", "RecurrentKernel"]
 
 
 def _row(buffer: Tensor | None, t: int) -> Tensor | None:
@@ -291,3 +291,153 @@ class RecurrentKernel(SurrogateKernel):
         if recurrent[1] is not None:
             out.append(g.reshape(-1, h).sum(0) if want[1] else None)
         return out
+
+
+class NorseRecurrentKernel:
+    """Norse's ``LIFRecurrentCell`` step (``lif_step``), with fixed parameters: the state
+    ``(z, v, i)`` (previous spikes, membrane, current), the block's input ``x (k, B, n_in)``
+    weighted inside the cell.
+
+    Per step, as ``lif_step`` does it: ``j = i + x_t W_in^T + z W_rec^T``; ``v_d = v + dt *
+    tau_mem_inv * ((v_leak - v) + j)``; ``i = j + -dt * tau_syn_inv * j``; ``z = threshold(v_d -
+    v_th)``; ``v = (1 - z) * v_d + z * v_reset`` (the spike detached in the reset, as Norse
+    does). The parameters ``p`` take no gradient here (a cell with learnable ``p`` steps per
+    call); the weights do.
+
+    Args:
+        tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
+        dt: the cell's time step.
+        spike: ``u -> threshold(u, method, alpha)``.
+        usable: ``() -> bool``, whether the cell still has the step the kernel computes.
+    """
+
+    name = "fused"
+    membrane: int | None = 1
+    emits_states = False
+    fields = ("tau_mem_inv", "tau_syn_inv", "v_leak", "v_th", "v_reset")
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Any, Tensor, Tensor]],
+        dt: float,
+        spike: Callable[[Tensor], Tensor],
+        usable: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.tensors = tensors
+        self.dt = dt
+        self.spike = spike
+        self.usable = usable
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        _, w_in, w_rec = self.tensors()
+        return (w_in, w_rec)
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        if len(leaves) != 3 or not self.usable() or z.dim() != 3:
+            return False
+        p, w_in, w_rec = self.tensors()
+        values = [getattr(p, f, None) for f in self.fields]
+        hidden = w_rec.shape[0]
+        return (
+            all(
+                isinstance(t, Tensor)
+                and not t.requires_grad
+                and t.dtype == z.dtype
+                and (t.device == z.device or (t.dim() == 0 and t.device.type == "cpu"))
+                for t in values
+            )
+            and not any(isinstance(t, Tensor) and t.requires_grad for t in (p.alpha,))
+            and z.is_floating_point()
+            and all(
+                t.shape == (z.shape[1], hidden) and t.dtype == z.dtype and t.device == z.device
+                for t in leaves
+            )
+            and w_in.shape == (hidden, z.shape[2])
+            and w_in.dtype == w_rec.dtype == z.dtype
+        )
+
+    def forward(
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        p, w_in, w_rec = self.tensors()
+        c_m = self.dt * p.tau_mem_inv
+        c_s = -self.dt * p.tau_syn_inv
+        spk0, v, i = leaves
+        k = z.shape[0]
+        ys = v.new_empty((k, *v.shape))
+        v_ds = v.new_empty((k, *v.shape)) if keep else None  # before the reset
+        vs = v.new_empty((k, *v.shape)) if want_mem else None
+        spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
+        # the input's product per step, as the cell's: one product for the chunk took as
+        # long (measured) and rounds differently for one row (a matrix-vector product)
+        for t, x_t in enumerate(z.unbind(0)):
+            jump = i + F.linear(x_t, w_in) + F.linear(spk, w_rec)
+            v_d = v + c_m * ((p.v_leak - v) + jump)
+            i = jump + c_s * jump
+            spk = torch.gt(v_d - p.v_th, torch.as_tensor(0.0)).to(v_d.dtype)  # heaviside
+            v = (1 - spk) * v_d + spk * p.v_reset
+            ys[t] = spk
+            if v_ds is not None:
+                v_ds[t] = v_d
+            if vs is not None:
+                vs[t] = v
+        saved = (v_ds, ys, spk0, z) if keep else None
+        return [spk, v, i], ys if want_y else None, vs, saved
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: EmittedGrad,
+        need_z: bool,
+        need_params: Sequence[bool],
+        consume: bool = False,
+        emit: Emit = None,
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        g_mem = per_leaf(g_mem, emit, 3, 1)[1]  # the membrane's
+        v_ds, ys, spk0, x = saved  # (k, B, H) before the reset, spikes; (B, H); (k, B, n_in)
+        p, w_in, w_rec = self.tensors()
+        c_m = self.dt * p.tau_mem_inv
+        c_s = -self.dt * p.tau_syn_inv
+        k = ys.shape[0]
+        slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
+        keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
+        g_jump = torch.empty_like(ys)  # dL/d j_t
+        carry_z, carry_v, carry_i = g_final
+        for t in range(k - 1, -1, -1):
+            g_s = carry_z if g_y is None else (g_y[t] if carry_z is None else g_y[t] + carry_z)
+            g_v = (
+                carry_v if g_mem is None else (g_mem[t] if carry_v is None else g_mem[t] + carry_v)
+            )
+            g_vd = slope[t] * g_s if g_s is not None else torch.zeros_like(ys[t])
+            if g_v is not None:
+                g_vd = g_vd + g_v * keep_v[t]
+            g_j = g_vd * c_m  # v_d = v + c_m * ((v_leak - v) + j)
+            if carry_i is not None:
+                g_j = g_j + carry_i * (1 + c_s)  # i = j + c_s * j
+            g_jump[t] = g_j
+            carry_v = g_vd - g_vd * c_m
+            carry_i = g_j
+            carry_z = g_j @ w_rec
+        want_in, want_rec = _wanted([w_in, w_rec], need_params)
+        h = w_rec.shape[0]
+        flat = g_jump.reshape(-1, h)
+        grads: list[Tensor | None] = [None, None]
+        if want_in:
+            grads[0] = flat.T @ x.reshape(-1, x.shape[-1])
+        if want_rec:
+            weight = g_jump[0].T @ spk0.to(ys.dtype)
+            if k > 1:
+                weight.addmm_(g_jump[1:].reshape(-1, h).T, ys[:-1].reshape(-1, h))
+            grads[1] = weight
+        g_x = (g_jump @ w_in) if need_z else None
+        return g_x, [carry_z, carry_v, carry_i], _aligned([w_in, w_rec], grads, need_params)
