@@ -1,8 +1,9 @@
-"""Recurrent snnTorch layers as SHD models write them, against their own loop.
+"""Recurrent snnTorch and Norse layers as SHD models write them, against their own loop.
 
 ``nn.Sequential(Linear(700, H), RLeaky | RSynaptic(linear_features=H, init_hidden=True),
 Linear(H, 20), Leaky(init_hidden=True, output=True))``, input spikes at 5%, loss on the output
-membrane (``spk, mem = net(x_t)``), batch 32. Rows: snnTorch's own loop; ``wrap`` layer-wise
+membrane (``spk, mem = net(x_t)``), batch 32; and Norse's ``SequentialState(LIFRecurrentCell(700,
+H), Linear(H, 20), LICell())`` against Norse's loop. Rows: snnTorch's own loop; ``wrap`` layer-wise
 with the recurrent neuron fused (`spikeckpt.adapters.recurrent_kernel`) and per step
 (``fuse=False``: as before the kernel); the stack with ``wrap``'s defaults; ``BPTT()``; and
 ``granularity="auto"``. Time is the minimum of interleaved rounds after a warm-up, in one
@@ -43,14 +44,43 @@ def shd_net(neuron: nn.Module, hidden: int) -> nn.Sequential:
     )
 
 
-def snntorch_loop(net: nn.Sequential, x: Tensor) -> Tensor:
+def snntorch_loop(net: nn.Module, x: Tensor) -> Tensor:
     """The users' loop: ``spk, mem = net(x_t)``; the membranes ``(T, B, 20)``."""
     utils.reset(net)
     return torch.stack([net(x_t)[1] for x_t in x])
 
 
-def rows(name: str, net: nn.Sequential, x: Tensor, rounds: int) -> None:
-    """Time, peak and gradient of each row for ``net``; one table row each."""
+def norse_net(hidden: int) -> nn.Module | None:
+    """Norse's ``SequentialState(LIFRecurrentCell(700, hidden), Linear(hidden, 20),
+    LICell())`` (None without Norse)."""
+    try:
+        import norse.torch as norse
+    except ImportError:  # pragma: no cover - norse is an extra
+        return None
+    return norse.SequentialState(
+        norse.LIFRecurrentCell(700, hidden), nn.Linear(hidden, 20), norse.LICell()
+    )
+
+
+def norse_loop(net: nn.Module, x: Tensor) -> Tensor:
+    """Norse's loop: ``v, state = net(x_t, state)``; the output membranes ``(T, B, 20)``."""
+    state, out = None, []
+    for x_t in x:
+        v, state = net(x_t, state)
+        out.append(v)
+    return torch.stack(out)
+
+
+def rows(
+    name: str,
+    net: nn.Module,
+    x: Tensor,
+    rounds: int,
+    loop: Callable[[nn.Module, Tensor], Tensor] = snntorch_loop,
+    pick: int = 1,
+) -> None:
+    """Time, peak and gradient of each row for ``net`` (its own ``loop``; the wrapped
+    model's output ``pick`` of its call's tuple); one table row each."""
     wrapped = {
         "layer-wise, fused": sc.wrap(net, granularity="layer"),
         "layer-wise, per step": sc.wrap(net, granularity="layer", fuse=False),
@@ -58,22 +88,22 @@ def rows(name: str, net: nn.Sequential, x: Tensor, rounds: int) -> None:
         "stack, BPTT()": sc.wrap(net, plan=sc.plans.BPTT()),
         'granularity="auto"': sc.wrap(net, granularity="auto"),
     }
-    runs: dict[str, Callable[[], Tensor]] = {"snnTorch loop": lambda: snntorch_loop(net, x)}
+    runs: dict[str, Callable[[], Tensor]] = {"own loop": lambda: loop(net, x)}
     for row, seq in wrapped.items():
-        runs[row] = lambda seq=seq: seq(x)[1]
+        runs[row] = lambda seq=seq: seq(x)[pick]
 
     def step(run: Callable[[], Tensor]) -> tuple[float, Tensor]:
         net.zero_grad(set_to_none=True)
         start = time.perf_counter()
         run().sum().backward()
-        return time.perf_counter() - start, net[0].weight.grad.clone()
+        return time.perf_counter() - start, first_weight(net).grad.clone()
 
     grads = {row: step(run)[1] for row, run in runs.items()}  # warm-up: plans, checks
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(rounds):
         for row, run in runs.items():
             best[row] = min(best[row], step(run)[0])
-    loop_grad = grads["snnTorch loop"]
+    loop_grad = grads["own loop"]
     for row, run in runs.items():
         with sc.MemoryMeter() as meter:
             step(run)
@@ -85,9 +115,15 @@ def rows(name: str, net: nn.Sequential, x: Tensor, rounds: int) -> None:
             ran = f"stack, {seq.last_stats.plan}"
         rel = ((grads[row] - loop_grad).abs().max() / loop_grad.abs().max()).item()
         print(
-            f"| {name} | {row} | {best[row]:.3f} s | {best[row] / best['snnTorch loop']:.2f} "
+            f"| {name} | {row} | {best[row]:.3f} s | {best[row] / best['own loop']:.2f} "
             f"| {meter.peak_bytes / 2**20:.2f} MiB | {ran} | {rel:.1e} |"
         )
+
+
+def first_weight(net: nn.Module) -> Tensor:
+    """The first layer's weight (``Linear.weight``, or a Norse cell's input weights)."""
+    first = next(iter(net.children()))
+    return first.weight if isinstance(first, nn.Linear) else first.input_weights
 
 
 def main() -> None:
@@ -114,6 +150,10 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         rows(name, shd_net(make(args.hidden), args.hidden), x, args.rounds)
+    net = norse_net(args.hidden)
+    if net is not None and (not args.only or any(p in "Norse LIFRecurrentCell" for p in args.only)):
+        torch.manual_seed(0)
+        rows("Norse LIFRecurrentCell", norse_net(args.hidden), x, args.rounds, norse_loop, 0)
 
 
 if __name__ == "__main__":

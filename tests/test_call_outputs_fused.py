@@ -1,4 +1,5 @@
-"""A top ``Synaptic(output=True)`` / ``Alpha(output=True)`` stays fused in the layer-wise run.
+"""A top ``Synaptic(output=True)`` / ``Alpha(output=True)`` / ``RSynaptic(output=True)`` stays
+fused in the layer-wise run.
 
 With ``init_hidden=True`` such a net's call returns ``spk, syn, mem`` (``Alpha``: ``spk,
 syn_exc, syn_inh, mem``) each step, and the wrapped net returns them stacked over time. The
@@ -33,8 +34,8 @@ def _top(kind: str, reset: str, learn: bool, fast: bool) -> nn.Module:
     ``fast``: the fast sigmoid surrogate (else snnTorch's default). snnTorch 1.0's
     ``Synaptic`` and ``Alpha`` take no graded spike factor."""
     kw: dict[str, Any] = {
-        "alpha": 0.8 if kind == "Synaptic" else 0.85,
-        "beta": 0.9 if kind == "Synaptic" else 0.6,
+        "alpha": 0.85 if kind == "Alpha" else 0.8,
+        "beta": 0.6 if kind == "Alpha" else 0.9,
         "threshold": 0.4,
         "reset_mechanism": reset,
         "init_hidden": True,
@@ -42,8 +43,10 @@ def _top(kind: str, reset: str, learn: bool, fast: bool) -> nn.Module:
         "learn_beta": learn,
         "learn_threshold": learn,
     }
-    if kind == "Synaptic":
+    if kind != "Alpha":
         kw["learn_alpha"] = learn
+    if kind == "RSynaptic":  # the recurrent weights inside: the top's width
+        kw["linear_features"] = 5
     if fast:
         kw["spike_grad"] = surrogate.fast_sigmoid(slope=5)
     return getattr(snn, kind)(**kw)
@@ -114,7 +117,7 @@ def _check(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    kind=st.sampled_from(["Synaptic", "Alpha"]),
+    kind=st.sampled_from(["Synaptic", "Alpha", "RSynaptic"]),
     reset=st.sampled_from(["subtract", "zero", "none"]),
     learn=st.booleans(),
     fast=st.booleans(),
@@ -142,7 +145,7 @@ def test_the_call_outputs_are_the_loops_and_the_top_block_is_fused(
     the call's outputs (the spikes, a current, the membrane) or all of them: both blocks fused, the
     outputs bitwise the loop's, the gradients at round-off, untaped or taped, through the
     Numba loops or the torch ones."""
-    if kind == "Synaptic" and on == 3:
+    if kind != "Alpha" and on == 3:
         on = 2  # three outputs
     _check(lambda: _top(kind, reset, learn, fast), T, chunk, on, seed, (untaped, jit))
 

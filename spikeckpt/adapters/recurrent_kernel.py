@@ -86,6 +86,8 @@ class RecurrentKernel(SurrogateKernel):
         self.usable = usable
         self.synaptic = synaptic
         self.membrane: int | None = 2 if synaptic else 1
+        #: RSynaptic emits its current and membrane per step (``output=True`` at the top)
+        self.emits_states = synaptic
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -132,7 +134,10 @@ class RecurrentKernel(SurrogateKernel):
         hold = keep or want_mem
         # membranes, spikes and resets straight into their buffers (out=: the same values)
         mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
-        syns = mem.new_empty((k + 1, *mem.shape)) if keep and syn is not None else None
+        emits_syn = want_mem and emit is not None and 1 in emit
+        syns = (
+            mem.new_empty((k + 1, *mem.shape)) if (keep or emits_syn) and syn is not None else None
+        )
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         dtype = torch.result_type(torch.ones(1), graded)  # a float32 spike's times graded
         ys = torch.empty((k, *mem.shape), dtype=dtype, device=mem.device)
@@ -188,7 +193,9 @@ class RecurrentKernel(SurrogateKernel):
         # s_t at t > 0); the initial spikes (B, H); the spikes (k, B, H)
         mems, syns, fired, spk0, ys = saved
         n = 3 if self.synaptic else 2
-        g_mem = per_leaf(g_mem, emit, n, n - 1)[n - 1]  # the membrane's (the last leaf)
+        g_leaves = per_leaf(g_mem, emit, n, n - 1)
+        g_mem = g_leaves[n - 1]  # the membrane's (the last leaf)
+        g_syn = g_leaves[1] if self.synaptic else None  # the emitted current's, per step
         alpha, beta, thr, graded, recurrent = self._split()
         a = None if alpha is None else alpha.clamp(0, 1)
         b = beta.clamp(0, 1)
@@ -234,6 +241,8 @@ class RecurrentKernel(SurrogateKernel):
                     g_in[t] = row
                 else:
                     torch.add(row, carry_syn, out=g_in[t])
+                if g_syn is not None:
+                    g_in[t] += g_syn[t]
                 carry_syn = a * g_in[t]
             carry_spk = self._rec_grad(g_in[t], recurrent)
         grads: list[Tensor | None] = [None, None, None, None]
