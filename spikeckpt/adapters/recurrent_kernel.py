@@ -46,6 +46,17 @@ def _row(buffer: Tensor | None, t: int) -> Tensor | None:
     return None if buffer is None else buffer[t]
 
 
+def fed_back_grad(g: Tensor, spk0: Tensor, ys: Tensor) -> Tensor:
+    """The recurrent weight's gradient over a chunk, ``sum_t g_t^T y_(t - 1)`` (``g``: dL/d
+    the product's output ``(k, B, H)``; its input ``spk0 (B, H)`` at the first step, ``ys[t -
+    1]`` after): one product for the chunk (two with the first step's)."""
+    h = g.shape[-1]
+    weight = g[0].reshape(-1, h).T @ spk0.reshape(-1, h)
+    if g.shape[0] > 1:
+        weight.addmm_(g[1:].reshape(-1, h).T, ys[:-1].reshape(-1, h))
+    return weight
+
+
 class RecurrentKernel(SurrogateKernel):
     """snnTorch ``RLeaky`` (``reset_delay=True``): previous spikes and one membrane; with
     ``synaptic``, ``RSynaptic``: previous spikes, synaptic current and membrane.
@@ -291,12 +302,7 @@ class RecurrentKernel(SurrogateKernel):
             grad = reduce_to(g[0] * first, v)
             return [grad + reduce_product(g[1:], ys[:-1], v) if g.shape[0] > 1 else grad]
         h = g.shape[-1]
-        out: list[Tensor | None] = [None]
-        if want[0]:  # sum over steps and rows of g_t^T y_(t-1): one product for the chunk
-            weight = g[0].reshape(-1, h).T @ first.reshape(-1, h)
-            if g.shape[0] > 1:
-                weight.addmm_(g[1:].reshape(-1, h).T, ys[:-1].reshape(-1, h))
-            out[0] = weight
+        out: list[Tensor | None] = [fed_back_grad(g, first, ys) if want[0] else None]
         if recurrent[1] is not None:
             out.append(g.reshape(-1, h).sum(0) if want[1] else None)
         return out
@@ -444,9 +450,6 @@ class NorseRecurrentKernel:
         if want_in:
             grads[0] = flat.T @ x.reshape(-1, x.shape[-1])
         if want_rec:
-            weight = g_jump[0].T @ spk0.to(ys.dtype)
-            if k > 1:
-                weight.addmm_(g_jump[1:].reshape(-1, h).T, ys[:-1].reshape(-1, h))
-            grads[1] = weight
+            grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
         g_x = (g_jump @ w_in) if need_z else None
         return g_x, [carry_z, carry_v, carry_i], _aligned([w_in, w_rec], grads, need_params)
