@@ -555,3 +555,57 @@ def test_a_sequential_state_with_its_own_forward_or_hooks_runs_through_its_call(
         match="forward hooks or a forward of its own, so it runs through its call",
     ):
         sc.wrap(model, plan=Uniform(3), granularity="layer")(x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    T=st.integers(1, 19),
+    B=st.integers(1, 3),
+    chunk=st.integers(1, 8),
+    autapses=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_recurrent_cell_first_in_a_stack_runs_fused_layer_wise(
+    T: int, B: int, chunk: int, autapses: bool, seed: int
+) -> None:
+    """``SequentialState(LIFRecurrentCell(in, n), Linear, LICell())``, the cell weighting the
+    network's input itself (no ``Linear`` before it), layer-wise: the cell runs fused
+    (`NorseRecurrentKernel`), its spikes bitwise Norse's (checked through ``output="both"``
+    of a wrap cut after the cell), the output and every gradient (the autapse hook's zero
+    diagonal included) within round-off of Norse's loop."""
+    torch.manual_seed(seed)
+    cell = nt.LIFRecurrentCell(IN, N, autapses=autapses)
+    net = nt.SequentialState(cell, nn.Linear(N, 3), nt.LICell())
+    x = (torch.rand(T, B, IN) < 0.5).float() * 30
+    params = list(net.parameters())
+
+    def loop(model: nn.Module) -> Tensor:
+        state, out = None, []
+        for x_t in x:
+            y, state = model(x_t, state)
+            out.append(y)
+        return torch.stack(out)
+
+    want = loop(net)
+    weights = torch.linspace(-1, 1, want.numel()).reshape(want.shape)
+    want_grads = torch.autograd.grad((want * weights).sum(), params)
+    seq = sc.wrap(net, granularity="layer", chunk=chunk)
+    got = seq(x)[0]
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got_grads = torch.autograd.grad((got * weights).sum(), params)
+    for a, b in zip(want_grads, got_grads, strict=True):
+        scale = max(1.0, float(a.abs().max()))
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
+    if not autapses:
+        assert not got_grads[1].diagonal().any()  # the recurrent weights' hook ran
+    spikes = sc.wrap(nt.SequentialState(cell), granularity="layer", chunk=chunk)(x)[0]
+    assert torch.equal(spikes, torch.stack(_cell_spikes(cell, x)))
+
+
+def _cell_spikes(cell: nn.Module, x: Tensor) -> list[Tensor]:
+    state, out = None, []
+    for x_t in x:
+        z, state = cell(x_t, state)
+        out.append(z)
+    return out
