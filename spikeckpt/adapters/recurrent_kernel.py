@@ -1,4 +1,5 @@
-"""The chunk kernel of a neuron with recurrent weights inside it (snnTorch ``RLeaky``).
+"""Chunk kernels of neurons with recurrent weights inside them: snnTorch ``RLeaky`` and
+``RSynaptic`` (`RecurrentKernel`), Norse's ``LIFRecurrentCell`` (`NorseRecurrentKernel`).
 
 Each step feeds the previous step's spikes back through the neuron's own recurrent map, so
 the steps cannot be batched over the chunk as a block's synapse is; what the kernel saves is
