@@ -200,8 +200,9 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         """The fused recurrence of a ``Leaky``, ``Lapicque``, ``Synaptic``, ``Alpha``,
         ``RLeaky`` or ``RSynaptic`` (exactly these classes, ``reset_delay=True`` or a ``Leaky``
         with ``reset_delay=False``, a linear or one-to-one recurrence, no
-        ``state_quant``, no ``inhibition``, no random surrogate, the library's own ``forward``
-        and state function), else None."""
+        ``state_quant``, no ``inhibition``, no random surrogate, a spike function firing at
+        ``u > 0`` as snnTorch's do, the library's own ``forward`` and state function), else
+        None."""
         return snntorch_kernel(self.module)
 
     def call_outputs(self, state: State) -> tuple[Any, ...] | None:
@@ -317,6 +318,11 @@ _RESETS: dict[type, dict[str, Reset]] = {
 }
 #: snnTorch surrogates that draw random numbers in backward (or fail): never fused
 _RANDOM_SURROGATES = ("SSO", "LSO")
+#: membrane-minus-threshold values on which a spike function must give snnTorch's heaviside
+#: ``(u > 0).float()``: the kernels compute the spikes so, never calling it; a user's own
+#: surrogate firing at ``u >= 0`` differs only at the threshold itself, which a membrane
+#: reaches exactly on coarse values (binary inputs, weights such as 0.5)
+_HEAVISIDE_PROBE = (-2.0, -1e-30, -0.0, 0.0, 1e-30, 2.0)
 
 
 def snntorch_kernel(
@@ -336,6 +342,7 @@ def snntorch_kernel(
         or getattr(m, "inhibition", True)
         or (immediate and cls is not snn.Leaky)
         or any(name.startswith(bad) for bad in _RANDOM_SURROGATES)
+        or not _fires_above_zero(spike)
     ):
         return None
     mechanism = m.reset_mechanism
@@ -377,6 +384,18 @@ def snntorch_kernel(
         frozen=lambda: (m.C, m.time_step),
         spike_grad=written,
     )
+
+
+def _fires_above_zero(spike: Callable[[Tensor], Tensor]) -> bool:
+    """Whether ``spike``'s forward is snnTorch's heaviside ``(u > 0).float()`` on
+    `_HEAVISIDE_PROBE` (every snnTorch surrogate's is; a user's may fire at ``u >= 0``)."""
+    u = torch.tensor(_HEAVISIDE_PROBE)
+    try:  # (random numbers it may draw are not taken from the run's stream)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = spike(u)
+    except Exception:  # noqa: BLE001 - a spike function that fails here steps per call
+        return False
+    return isinstance(out, Tensor) and out.dtype == u.dtype and torch.equal(out, (u > 0).float())
 
 
 def _recurrent_kernel(
