@@ -391,7 +391,7 @@ def _fires_above_zero(spike: Callable[[Tensor], Tensor]) -> bool:
     `_HEAVISIDE_PROBE` (every snnTorch surrogate's is; a user's may fire at ``u >= 0``)."""
     u = torch.tensor(_HEAVISIDE_PROBE)
     try:  # (random numbers it may draw are not taken from the run's stream)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), unmetered():
             out = spike(u)
     except Exception:  # noqa: BLE001 - a spike function that fails here steps per call
         return False
