@@ -175,6 +175,17 @@ NEURONS: dict[str, Factory] = {
     "norse lif recurrent tanh autapses": lambda n: norse.LIFRecurrentCell(
         n, n, p=norse.LIFParameters(method="tanh", v_th=torch.tensor(0.4)), autapses=True
     ),
+    "norse lif recurrent learnable": lambda n: norse.LIFRecurrentCell(
+        n,
+        n,
+        p=norse.LIFParameters(
+            tau_mem_inv=nn.Parameter(torch.full((n,), 80.0)),
+            tau_syn_inv=nn.Parameter(torch.tensor(150.0)),
+            v_leak=nn.Parameter(torch.tensor(0.1)),
+            v_th=nn.Parameter(torch.tensor(0.5)),
+            v_reset=nn.Parameter(torch.tensor(-0.1)),
+        ),
+    ),
     "norse lifbox": lambda n: norse.LIFBoxCell(),
     "norse lifbox subtract": lambda n: norse.LIFBoxCell(
         norse.LIFBoxParameters(

@@ -25,6 +25,7 @@ from spikeckpt.adapters.kernels import (
     SpikeGrad,
     SurrogateKernel,
     _aligned,
+    _host_scalar,
     _keeps_dtype,
     _same_layout,
     _subtraction_is_exact,
@@ -310,15 +311,15 @@ class RecurrentKernel(SurrogateKernel):
 
 
 class NorseRecurrentKernel:
-    """Norse's ``LIFRecurrentCell`` step (``lif_step``), with fixed parameters: the state
+    """Norse's ``LIFRecurrentCell`` step (``lif_step``): the state
     ``(z, v, i)`` (previous spikes, membrane, current), the block's input ``x (k, B, n_in)``
     weighted inside the cell.
 
     Per step, as ``lif_step`` does it: ``j = i + x_t W_in^T + z W_rec^T``; ``v_d = v + dt *
     tau_mem_inv * ((v_leak - v) + j)``; ``i = j + -dt * tau_syn_inv * j``; ``z = threshold(v_d -
     v_th)``; ``v = (1 - z) * v_d + z * v_reset`` (the spike detached in the reset, as Norse
-    does). The parameters ``p`` take no gradient here (a cell with learnable ``p`` steps per
-    call); the weights do.
+    does). The weights and any tensor field of ``p`` (``tau_mem_inv``, ``tau_syn_inv``,
+    ``v_leak``, ``v_th``, ``v_reset``) may take gradients.
 
     Args:
         tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
@@ -346,8 +347,11 @@ class NorseRecurrentKernel:
 
     @property
     def params(self) -> tuple[Tensor, ...]:
-        _, w_in, w_rec = self.tensors()
-        return (w_in, w_rec)
+        p, w_in, w_rec = self.tensors()
+        return (w_in, w_rec, *(getattr(p, f) for f in self.fields))
+
+    def _learns(self, p: Any) -> bool:
+        return any(getattr(p, f).requires_grad for f in self.fields)
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         if len(leaves) != 3 or not self.usable() or z.dim() != 3:
@@ -358,9 +362,8 @@ class NorseRecurrentKernel:
         return (
             all(
                 isinstance(t, Tensor)
-                and not t.requires_grad
                 and t.dtype == z.dtype
-                and (t.device == z.device or (t.dim() == 0 and t.device.type == "cpu"))
+                and (t.device == z.device or (t.dim() == 0 and _host_scalar(t)))
                 for t in values
             )
             and not any(isinstance(t, Tensor) and t.requires_grad for t in (p.alpha,))
@@ -391,11 +394,17 @@ class NorseRecurrentKernel:
         ys = v.new_empty((k, *v.shape))
         v_ds = v.new_empty((k, *v.shape)) if keep else None  # before the reset
         vs = v.new_empty((k, *v.shape)) if want_mem else None
+        # a learnable p's gradients read each step's membrane before it and its current jump
+        learn = keep and self._learns(p)
+        befores = v.new_empty((k, *v.shape)) if learn else None
+        jumps = v.new_empty((k, *v.shape)) if learn else None
         spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
         # the input's product per step, as the cell's: one product for the chunk took as
         # long (measured) and rounds differently for one row (a matrix-vector product)
         for t, x_t in enumerate(z.unbind(0)):
             jump = i + F.linear(x_t, w_in) + F.linear(spk, w_rec)
+            if befores is not None and jumps is not None:
+                befores[t], jumps[t] = v, jump
             v_d = v + c_m * ((p.v_leak - v) + jump)
             i = jump + c_s * jump
             spk = torch.gt(v_d - p.v_th, torch.as_tensor(0.0)).to(v_d.dtype)  # heaviside
@@ -405,7 +414,7 @@ class NorseRecurrentKernel:
                 v_ds[t] = v_d
             if vs is not None:
                 vs[t] = v
-        saved = (v_ds, ys, spk0, z) if keep else None
+        saved = (v_ds, ys, spk0, z, befores, jumps) if keep else None
         return [spk, v, i], ys if want_y else None, vs, saved
 
     def backward(
@@ -420,8 +429,15 @@ class NorseRecurrentKernel:
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         g_mem = per_leaf(g_mem, emit, 3, 1)[1]  # the membrane's
-        v_ds, ys, spk0, x = saved  # (k, B, H) before the reset, spikes; (B, H); (k, B, n_in)
+        # (k, B, H) the membranes before the reset, the spikes; (B, H); (k, B, n_in); with a
+        # learnable p, (k, B, H) each step's membrane before it and its current jump
+        v_ds, ys, spk0, x, befores, jumps = saved
         p, w_in, w_rec = self.tensors()
+        tensors = [w_in, w_rec, *(getattr(p, f) for f in self.fields)]
+        want = _wanted(tensors, need_params)
+        # per step, for p's gradients: dL/d v_d, the current after, the membrane after, spike
+        learn = any(want[2:])
+        per_step = [torch.zeros_like(ys) for _ in range(4)] if learn else None
         c_m = self.dt * p.tau_mem_inv
         c_s = -self.dt * p.tau_syn_inv
         k = ys.shape[0]
@@ -438,19 +454,53 @@ class NorseRecurrentKernel:
             if g_v is not None:
                 g_vd = g_vd + g_v * keep_v[t]
             g_j = g_vd * c_m  # v_d = v + c_m * ((v_leak - v) + j)
-            if carry_i is not None:
-                g_j = g_j + carry_i * (1 + c_s)  # i = j + c_s * j
+            if carry_i is not None:  # i = j + c_s * j: both terms, as autograd adds them
+                g_j = g_j + (carry_i + carry_i * c_s)
             g_jump[t] = g_j
+            if per_step is not None:
+                for buffer, g in zip(per_step, (g_vd, carry_i, g_v, g_s), strict=True):
+                    if g is not None:
+                        buffer[t] = g
             carry_v = g_vd - g_vd * c_m
             carry_i = g_j
             carry_z = g_j @ w_rec
-        want_in, want_rec = _wanted([w_in, w_rec], need_params)
         h = w_rec.shape[0]
         flat = g_jump.reshape(-1, h)
-        grads: list[Tensor | None] = [None, None]
-        if want_in:
+        grads: list[Tensor | None] = [None] * len(tensors)
+        if want[0]:
             grads[0] = flat.T @ x.reshape(-1, x.shape[-1])
-        if want_rec:
+        if want[1]:
             grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
+        if per_step is not None:
+            grads[2:] = self._p_grads(p, want[2:], per_step, slope, befores, jumps, ys)
         g_x = (g_jump @ w_in) if need_z else None
-        return g_x, [carry_z, carry_v, carry_i], _aligned([w_in, w_rec], grads, need_params)
+        return g_x, [carry_z, carry_v, carry_i], _aligned(tensors, grads, need_params)
+
+    def _p_grads(
+        self,
+        p: Any,
+        want: Sequence[bool],
+        per_step: Sequence[Tensor],
+        slope: Tensor,
+        befores: Tensor,
+        jumps: Tensor,
+        ys: Tensor,
+    ) -> list[Tensor | None]:
+        """The gradients of ``p``'s fields (`fields` order; None where not wanted), from the
+        per-step dL/d v_d, dL/d the current after the step (the next step's ``j``), dL/d the
+        membrane after the reset and dL/d the spike, ``(k, B, H)`` each."""
+        g_vd, g_i, g_v, g_s = per_step
+        dt = self.dt
+        c_m = dt * p.tau_mem_inv
+        makers = {
+            # v_d = v + dt * tau_mem_inv * ((v_leak - v) + j)
+            "tau_mem_inv": lambda t: reduce_product(g_vd, (p.v_leak - befores) + jumps, t) * dt,
+            # i = j + -dt * tau_syn_inv * j
+            "tau_syn_inv": lambda t: reduce_product(g_i, jumps, t) * -dt,
+            "v_leak": lambda t: reduce_product(g_vd, c_m.expand_as(g_vd), t),
+            "v_th": lambda t: -reduce_product(slope, g_s, t),  # z = threshold(v_d - v_th)
+            "v_reset": lambda t: reduce_product(g_v, ys, t),  # v = (1 - z) v_d + z v_reset
+        }
+        return [
+            makers[f](getattr(p, f)) if w else None for f, w in zip(self.fields, want, strict=True)
+        ]
