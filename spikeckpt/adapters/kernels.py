@@ -50,6 +50,7 @@ __all__ = [
     "emitted",
     "heaviside",
     "is_unit",
+    "norse_heaviside",
     "per_leaf",
     "read_unit_again",
     "reduce_to",
@@ -64,6 +65,11 @@ SpikeGrad = Callable[[Tensor, Tensor], Tensor]
 #: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
 #: ``Synaptic``); ``"none"``.
 Reset = Literal["subtract", "zero_before", "zero_after", "none"]
+
+
+def norse_heaviside(u: Tensor) -> Tensor:
+    """Norse's ``heaviside``: ``gt(u, 0)`` as ``u``'s dtype."""
+    return torch.gt(u, torch.as_tensor(0.0)).to(u.dtype)
 
 
 def heaviside(u: Tensor) -> Tensor:
@@ -839,10 +845,6 @@ class NorseKernel:
             and all(t.dtype == z.dtype for t in leaves)
         )
 
-    def _spiked(self, u: Tensor) -> Tensor:
-        """Norse's ``heaviside``: ``gt(u, 0)`` as ``u``'s dtype."""
-        return torch.gt(u, torch.as_tensor(0.0)).to(u.dtype)
-
     def forward(
         self,
         leaves: list[Tensor],
@@ -880,7 +882,7 @@ class NorseKernel:
             if self.mode == "li":
                 ys.append(v)
             else:
-                s = self._spiked(v - p.v_th)
+                s = norse_heaviside(v - p.v_th)
                 ys.append(s)
                 v = (1 - s) * v + s * (v - p.v_th) if self.subtract else (1 - s) * v + s * p.v_reset
             if keep or want_mem:

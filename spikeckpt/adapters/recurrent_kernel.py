@@ -32,6 +32,7 @@ from spikeckpt.adapters.kernels import (
     _wanted,
     clamp_grad,
     emitted,
+    norse_heaviside,
     per_leaf,
     reduce_product,
     reduce_to,
@@ -407,7 +408,7 @@ class NorseRecurrentKernel:
                 befores[t], jumps[t] = v, jump
             v_d = v + c_m * ((p.v_leak - v) + jump)
             i = jump + c_s * jump
-            spk = torch.gt(v_d - p.v_th, torch.as_tensor(0.0)).to(v_d.dtype)  # heaviside
+            spk = norse_heaviside(v_d - p.v_th)
             v = (1 - spk) * v_d + spk * p.v_reset
             ys[t] = spk
             if v_ds is not None:
