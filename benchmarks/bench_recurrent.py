@@ -50,15 +50,22 @@ def snntorch_loop(net: nn.Module, x: Tensor) -> Tensor:
     return torch.stack([net(x_t)[1] for x_t in x])
 
 
-def norse_net(hidden: int) -> nn.Module | None:
+def norse_net(hidden: int, learn_p: bool = False) -> nn.Module | None:
     """Norse's ``SequentialState(LIFRecurrentCell(700, hidden), Linear(hidden, 20),
-    LICell())`` (None without Norse)."""
+    LICell())`` (None without Norse); ``learn_p``: the cell's ``tau_mem_inv`` (per neuron)
+    and ``v_th`` are parameters."""
     try:
         import norse.torch as norse
     except ImportError:  # pragma: no cover - norse is an extra
         return None
+    p = norse.LIFParameters()
+    if learn_p:
+        p = norse.LIFParameters(
+            tau_mem_inv=nn.Parameter(torch.full((hidden,), 100.0)),
+            v_th=nn.Parameter(torch.tensor(1.0)),
+        )
     return norse.SequentialState(
-        norse.LIFRecurrentCell(700, hidden), nn.Linear(hidden, 20), norse.LICell()
+        norse.LIFRecurrentCell(700, hidden, p=p), nn.Linear(hidden, 20), norse.LICell()
     )
 
 
@@ -134,6 +141,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--only", nargs="*", default=[], help="substrings of neuron names")
+    parser.add_argument("--learn-p", action="store_true", help="Norse: tau_mem_inv, v_th learnable")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -150,10 +158,11 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         rows(name, shd_net(make(args.hidden), args.hidden), x, args.rounds)
-    net = norse_net(args.hidden)
-    if net is not None and (not args.only or any(p in "Norse LIFRecurrentCell" for p in args.only)):
+    if not args.only or any(part in "Norse LIFRecurrentCell" for part in args.only):
         torch.manual_seed(0)
-        rows("Norse LIFRecurrentCell", norse_net(args.hidden), x, args.rounds, norse_loop, 0)
+        net = norse_net(args.hidden, args.learn_p)
+        if net is not None:
+            rows("Norse LIFRecurrentCell", net, x, args.rounds, norse_loop, 0)
 
 
 if __name__ == "__main__":

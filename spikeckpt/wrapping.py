@@ -631,14 +631,14 @@ def wrap(
             seconds once per shape; outputs bitwise, gradients inductor sums at round-off; 3 x 8
             neurons: 0.4x the eager time); "auto" and False keep it eager (`last_stats`).
         exact: layer-wise only. False (default): fast synapses: a chunk's inputs go through
-            one product, and a ``Linear`` over a sparse spike input (the first block's, on the
-            CPU, at most 1/16 ones) sums the weight columns of the input's ones (3.6-4.7x
-            faster on the peers' benchmark); both may round otherwise than the plain loop's
-            per-step products, so a membrane within round-off of the threshold may spike
-            differently (2 of 160,000 output spikes at T = 1000 on an H200; 20 of 65.5
-            million at n = 8192 on the CPU). True: every synapse runs step by step, as the
-            plain loop runs it: spikes and membranes bitwise the loop's on any device
-            (`spikeckpt.adapters.layered`), the neuron still fused. (Random draws: with
+            one product, and a ``Linear`` (or a Norse ``LIFRecurrentCell``'s input weights)
+            over a sparse spike input (the first block's, on the CPU) sums the weight columns
+            of the input's ones (3.6-4.7x faster on the peers' benchmark); both may round
+            otherwise than the plain loop's per-step products, so a membrane within round-off
+            of the threshold may spike differently (2 of 160,000 output spikes at T = 1000 on
+            an H200; 20 of 65.5 million at n = 8192 on the CPU). True: every synapse runs
+            step by step, as the plain loop runs it: spikes and membranes bitwise the loop's
+            on any device (`spikeckpt.adapters.layered`), the neuron fused. (Random draws: with
             Dropout in two or more blocks, layer-wise draws a chunk's masks block by block,
             not in the loop's order: other masks than the loop's under the same seed, with
             gradients exact for them; the stack granularity draws in the loop's order.)

@@ -609,3 +609,97 @@ def _cell_spikes(cell: nn.Module, x: Tensor) -> list[Tensor]:
         z, state = cell(x_t, state)
         out.append(z)
     return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    T=st.integers(1, 19),
+    B=st.integers(1, 3),
+    chunk=st.integers(1, 8),
+    exact=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_recurrent_cell_first_gathers_its_sparse_input(
+    T: int, B: int, chunk: int, exact: bool, seed: int
+) -> None:
+    """A ``LIFRecurrentCell`` weighting a sparse spike input itself: its kernel sums ``x
+    W_in^T`` over the chunk's non-zeros (one gather per chunk, `spikeckpt.adapters.gather`)
+    and ``W_in``'s gradient over them, unless ``exact=True`` (the cell's own product per
+    step). Weights on a 1/4 grid, so every sum is exact in any order: spikes and outputs
+    bitwise Norse's loop either way, gradients within round-off."""
+    from spikeckpt.adapters import recurrent_kernel
+
+    torch.manual_seed(seed)
+    n_in, hidden = 64, 512  # wide enough to gather at 1 or 2 threads (affine.sparse_share)
+    cell = nt.LIFRecurrentCell(n_in, hidden)
+    net = nt.SequentialState(cell, nn.Linear(hidden, 3), nt.LICell())
+    with torch.no_grad():
+        cell.input_weights.copy_(torch.randint(-8, 48, cell.input_weights.shape) / 4)
+        cell.recurrent_weights.copy_(torch.randint(-8, 9, cell.recurrent_weights.shape) / 4)
+    x = (torch.rand(T, B, n_in) < 0.05).float()
+    params = list(net.parameters())
+    state, want_list = None, []
+    for x_t in x:
+        y, state = net(x_t, state)
+        want_list.append(y)
+    want = torch.stack(want_list)
+    want_grads = torch.autograd.grad(want.sum(), params)
+    gather = recurrent_kernel.gather
+    calls = []
+
+    def counted(*args: Any, **kwargs: Any) -> Tensor:
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    recurrent_kernel.gather = counted
+    try:
+        seq = sc.wrap(net, granularity="layer", chunk=chunk, exact=exact)
+        got = seq(x)[0]
+        got_grads = torch.autograd.grad(got.sum(), params)
+        spikes = sc.wrap(nt.SequentialState(cell), granularity="layer", chunk=chunk, exact=exact)
+        got_spikes = spikes(x)[0]
+    finally:
+        recurrent_kernel.gather = gather
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+    assert bool(calls) == (not exact and bool(x.any()))
+    assert torch.equal(got_spikes, torch.stack(_cell_spikes(cell, x)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(want_grads, got_grads, strict=True):
+        scale = max(1.0, float(a.abs().max()))
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize(
+    "field", ["tau_mem_inv", "tau_syn_inv", "v_leak", "v_th", "v_reset", "tau_mem_inv v_th"]
+)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_recurrent_cell_learning_some_fields_runs_fused(field: str, sparse: bool) -> None:
+    """The fused ``LIFRecurrentCell`` keeps per step only what the learnable fields'
+    gradients read (each field alone, and two): gradients of the weights and of those fields
+    within round-off of Norse's loop, layer-wise, over a dense and a sparse (gathered) input."""
+    torch.manual_seed(0)
+    values = {"tau_mem_inv": 90.0, "tau_syn_inv": 180.0, "v_leak": 0.1, "v_th": 0.6}
+    values["v_reset"] = -0.2
+    # per neuron where Norse allows it (its initial state takes v_leak as a number)
+    hidden = 512 if sparse else 32  # wide enough to gather at 1 or 2 threads
+    shape = {"tau_mem_inv": (hidden,), "v_th": (hidden,)}
+    learned = {f: nn.Parameter(torch.full(shape.get(f, ()), values[f])) for f in field.split()}
+    p = nt.LIFParameters(**{f: learned.get(f, torch.tensor(v)) for f, v in values.items()})
+    cell = nt.LIFRecurrentCell(16, hidden, p=p)
+    net = nt.SequentialState(cell, nn.Linear(hidden, 3), nt.LICell())
+    x = (torch.rand(13, 3, 16) < 0.05).float() * 8 if sparse else torch.rand(13, 3, 16) * 4
+    params = [*net.parameters(), *learned.values()]
+    state, out = None, []
+    for x_t in x:
+        y, state = net(x_t, state)
+        out.append(y)
+    want = torch.stack(out)
+    want_grads = torch.autograd.grad(want.sum(), params)
+    seq = sc.wrap(net, granularity="layer", chunk=5)
+    got = seq(x)[0]
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(want_grads, torch.autograd.grad(got.sum(), params), strict=True):
+        assert a.abs().sum() > 0
+        scale = max(1.0, float(a.abs().max()))
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)

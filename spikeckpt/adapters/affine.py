@@ -19,7 +19,14 @@ from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.phase import recomputing
 
-__all__ = ["BREAK_EVEN", "LinearChunk", "SparseLimit", "sparse_positions", "sparse_share"]
+__all__ = [
+    "BREAK_EVEN",
+    "LinearChunk",
+    "SparseLimit",
+    "sparse_positions",
+    "sparse_share",
+    "weight_positions",
+]
 
 #: ``(output features per torch thread, share of non-zero inputs)``: a ``Linear`` gathers
 #: over its input's non-zeros up to this share (interpolated in log2 between the points, the
@@ -75,10 +82,17 @@ def sparse_positions(
 ) -> Positions | None:
     """``(rows, row index, column index, values or None for ones)`` of the non-zeros of the
     chunk ``x (k, B, ..., in)`` flattened to ``(rows, in)``, where ``linear`` may gather over
-    them (CPU, its dtype, no grad, no hooks, no autocast, at most ``limit``'s share of ones),
-    else None. Under ``torch.autocast`` the loop's ``Linear`` runs in the reduced dtype (a bf16
-    product, rounded to bf16): a float32 gather would give other values and dtype."""
-    weight = linear.weight
+    them (no hooks, and `weight_positions`), else None."""
+    return weight_positions(x, linear.weight, limit) if no_hooks(linear) else None
+
+
+def weight_positions(
+    x: Tensor | SparseChunk, weight: Tensor, limit: SparseLimit
+) -> Positions | None:
+    """The non-zeros of ``x`` as `sparse_positions` gives them, where ``x @ weight.T`` may
+    gather over them (CPU, the weight's dtype, no grad, no autocast, at most ``limit``'s share
+    of ones), else None. Under ``torch.autocast`` the loop's product runs in the reduced dtype
+    (a bf16 product, rounded to bf16): a float32 gather would give other values and dtype."""
     shape = x.shape
     if (
         x.device.type != "cpu"
@@ -89,7 +103,6 @@ def sparse_positions(
         or (isinstance(x, Tensor) and x.requires_grad)
         or len(shape) < 2
         or shape[-1] != weight.shape[1]
-        or not no_hooks(linear)
     ):
         return None
     share = limit.share(weight.shape[0])

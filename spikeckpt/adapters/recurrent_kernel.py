@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from spikeckpt.adapters.affine import Positions, SparseLimit, weight_positions
+from spikeckpt.adapters.gather import gather, gather_weight_grad
 from spikeckpt.adapters.kernels import (
     Reset,
     SpikeGrad,
@@ -322,6 +324,14 @@ class NorseRecurrentKernel:
     does). The weights and any tensor field of ``p`` (``tau_mem_inv``, ``tau_syn_inv``,
     ``v_leak``, ``v_th``, ``v_reset``) may take gradients.
 
+    The input's product: on the CPU, for a chunk with few non-zeros (the share at which a
+    ``Linear`` of the cell's width gathers, `spikeckpt.adapters.affine.sparse_share`) and no
+    gradient wanted for it, ``x W_in^T`` of the whole chunk is one gather over the
+    non-zeros (`spikeckpt.adapters.gather`), and ``W_in``'s gradient another: equal to the
+    cell's per-step products within float32 round-off (a sum in another order), as the
+    first ``Linear`` of an snnTorch net gathers. ``gathers = False`` (``wrap(...,
+    exact=True)``) keeps the cell's own product per step: bitwise the loop's.
+
     Args:
         tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
         dt: the cell's time step.
@@ -345,14 +355,28 @@ class NorseRecurrentKernel:
         self.dt = dt
         self.spike = spike
         self.usable = usable
+        self.gathers = True
+        self.limit = SparseLimit()  # the forward pass's path, kept for its recomputation
+
+    @torch.compiler.disable  # host reads: a compiled forward runs it eagerly, silently
+    def _input_current(self, x: Tensor, w_in: Tensor) -> tuple[Tensor | None, Positions | None]:
+        """``x W_in^T`` of the chunk ``x (k, B, n_in)`` gathered over its non-zeros, and
+        those, where it gathers (see the class); else ``(None, None)``: per step."""
+        found = weight_positions(x, w_in, self.limit) if self.gathers else None
+        if found is None:
+            return None, None
+        n_rows, rows, cols, values = found
+        current = gather(w_in, n_rows, rows, cols, values)
+        return current.reshape(*x.shape[:-1], w_in.shape[0]), found
 
     @property
     def params(self) -> tuple[Tensor, ...]:
         p, w_in, w_rec = self.tensors()
         return (w_in, w_rec, *(getattr(p, f) for f in self.fields))
 
-    def _learns(self, p: Any) -> bool:
-        return any(getattr(p, f).requires_grad for f in self.fields)
+    def _learning(self, p: Any) -> set[str]:
+        """The fields of ``p`` that take gradients."""
+        return {f for f in self.fields if getattr(p, f).requires_grad}
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         if len(leaves) != 3 or not self.usable() or z.dim() != 3:
@@ -395,18 +419,25 @@ class NorseRecurrentKernel:
         ys = v.new_empty((k, *v.shape))
         v_ds = v.new_empty((k, *v.shape)) if keep else None  # before the reset
         vs = v.new_empty((k, *v.shape)) if want_mem else None
-        # a learnable p's gradients read each step's membrane before it and its current jump
-        learn = keep and self._learns(p)
-        befores = v.new_empty((k, *v.shape)) if learn else None
-        jumps = v.new_empty((k, *v.shape)) if learn else None
+        # a learnable tau_mem_inv's gradient reads each step's drive ``(v_leak - v) + j``, a
+        # learnable tau_syn_inv's its current jump ``j``
+        learning = self._learning(p) if keep else set()
+        drives = v.new_empty((k, *v.shape)) if "tau_mem_inv" in learning else None
+        jumps = v.new_empty((k, *v.shape)) if "tau_syn_inv" in learning else None
         spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
-        # the input's product per step, as the cell's: one product for the chunk took as
-        # long (measured) and rounds differently for one row (a matrix-vector product)
+        # the input's product gathered over a sparse chunk's non-zeros, else per step as the
+        # cell's: one dense product for the chunk took as long (measured) and rounds
+        # differently for one row (a matrix-vector product)
+        current, found = self._input_current(z, w_in)
         for t, x_t in enumerate(z.unbind(0)):
-            jump = i + F.linear(x_t, w_in) + F.linear(spk, w_rec)
-            if befores is not None and jumps is not None:
-                befores[t], jumps[t] = v, jump
-            v_d = v + c_m * ((p.v_leak - v) + jump)
+            fed = F.linear(x_t, w_in) if current is None else current[t]
+            jump = i + fed + F.linear(spk, w_rec)
+            drive = (p.v_leak - v) + jump
+            v_d = v + c_m * drive
+            if drives is not None:
+                drives[t] = drive
+            if jumps is not None:
+                jumps[t] = jump
             i = jump + c_s * jump
             spk = norse_heaviside(v_d - p.v_th)
             v = (1 - spk) * v_d + spk * p.v_reset
@@ -415,7 +446,10 @@ class NorseRecurrentKernel:
                 v_ds[t] = v_d
             if vs is not None:
                 vs[t] = v
-        saved = (v_ds, ys, spk0, z, befores, jumps) if keep else None
+        # a gathered chunk keeps its non-zeros (W_in's gradient) instead of the dense input
+        rows, cols, values = (None, None, None) if found is None else found[1:]
+        held = z if found is None else None
+        saved = (v_ds, ys, spk0, held, drives, jumps, rows, cols, values) if keep else None
         return [spk, v, i], ys if want_y else None, vs, saved
 
     def backward(
@@ -430,15 +464,24 @@ class NorseRecurrentKernel:
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         g_mem = per_leaf(g_mem, emit, 3, 1)[1]  # the membrane's
-        # (k, B, H) the membranes before the reset, the spikes; (B, H); (k, B, n_in); with a
-        # learnable p, (k, B, H) each step's membrane before it and its current jump
-        v_ds, ys, spk0, x, befores, jumps = saved
+        # (k, B, H) the membranes before the reset, the spikes; (B, H); the input (k, B,
+        # n_in), or None and its gathered non-zeros (rows, columns, values or None for
+        # ones); with a learnable tau_mem_inv, (k, B, H) each step's drive; with a learnable
+        # tau_syn_inv, its current jump
+        v_ds, ys, spk0, x, drives, jumps, rows, cols, values = saved
         p, w_in, w_rec = self.tensors()
         tensors = [w_in, w_rec, *(getattr(p, f) for f in self.fields)]
         want = _wanted(tensors, need_params)
-        # per step, for p's gradients: dL/d v_d, the current after, the membrane after, spike
-        learn = any(want[2:])
-        per_step = [torch.zeros_like(ys) for _ in range(4)] if learn else None
+        # per step, for p's gradients, those they read: dL/d v_d ("vd"), dL/d the current
+        # after the step ("i"), dL/d the membrane after the reset ("v"), dL/d the spike ("s")
+        learn = dict(zip(self.fields, want[2:], strict=True))
+        reads = {
+            "vd": learn["tau_mem_inv"] or learn["v_leak"],
+            "i": learn["tau_syn_inv"],
+            "v": learn["v_reset"],
+            "s": learn["v_th"],
+        }
+        per_step = {name: torch.zeros_like(ys) for name, read in reads.items() if read}
         c_m = self.dt * p.tau_mem_inv
         c_s = -self.dt * p.tau_syn_inv
         k = ys.shape[0]
@@ -458,22 +501,26 @@ class NorseRecurrentKernel:
             if carry_i is not None:  # i = j + c_s * j: both terms, as autograd adds them
                 g_j = g_j + (carry_i + carry_i * c_s)
             g_jump[t] = g_j
-            if per_step is not None:
-                for buffer, g in zip(per_step, (g_vd, carry_i, g_v, g_s), strict=True):
-                    if g is not None:
+            if per_step:
+                for name, g in (("vd", g_vd), ("i", carry_i), ("v", g_v), ("s", g_s)):
+                    buffer = per_step.get(name)
+                    if buffer is not None and g is not None:
                         buffer[t] = g
             carry_v = g_vd - g_vd * c_m
             carry_i = g_j
             carry_z = g_j @ w_rec
-        h = w_rec.shape[0]
-        flat = g_jump.reshape(-1, h)
         grads: list[Tensor | None] = [None] * len(tensors)
-        if want[0]:
+        if per_step:
+            grads[2:] = self._p_grads(p, want[2:], per_step, slope, drives, jumps, ys)
+        del slope, keep_v, per_step  # (k, B, H) each: gone before the weights' gradients
+        flat = g_jump.reshape(-1, w_rec.shape[0])
+        if want[0] and x is not None:
             grads[0] = flat.T @ x.reshape(-1, x.shape[-1])
+        elif want[0]:
+            shape = (w_in.shape[0], w_in.shape[1])
+            grads[0] = gather_weight_grad(flat, rows, cols, values, shape, None)
         if want[1]:
             grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
-        if per_step is not None:
-            grads[2:] = self._p_grads(p, want[2:], per_step, slope, befores, jumps, ys)
         g_x = (g_jump @ w_in) if need_z else None
         return g_x, [carry_z, carry_v, carry_i], _aligned(tensors, grads, need_params)
 
@@ -481,26 +528,35 @@ class NorseRecurrentKernel:
         self,
         p: Any,
         want: Sequence[bool],
-        per_step: Sequence[Tensor],
+        per_step: dict[str, Tensor],
         slope: Tensor,
-        befores: Tensor,
-        jumps: Tensor,
+        drives: Tensor | None,
+        jumps: Tensor | None,
         ys: Tensor,
     ) -> list[Tensor | None]:
         """The gradients of ``p``'s fields (`fields` order; None where not wanted), from the
         per-step dL/d v_d, dL/d the current after the step (the next step's ``j``), dL/d the
-        membrane after the reset and dL/d the spike, ``(k, B, H)`` each."""
-        g_vd, g_i, g_v, g_s = per_step
+        membrane after the reset and dL/d the spike, ``(k, B, H)`` each (those read), each
+        step's drive and current jump (where read)."""
+        kept = {**per_step, "drives": drives, "jumps": jumps}
+
+        def read(name: str) -> Tensor:
+            found = kept.get(name)
+            if found is None:  # the forward pass keeps what every learnable field reads
+                raise AssertionError(f"no {name} kept for a learnable field's gradient")
+            return found
+
         dt = self.dt
         c_m = dt * p.tau_mem_inv
-        makers = {
-            # v_d = v + dt * tau_mem_inv * ((v_leak - v) + j)
-            "tau_mem_inv": lambda t: reduce_product(g_vd, (p.v_leak - befores) + jumps, t) * dt,
+        makers: dict[str, Callable[[Tensor], Tensor]] = {
+            # v_d = v + dt * tau_mem_inv * drive, drive = (v_leak - v) + j
+            "tau_mem_inv": lambda t: reduce_product(read("vd"), read("drives"), t) * dt,
             # i = j + -dt * tau_syn_inv * j
-            "tau_syn_inv": lambda t: reduce_product(g_i, jumps, t) * -dt,
-            "v_leak": lambda t: reduce_product(g_vd, c_m.expand_as(g_vd), t),
-            "v_th": lambda t: -reduce_product(slope, g_s, t),  # z = threshold(v_d - v_th)
-            "v_reset": lambda t: reduce_product(g_v, ys, t),  # v = (1 - z) v_d + z v_reset
+            "tau_syn_inv": lambda t: reduce_product(read("i"), read("jumps"), t) * -dt,
+            "v_leak": lambda t: reduce_product(read("vd"), c_m.expand_as(read("vd")), t),
+            # z = threshold(v_d - v_th)
+            "v_th": lambda t: -reduce_product(slope, read("s"), t),
+            "v_reset": lambda t: reduce_product(read("v"), ys, t),  # v = (1 - z) v_d + z v_reset
         }
         return [
             makers[f](getattr(p, f)) if w else None for f, w in zip(self.fields, want, strict=True)
