@@ -151,8 +151,12 @@ class RecurrentKernel(SurrogateKernel):
         # membranes, spikes and resets straight into their buffers (out=: the same values)
         mems = mem.new_empty((k + 1, *mem.shape)) if hold else None
         emits_syn = want_mem and emit is not None and 1 in emit
+        # the currents: emitted, or read by alpha's gradient (nothing else in the backward)
+        learns_alpha = keep and alpha is not None and alpha.requires_grad
         syns = (
-            mem.new_empty((k + 1, *mem.shape)) if (keep or emits_syn) and syn is not None else None
+            mem.new_empty((k + 1, *mem.shape))
+            if (learns_alpha or emits_syn) and syn is not None
+            else None
         )
         fires = torch.empty((k + 1, *mem.shape), dtype=torch.bool, device=mem.device)
         dtype = torch.result_type(torch.ones(1), graded)  # a float32 spike's times graded
