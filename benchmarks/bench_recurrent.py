@@ -3,8 +3,9 @@
 ``nn.Sequential(Linear(700, H), RLeaky | RSynaptic(linear_features=H, init_hidden=True),
 Linear(H, 20), Leaky(init_hidden=True, output=True))``, input spikes at 5%, loss on the output
 membrane (``spk, mem = net(x_t)``), batch 32; and Norse's ``SequentialState(LIFRecurrentCell(700,
-H), Linear(H, 20), LICell())`` against Norse's loop. Rows: snnTorch's own loop; ``wrap`` layer-wise
-with the recurrent neuron fused (`spikeckpt.adapters.recurrent_kernel`) and per step
+H) | LSNNRecurrentCell(700, H), Linear(H, 20), LICell())`` against Norse's loop. Rows: snnTorch's
+own loop; ``wrap`` layer-wise with the recurrent neuron fused
+(`spikeckpt.adapters.recurrent_kernel`, `spikeckpt.adapters.lsnn_kernel`) and per step
 (``fuse=False``: as before the kernel); the stack with ``wrap``'s defaults; ``BPTT()``; and
 ``granularity="auto"``. Time is the minimum of interleaved rounds after a warm-up, in one
 process; peak is `spikeckpt.MemoryMeter`'s (live tensors on the CPU, the allocator on CUDA) of
@@ -50,23 +51,25 @@ def snntorch_loop(net: nn.Module, x: Tensor) -> Tensor:
     return torch.stack([net(x_t)[1] for x_t in x])
 
 
-def norse_net(hidden: int, learn_p: bool = False) -> nn.Module | None:
+def norse_net(hidden: int, learn_p: bool = False, lsnn: bool = False) -> nn.Module | None:
     """Norse's ``SequentialState(LIFRecurrentCell(700, hidden), Linear(hidden, 20),
-    LICell())`` (None without Norse); ``learn_p``: the cell's ``tau_mem_inv`` (per neuron)
-    and ``v_th`` are parameters."""
+    LICell())`` (``lsnn``: ``LSNNRecurrentCell``; None without Norse); ``learn_p``: the LIF
+    cell's ``tau_mem_inv`` (per neuron) and ``v_th`` are parameters."""
     try:
         import norse.torch as norse
     except ImportError:  # pragma: no cover - norse is an extra
         return None
-    p = norse.LIFParameters()
-    if learn_p:
+    if lsnn:
+        cell: nn.Module = norse.LSNNRecurrentCell(700, hidden)
+    elif learn_p:
         p = norse.LIFParameters(
             tau_mem_inv=nn.Parameter(torch.full((hidden,), 100.0)),
             v_th=nn.Parameter(torch.tensor(1.0)),
         )
-    return norse.SequentialState(
-        norse.LIFRecurrentCell(700, hidden, p=p), nn.Linear(hidden, 20), norse.LICell()
-    )
+        cell = norse.LIFRecurrentCell(700, hidden, p=p)
+    else:
+        cell = norse.LIFRecurrentCell(700, hidden)
+    return norse.SequentialState(cell, nn.Linear(hidden, 20), norse.LICell())
 
 
 def norse_loop(net: nn.Module, x: Tensor) -> Tensor:
@@ -141,7 +144,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--only", nargs="*", default=[], help="substrings of neuron names")
-    parser.add_argument("--learn-p", action="store_true", help="Norse: tau_mem_inv, v_th learnable")
+    parser.add_argument(
+        "--learn-p", action="store_true", help="Norse LIF: tau_mem_inv, v_th learnable"
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -158,11 +163,13 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         rows(name, shd_net(make(args.hidden), args.hidden), x, args.rounds)
-    if not args.only or any(part in "Norse LIFRecurrentCell" for part in args.only):
+    for name, lsnn in (("Norse LIFRecurrentCell", False), ("Norse LSNNRecurrentCell", True)):
+        if args.only and not any(part in name for part in args.only):
+            continue
         torch.manual_seed(0)
-        net = norse_net(args.hidden, args.learn_p)
+        net = norse_net(args.hidden, args.learn_p, lsnn)
         if net is not None:
-            rows("Norse LIFRecurrentCell", net, x, args.rounds, norse_loop, 0)
+            rows(name, net, x, args.rounds, norse_loop, 0)
 
 
 if __name__ == "__main__":

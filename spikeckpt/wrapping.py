@@ -618,9 +618,9 @@ def wrap(
             (``self.beta = torch.full(..., requires_grad=True)``) or in Norse's ``p``. A tensor
             requiring grad that the model uses and that is none of these raises
             [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the layer: pass it here.
-        fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``,
-            ``Synaptic``, ``Alpha``, ``Lapicque``; Norse's feed-forward LIF cells) over a whole chunk as
-            one fused computation (`spikeckpt.engine.fused`); False: one call per step.
+        fuse: layer-wise only: run each neuron the adapters know (snnTorch ``Leaky``, ``RLeaky``,
+            ``Synaptic``, ``RSynaptic``, ``Alpha``, ``Lapicque``; Norse's LIF and LI cells,
+            ``LSNNRecurrentCell``: docs/speed.md) over a chunk fused; False: per step.
             ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
         compile: layer-wise, fused neurons: True compiles their forward with
             ``torch.compile`` (`spikeckpt.engine.compiled`; checked bitwise against the eager

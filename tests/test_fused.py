@@ -186,6 +186,19 @@ NEURONS: dict[str, Factory] = {
             v_reset=nn.Parameter(torch.tensor(-0.1)),
         ),
     ),
+    "norse lsnn recurrent": lambda n: norse.LSNNRecurrentCell(n, n),
+    "norse lsnn recurrent tanh autapses adapting": lambda n: norse.LSNNRecurrentCell(
+        n,
+        n,
+        p=norse.LSNNParameters(
+            method="tanh",
+            tau_adapt_inv=torch.tensor(60.0),
+            v_th=torch.tensor(0.4),
+            beta=torch.tensor(0.5),
+            v_reset=torch.tensor(-0.1),
+        ),
+        autapses=True,
+    ),
     "norse lifbox": lambda n: norse.LIFBoxCell(),
     "norse lifbox subtract": lambda n: norse.LIFBoxCell(
         norse.LIFBoxParameters(
@@ -399,7 +412,7 @@ def test_alpha_matches_snntorchs_own_step(
 
 
 #: the neurons with recurrent weights inside
-_RECURRENT = ("rleaky", "rsynaptic", "norse lif recurrent")
+_RECURRENT = ("rleaky", "rsynaptic", "norse lif recurrent", "norse lsnn recurrent")
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -411,7 +424,8 @@ def test_recurrent_neurons_match_the_frameworks_own_step(
     through the recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset,
     learnable ``alpha``, ``beta``, threshold and recurrent weights) and Norse's
     ``LIFRecurrentCell`` (`NorseRecurrentKernel`: input and recurrent weights inside the cell)
-    against the framework's own step: spikes and membranes bitwise, gradients at round-off."""
+    and ``LSNNRecurrentCell`` (`NorseLSNNKernel`: its threshold adapting too) against the
+    framework's own step: spikes and membranes bitwise, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
         name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
     )

@@ -48,7 +48,7 @@ from spikeckpt.adapters.affine import LinearChunk, SparseLimit, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
-from spikeckpt.adapters.recurrent_kernel import NorseRecurrentKernel
+from spikeckpt.adapters.recurrent_kernel import InputGather
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink
@@ -322,8 +322,9 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
             for t in (*layer.module.parameters(), *layer.extra_params())
         }
         kernel = block.neuron.chunk_kernel()
-        if exact and isinstance(kernel, NorseRecurrentKernel):
-            kernel.gathers = False  # the cell's own input product, per step
+        inputs = getattr(kernel, "inputs", None)
+        if exact and isinstance(inputs, InputGather):
+            inputs.gathers = False  # a Norse cell's own input product, per step
         sink, sinks = _weight_sink(block.synapses)
         transposed, limit = Transposed(), SparseLimit()
         linear = _plain_linear(block.synapses)

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatefulAdapter, own_loop_error, probe, state_arity
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
+from spikeckpt.adapters.lsnn_kernel import NorseLSNNKernel
 from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.adapters.protocol import (
     AdapterFor,
@@ -213,11 +214,12 @@ class NorseAdapter(LayerAdapter):
             found.setdefault(id(t), t)
         return list(found.values())
 
-    def chunk_kernel(self) -> NorseKernel | NorseRecurrentKernel | None:
+    def chunk_kernel(self) -> NorseKernel | NorseRecurrentKernel | NorseLSNNKernel | None:
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
         ``reset_value`` or ``reset_subtract``) or ``li_feed_forward_step``, or of a
-        ``LIFRecurrentCell`` (``lif_step``), else None."""
+        ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
+        None."""
         if self.recurrent:
             return norse_recurrent_kernel(self.module)
         return norse_kernel(self.module)
@@ -382,22 +384,26 @@ def norse_kernel(m: nn.Module) -> NorseKernel | None:
     return None if key is None else _NorseChunkKernel(m, key)
 
 
-def _recurrent_key(m: nn.Module) -> tuple[float, str] | None:
-    """``(dt, method)`` of a ``LIFRecurrentCell`` whose step the `NorseRecurrentKernel`
-    reproduces as it is now (Norse's own call, ``lif_step``, a spike method it knows), or
-    None."""
+def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
+    """``(dt, method, step)`` of a ``LIFRecurrentCell`` (step ``"lif"``) or
+    ``LSNNRecurrentCell`` (``"lsnn"``) whose step a kernel reproduces as it is now (Norse's
+    own call, ``lif_step`` / ``lsnn_step``, a spike method it knows), or None."""
     from norse.torch.functional.lif import lif_step
+    from norse.torch.functional.lsnn import lsnn_step
 
     p, dt = getattr(m, "p", None), getattr(m, "dt", None)
     own = type(m).forward is SNNRecurrentCell.forward and "forward" not in vars(m)
     method = getattr(p, "method", None)
-    if getattr(m, "activation", None) is not lif_step or not own or not isinstance(dt, float):
+    activation = getattr(m, "activation", None)
+    step = "lif" if activation is lif_step else "lsnn" if activation is lsnn_step else None
+    if step is None or not own or not isinstance(dt, float):
         return None
-    return (dt, method) if method in _METHODS else None
+    return (dt, method, step) if method in _METHODS else None
 
 
-def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | None:
-    """The chunk kernel of the ``LIFRecurrentCell`` ``m``, or None."""
+def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | NorseLSNNKernel | None:
+    """The chunk kernel of the ``LIFRecurrentCell`` or ``LSNNRecurrentCell`` ``m``, or
+    None."""
     from norse.torch.functional.threshold import threshold
 
     key = _recurrent_key(m)
@@ -413,4 +419,5 @@ def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | None:
     def usable() -> bool:
         return _recurrent_key(m) == key and no_hooks(m)
 
-    return NorseRecurrentKernel(tensors, key[0], spike, usable)
+    kernel = NorseLSNNKernel if key[2] == "lsnn" else NorseRecurrentKernel
+    return kernel(tensors, key[0], spike, usable)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spikeckpt.adapters.affine import Positions, SparseLimit, weight_positions
+from spikeckpt.adapters.affine import SparseLimit, weight_positions
 from spikeckpt.adapters.gather import gather, gather_weight_grad
 from spikeckpt.adapters.kernels import (
     Reset,
@@ -43,7 +43,7 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 
-__all__ = ["NorseRecurrentKernel", "RecurrentKernel"]
+__all__ = ["InputGather", "NorseRecurrentKernel", "RecurrentKernel", "fed_back_grad"]
 
 
 def _row(buffer: Tensor | None, t: int) -> Tensor | None:
@@ -317,6 +317,47 @@ class RecurrentKernel(SurrogateKernel):
         return out
 
 
+class InputGather:
+    """The input product ``x W_in^T`` of a Norse cell weighting its own input, over a chunk:
+    on the CPU, for a chunk with few non-zeros (the share at which a ``Linear`` of the cell's
+    width gathers, `spikeckpt.adapters.affine.sparse_share`) and no gradient wanted for it,
+    one gather over the non-zeros (`spikeckpt.adapters.gather`), and ``W_in``'s gradient
+    another: equal to the cell's per-step products within float32 round-off (a sum in
+    another order), as the first ``Linear`` of an snnTorch net gathers. ``gathers = False``
+    (``wrap(..., exact=True)``) keeps the cell's own product per step: bitwise the loop's."""
+
+    def __init__(self) -> None:
+        self.gathers = True
+        self.limit = SparseLimit()  # the forward pass's path, kept for its recomputation
+
+    @torch.compiler.disable  # host reads: a compiled forward runs it eagerly, silently
+    def current(self, x: Tensor, w_in: Tensor) -> tuple[Tensor | None, Gathered]:
+        """``x W_in^T (k, B, H)`` of the chunk ``x (k, B, n_in)`` and what `weight_grad`
+        reads, ``(rows, columns, values or None for ones)`` of the non-zeros, where it
+        gathers; else ``None`` and ``(x, None, None)``: the product per step."""
+        found = weight_positions(x, w_in, self.limit) if self.gathers else None
+        if found is None:
+            return None, (x, None, None)
+        n_rows, rows, cols, values = found
+        current = gather(w_in, n_rows, rows, cols, values)
+        return current.reshape(*x.shape[:-1], w_in.shape[0]), (rows, cols, values)
+
+    @staticmethod
+    def weight_grad(g: Tensor, held: Gathered, w_in: Tensor) -> Tensor:
+        """``W_in``'s gradient over the chunk from ``g`` (dL/d the product, ``(k, B, H)``)
+        and what `current` returned to keep."""
+        flat = g.reshape(-1, w_in.shape[0])
+        first, cols, values = held
+        if cols is None:  # the dense input
+            return flat.T @ first.reshape(-1, first.shape[-1])
+        shape = (w_in.shape[0], w_in.shape[1])
+        return gather_weight_grad(flat, first, cols, values, shape, None)
+
+
+#: what `InputGather.current` keeps for the weight's gradient
+Gathered = tuple[Tensor, Tensor | None, Tensor | None]
+
+
 class NorseRecurrentKernel:
     """Norse's ``LIFRecurrentCell`` step (``lif_step``): the state
     ``(z, v, i)`` (previous spikes, membrane, current), the block's input ``x (k, B, n_in)``
@@ -328,13 +369,8 @@ class NorseRecurrentKernel:
     does). The weights and any tensor field of ``p`` (``tau_mem_inv``, ``tau_syn_inv``,
     ``v_leak``, ``v_th``, ``v_reset``) may take gradients.
 
-    The input's product: on the CPU, for a chunk with few non-zeros (the share at which a
-    ``Linear`` of the cell's width gathers, `spikeckpt.adapters.affine.sparse_share`) and no
-    gradient wanted for it, ``x W_in^T`` of the whole chunk is one gather over the
-    non-zeros (`spikeckpt.adapters.gather`), and ``W_in``'s gradient another: equal to the
-    cell's per-step products within float32 round-off (a sum in another order), as the
-    first ``Linear`` of an snnTorch net gathers. ``gathers = False`` (``wrap(...,
-    exact=True)``) keeps the cell's own product per step: bitwise the loop's.
+    The input's product: gathered over a sparse chunk's non-zeros where it may be
+    (`InputGather`), else per step as the cell's.
 
     Args:
         tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
@@ -359,19 +395,7 @@ class NorseRecurrentKernel:
         self.dt = dt
         self.spike = spike
         self.usable = usable
-        self.gathers = True
-        self.limit = SparseLimit()  # the forward pass's path, kept for its recomputation
-
-    @torch.compiler.disable  # host reads: a compiled forward runs it eagerly, silently
-    def _input_current(self, x: Tensor, w_in: Tensor) -> tuple[Tensor | None, Positions | None]:
-        """``x W_in^T`` of the chunk ``x (k, B, n_in)`` gathered over its non-zeros, and
-        those, where it gathers (see the class); else ``(None, None)``: per step."""
-        found = weight_positions(x, w_in, self.limit) if self.gathers else None
-        if found is None:
-            return None, None
-        n_rows, rows, cols, values = found
-        current = gather(w_in, n_rows, rows, cols, values)
-        return current.reshape(*x.shape[:-1], w_in.shape[0]), found
+        self.inputs = InputGather()
 
     @property
     def params(self) -> tuple[Tensor, ...]:
@@ -432,7 +456,7 @@ class NorseRecurrentKernel:
         # the input's product gathered over a sparse chunk's non-zeros, else per step as the
         # cell's: one dense product for the chunk took as long (measured) and rounds
         # differently for one row (a matrix-vector product)
-        current, found = self._input_current(z, w_in)
+        current, held = self.inputs.current(z, w_in)
         for t, x_t in enumerate(z.unbind(0)):
             fed = F.linear(x_t, w_in) if current is None else current[t]
             jump = i + fed + F.linear(spk, w_rec)
@@ -451,9 +475,7 @@ class NorseRecurrentKernel:
             if vs is not None:
                 vs[t] = v
         # a gathered chunk keeps its non-zeros (W_in's gradient) instead of the dense input
-        rows, cols, values = (None, None, None) if found is None else found[1:]
-        held = z if found is None else None
-        saved = (v_ds, ys, spk0, held, drives, jumps, rows, cols, values) if keep else None
+        saved = (v_ds, ys, spk0, drives, jumps, *held) if keep else None
         return [spk, v, i], ys if want_y else None, vs, saved
 
     def backward(
@@ -468,11 +490,10 @@ class NorseRecurrentKernel:
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         g_mem = per_leaf(g_mem, emit, 3, 1)[1]  # the membrane's
-        # (k, B, H) the membranes before the reset, the spikes; (B, H); the input (k, B,
-        # n_in), or None and its gathered non-zeros (rows, columns, values or None for
-        # ones); with a learnable tau_mem_inv, (k, B, H) each step's drive; with a learnable
-        # tau_syn_inv, its current jump
-        v_ds, ys, spk0, x, drives, jumps, rows, cols, values = saved
+        # (k, B, H) the membranes before the reset, the spikes; (B, H); with a learnable
+        # tau_mem_inv, (k, B, H) each step's drive; with a learnable tau_syn_inv, its current
+        # jump; what `InputGather.current` keeps
+        v_ds, ys, spk0, drives, jumps, *held = saved
         p, w_in, w_rec = self.tensors()
         tensors = [w_in, w_rec, *(getattr(p, f) for f in self.fields)]
         want = _wanted(tensors, need_params)
@@ -517,12 +538,8 @@ class NorseRecurrentKernel:
         if per_step:
             grads[2:] = self._p_grads(p, want[2:], per_step, slope, drives, jumps, ys)
         del slope, keep_v, per_step  # (k, B, H) each: gone before the weights' gradients
-        flat = g_jump.reshape(-1, w_rec.shape[0])
-        if want[0] and x is not None:
-            grads[0] = flat.T @ x.reshape(-1, x.shape[-1])
-        elif want[0]:
-            shape = (w_in.shape[0], w_in.shape[1])
-            grads[0] = gather_weight_grad(flat, rows, cols, values, shape, None)
+        if want[0]:
+            grads[0] = self.inputs.weight_grad(g_jump, tuple(held), w_in)
         if want[1]:
             grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
         g_x = (g_jump @ w_in) if need_z else None

@@ -1,0 +1,186 @@
+"""The chunk kernel of Norse's ``LSNNRecurrentCell`` (``lsnn_step``): a LIF neuron whose
+threshold adapts, its input and recurrent weights inside the cell.
+
+Per step, as ``lsnn_step`` does it, from the state ``(z, v, i, b)`` (previous spikes,
+membrane, current, adaptive threshold)::
+
+    v_d = v + dt * tau_mem_inv * ((v_leak - v) + i)      the membrane reads the old current
+    i_d = i + -dt * tau_syn_inv * i
+    b_d = b + dt * tau_adapt_inv * (v_th - b)
+    z' = threshold(v_d - b_d)
+    v' = (1 - z') * v_d + z' * v_reset                   (z' detached, as Norse does)
+    i' = i_d + x_t W_in^T + z W_rec^T
+    b' = b_d + z' * beta                                 (z' detached)
+
+The recurrent product needs the previous spikes, so it stays a product per step; the input's
+is gathered over a sparse chunk where it may be (`InputGather`). The backward runs the
+adjoint recurrence by hand: the spike's gradient reaches the state only through the next
+step's recurrent product (the reset and the adaptation take the spike detached).
+``LSNNParameters`` with a field that takes a gradient keep the per-step call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spikeckpt.adapters.kernels import (
+    _aligned,
+    _host_scalar,
+    _wanted,
+    norse_heaviside,
+    per_leaf,
+    surrogate_grad,
+)
+from spikeckpt.adapters.recurrent_kernel import InputGather, fed_back_grad
+from spikeckpt.engine.fused import Emit, EmittedGrad
+
+__all__ = ["NorseLSNNKernel"]
+
+
+class NorseLSNNKernel:
+    """Norse's ``LSNNRecurrentCell`` step over a chunk (see the module docstring).
+
+    Args:
+        tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
+        dt: the cell's time step.
+        spike: ``u -> threshold(u, method, alpha)``.
+        usable: ``() -> bool``, whether the cell still has the step the kernel computes.
+    """
+
+    name = "fused"
+    membrane: int | None = 1
+    emits_states = False
+    fields = ("tau_syn_inv", "tau_mem_inv", "tau_adapt_inv", "v_leak", "v_th", "v_reset", "beta")
+
+    def __init__(
+        self,
+        tensors: Callable[[], tuple[Any, Tensor, Tensor]],
+        dt: float,
+        spike: Callable[[Tensor], Tensor],
+        usable: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.tensors = tensors
+        self.dt = dt
+        self.spike = spike
+        self.usable = usable
+        self.inputs = InputGather()
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        _, w_in, w_rec = self.tensors()
+        return (w_in, w_rec)
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        if len(leaves) != 4 or not self.usable() or z.dim() != 3:
+            return False
+        p, w_in, w_rec = self.tensors()
+        values = [getattr(p, f, None) for f in self.fields]
+        hidden = w_rec.shape[0]
+        return (
+            all(
+                isinstance(t, Tensor)
+                and not t.requires_grad
+                and t.dtype == z.dtype
+                and (t.device == z.device or (t.dim() == 0 and _host_scalar(t)))
+                for t in values
+            )
+            and not (isinstance(p.alpha, Tensor) and p.alpha.requires_grad)
+            and z.is_floating_point()
+            and all(
+                t.shape == (z.shape[1], hidden) and t.dtype == z.dtype and t.device == z.device
+                for t in leaves
+            )
+            and w_in.shape == (hidden, z.shape[2])
+            and w_in.dtype == w_rec.dtype == z.dtype
+        )
+
+    def forward(
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        p, w_in, w_rec = self.tensors()
+        dt = self.dt
+        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        spk0, v, i, b = leaves
+        k = z.shape[0]
+        ys = v.new_empty((k, *v.shape))
+        us = v.new_empty((k, *v.shape)) if keep else None  # v_d - b_d: the surrogate's input
+        vs = v.new_empty((k, *v.shape)) if want_mem else None
+        spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
+        current, held = self.inputs.current(z, w_in)
+        for t, x_t in enumerate(z.unbind(0)):
+            v_d = v + c_m * ((p.v_leak - v) + i)
+            i_d = i + c_s * i
+            b_d = b + c_a * (p.v_th - b)
+            u = v_d - b_d
+            fired = norse_heaviside(u)
+            v = (1 - fired) * v_d + fired * p.v_reset
+            fed = F.linear(x_t, w_in) if current is None else current[t]
+            i = i_d + fed + F.linear(spk, w_rec)
+            b = b_d + fired * p.beta
+            spk = fired
+            ys[t] = spk
+            if us is not None:
+                us[t] = u
+            if vs is not None:
+                vs[t] = v
+        saved = (us, ys, spk0, *held) if keep else None
+        return [spk, v, i, b], ys if want_y else None, vs, saved
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: EmittedGrad,
+        need_z: bool,
+        need_params: Sequence[bool],
+        consume: bool = False,
+        emit: Emit = None,
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        g_mem = per_leaf(g_mem, emit, 4, 1)[1]  # the membrane's
+        # (k, B, H) each step's v_d - b_d and spikes; (B, H) the spikes entering the chunk;
+        # what `InputGather.current` keeps
+        us, ys, spk0, *held = saved
+        p, w_in, w_rec = self.tensors()
+        tensors = [w_in, w_rec]
+        want = _wanted(tensors, need_params)
+        dt = self.dt
+        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        k = ys.shape[0]
+        slope = surrogate_grad(self.spike, us, torch.zeros((), dtype=us.dtype), torch.ones_like(us))
+        keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
+        g_jump = torch.empty_like(ys)  # dL/d i' per step: the products' outputs
+        carry_z, carry_v, carry_i, carry_b = (
+            torch.zeros_like(ys[0]) if g is None else g for g in g_final
+        )
+        for t in range(k - 1, -1, -1):
+            g_s = carry_z if g_y is None else g_y[t] + carry_z
+            g_v = carry_v if g_mem is None else g_mem[t] + carry_v
+            g_u = slope[t] * g_s  # z' = threshold(u), u = v_d - b_d
+            g_vd = g_v * keep_v[t] + g_u
+            g_bd = carry_b - g_u
+            g_jump[t] = carry_i  # i' = i_d + x W_in^T + z W_rec^T
+            carry_z = carry_i @ w_rec
+            carry_v = g_vd - g_vd * c_m  # v_d = v + c_m * ((v_leak - v) + i)
+            carry_i = g_vd * c_m + (g_jump[t] + g_jump[t] * c_s)  # and i_d = i + c_s * i
+            carry_b = g_bd - g_bd * c_a  # b_d = b + c_a * (v_th - b)
+        del slope, keep_v
+        grads: list[Tensor | None] = [None, None]
+        if want[0]:
+            grads[0] = self.inputs.weight_grad(g_jump, (held[0], held[1], held[2]), w_in)
+        if want[1]:
+            grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
+        g_x = (g_jump @ w_in) if need_z else None
+        return g_x, [carry_z, carry_v, carry_i, carry_b], _aligned(tensors, grads, need_params)
