@@ -3,8 +3,8 @@
 The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
-one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell`` and ``LICell`` (where Norse is
-installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell`` and ``LSNNCell``
+(where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
@@ -53,6 +53,7 @@ if norse is not None:
         "Norse LIFCell": lambda: norse.LIFCell(),
         "Norse LIFBoxCell": lambda: norse.LIFBoxCell(),
         "Norse LICell": lambda: norse.LICell(),
+        "Norse LSNNCell": lambda: norse.LSNNCell(),
     }
 
 

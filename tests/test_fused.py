@@ -186,6 +186,16 @@ NEURONS: dict[str, Factory] = {
             v_reset=nn.Parameter(torch.tensor(-0.1)),
         ),
     ),
+    "norse lsnn": lambda n: norse.LSNNCell(),
+    "norse lsnn tanh adapting": lambda n: norse.LSNNCell(
+        norse.LSNNParameters(
+            method="tanh",
+            tau_adapt_inv=torch.tensor(60.0),
+            v_th=torch.tensor(0.4),
+            beta=torch.tensor(0.5),
+            v_reset=torch.tensor(-0.1),
+        )
+    ),
     "norse lsnn recurrent": lambda n: norse.LSNNRecurrentCell(n, n),
     "norse lsnn recurrent tanh autapses adapting": lambda n: norse.LSNNRecurrentCell(
         n,
@@ -431,8 +441,22 @@ def test_recurrent_neurons_match_the_frameworks_own_step(
     )
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(n for n in NEURONS if "lsnn" in n)), **_CASES)
+def test_lsnn_neurons_match_norses_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """Norse's ``LSNNCell`` (`NorseLSNNFeedForwardKernel`: the spike's gradient through the
+    reset and the adaptation too, as Norse leaves it attached) and ``LSNNRecurrentCell``
+    (`NorseLSNNKernel`) against Norse's own step: spikes and membranes bitwise, gradients at
+    round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
-_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent")
+_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent", "lsnn")
 
 
 @pytest.mark.parametrize(
@@ -525,7 +549,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
         snn.Leaky(beta=0.9, inhibition=True),
         snn.RLeaky(beta=0.9, linear_features=5, reset_delay=False),
-        norse.LSNNRecurrentCell(5, 5),
+        norse.LIFAdExRecurrentCell(5, 5),
     ],
     ids=["SSO surrogate", "inhibition", "RLeaky reset_delay False", "norse recurrent"],
 )

@@ -1,5 +1,7 @@
-"""The chunk kernel of Norse's ``LSNNRecurrentCell`` (``lsnn_step``): a LIF neuron whose
-threshold adapts, its input and recurrent weights inside the cell.
+"""The chunk kernels of Norse's LSNN neurons, LIF neurons whose threshold adapts:
+``LSNNRecurrentCell`` (``lsnn_step``, `NorseLSNNKernel`: its input and recurrent weights
+inside the cell) and ``LSNNCell`` / ``LSNN`` (``lsnn_feed_forward_step``,
+`NorseLSNNFeedForwardKernel`: the input is the current's jump).
 
 Per step, as ``lsnn_step`` does it, from the state ``(z, v, i, b)`` (previous spikes,
 membrane, current, adaptive threshold)::
@@ -16,7 +18,11 @@ The recurrent product needs the previous spikes, so it stays a product per step;
 is gathered over a sparse chunk where it may be (`InputGather`). The backward runs the
 adjoint recurrence by hand: the spike's gradient reaches the state only through the next
 step's recurrent product (the reset and the adaptation take the spike detached).
-``LSNNParameters`` with a field that takes a gradient keep the per-step call.
+
+The feed-forward step, from ``(v, i, b)``, is the same but for the current, ``i' = i_d +
+x_t``, and the spike, which Norse does not detach there: the reset and the adaptation pass
+its gradient through the surrogate too. Either kernel keeps the per-step call for
+``LSNNParameters`` with a field that takes a gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch import Tensor
 from spikeckpt.adapters.kernels import (
     _aligned,
     _host_scalar,
+    _same_layout,
     _wanted,
     norse_heaviside,
     per_leaf,
@@ -39,7 +46,23 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.adapters.recurrent_kernel import InputGather, fed_back_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
-__all__ = ["NorseLSNNKernel"]
+__all__ = ["NorseLSNNFeedForwardKernel", "NorseLSNNKernel"]
+
+#: the fields of ``LSNNParameters`` the steps read
+FIELDS = ("tau_syn_inv", "tau_mem_inv", "tau_adapt_inv", "v_leak", "v_th", "v_reset", "beta")
+
+
+def _fixed_fields(p: Any, like: Tensor) -> bool:
+    """Whether every field of ``p`` is a tensor without grad of ``like``'s dtype, on its
+    device (or a 0-d host scalar), and ``alpha`` takes no gradient."""
+    alpha = getattr(p, "alpha", None)
+    return all(
+        isinstance(t, Tensor)
+        and not t.requires_grad
+        and t.dtype == like.dtype
+        and (t.device == like.device or (t.dim() == 0 and _host_scalar(t)))
+        for t in (getattr(p, f, None) for f in FIELDS)
+    ) and not (isinstance(alpha, Tensor) and alpha.requires_grad)
 
 
 class NorseLSNNKernel:
@@ -55,7 +78,6 @@ class NorseLSNNKernel:
     name = "fused"
     membrane: int | None = 1
     emits_states = False
-    fields = ("tau_syn_inv", "tau_mem_inv", "tau_adapt_inv", "v_leak", "v_th", "v_reset", "beta")
 
     def __init__(
         self,
@@ -79,17 +101,9 @@ class NorseLSNNKernel:
         if len(leaves) != 4 or not self.usable() or z.dim() != 3:
             return False
         p, w_in, w_rec = self.tensors()
-        values = [getattr(p, f, None) for f in self.fields]
         hidden = w_rec.shape[0]
         return (
-            all(
-                isinstance(t, Tensor)
-                and not t.requires_grad
-                and t.dtype == z.dtype
-                and (t.device == z.device or (t.dim() == 0 and _host_scalar(t)))
-                for t in values
-            )
-            and not (isinstance(p.alpha, Tensor) and p.alpha.requires_grad)
+            _fixed_fields(p, z)
             and z.is_floating_point()
             and all(
                 t.shape == (z.shape[1], hidden) and t.dtype == z.dtype and t.device == z.device
@@ -184,3 +198,115 @@ class NorseLSNNKernel:
             grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
         g_x = (g_jump @ w_in) if need_z else None
         return g_x, [carry_z, carry_v, carry_i, carry_b], _aligned(tensors, grads, need_params)
+
+
+class NorseLSNNFeedForwardKernel:
+    """Norse's ``LSNNCell`` / ``LSNN`` step (``lsnn_feed_forward_step``) over a chunk: the
+    state ``(v, i, b)``, the block's synaptic input ``x (k, B, ...)`` the current's jump (see
+    the module docstring).
+
+    Args:
+        params: ``() -> p``, the module's current ``LSNNParameters``.
+        dt: its time step.
+        spike: ``u -> threshold(u, method, alpha)``.
+        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    """
+
+    name = "fused"
+    membrane: int | None = 0
+    emits_states = False
+    params: tuple[Tensor, ...] = ()  # a learnable field keeps the per-step call
+
+    def __init__(
+        self,
+        params: Callable[[], Any],
+        dt: float,
+        spike: Callable[[Tensor], Tensor],
+        usable: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.p = params
+        self.dt = dt
+        self.spike = spike
+        self.usable = usable
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        return (
+            len(leaves) == 3
+            and self.usable()
+            and _same_layout(leaves, z)
+            and all(t.dtype == z.dtype for t in leaves)
+            and _fixed_fields(self.p(), z)
+        )
+
+    def forward(
+        self,
+        leaves: list[Tensor],
+        z: Tensor,
+        keep: bool,
+        want_mem: bool,
+        want_y: bool = True,
+        into: Tensor | None = None,
+        emit: Emit = None,
+    ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
+        p = self.p()
+        dt = self.dt
+        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        v, i, b = leaves
+        k = z.shape[0]
+        ys = v.new_empty((k, *v.shape))
+        v_ds = v.new_empty((k, *v.shape)) if keep else None  # before the reset
+        us = v.new_empty((k, *v.shape)) if keep else None  # v_d - b_d: the surrogate's input
+        vs = v.new_empty((k, *v.shape)) if want_mem else None
+        for t, x_t in enumerate(z.unbind(0)):
+            v_d = v + c_m * ((p.v_leak - v) + i)
+            i_d = i + c_s * i
+            b_d = b + c_a * (p.v_th - b)
+            u = v_d - b_d
+            fired = norse_heaviside(u)
+            v = (1 - fired) * v_d + fired * p.v_reset
+            b = b_d + fired * p.beta
+            i = i_d + x_t
+            ys[t] = fired
+            if v_ds is not None and us is not None:
+                v_ds[t], us[t] = v_d, u
+            if vs is not None:
+                vs[t] = v
+        saved = (v_ds, us, ys) if keep else None
+        return [v, i, b], ys if want_y else None, vs, saved
+
+    def backward(
+        self,
+        saved: Any,
+        g_y: Tensor | None,
+        g_final: list[Tensor | None],
+        g_mem: EmittedGrad,
+        need_z: bool,
+        need_params: Sequence[bool],
+        consume: bool = False,
+        emit: Emit = None,
+    ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
+        g_mem = per_leaf(g_mem, emit, 3, 0)[0]  # the membrane's
+        v_ds, us, ys = saved  # (k, B, ...) each: v before the reset, v_d - b_d, the spikes
+        p = self.p()
+        dt = self.dt
+        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        k = ys.shape[0]
+        slope = surrogate_grad(self.spike, us, torch.zeros((), dtype=us.dtype), torch.ones_like(us))
+        g_x = torch.empty_like(ys) if need_z else None  # dL/d i' per step
+        carry_v, carry_i, carry_b = (torch.zeros_like(ys[0]) if g is None else g for g in g_final)
+        for t in range(k - 1, -1, -1):
+            g_v = carry_v if g_mem is None else g_mem[t] + carry_v
+            s = ys[t]
+            # v' = (1 - s) v_d + s v_reset, b' = b_d + s beta: the spike not detached
+            g_s = g_v * (p.v_reset - v_ds[t]) + carry_b * p.beta
+            if g_y is not None:
+                g_s = g_s + g_y[t]
+            g_u = slope[t] * g_s  # s = threshold(u), u = v_d - b_d
+            g_vd = g_v * (1 - s) + g_u
+            g_bd = carry_b - g_u
+            if g_x is not None:
+                g_x[t] = carry_i  # i' = i_d + x_t
+            carry_i = g_vd * c_m + (carry_i + carry_i * c_s)  # v_d reads i; i_d = i + c_s i
+            carry_v = g_vd - g_vd * c_m  # v_d = v + c_m * ((v_leak - v) + i)
+            carry_b = g_bd - g_bd * c_a  # b_d = b + c_a * (v_th - b)
+        return g_x, [carry_v, carry_i, carry_b], []

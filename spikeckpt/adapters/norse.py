@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatefulAdapter, own_loop_error, probe, state_arity
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
-from spikeckpt.adapters.lsnn_kernel import NorseLSNNKernel
+from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
 from spikeckpt.adapters.memo import TensorMemo
 from spikeckpt.adapters.protocol import (
     AdapterFor,
@@ -52,6 +52,9 @@ from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
 
 __all__ = ["NorseAdapter", "make_adapter", "move_params"]
+
+#: the chunk kernels of Norse's steps
+NorseChunkKernel = NorseKernel | NorseLSNNFeedForwardKernel | NorseRecurrentKernel | NorseLSNNKernel
 
 _SEQUENCE = (SNN, SNNRecurrent)
 _RECURRENT = (SNNRecurrentCell, SNNRecurrent)
@@ -214,10 +217,11 @@ class NorseAdapter(LayerAdapter):
             found.setdefault(id(t), t)
         return list(found.values())
 
-    def chunk_kernel(self) -> NorseKernel | NorseRecurrentKernel | NorseLSNNKernel | None:
+    def chunk_kernel(self) -> NorseChunkKernel | None:
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
-        ``reset_value`` or ``reset_subtract``) or ``li_feed_forward_step``, or of a
+        ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step`` or
+        ``lsnn_feed_forward_step``, or of a
         ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
         None."""
         if self.recurrent:
@@ -377,11 +381,36 @@ class _NorseChunkKernel(NorseKernel):
         return _kernel_key(self.module) == self.key and super().accepts(leaves, z)
 
 
-def norse_kernel(m: nn.Module) -> NorseKernel | None:
+def _lsnn_key(m: nn.Module) -> tuple[float, str] | None:
+    """``(dt, method)`` of an ``LSNNCell`` / ``LSNN`` whose step the
+    `NorseLSNNFeedForwardKernel` reproduces as it is now (Norse's own call,
+    ``lsnn_feed_forward_step``, a spike method it knows), or None."""
+    from norse.torch.functional.lsnn import lsnn_feed_forward_step
+
+    p, dt = getattr(m, "p", None), getattr(m, "dt", None)
+    own = type(m).forward in (SNNCell.forward, SNN.forward) and "forward" not in vars(m)
+    method = getattr(p, "method", None)
+    if getattr(m, "activation", None) is not lsnn_feed_forward_step or not own:
+        return None
+    return (dt, method) if isinstance(dt, float) and method in _METHODS else None
+
+
+def norse_kernel(m: nn.Module) -> NorseKernel | NorseLSNNFeedForwardKernel | None:
     """The chunk kernel of the Norse cell or sequence module ``m`` (see
     `NorseAdapter.chunk_kernel`), or None."""
+    from norse.torch.functional.threshold import threshold
+
     key = _kernel_key(m)
-    return None if key is None else _NorseChunkKernel(m, key)
+    if key is not None:
+        return _NorseChunkKernel(m, key)
+    lsnn = _lsnn_key(m)
+    if lsnn is None:
+        return None
+
+    def spike(u: Tensor) -> Tensor:
+        return threshold(u, m.p.method, m.p.alpha)
+
+    return NorseLSNNFeedForwardKernel(lambda: m.p, lsnn[0], spike, lambda: _lsnn_key(m) == lsnn)
 
 
 def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
