@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+#: CI (``CI`` set, as CI services and ``.ci/run`` set it) draws the same hypothesis examples
+#: every run, so a submission's CI run is the run its author saw pass; a run without ``CI``
+#: draws new ones (run the suite so, and the suites of the code you change with more
+#: examples, to explore)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

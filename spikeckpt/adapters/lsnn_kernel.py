@@ -43,7 +43,7 @@ from spikeckpt.adapters.kernels import (
     per_leaf,
     surrogate_grad,
 )
-from spikeckpt.adapters.recurrent_kernel import InputGather, fed_back_grad
+from spikeckpt.adapters.recurrent_kernel import InputGather, cell_fits, fed_back_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
 __all__ = ["NorseLSNNFeedForwardKernel", "NorseLSNNKernel"]
@@ -101,17 +101,7 @@ class NorseLSNNKernel:
         if len(leaves) != 4 or not self.usable() or z.dim() != 3:
             return False
         p, w_in, w_rec = self.tensors()
-        hidden = w_rec.shape[0]
-        return (
-            _fixed_fields(p, z)
-            and z.is_floating_point()
-            and all(
-                t.shape == (z.shape[1], hidden) and t.dtype == z.dtype and t.device == z.device
-                for t in leaves
-            )
-            and w_in.shape == (hidden, z.shape[2])
-            and w_in.dtype == w_rec.dtype == z.dtype
-        )
+        return _fixed_fields(p, z) and cell_fits(leaves, z, w_in, w_rec)
 
     def forward(
         self,

@@ -43,7 +43,13 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 
-__all__ = ["InputGather", "NorseRecurrentKernel", "RecurrentKernel", "fed_back_grad"]
+__all__ = [
+    "InputGather",
+    "NorseRecurrentKernel",
+    "RecurrentKernel",
+    "cell_fits",
+    "fed_back_grad",
+]
 
 
 def _row(buffer: Tensor | None, t: int) -> Tensor | None:
@@ -354,6 +360,22 @@ class InputGather:
         return gather_weight_grad(flat, first, cols, values, shape, None)
 
 
+def cell_fits(leaves: Sequence[Tensor], z: Tensor, w_in: Tensor, w_rec: Tensor) -> bool:
+    """Whether a Norse cell weighting its own input fits the chunk ``z (k, B, n_in)``: a
+    floating input, every state leaf ``(B, H)`` of its dtype and device, ``W_in (H, n_in)``
+    and ``W_rec`` of its dtype."""
+    hidden = w_rec.shape[0]
+    return (
+        z.is_floating_point()
+        and all(
+            t.shape == (z.shape[1], hidden) and t.dtype == z.dtype and t.device == z.device
+            for t in leaves
+        )
+        and w_in.shape == (hidden, z.shape[2])
+        and w_in.dtype == w_rec.dtype == z.dtype
+    )
+
+
 #: what `InputGather.current` keeps for the weight's gradient
 Gathered = tuple[Tensor, Tensor | None, Tensor | None]
 
@@ -411,7 +433,6 @@ class NorseRecurrentKernel:
             return False
         p, w_in, w_rec = self.tensors()
         values = [getattr(p, f, None) for f in self.fields]
-        hidden = w_rec.shape[0]
         return (
             all(
                 isinstance(t, Tensor)
@@ -420,13 +441,7 @@ class NorseRecurrentKernel:
                 for t in values
             )
             and not any(isinstance(t, Tensor) and t.requires_grad for t in (p.alpha,))
-            and z.is_floating_point()
-            and all(
-                t.shape == (z.shape[1], hidden) and t.dtype == z.dtype and t.device == z.device
-                for t in leaves
-            )
-            and w_in.shape == (hidden, z.shape[2])
-            and w_in.dtype == w_rec.dtype == z.dtype
+            and cell_fits(leaves, z, w_in, w_rec)
         )
 
     def forward(
