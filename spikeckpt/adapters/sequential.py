@@ -268,7 +268,8 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
     over a time chunk at once). Not accepted: nested stacks, stacks ending with stateless
     layers, stacks with no neuron, a neuron repeated with one state threaded through its
     positions, a neuron whose state at t=0 is built by the module itself (``None``), synapse
-    layers that may draw random numbers other than ``Dropout`` (layer-wise replays only those).
+    layers that may draw random numbers other than ``Dropout`` (layer-wise replays only those),
+    and neuron modules that may draw them (a one-step block of yours with a Dropout inside).
     """
     why = "layer-wise granularity needs a feed-forward stack of blocks (synapse layers such as "
     why += "Linear/Conv/Flatten/Dropout, then one neuron); "
@@ -323,6 +324,15 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
 
 
 def _check_neuron(layer: LayerAdapter, why: str) -> None:
+    if _may_draw_random(layer.module):  # a module of yours: Dropout or a draw inside
+        raise unsupported(
+            layer.module,
+            layer.path,
+            why + "this neuron module may draw random numbers (a Dropout or a random function "
+            "inside it), and layer-wise replays those of Dropout synapse layers only; make the "
+            "Dropout a layer of the stack before the neuron, or use granularity='stack' (which "
+            "replays every random number)",
+        )
     if isinstance(layer, StatefulAdapter) and layer.starts_from_none:
         container = ""
         if isinstance(layer.module, nn.Sequential):  # not a plain stack: see _is_sequential

@@ -1,0 +1,128 @@
+"""Whole models as snnTorch users write them, against their own plain loop (a newcomer's
+second hour): what went silently wrong before, now refused or fixed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import spikeckpt as sc
+from spikeckpt.plans import Revolve
+
+snn = pytest.importorskip("snntorch")
+
+T, B, I = 12, 3, 10
+
+
+class DropoutNet(nn.Module):
+    """A user's whole network as one module ``forward(x_t, state) -> (spk, state)``, with a
+    Dropout between its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.lif1 = nn.Linear(I, 16), snn.Leaky(beta=0.9)
+        self.drop = nn.Dropout(0.3)
+        self.fc2, self.lif2 = nn.Linear(16, 4), snn.Leaky(beta=0.9)
+
+    def initial_state(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x.new_zeros(x.shape[0], 16), x.new_zeros(x.shape[0], 4)
+
+    def forward(self, x: Tensor, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Any]:
+        mem1, mem2 = state
+        spk1, mem1 = self.lif1(self.fc1(x), mem1)
+        spk2, mem2 = self.lif2(self.fc2(self.drop(spk1)), mem2)
+        return spk2, (mem1, mem2)
+
+
+class DropoutBlock(nn.Module):
+    """A one-step block of yours: ``Linear``, ``Dropout``, an ``init_hidden`` neuron."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(n_in, n_out), nn.Dropout(0.3)
+        self.lif = snn.Leaky(beta=0.9, init_hidden=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lif(self.drop(self.fc(x)))
+
+
+class NoisyNeuron(nn.Module):
+    """Spikes drawn from the default generator with probability ``sigmoid(v - 1)``."""
+
+    def initial_state(self, x: Tensor) -> Tensor:
+        return torch.zeros_like(x)
+
+    def forward(self, x: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        v = 0.9 * v + x
+        p = torch.sigmoid(v - 1)
+        s = (torch.rand(v.shape) < p).float() + p - p.detach()
+        return s, v - s.detach()
+
+
+def _dropout_net() -> nn.Module:
+    return DropoutNet()
+
+
+def _blocks() -> nn.Module:
+    return nn.Sequential(DropoutBlock(I, 16), DropoutBlock(16, 4))
+
+
+def _noisy() -> nn.Module:
+    return nn.Sequential(nn.Linear(I, 4), NoisyNeuron())
+
+
+def _loop(model: nn.Module, x: Tensor) -> Tensor:
+    """The plain loop: the user's per-step calls, states from zeros."""
+    for m in model.modules():
+        if isinstance(m, snn.Leaky) and m.init_hidden:
+            m.mem = torch.zeros(())
+    if isinstance(model, DropoutNet):
+        state, out = model.initial_state(x[0]), []
+        for t in range(x.shape[0]):
+            spk, state = model(x[t], state)
+            out.append(spk)
+        return torch.stack(out)
+    if isinstance(model[-1], NoisyNeuron):
+        fc, neuron = model
+        v, out = torch.zeros(x.shape[1], 4), []
+        for t in range(x.shape[0]):
+            spk, v = neuron(fc(x[t]), v)
+            out.append(spk)
+        return torch.stack(out)
+    return torch.stack([model(x[t]) for t in range(x.shape[0])])
+
+
+def _grads(model: nn.Module, out: Tensor) -> list[Tensor]:
+    (out * torch.arange(1.0, 1.0 + out.shape[-1])).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("build", [_dropout_net, _blocks, _noisy], ids=["net", "blocks", "noisy"])
+def test_neuron_modules_that_draw_random_numbers(build: Any) -> None:
+    """A neuron module of yours that draws (a Dropout inside a ``forward(x, state)`` network
+    or a one-step block, a stochastic neuron): layer-wise recomputed its chunks with other
+    draws than the forward's (gradients 26-70% off the loop's; outputs equal where one block
+    drew) and ``granularity="auto"`` picked it. Now layer-wise refuses it, naming the way, and
+    ``"auto"`` runs the stack, whose gradients are the loop's."""
+    x = (torch.rand(T, B, I) < 0.4).float()
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(3)
+    expected = _loop(ref, x)
+    want = _grads(ref, expected)
+    with pytest.raises(sc.UnsupportedLayerError, match=r"may draw random numbers.*'stack'"):
+        sc.wrap(model, granularity="layer", chunk=4)(x)
+    seq = sc.wrap(model, granularity="auto", plan=Revolve(3))
+    torch.manual_seed(3)
+    out = seq(x)
+    if isinstance(model, DropoutNet):  # a module of yours wrapped alone: (outputs, state)
+        out, _ = out
+    assert seq.last_decision.granularity == "stack"
+    assert torch.equal(out, expected)
+    for g, w in zip(_grads(model, out), want, strict=True):
+        torch.testing.assert_close(g, w)
