@@ -14,7 +14,7 @@ from spikeckpt.plans import Revolve
 
 snn = pytest.importorskip("snntorch")
 
-T, B, I = 12, 3, 10
+T, B, N_IN = 12, 3, 10
 
 
 class DropoutNet(nn.Module):
@@ -23,7 +23,7 @@ class DropoutNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.lif1 = nn.Linear(I, 16), snn.Leaky(beta=0.9)
+        self.fc1, self.lif1 = nn.Linear(N_IN, 16), snn.Leaky(beta=0.9)
         self.drop = nn.Dropout(0.3)
         self.fc2, self.lif2 = nn.Linear(16, 4), snn.Leaky(beta=0.9)
 
@@ -67,11 +67,11 @@ def _dropout_net() -> nn.Module:
 
 
 def _blocks() -> nn.Module:
-    return nn.Sequential(DropoutBlock(I, 16), DropoutBlock(16, 4))
+    return nn.Sequential(DropoutBlock(N_IN, 16), DropoutBlock(16, 4))
 
 
 def _noisy() -> nn.Module:
-    return nn.Sequential(nn.Linear(I, 4), NoisyNeuron())
+    return nn.Sequential(nn.Linear(N_IN, 4), NoisyNeuron())
 
 
 def _loop(model: nn.Module, x: Tensor) -> Tensor:
@@ -107,7 +107,7 @@ def test_neuron_modules_that_draw_random_numbers(build: Any) -> None:
     draws than the forward's (gradients 26-70% off the loop's; outputs equal where one block
     drew) and ``granularity="auto"`` picked it. Now layer-wise refuses it, naming the way, and
     ``"auto"`` runs the stack, whose gradients are the loop's."""
-    x = (torch.rand(T, B, I) < 0.4).float()
+    x = (torch.rand(T, B, N_IN) < 0.4).float()
     torch.manual_seed(0)
     ref = build()
     torch.manual_seed(0)
