@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 import spikeckpt as sc
+from spikeckpt.models import spike
 from spikeckpt.plans import Revolve
 
 snn = pytest.importorskip("snntorch")
@@ -125,4 +126,48 @@ def test_neuron_modules_that_draw_random_numbers(build: Any) -> None:
     assert seq.last_decision.granularity == "stack"
     assert torch.equal(out, expected)
     for g, w in zip(_grads(model, out), want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+class LearnedStart(nn.Module):
+    """A neuron of yours with a learnable initial membrane: ``initial_state(x)`` returns
+    ``self.mem0`` broadcast over the batch."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.mem0 = nn.Parameter(torch.linspace(0.0, 0.9, n))
+        self.beta = nn.Parameter(torch.full((n,), 0.9))
+
+    def initial_state(self, x: Tensor) -> Tensor:
+        return self.mem0.expand(x.shape[0], -1)
+
+    def forward(self, x: Tensor, mem: Tensor) -> tuple[Tensor, Tensor]:
+        mem = self.beta * mem + x
+        spk = spike(mem - 1.0)
+        return spk, mem - spk.detach()
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_a_learnable_initial_state_gets_its_gradient(granularity: str) -> None:
+    """In an ``nn.Sequential``, each layer's initial state was made inside the shape probe,
+    under ``no_grad``: ``mem0.grad`` stayed None (the plain loop gives it one), silently."""
+    x = (torch.rand(T, B, N_IN) < 0.4).float()
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(N_IN, 6), LearnedStart(6), nn.Linear(6, 3), LearnedStart(3))
+
+    ref, model = build(), build()
+    states = [ref[1].initial_state(x[0]), ref[3].initial_state(x[0])]
+    out = []
+    for t in range(T):
+        spk, states[0] = ref[1](ref[0](x[t]), states[0])
+        spk, states[1] = ref[3](ref[2](spk), states[1])
+        out.append(spk)
+    want = _grads(ref, torch.stack(out))
+    got = sc.wrap(model, granularity=granularity, plan=Revolve(3))(x)
+    assert torch.equal(got, torch.stack(out))
+    grads = _grads(model, got)
+    assert model[1].mem0.grad is not None and model[3].mem0.grad is not None
+    for g, w in zip(grads, want, strict=True):
         torch.testing.assert_close(g, w)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import StatefulAdapter, StatelessAdapter, TimeLiftedAdapter, probe
@@ -164,7 +165,9 @@ class StackAdapter(LayerAdapter):
     def init_state(self, x_t: Tensor, given: Sequence[Any] | None = None) -> State:
         """Each position's initial state (``given[i]`` where given and not None); runs one
         probe step (no autograd, random state restored, no running statistics updated) to
-        learn every layer's input shape."""
+        learn every layer's input shape. The layers' own initial states are made with
+        autograd on, as the plain loop makes them: a learnable initial state (an
+        ``initial_state(x)`` returning ``self.mem0.expand(...)``) gets its gradient."""
 
         def run(x: Tensor) -> tuple[Any, ...]:
             states: list[Any] = []  # each position's state at t=0
@@ -173,7 +176,8 @@ class StackAdapter(LayerAdapter):
                 j = self.slots[i]
                 if j == i:
                     g = given[i] if given is not None else None
-                    s = layer.init_state(x) if g is None else layer.coerce_state(g, x)
+                    with torch.enable_grad():
+                        s = layer.init_state(x) if g is None else layer.coerce_state(g, x)
                     states.append(s)
                     live[i] = s
                 else:
