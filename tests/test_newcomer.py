@@ -171,3 +171,47 @@ def test_a_learnable_initial_state_gets_its_gradient(granularity: str) -> None:
     assert model[1].mem0.grad is not None and model[3].mem0.grad is not None
     for g, w in zip(grads, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("readout", ["sum", "mean"])
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_a_bfloat16_readout_sums_as_the_loops_sum(readout: str, granularity: str) -> None:
+    """Norse's ``LICell`` returns a bfloat16 voltage under CPU autocast. ``readout="sum"`` ran
+    a bfloat16 running sum, which stops growing once a step's voltage is below half its
+    spacing: 8192 against the loop's ``stack(vs).sum(0)`` = 14272 over 600 steps (42% off,
+    silently). Now summed in float32 and rounded once, as torch's own ``sum(0)``. (The
+    gradients: the autocast loop sums the weight's over all steps in bfloat16, 10% off the
+    float32 loop's here; the wrapped run's are no farther.)"""
+    norse = pytest.importorskip("norse.torch")
+    steps = 300
+    x = torch.rand(steps, 2, 4) + 0.5
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = norse.SequentialState(nn.Linear(4, 3), norse.LICell())
+        with torch.no_grad():
+            model[0].weight.abs_().add_(1.0)
+        return model
+
+    def loop(model: nn.Module, autocast: bool) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            state, vs = None, []
+            for t in range(steps):
+                v, state = model(x[t], state)
+                vs.append(v)
+            return torch.stack(vs).sum(0) if readout == "sum" else torch.stack(vs).mean(0)
+
+    model32, ref, model = build(), build(), build()
+    want32, want = loop(model32, False), loop(ref, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = sc.wrap(model, readout=readout, granularity=granularity)(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+    exact = _grads(model32, want32.float())
+
+    def off(grads: list[Tensor]) -> float:
+        return max(
+            float((g - e).abs().max() / e.abs().max()) for g, e in zip(grads, exact, strict=True)
+        )
+
+    assert off(_grads(model, got.float())) <= off(_grads(ref, want.float()))

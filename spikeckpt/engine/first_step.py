@@ -96,7 +96,18 @@ class FirstStep:
             s, y = step(s, x_t)
             return (s, pytree.tree_map(lambda a, b: a + b, acc, y)), None
 
-        return sum_step, (self.state, self.y)
+        # reduced-precision outputs are summed in float32, as torch's sum(0) sums them (the
+        # run casts the sum back to the outputs' dtype: `narrowed`)
+        return sum_step, (self.state, pytree.tree_map(_widened, self.y))
+
+    def narrowed(self, acc: Any) -> Any:
+        """A sum `carried` in float32 back in the dtypes of the outputs it summed."""
+        return pytree.tree_map(lambda a, y: a.to(y.dtype), acc, self.y)
+
+
+def _widened(y: Tensor) -> Tensor:
+    """``y`` in float32 when it is a reduced-precision float, else itself."""
+    return y.float() if y.dtype in _NARROW else y
 
 
 def first_step(step: Step, state: Any, x0: Any) -> FirstStep:

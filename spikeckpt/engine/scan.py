@@ -570,8 +570,8 @@ def _after_first_step(
         inner = replace(options, readout=None, apart=1)
         _, carry, run_stats = _run(carried_step, rest, carry, param_list, inner)
     acc = carry[1]
-    if readout == "mean":
-        acc = tree_map(lambda a: a / T, acc)
+    if readout in ("sum", "mean"):
+        acc = first.narrowed(tree_map(lambda a: a / T, acc) if readout == "mean" else acc)
     return acc, first.rebuild(carry[0]), run_stats
 
 
