@@ -4,11 +4,13 @@ names the fix."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from numbers import Integral
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from spikeckpt.engine.compiled import COMPILE_CHOICES, Compile
+from spikeckpt.engine.readout import check_readout
 from spikeckpt.errors import ConfigError, ConfigTypeError
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.schedule import Schedule
@@ -17,12 +19,29 @@ __all__ = [
     "GRANULARITIES",
     "check_compile",
     "check_granularity",
+    "check_model",
     "check_options",
     "check_params",
     "check_plan",
 ]
 
 GRANULARITIES = ("stack", "layer", "auto")
+
+
+def check_model(model: Any, wrapped: bool) -> None:
+    """``wrap``'s model: an ``nn.Module`` instance, not wrapped yet (``wrapped``)."""
+    if wrapped:
+        raise ConfigTypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
+    if isinstance(model, type) and issubclass(model, nn.Module):
+        raise ConfigTypeError(
+            f"model is the class {model.__name__}, not a model: wrap an instance, "
+            f"spikeckpt.wrap({model.__name__}(...))"
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigTypeError(
+            f"model must be an nn.Module (an nn.Sequential, a neuron, a module of yours), got "
+            f"{type(model).__name__}; a step function runs through spikeckpt.scan(step, x, state)"
+        )
 
 
 def check_plan(plan: Any) -> None:
@@ -52,6 +71,11 @@ def check_params(params: Sequence[Tensor] | None) -> list[Tensor]:
 
 def check_options(granularity: str, readout: Any, chunk: int | None, pack_tape: bool) -> None:
     """Every option runs in the granularity asked for, or is refused here."""
+    check_readout(readout)
+    if chunk is not None and (
+        isinstance(chunk, bool) or not isinstance(chunk, Integral) or chunk < 1
+    ):
+        raise ConfigError(f"chunk must be a whole number of steps >= 1 (or None), got {chunk!r}")
     if callable(readout) and granularity == "layer":
         raise ConfigError(
             "granularity='layer' supports the named readouts; a callable readout needs "

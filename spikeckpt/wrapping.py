@@ -45,6 +45,7 @@ from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrap_options import (
     check_compile,
     check_granularity,
+    check_model,
     check_options,
     check_params,
     check_plan,
@@ -651,8 +652,7 @@ def wrap(
             the model) and lists what is supported.
         ConfigError: an option the granularity cannot run (the message says which works).
     """
-    if isinstance(model, CheckpointedSequence):
-        raise ConfigTypeError("model is already wrapped; use spikeckpt.unwrap(seq) to get it back")
+    check_model(model, wrapped=isinstance(model, CheckpointedSequence))
     if output is not None and output not in _OUTPUTS:
         raise ConfigError(f"output must be None or one of {_OUTPUTS}, got {output!r}")
     check_plan(plan)

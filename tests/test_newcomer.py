@@ -215,3 +215,18 @@ def test_a_bfloat16_readout_sums_as_the_loops_sum(readout: str, granularity: str
         )
 
     assert off(_grads(model, got.float())) <= off(_grads(ref, want.float()))
+
+
+def test_wrap_names_a_class_a_function_and_a_bad_readout_or_chunk_at_once() -> None:
+    """``wrap(Net)`` (the class) raised ``TypeError: Module.named_modules() missing 1 required
+    positional argument``, a function an ``AttributeError``; a misspelt readout and
+    ``chunk=0`` passed ``wrap`` and failed at the first forward."""
+    with pytest.raises(sc.ConfigTypeError, match=r"class DropoutNet.*wrap\(DropoutNet\(\.\.\.\)\)"):
+        sc.wrap(DropoutNet)
+    with pytest.raises(sc.ConfigTypeError, match=r"got function.*spikeckpt\.scan"):
+        sc.wrap(lambda x: x)
+    net = nn.Sequential(nn.Linear(3, 2), snn.Leaky(beta=0.9))
+    with pytest.raises(sc.ConfigError, match="readout must be"):
+        sc.wrap(net, readout="avg")
+    with pytest.raises(sc.ConfigError, match="chunk must be"):
+        sc.wrap(net, granularity="layer", chunk=0)
