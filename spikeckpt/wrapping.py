@@ -55,6 +55,7 @@ from spikeckpt.wrapped.state_keys import (
     Remade,
     add_prefix,
     has_membrane,
+    no_membrane,
     strip_missing,
     strip_prefix,
 )
@@ -668,10 +669,7 @@ def wrap(
     as_call = follows_call and adapter.returns_more
     output = ("both" if as_call else "spikes") if output is None else output
     if output != "spikes" and not as_call and not has_membrane(adapter):
-        raise ConfigError(
-            f"output={output!r} needs the last layer to be a neuron with a membrane potential "
-            f"(got {adapter!r})"
-        )
+        raise no_membrane(output, adapter)
     seq = CheckpointedSequence(
         model,
         adapter,

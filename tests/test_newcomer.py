@@ -230,3 +230,45 @@ def test_wrap_names_a_class_a_function_and_a_bad_readout_or_chunk_at_once() -> N
         sc.wrap(net, readout="avg")
     with pytest.raises(sc.ConfigError, match="chunk must be"):
         sc.wrap(net, granularity="layer", chunk=0)
+
+
+class SpikesAndMembrane(nn.Module):
+    """A hand-written neuron that returns its spikes and membrane as its output, the way to
+    record a membrane of yours (``output="mem"`` knows snnTorch's and Norse's only)."""
+
+    def forward(self, x: Tensor, mem: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        mem = 0.9 * mem + x
+        spk = spike(mem - 1.0)
+        mem = mem - spk.detach()
+        return (spk, mem), mem
+
+
+def test_a_neuron_returning_a_tuple_runs_in_the_stack_and_is_refused_layer_wise() -> None:
+    """``granularity="auto"`` crashed measuring it (``'tuple' object has no attribute
+    'detach'``), ``"layer"`` in the run (``expected Tensor as element 0``). Now ``"auto"``
+    runs the stack (the loop's outputs and gradients), ``"layer"`` names the layer."""
+    x = (torch.rand(T, B, N_IN) < 0.4).float()
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(N_IN, 5), SpikesAndMembrane())
+
+    ref, model = build(), build()
+    fc, neuron = ref
+    mem, spikes, mems = torch.zeros(B, 5), [], []
+    for t in range(T):
+        (spk, m), mem = neuron(fc(x[t]), mem)
+        spikes.append(spk)
+        mems.append(m)
+    want = _grads(ref, torch.stack(spikes) + torch.stack(mems))
+    seq = sc.wrap(model, granularity="auto", plan=Revolve(3))
+    spk, m = seq(x)
+    assert seq.last_decision.granularity == "stack"
+    assert torch.equal(spk, torch.stack(spikes)) and torch.equal(m, torch.stack(mems))
+    for g, w in zip(_grads(model, spk + m), want, strict=True):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(sc.ConfigError, match=r"SpikesAndMembrane at '1'.*neuron of yours"):
+        sc.wrap(nn.Sequential(nn.Linear(N_IN, 5), SpikesAndMembrane()), output="mem")
+    for options in ({}, {"plan": "auto", "budget": "1MiB"}):
+        with pytest.raises(sc.UnsupportedLayerError, match=r"'1'.*returns a tuple.*'stack'"):
+            sc.wrap(model, granularity="layer", **options)(x)

@@ -7,14 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from spikeckpt.engine.direct import AffineChunk
 from spikeckpt.engine.fused import ChunkKernel
 from spikeckpt.engine.grad import GradSink
 from spikeckpt.engine.inputs import SparseChunk
+from spikeckpt.errors import UnsupportedLayerError
 
-__all__ = ["LayerBlock"]
+__all__ = ["LayerBlock", "stacked_outputs"]
 
 State = Any
 
@@ -64,3 +66,16 @@ class LayerBlock:
     sinks: tuple[tuple[Tensor, GradSink], ...] = ()
     affine: AffineChunk | None = None
     emits: tuple[int, ...] | None = None
+
+
+def stacked_outputs(ys: list[Any], name: str) -> Tensor:
+    """``torch.stack(ys)``: a block's per-step outputs ``(B, ...)`` over a chunk, refused with
+    the way forward when the neuron's step returns anything but one tensor (a neuron of
+    yours returning ``(spk, mem)`` as its output)."""
+    if not isinstance(ys[0], Tensor):
+        raise UnsupportedLayerError(
+            f"layer {name!r}: its neuron returns a {type(ys[0]).__name__} at each step, and "
+            "layer-wise granularity needs one tensor (the spikes the next block reads); use "
+            "granularity='stack', which takes any output structure"
+        )
+    return torch.stack(ys)

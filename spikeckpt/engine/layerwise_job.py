@@ -13,7 +13,7 @@ from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.amp import autocast_on
-from spikeckpt.engine.blocks import LayerBlock
+from spikeckpt.engine.blocks import LayerBlock, stacked_outputs
 from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
 from spikeckpt.engine.function import SECOND_BACKWARD, Job
@@ -268,7 +268,7 @@ class LayerwiseJob(Job):
         self.stats.forward_steps += z.shape[0]
         final = pytree.tree_leaves(state)
         if not top or self.output == "spikes":
-            return [torch.stack(spikes)], final
+            return [stacked_outputs(spikes, block.name)], final
         # a membrane given as a tuple of tensors is several outputs, each stacked
         stacked = (
             [torch.stack(list(m)) for m in zip(*mems, strict=True)]
@@ -277,7 +277,7 @@ class LayerwiseJob(Job):
         )
         if self.output == "mem":
             return stacked, final
-        return [torch.stack(spikes), *stacked], final
+        return [stacked_outputs(spikes, block.name), *stacked], final
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, needs: Sequence[bool], tensors: Sequence[Tensor]) -> list[Tensor]:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from spikeckpt.engine.inputs import step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
-from spikeckpt.errors import ConfigTypeError
+from spikeckpt.errors import ConfigTypeError, UnsupportedLayerError
 from spikeckpt.planning.choice import Planned
 from spikeckpt.planning.probe import (
     block_sizes,
@@ -84,7 +84,12 @@ def layerwise_candidate(
         return None
     device = compute_device(model, x)
     fuse = bool(getattr(model, "fuse", True))
-    sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state), fuse)
+    try:
+        sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state), fuse)
+    except UnsupportedLayerError:  # a block's neuron returns no single tensor per step
+        if required:
+            raise
+        return None
     unpacked = model.storage == "device"
     sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
     working = layerwise_working_bytes(

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.blocks import stacked_outputs
 from spikeckpt.engine.fused import run_fused
 from spikeckpt.engine.inputs import TrainWindow, chunk_of, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
@@ -174,7 +175,7 @@ def block_sizes(
                 # snnTorch's float32 membrane from a bf16 start: twice the bytes)
                 state_bytes = max(leaf_bytes(leaves), leaf_bytes(pytree.tree_flatten(new)[0]))
                 del new  # the step's graph is freed before the fused chunk is measured
-                y, z = y.detach(), z.detach()
+                y, z = stacked_outputs([y], block.name)[0].detach(), z.detach()
                 if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
                     tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
                 density = float(h.float().mean()) if is_binary(h) else None

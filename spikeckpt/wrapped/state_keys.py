@@ -20,7 +20,15 @@ from spikeckpt.adapters.registry import adapter_for, model_key
 from spikeckpt.adapters.sequential import StackAdapter
 from spikeckpt.errors import ConfigError
 
-__all__ = ["INNER", "Remade", "add_prefix", "has_membrane", "strip_missing", "strip_prefix"]
+__all__ = [
+    "INNER",
+    "Remade",
+    "add_prefix",
+    "has_membrane",
+    "no_membrane",
+    "strip_missing",
+    "strip_prefix",
+]
 
 #: the attribute of `CheckpointedSequence` that holds the wrapped model
 INNER = "module"
@@ -112,8 +120,29 @@ class Remade(nn.Module):
             self.__dict__.update(adapter=adapter_for(self.module, ""), _key=model_key(self.module))
 
 
-def has_membrane(adapter: LayerAdapter) -> bool:
-    """Whether the last layer ``adapter`` steps is a neuron with a membrane potential."""
+def _last_layer(adapter: LayerAdapter) -> LayerAdapter:
     while isinstance(adapter, StackAdapter) and adapter.layers:
         adapter = adapter.layers[-1]
-    return type(adapter).membrane is not LayerAdapter.membrane
+    return adapter
+
+
+def has_membrane(adapter: LayerAdapter) -> bool:
+    """Whether the last layer ``adapter`` steps is a neuron with a membrane potential."""
+    return type(_last_layer(adapter)).membrane is not LayerAdapter.membrane
+
+
+def no_membrane(output: str, adapter: LayerAdapter) -> ConfigError:
+    """The refusal of ``output="mem"`` / ``"both"`` for a model whose last layer (``adapter``'s)
+    has no membrane spikeckpt knows, naming that layer and the way forward."""
+    last = _last_layer(adapter)
+    where = f"{type(last.module).__name__} at {last.path or '<root>'!r}"
+    way = (
+        "a neuron of yours has no membrane spikeckpt knows: return what you need from its "
+        "forward, e.g. forward(x, mem) -> ((spk, mem), mem), with output=None"
+        if last.stateful
+        else "end the model with a neuron (snnTorch, Norse), or use output=None"
+    )
+    return ConfigError(
+        f"output={output!r} needs the last layer to be a neuron with a membrane potential "
+        f"spikeckpt knows; the last layer is {where}: {way}"
+    )
