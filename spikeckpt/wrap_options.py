@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from spikeckpt.engine.compiled import COMPILE_CHOICES, Compile
+from spikeckpt.engine.inputs import is_packed
 from spikeckpt.engine.readout import check_readout
 from spikeckpt.errors import ConfigError, ConfigTypeError
 from spikeckpt.plans.base import Plan
@@ -19,6 +20,7 @@ __all__ = [
     "GRANULARITIES",
     "check_compile",
     "check_granularity",
+    "check_input",
     "check_model",
     "check_options",
     "check_params",
@@ -42,6 +44,20 @@ def check_model(model: Any, wrapped: bool) -> None:
             f"model must be an nn.Module (an nn.Sequential, a neuron, a module of yours), got "
             f"{type(model).__name__}; a step function runs through spikeckpt.scan(step, x, state)"
         )
+
+
+def check_input(x: Any) -> Any:
+    """A wrapped model's input: a tensor ``(T, B, ...)`` or a packed train, else refused with
+    the fix (a list of steps, as some loops collect them, is stacked first)."""
+    if isinstance(x, Tensor) or is_packed(x):
+        return x
+    hint = ""
+    if isinstance(x, (list, tuple)) and x and all(isinstance(t, Tensor) for t in x):
+        hint = f"; a {type(x).__name__} of {len(x)} per-step tensors: pass torch.stack(x)"
+    raise ConfigTypeError(
+        f"x must be a tensor (T, B, ...) (or (B, T, ...) with batch_first=True) or a packed "
+        f"spikeckpt.SpikeTrain, got {type(x).__name__}{hint}"
+    )
 
 
 def check_plan(plan: Any) -> None:

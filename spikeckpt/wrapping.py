@@ -45,6 +45,7 @@ from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrap_options import (
     check_compile,
     check_granularity,
+    check_input,
     check_model,
     check_options,
     check_params,
@@ -269,7 +270,7 @@ class CheckpointedSequence(Remade):
 
     def _forward(self, x: Any, state: State | None, return_state: bool) -> Any:
         return_state = return_state or self.adapter.returns_state
-        x = as_input(x)
+        x = as_input(check_input(x))
         packed = is_packed(x)
         if len(x.shape) < 2:
             raise ConfigError(f"x must have a time and a batch axis, got shape {tuple(x.shape)}")

@@ -272,3 +272,20 @@ def test_a_neuron_returning_a_tuple_runs_in_the_stack_and_is_refused_layer_wise(
     for options in ({}, {"plan": "auto", "budget": "1MiB"}):
         with pytest.raises(sc.UnsupportedLayerError, match=r"'1'.*returns a tuple.*'stack'"):
             sc.wrap(model, granularity="layer", **options)(x)
+
+
+def test_a_list_of_steps_as_input_is_refused_with_the_fix() -> None:
+    """``seq([x_t, ...])`` (steps collected in a list, as some loops keep them) was an
+    ``AttributeError`` ('list' object has no attribute 'shape'); now a `ConfigTypeError`
+    saying to stack them, and the stacked steps give the plain loop's outputs."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(0.9, init_hidden=True))
+    steps = [(torch.rand(2, 4) < 0.5).float() for _ in range(6)]
+    seq = sc.wrap(net)
+    with pytest.raises(sc.errors.ConfigTypeError, match=r"torch.stack\(x\)"):
+        seq(steps)
+    with pytest.raises(sc.errors.ConfigTypeError, match="got dict"):
+        seq({"x": steps[0]})
+    net[1].reset_mem()
+    want = torch.stack([net(x_t) for x_t in steps])
+    assert torch.equal(seq(torch.stack(steps)), want)
