@@ -43,7 +43,7 @@ from spikeckpt.adapters.kernels import (
     per_leaf,
     surrogate_grad,
 )
-from spikeckpt.adapters.recurrent_kernel import InputGather, cell_fits, fed_back_grad
+from spikeckpt.adapters.recurrent_kernel import NorseCellKernel, cell_fits, fed_back_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
 __all__ = ["NorseLSNNFeedForwardKernel", "NorseLSNNKernel"]
@@ -65,32 +65,9 @@ def _fixed_fields(p: Any, like: Tensor) -> bool:
     ) and not (isinstance(alpha, Tensor) and alpha.requires_grad)
 
 
-class NorseLSNNKernel:
-    """Norse's ``LSNNRecurrentCell`` step over a chunk (see the module docstring).
-
-    Args:
-        tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
-        dt: the cell's time step.
-        spike: ``u -> threshold(u, method, alpha)``.
-        usable: ``() -> bool``, whether the cell still has the step the kernel computes.
-    """
-
-    name = "fused"
-    membrane: int | None = 1
-    emits_states = False
-
-    def __init__(
-        self,
-        tensors: Callable[[], tuple[Any, Tensor, Tensor]],
-        dt: float,
-        spike: Callable[[Tensor], Tensor],
-        usable: Callable[[], bool] = lambda: True,
-    ) -> None:
-        self.tensors = tensors
-        self.dt = dt
-        self.spike = spike
-        self.usable = usable
-        self.inputs = InputGather()
+class NorseLSNNKernel(NorseCellKernel):
+    """Norse's ``LSNNRecurrentCell`` step over a chunk (see the module docstring; arguments
+    as `NorseCellKernel`'s)."""
 
     @property
     def params(self) -> tuple[Tensor, ...]:

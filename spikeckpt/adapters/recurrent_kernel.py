@@ -45,6 +45,7 @@ from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 
 __all__ = [
     "InputGather",
+    "NorseCellKernel",
     "NorseRecurrentKernel",
     "RecurrentKernel",
     "cell_fits",
@@ -380,19 +381,9 @@ def cell_fits(leaves: Sequence[Tensor], z: Tensor, w_in: Tensor, w_rec: Tensor) 
 Gathered = tuple[Tensor, Tensor | None, Tensor | None]
 
 
-class NorseRecurrentKernel:
-    """Norse's ``LIFRecurrentCell`` step (``lif_step``): the state
-    ``(z, v, i)`` (previous spikes, membrane, current), the block's input ``x (k, B, n_in)``
-    weighted inside the cell.
-
-    Per step, as ``lif_step`` does it: ``j = i + x_t W_in^T + z W_rec^T``; ``v_d = v + dt *
-    tau_mem_inv * ((v_leak - v) + j)``; ``i = j + -dt * tau_syn_inv * j``; ``z = threshold(v_d -
-    v_th)``; ``v = (1 - z) * v_d + z * v_reset`` (the spike detached in the reset, as Norse
-    does). The weights and any tensor field of ``p`` (``tau_mem_inv``, ``tau_syn_inv``,
-    ``v_leak``, ``v_th``, ``v_reset``) may take gradients.
-
-    The input's product: gathered over a sparse chunk's non-zeros where it may be
-    (`InputGather`), else per step as the cell's.
+class NorseCellKernel:
+    """What the kernels of Norse's recurrent cells share: the cell's tensors, time step,
+    spike function, whether it still has the kernel's step, and its input product.
 
     Args:
         tensors: ``() -> (p, W_in, W_rec)``, the cell's current parameters and weights.
@@ -404,7 +395,6 @@ class NorseRecurrentKernel:
     name = "fused"
     membrane: int | None = 1
     emits_states = False
-    fields = ("tau_mem_inv", "tau_syn_inv", "v_leak", "v_th", "v_reset")
 
     def __init__(
         self,
@@ -418,6 +408,24 @@ class NorseRecurrentKernel:
         self.spike = spike
         self.usable = usable
         self.inputs = InputGather()
+
+
+class NorseRecurrentKernel(NorseCellKernel):
+    """Norse's ``LIFRecurrentCell`` step (``lif_step``): the state
+    ``(z, v, i)`` (previous spikes, membrane, current), the block's input ``x (k, B, n_in)``
+    weighted inside the cell.
+
+    Per step, as ``lif_step`` does it: ``j = i + x_t W_in^T + z W_rec^T``; ``v_d = v + dt *
+    tau_mem_inv * ((v_leak - v) + j)``; ``i = j + -dt * tau_syn_inv * j``; ``z = threshold(v_d -
+    v_th)``; ``v = (1 - z) * v_d + z * v_reset`` (the spike detached in the reset, as Norse
+    does). The weights and any tensor field of ``p`` (``tau_mem_inv``, ``tau_syn_inv``,
+    ``v_leak``, ``v_th``, ``v_reset``) may take gradients.
+
+    The input's product: gathered over a sparse chunk's non-zeros where it may be
+    (`InputGather`), else per step as the cell's. Arguments as `NorseCellKernel`'s.
+    """
+
+    fields = ("tau_mem_inv", "tau_syn_inv", "v_leak", "v_th", "v_reset")
 
     @property
     def params(self) -> tuple[Tensor, ...]:
