@@ -48,7 +48,7 @@ from spikeckpt.adapters.affine import LinearChunk, SparseLimit, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
-from spikeckpt.adapters.recurrent_kernel import InputGather
+from spikeckpt.adapters.recurrent_kernel import NorseCellKernel
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink
@@ -312,7 +312,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
     step, as the plain loop runs it (no ``sparse_synapse``, no product over a chunk), so its
     values are bitwise the loop's whatever the BLAS: one product over ``k * B`` rows may sum in
     another order than ``k`` products over ``B`` rows (cuBLAS does; this VM's CPU does not);
-    a Norse ``LIFRecurrentCell``'s kernel keeps the cell's own input product per step."""
+    a Norse recurrent cell's kernel keeps the cell's own input product per step."""
     out = []
     for index, block in enumerate(blocks):
         layers = (*block.synapses, block.neuron)
@@ -322,9 +322,8 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
             for t in (*layer.module.parameters(), *layer.extra_params())
         }
         kernel = block.neuron.chunk_kernel()
-        inputs = getattr(kernel, "inputs", None)
-        if exact and isinstance(inputs, InputGather):
-            inputs.gathers = False  # a Norse cell's own input product, per step
+        if exact and isinstance(kernel, NorseCellKernel):
+            kernel.inputs.gathers = False  # a Norse cell's own input product, per step
         sink, sinks = _weight_sink(block.synapses)
         transposed, limit = Transposed(), SparseLimit()
         linear = _plain_linear(block.synapses)

@@ -52,6 +52,12 @@ __all__ = ["NorseLSNNFeedForwardKernel", "NorseLSNNKernel"]
 FIELDS = ("tau_syn_inv", "tau_mem_inv", "tau_adapt_inv", "v_leak", "v_th", "v_reset", "beta")
 
 
+def _rates(p: Any, dt: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dt * tau_mem_inv, -dt * tau_syn_inv, dt * tau_adapt_inv)``, as Norse's steps form
+    them (the same products: the same values)."""
+    return dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+
+
 def _fixed_fields(p: Any, like: Tensor) -> bool:
     """Whether every field of ``p`` is a tensor without grad of ``like``'s dtype, on its
     device (or a 0-d host scalar), and ``alpha`` takes no gradient."""
@@ -91,8 +97,7 @@ class NorseLSNNKernel(NorseCellKernel):
         emit: Emit = None,
     ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
         p, w_in, w_rec = self.tensors()
-        dt = self.dt
-        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        c_m, c_s, c_a = _rates(p, self.dt)
         spk0, v, i, b = leaves
         k = z.shape[0]
         ys = v.new_empty((k, *v.shape))
@@ -137,8 +142,7 @@ class NorseLSNNKernel(NorseCellKernel):
         p, w_in, w_rec = self.tensors()
         tensors = [w_in, w_rec]
         want = _wanted(tensors, need_params)
-        dt = self.dt
-        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        c_m, c_s, c_a = _rates(p, self.dt)
         k = ys.shape[0]
         slope = surrogate_grad(self.spike, us, torch.zeros((), dtype=us.dtype), torch.ones_like(us))
         keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
@@ -216,8 +220,7 @@ class NorseLSNNFeedForwardKernel:
         emit: Emit = None,
     ) -> tuple[list[Tensor], Tensor | None, Tensor | None, Any]:
         p = self.p()
-        dt = self.dt
-        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        c_m, c_s, c_a = _rates(p, self.dt)
         v, i, b = leaves
         k = z.shape[0]
         ys = v.new_empty((k, *v.shape))
@@ -255,8 +258,7 @@ class NorseLSNNFeedForwardKernel:
         g_mem = per_leaf(g_mem, emit, 3, 0)[0]  # the membrane's
         v_ds, us, ys = saved  # (k, B, ...) each: v before the reset, v_d - b_d, the spikes
         p = self.p()
-        dt = self.dt
-        c_m, c_s, c_a = dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_adapt_inv
+        c_m, c_s, c_a = _rates(p, self.dt)
         k = ys.shape[0]
         slope = surrogate_grad(self.spike, us, torch.zeros((), dtype=us.dtype), torch.ones_like(us))
         g_x = torch.empty_like(ys) if need_z else None  # dL/d i' per step

@@ -25,8 +25,8 @@ This module imports Norse; import it only when a Norse layer was found.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 from norse.torch.module.leaky_integrator import LILinearCell
@@ -327,18 +327,34 @@ def is_sequence_stack(module: nn.Module) -> bool:
 _METHODS = ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc")
 
 
-def _kernel_key(m: nn.Module) -> tuple[NorseMode, bool, float] | None:
+def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``u -> threshold(u, method, alpha)`` with ``m.p`` read at each call."""
+    from norse.torch.functional.threshold import threshold
+
+    def spike(u: Tensor) -> Tensor:
+        return threshold(u, m.p.method, m.p.alpha)
+
+    return spike
+
+
+#: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, and ``"lsnn"``
+FeedForwardMode = NorseMode | Literal["lsnn"]
+
+
+def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     """``(mode, subtract, dt)`` of the fused kernel that reproduces ``m``'s step as it is
     now, or None where none does."""
     from norse.torch.functional import reset as resets
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
+    from norse.torch.functional.lsnn import lsnn_feed_forward_step
 
-    modes: dict[Any, NorseMode] = {
+    modes: dict[Any, FeedForwardMode] = {
         lif_feed_forward_step: "lif",
         lif_box_feed_forward_step: "box",
         li_feed_forward_step: "li",
+        lsnn_feed_forward_step: "lsnn",
     }
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
@@ -365,15 +381,9 @@ class _NorseChunkKernel(NorseKernel):
     ``forward`` changed since: the block then runs per step, exactly)."""
 
     def __init__(self, m: nn.Module, key: tuple[NorseMode, bool, float]) -> None:
-        from norse.torch.functional.threshold import threshold
-
         mode, subtract, dt = key
-
-        def spike(u: Tensor) -> Tensor:
-            q = m.p
-            return threshold(u, q.method, q.alpha)
-
-        super().__init__(lambda: m.p, dt, None if mode == "li" else spike, mode, subtract=subtract)
+        spike = None if mode == "li" else _norse_spike(m)
+        super().__init__(lambda: m.p, dt, spike, mode, subtract=subtract)
         self.module = m
         self.key = key
 
@@ -381,36 +391,18 @@ class _NorseChunkKernel(NorseKernel):
         return _kernel_key(self.module) == self.key and super().accepts(leaves, z)
 
 
-def _lsnn_key(m: nn.Module) -> tuple[float, str] | None:
-    """``(dt, method)`` of an ``LSNNCell`` / ``LSNN`` whose step the
-    `NorseLSNNFeedForwardKernel` reproduces as it is now (Norse's own call,
-    ``lsnn_feed_forward_step``, a spike method it knows), or None."""
-    from norse.torch.functional.lsnn import lsnn_feed_forward_step
-
-    p, dt = getattr(m, "p", None), getattr(m, "dt", None)
-    own = type(m).forward in (SNNCell.forward, SNN.forward) and "forward" not in vars(m)
-    method = getattr(p, "method", None)
-    if getattr(m, "activation", None) is not lsnn_feed_forward_step or not own:
-        return None
-    return (dt, method) if isinstance(dt, float) and method in _METHODS else None
-
-
 def norse_kernel(m: nn.Module) -> NorseKernel | NorseLSNNFeedForwardKernel | None:
     """The chunk kernel of the Norse cell or sequence module ``m`` (see
     `NorseAdapter.chunk_kernel`), or None."""
-    from norse.torch.functional.threshold import threshold
-
     key = _kernel_key(m)
-    if key is not None:
-        return _NorseChunkKernel(m, key)
-    lsnn = _lsnn_key(m)
-    if lsnn is None:
+    if key is None:
         return None
-
-    def spike(u: Tensor) -> Tensor:
-        return threshold(u, m.p.method, m.p.alpha)
-
-    return NorseLSNNFeedForwardKernel(lambda: m.p, lsnn[0], spike, lambda: _lsnn_key(m) == lsnn)
+    mode, subtract, dt = key
+    if mode == "lsnn":
+        return NorseLSNNFeedForwardKernel(
+            lambda: m.p, dt, _norse_spike(m), lambda: _kernel_key(m) == key
+        )
+    return _NorseChunkKernel(m, (mode, subtract, dt))
 
 
 def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
@@ -433,14 +425,9 @@ def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
 def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | NorseLSNNKernel | None:
     """The chunk kernel of the ``LIFRecurrentCell`` or ``LSNNRecurrentCell`` ``m``, or
     None."""
-    from norse.torch.functional.threshold import threshold
-
     key = _recurrent_key(m)
     if key is None:
         return None
-
-    def spike(u: Tensor) -> Tensor:
-        return threshold(u, m.p.method, m.p.alpha)
 
     def tensors() -> tuple[Any, Tensor, Tensor]:
         return m.p, m.input_weights, m.recurrent_weights
@@ -449,4 +436,4 @@ def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | NorseLSNNKern
         return _recurrent_key(m) == key and no_hooks(m)
 
     kernel = NorseLSNNKernel if key[2] == "lsnn" else NorseRecurrentKernel
-    return kernel(tensors, key[0], spike, usable)
+    return kernel(tensors, key[0], _norse_spike(m), usable)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.phase import recompute_phase
-from spikeckpt.engine.readout import Readout, take_extremum
+from spikeckpt.engine.readout import NARROW_FLOATS, Readout, take_extremum, widened
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.errors import ConfigError, ConfigTypeError
 
@@ -98,16 +98,11 @@ class FirstStep:
 
         # reduced-precision outputs are summed in float32, as torch's sum(0) sums them (the
         # run casts the sum back to the outputs' dtype: `narrowed`)
-        return sum_step, (self.state, pytree.tree_map(_widened, self.y))
+        return sum_step, (self.state, pytree.tree_map(widened, self.y))
 
     def narrowed(self, acc: Any) -> Any:
         """A sum `carried` in float32 back in the dtypes of the outputs it summed."""
         return pytree.tree_map(lambda a, y: a.to(y.dtype), acc, self.y)
-
-
-def _widened(y: Tensor) -> Tensor:
-    """``y`` in float32 when it is a reduced-precision float, else itself."""
-    return y.float() if y.dtype in _NARROW else y
 
 
 def first_step(step: Step, state: Any, x0: Any) -> FirstStep:
@@ -120,11 +115,6 @@ def first_step(step: Step, state: Any, x0: Any) -> FirstStep:
                 raise ConfigTypeError(f"step output y{name} is {type(leaf).__name__}, not a tensor")
     inner, state1, rebuild = _without_none_leaves(step, state1)
     return FirstStep(state1, y0, inner, rebuild)
-
-
-#: floating dtypes narrower than float32: a step on them often computes something in float32
-#: (snnTorch's spike ``(mem - thr > 0).float()`` resets an fp16 membrane into float32)
-_NARROW = (torch.float16, torch.bfloat16)
 
 
 def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
@@ -144,7 +134,9 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
         if isinstance(t, Tensor) and t.is_floating_point()
     ]
     dtypes = {t.dtype for t in (*floats, *others)}
-    if not any(t.dtype in _NARROW for t in floats) and len(dtypes) < 2:
+    # a step on a narrow float often computes something in float32 (snnTorch's spike
+    # ``(mem - thr > 0).float()`` resets an fp16 membrane into float32)
+    if not any(t.dtype in NARROW_FLOATS for t in floats) and len(dtypes) < 2:
         return False
     with (
         torch.random.fork_rng(devices=cuda_devices([*floats, *others])),

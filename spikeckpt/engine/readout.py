@@ -6,8 +6,8 @@ One `Reducer` serves both granularities: the schedule executor emits one step at
 loop's values bitwise. Reduced-precision outputs (``bfloat16`` / ``float16``, under autocast)
 are summed in ``float32`` and rounded once at the end, as ``torch.stack(ys).sum(0)`` sums
 them: a running sum in ``bfloat16`` stops growing once the step's value is below half its
-spacing (a Norse ``LICell``'s voltage summed over 600 steps: 8192 against 14272). In the backward pass `Reducer.y_grad` gives ``dL/dy_t`` per step
-and `Reducer.chunk_grad` per chunk.
+spacing (a Norse ``LICell``'s voltage summed over 600 steps: 8192 against 14272). In the
+backward pass `Reducer.y_grad` gives ``dL/dy_t`` per step and `Reducer.chunk_grad` per chunk.
 
 ``"max"`` / ``"min"`` are ``ys.max(0).values`` / ``ys.min(0).values`` of the stacked outputs,
 with their gradient: torch sends it to one index per element, the first of tied extrema (the
@@ -27,6 +27,7 @@ from torch import Tensor
 from spikeckpt.errors import ConfigError
 
 __all__ = [
+    "NARROW_FLOATS",
     "READOUTS",
     "Readout",
     "ReadoutFn",
@@ -34,6 +35,7 @@ __all__ = [
     "YGrad",
     "check_readout",
     "take_extremum",
+    "widened",
 ]
 
 ReadoutFn = Callable[[Any, Any, int], Any]
@@ -43,8 +45,15 @@ YGrad = Callable[[int], Sequence[Tensor | None]]
 #: the named readouts (a callable ``fold(acc, y_t, t) -> acc`` is the other kind)
 READOUTS: tuple[str | None, ...] = (None, "sum", "mean", "last", "max", "min")
 _EXTREMA = ("max", "min")
-#: float dtypes whose sums over time run in float32 (as torch's own reductions run them)
-_NARROW = (torch.bfloat16, torch.float16)
+#: floating dtypes narrower than float32: their sums over time run in float32 (as torch's own
+#: reductions run them)
+NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def widened(y: Tensor) -> Tensor:
+    """``y`` in float32 when it is a reduced-precision float (`NARROW_FLOATS`), else itself:
+    a sum's running value."""
+    return y.float() if y.dtype in NARROW_FLOATS else y
 
 
 def check_readout(readout: Any) -> None:
@@ -100,7 +109,7 @@ class Reducer:
         elif kind in ("sum", "mean"):
             if self.acc is None:
                 self.dtypes = [y.dtype for y in ys]
-                self.acc = [y.float() if y.dtype in _NARROW else y for y in ys]
+                self.acc = [widened(y) for y in ys]
             else:
                 self.acc = [a + y for a, y in zip(self.acc, ys, strict=True)]
         elif kind in _EXTREMA:
