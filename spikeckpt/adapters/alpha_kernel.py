@@ -68,6 +68,7 @@ class AlphaKernel(SurrogateKernel):
 
     membrane: int | None = 2
     emits_states = True
+    binary_leaves: tuple[int, ...] = ()
 
     def __init__(
         self,

@@ -192,6 +192,12 @@ class LeakyKernel:
     name = "fused"
     membrane: int | None = 0
     emits_states = False
+    binary_leaves: tuple[int, ...] = ()
+
+    @property
+    def binary_output(self) -> bool:
+        """Whether the spikes are 0 or 1: the graded factor a fixed 1."""
+        return is_unit(self.tensors()[2])
 
     def __init__(
         self,
@@ -367,6 +373,7 @@ class SurrogateKernel:
 
     name = "fused"
     emits_states = False
+    binary_leaves: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -384,6 +391,11 @@ class SurrogateKernel:
     @property
     def params(self) -> tuple[Tensor, ...]:
         return self.tensors()
+
+    @property
+    def binary_output(self) -> bool:
+        """Whether the spikes are 0 or 1: the graded factor (the tensors' last) a fixed 1."""
+        return is_unit(self.tensors()[-1])
 
 
 class ImmediateLeakyKernel(SurrogateKernel):
@@ -627,6 +639,7 @@ class SynapticKernel(SurrogateKernel):
 
     membrane: int | None = 1
     emits_states = True
+    binary_leaves: tuple[int, ...] = ()
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return len(leaves) == 2 and _same_layout(leaves, z) and _keeps_dtype(self, leaves, z)
@@ -802,6 +815,12 @@ class NorseKernel:
     name = "fused"
     membrane: int | None = 0
     emits_states = False
+    binary_leaves: tuple[int, ...] = ()
+
+    @property
+    def binary_output(self) -> bool:
+        """Norse's spikes are 0 or 1; ``"li"`` outputs its membrane."""
+        return self.mode != "li"
 
     def __init__(
         self,

@@ -151,6 +151,14 @@ class VerifiedKernel:
     def params(self) -> tuple[Tensor, ...]:
         return self.kernel.params
 
+    @property
+    def binary_leaves(self) -> tuple[int, ...]:
+        return self.kernel.binary_leaves
+
+    @property
+    def binary_output(self) -> bool:
+        return self.kernel.binary_output
+
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         if not no_hooks(self.neuron.module) or not self.kernel.accepts(leaves, z):
             return False

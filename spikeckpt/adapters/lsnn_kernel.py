@@ -186,6 +186,8 @@ class NorseLSNNFeedForwardKernel:
     name = "fused"
     membrane: int | None = 0
     emits_states = False
+    binary_leaves: tuple[int, ...] = ()
+    binary_output = True
     params: tuple[Tensor, ...] = ()  # a learnable field keeps the per-step call
 
     def __init__(

@@ -34,6 +34,7 @@ from spikeckpt.adapters.kernels import (
     _wanted,
     clamp_grad,
     emitted,
+    is_unit,
     norse_heaviside,
     per_leaf,
     reduce_product,
@@ -115,6 +116,16 @@ class RecurrentKernel(SurrogateKernel):
     @property
     def params(self) -> tuple[Tensor, ...]:
         return tuple(t for t in self.tensors() if t is not None)
+
+    @property
+    def binary_output(self) -> bool:
+        """Whether the spikes are 0 or 1: the graded factor a fixed 1."""
+        return is_unit(self._split()[3])
+
+    @property
+    def binary_leaves(self) -> tuple[int, ...]:
+        """The state's spikes (its first leaf) while they are 0 or 1."""
+        return (0,) if self.binary_output else ()
 
     def _split(self) -> tuple[Tensor | None, Tensor, Tensor, Tensor, list[Tensor | None]]:
         """``(alpha or None, beta, threshold, graded, the recurrent map's tensors)``."""
@@ -395,6 +406,9 @@ class NorseCellKernel:
     name = "fused"
     membrane: int | None = 1
     emits_states = False
+    #: the state's first leaf is the last step's spikes, Norse's ``threshold``: 0 or 1
+    binary_leaves: tuple[int, ...] = (0,)
+    binary_output = True
 
     def __init__(
         self,

@@ -167,6 +167,14 @@ class CompiledKernel:
     def params(self) -> tuple[Tensor, ...]:
         return self.kernel.params
 
+    @property
+    def binary_leaves(self) -> tuple[int, ...]:
+        return self.kernel.binary_leaves
+
+    @property
+    def binary_output(self) -> bool:
+        return self.kernel.binary_output
+
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return self.kernel.accepts(leaves, z)
 

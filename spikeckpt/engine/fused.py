@@ -45,12 +45,21 @@ class ChunkKernel(Protocol):
         emits_states: whether `forward` and `backward` take ``emit``: the kernel then returns
             the state leaves named there after each step (several per-step outputs, e.g. a
             neuron's call returning its current and its membrane), and takes their gradients.
+        binary_leaves: the state leaves (``pytree`` order) that are the neuron's own spikes,
+            exactly 0 or 1 whenever the kernel accepts a chunk (a recurrent neuron carrying
+            its last spikes; empty where a graded factor may scale them): the planner counts
+            them bit-packed in the stored chunk states, as the store keeps them.
+        binary_output: whether its output ``y`` is exactly 0 or 1 (spikes with no graded
+            factor, or a fixed factor of 1): the next block's stored input train is then
+            counted bit-packed; False, dense, whatever the probe's first step showed.
     """
 
     name: str
     params: tuple[Tensor, ...]
     membrane: int | None
     emits_states: bool
+    binary_leaves: tuple[int, ...]
+    binary_output: bool
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         """Whether this chunk can run fused (shapes and dtypes the kernel handles)."""

@@ -75,7 +75,8 @@ def layerwise_candidate(
     (the `BudgetPlanner`'s; both planners plan through it): stored spike trains are counted at
     the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
     density of hidden spikes grows as the model trains, and index lists with it), dense with
-    the device tier (it stores them unpacked); ``working`` is the training step's working set
+    the device tier (it stores them unpacked), and so are the spike leaves of the stored
+    chunk states; ``working`` is the training step's working set
     as `layerwise_working_bytes` measures it (held under
     ``max_bytes``; the parameters' gradient sums included).
     """
@@ -91,7 +92,12 @@ def layerwise_candidate(
             raise
         return None
     unpacked = model.storage == "device"
-    sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
+    sizes = [
+        replace(b, density=None, stored_state_bytes=None)
+        if unpacked
+        else replace(b, density=None if b.density is None else 1.0)
+        for b in sizes
+    ]
     working = layerwise_working_bytes(
         blocks,
         x,

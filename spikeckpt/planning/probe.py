@@ -45,9 +45,11 @@ from spikeckpt.engine.rng import CPU_STATE_BYTES, cuda_devices
 from spikeckpt.engine.saved import SavedBytes
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.plans.layerwise import (
+    EXTRAPOLATION_MARGIN,
     BlockSizes,
     MeasuredWorking,
     layerwise_cost,
+    packed_bytes,
     steepest_chord,
 )
 from spikeckpt.storage.base import tensor_nbytes
@@ -151,12 +153,14 @@ def block_sizes(
     """Measure each block for [`spikeckpt.plans.layerwise.layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] with one taped
     step from ``states`` on the input step ``x_t`` ``(B, ...)``: its state bytes, the bytes
     autograd keeps (``A_b``; parameters excluded), its input and output bytes per step and the
-    density of its input when that is binary. A neuron the run fuses (``fuse`` and a kernel
+    density of its input when that is binary (one step shows it: a neuron with a kernel says
+    whether its output is, a graded spike's first step may be all zeros). A neuron the run fuses (``fuse`` and a kernel
     that takes the step) is counted by its fused chunk's growth per step instead
-    (`_fused_step_bytes`). Changes nothing (RNG forked, no gradients)."""
+    (`_fused_step_bytes`), its stored state with its spike leaves bit-packed. Changes nothing (RNG forked, no gradients)."""
     params = [t for b in blocks for t in b.params]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
+    spikes: bool | None = None  # what the kernel below says of ``h``: None, the probe judges
     try:
         with (
             torch.random.fork_rng(devices=cuda_devices([h])),
@@ -173,19 +177,41 @@ def block_sizes(
                 tape = synapse.bytes + neuron.bytes
                 # the state as the run carries it: the dtypes one step returns (under autocast
                 # snnTorch's float32 membrane from a bf16 start: twice the bytes)
-                state_bytes = max(leaf_bytes(leaves), leaf_bytes(pytree.tree_flatten(new)[0]))
-                del new  # the step's graph is freed before the fused chunk is measured
+                new_leaves = pytree.tree_flatten(new)[0]
+                state_bytes = max(leaf_bytes(leaves), leaf_bytes(new_leaves))
+                kernel = block.fused if fuse else None
+                packing = _packing_saves(new_leaves, kernel.binary_leaves if kernel else ())
+                del new, new_leaves  # the step's graph is freed before the fused chunk is measured
                 y, z = stacked_outputs([y], block.name)[0].detach(), z.detach()
-                if fuse and block.fused is not None and block.fused.accepts(leaves, z[None]):
-                    tape = synapse.bytes + _fused_step_bytes(block.fused, leaves, spec, z)
-                density = float(h.float().mean()) if is_binary(h) else None
+                stored = None
+                if kernel is not None and kernel.accepts(leaves, z[None]):
+                    tape = synapse.bytes + _fused_step_bytes(kernel, leaves, spec, z)
+                    stored = state_bytes - packing
+                binary = spikes is not False and is_binary(h)
+                density = float(h.float().mean()) if binary else None
                 rng = CPU_STATE_BYTES if block.draws_random and h.device.type == "cpu" else 0
-                sizes.append(BlockSizes(state_bytes, tape, _nbytes(h), _nbytes(y), density, rng))
+                sizes.append(
+                    BlockSizes(state_bytes, tape, _nbytes(h), _nbytes(y), density, rng, stored)
+                )
                 h = y.detach()
+                spikes = block.fused.binary_output if block.fused is not None else None
     finally:
         for block in blocks:
             block.cleanup()
     return sizes
+
+
+def _packing_saves(leaves: Sequence[Any], spikes: Sequence[int]) -> int:
+    """Bytes the store saves on a state of ``leaves`` by bit-packing the leaves numbered in
+    ``spikes`` (a fused kernel's ``binary_leaves``: its spikes, 0 or 1 by construction) that
+    are exactly binary now; the store packs every binary leaf it keeps."""
+    saved = 0
+    for i in spikes:
+        t = leaves[i] if i < len(leaves) else None
+        if isinstance(t, Tensor) and is_binary(t):
+            n = tensor_nbytes(t)
+            saved += n - packed_bytes(n, 1.0, t.element_size())
+    return saved
 
 
 def _fused_step_bytes(kernel: Any, leaves: list[Tensor], spec: Any, z_t: Tensor) -> int:
@@ -223,6 +249,9 @@ def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
         step_bytes=scale(sizes.step_bytes),
         input_bytes=scale(sizes.input_bytes),
         output_bytes=scale(sizes.output_bytes),
+        stored_state_bytes=None
+        if sizes.stored_state_bytes is None
+        else scale(sizes.stored_state_bytes),
     )
 
 
@@ -233,6 +262,34 @@ UNTAPED_PROBE_CHUNKS = (8, 16, 32)
 #: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
+
+
+class _ProbeLimit:
+    """Which chunk lengths a probe may still run under ``max_bytes``: each one's peak
+    predicted from those measured so far (the last one plus the steepest chord per step, by
+    `EXTRAPOLATION_MARGIN`, at least ``work`` bytes per step), its dense input beside it.
+    A guess from the cost model's bytes per step alone missed what does not grow with the
+    chunk (the gradient sums: 18 KB of a 24-32-10 ``RLeaky`` net's 20 KB at chunk 1), and
+    its chunk 16 probe held 49.6 KB under a 47.2 KB limit."""
+
+    def __init__(self, max_bytes: int | None, work: int) -> None:
+        self.max_bytes = max_bytes
+        self.work = work
+        self.peaks: list[tuple[int, int]] = []
+
+    def allows(self, chunk: int, input_bytes: int) -> bool:
+        """Whether a run at ``chunk`` (longer than any measured) with ``input_bytes`` of
+        dense input made for it fits."""
+        if self.max_bytes is None or not self.peaks:
+            return True
+        last_chunk, last = self.peaks[-1]
+        numerator, denominator = EXTRAPOLATION_MARGIN
+        slope = -(-steepest_chord(self.peaks, self.work) * numerator // denominator)
+        return last + slope * (chunk - last_chunk) + input_bytes <= self.max_bytes
+
+    def record(self, chunk: int, peak: int) -> None:
+        """A run at ``chunk`` measured ``peak`` bytes (its input not included)."""
+        self.peaks.append((chunk, peak))
 
 
 def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
@@ -329,8 +386,13 @@ def layerwise_working_bytes(
     one = [scaled_sizes(b, few, batch) for b in sizes]
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     # the step itself at the shortest lengths: the whole batch, as the training step runs
+    limit = _ProbeLimit(max_bytes, _working(sizes))
     step, untaped = run(
-        sizes, layerwise_probe_chunks(T, sizes, max_bytes), samples=batch, training=True
+        sizes,
+        layerwise_probe_chunks(T, sizes, max_bytes),
+        samples=batch,
+        training=True,
+        limit=limit,
     )
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
@@ -344,7 +406,7 @@ def layerwise_working_bytes(
         # chunks. A probe stores two chunks; a run groups its stored trains into entries of
         # up to `GROUP_SHARE` of a chunk's dense trains, two of them held at once, which a
         # remote tier adds per step (measured 137-147 KB per step in all on that model)
-        points = _longer(points, run, sizes, T, batch, max_bytes)
+        points = _longer(points, partial(run, limit=limit), sizes, T, batch, max_bytes)
         entries = 0
         if not stored_on_device:
             entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
@@ -354,7 +416,11 @@ def layerwise_working_bytes(
     # holds); a packed input never takes a gradient: its run tapes as the training step does
     # (the parameters' gradient sums, constant in the chunk, are in every point alike)
     tape, _ = run(
-        one, layerwise_probe_chunks(T, one, max_bytes), samples=few, training=is_packed(x)
+        one,
+        layerwise_probe_chunks(T, one, max_bytes),
+        samples=few,
+        training=is_packed(x),
+        limit=_ProbeLimit(max_bytes, _working(one)),
     )
     slope = steepest_chord(tape, _working(one, sparse_first))
     return MeasuredWorking(
@@ -381,6 +447,8 @@ def _longer(
         if max_bytes is not None and 2 * k * _working(sizes) > max_bytes:
             break
         more, _ = run(sizes, [k], samples=batch, training=True)
+        if not more:  # the probe's limit stops it
+            break
         points.append((k, max(last, more[0][1])))
     return points
 
@@ -462,9 +530,11 @@ def _probe_residuals(
     output: str,
     remote: bool,
     fuse: bool = True,
+    limit: _ProbeLimit | None = None,
 ) -> tuple[list[tuple[int, int]], bool]:
     """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
-    the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks``, and
+    the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks`` that
+    ``limit`` allows (the lengths increasing; it stops at the first it does not), and
     whether every block's backward ran untaped in all of them.
 
     ``training``: the parameters' gradients are computed (returned, not accumulated) and the
@@ -472,15 +542,19 @@ def _probe_residuals(
     and an input gradient (each block's tape alike, the gradient sums left out)."""
     T = int(x.shape[0])
     work = _working(sizes)
-    n = min(T, 2 * chunks[-1])
-    if is_packed(x):  # one step at a time: never the whole chunk dense
-        x1 = torch.stack([x.step(t, device)[:samples] for t in range(n)])
-    else:
-        x1 = chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+
+    def dense(n: int) -> Tensor:
+        """The first ``n`` steps of the probed samples, dense ``(n, samples, ...)``."""
+        if is_packed(x):  # one step at a time: never the whole chunk dense
+            return torch.stack([x.step(t, device)[:samples] for t in range(n)])
+        return chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+
+    first = dense(1)
+    step_bytes = tensor_nbytes(first[0])
     # a packed train is unpacked a chunk at a time during the step; the probe's input is
-    # dense already (made outside the meter): count one dense chunk per chunk step
-    unpacked = tensor_nbytes(x1[0]) if is_packed(x) else 0
-    floating = x1.is_floating_point()
+    # dense already (made outside the run's meter): count one dense chunk per chunk step
+    unpacked = step_bytes if is_packed(x) else 0
+    floating = first.is_floating_point()
     input_grad = floating and (bool(getattr(x, "requires_grad", False)) or not training)
     params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
     residuals: list[tuple[int, int]] = []
@@ -490,10 +564,12 @@ def _probe_residuals(
             for p in params:
                 p.requires_grad_(False)
         # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
-        with torch.random.fork_rng(devices=cuda_devices([x1])), recompute_phase():
+        with torch.random.fork_rng(devices=cuda_devices([first])), recompute_phase():
             for k in chunks:
                 n = min(T, 2 * k)
-                xs = x1[:n].detach().requires_grad_(input_grad)
+                if limit is not None and not limit.allows(k, n * step_bytes):
+                    break
+                xs = dense(n).requires_grad_(input_grad)
                 run = partial(
                     layerwise_scan,
                     blocks,
@@ -506,6 +582,9 @@ def _probe_residuals(
                 )
                 wrt = (params if training else []) + ([xs] if input_grad else [])
                 peak, untaped = _run_peak(run, xs, states_for(xs[0].detach()), wrt, device)
+                del xs
+                if limit is not None:
+                    limit.record(k, peak)
                 all_untaped = all_untaped and untaped
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
                 residuals.append((k, peak + k * unpacked - (modeled - k * work)))

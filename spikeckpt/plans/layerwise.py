@@ -22,8 +22,9 @@ measured at a few chunk lengths (the whole training step's, the parameters' grad
 included), interpolated between them and extended past them by its slope.
 
 With ``remote=False`` the packed trains and the chunk states stay on the device too and are
-added. Off-device bytes: ``sum_b T * packed(I_b, rho_b) + n_chunks * S_b``. Step evaluations:
-every block runs each step twice (forward, recomputation), the same ``2T`` as
+added. Off-device bytes: ``sum_b T * packed(I_b, rho_b) + (n_chunks - 1) * S'_b``, with
+``S'_b`` the state as stored (a spike leaf bit-packed, `BlockSizes.stored_state`). Step
+evaluations: every block runs each step twice (forward, recomputation), the same ``2T`` as
 ``Uniform``; the time model is ``T * (2 * forward + backward)`` plus the copies, in the units
 of [`CostModel`][spikeckpt.plans.simulate.CostModel] (the stack's step times are used as the sum over blocks).
 """
@@ -79,6 +80,8 @@ class BlockSizes:
         rng_bytes: what each chunk of the block keeps in memory to replay its random draws
             in the recomputation (a CPU block that draws: the CPU generator's state, 5,056
             bytes in torch), else 0.
+        stored_state_bytes: the state as a chunk start is stored (a leaf that is the
+            neuron's spikes, 0 or 1 by construction, bit-packed), or None: ``state_bytes``.
     """
 
     state_bytes: int
@@ -87,6 +90,12 @@ class BlockSizes:
     output_bytes: int
     density: float | None = None
     rng_bytes: int = 0
+    stored_state_bytes: int | None = None
+
+    @property
+    def stored_state(self) -> int:
+        """Bytes of one stored chunk-start state (``stored_state_bytes``, else dense)."""
+        return self.state_bytes if self.stored_state_bytes is None else self.stored_state_bytes
 
 
 def steepest_chord(points: Sequence[tuple[int, int]], floor: int) -> int:
@@ -240,7 +249,7 @@ def layerwise_cost(
         held = working(k)
     trains = sum(T * packed_bytes(b.input_bytes, b.density) for b in blocks[1:])
     # the first block's input is the caller's tensor: referenced, never copied
-    stored = trains + (n_chunks - 1) * states
+    stored = trains + (n_chunks - 1) * sum(b.stored_state for b in blocks)
     # a drawing block's generator state per chunk stays in memory, whatever the tier
     replay = n_chunks * sum(b.rng_bytes for b in blocks)
     peak = 2 * states + held + (0 if remote else stored) + replay
