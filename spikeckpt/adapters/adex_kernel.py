@@ -36,7 +36,6 @@ from torch import Tensor
 from spikeckpt.adapters.kernels import (
     _host_scalar,
     _same_layout,
-    norse_heaviside,
     per_leaf,
     surrogate_grad,
 )
@@ -81,7 +80,6 @@ class NorseExKernel:
     name = "fused"
     membrane: int | None = 0
     emits_states = False
-    params: tuple[Tensor, ...] = ()  # a learnable field keeps the per-step call
 
     def __init__(
         self,
@@ -97,6 +95,14 @@ class NorseExKernel:
         self.adaptive = adaptive
         self.fields = ADEX_FIELDS if adaptive else EX_FIELDS
         self.usable = usable
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        """The fields that are tensors, none taking a gradient (`accepts` declines a cell
+        with a learnable field: it keeps the per-step call); the kernel's check against the
+        step samples along the dimensions where they vary."""
+        p = self.p()
+        return tuple(t for t in (getattr(p, f, None) for f in self.fields) if isinstance(t, Tensor))
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         p = self.p()
@@ -139,25 +145,25 @@ class NorseExKernel:
         ys = v.new_empty((k, *v.shape))
         v_ds = v.new_empty((k, *v.shape)) if keep else None  # v before the reset
         vs = v.new_empty((k, *v.shape)) if want_mem else None
+        zero = torch.as_tensor(0.0)  # Norse's heaviside: gt(u, 0) in u's dtype
         for t, x_t in enumerate(z.unbind(0)):
             i_j = i + x_t
             dv_leak = p.v_leak - v
             dv_exp = p.delta_T * torch.exp((v - p.v_th) / p.delta_T)
             if a is None:
-                v_d = v + c_m * (dv_leak + dv_exp + i_j)
+                dv = c_m * (dv_leak + dv_exp + i_j)
             else:
-                v_d = v + c_m * (dv_leak + dv_exp + i_j - a)
+                dv = c_m * (dv_leak + dv_exp + i_j - a)
                 a = a + c_a * (p.adaptation_current * (v - p.v_leak) - a)
+            v_d = v + dv if v_ds is None else torch.add(v, dv, out=v_ds[t])
             i = i_j + c_s * i_j
-            s = norse_heaviside(v_d - p.v_th)
-            v = (1 - s) * v_d + s * p.v_reset
+            s = torch.gt(v_d - p.v_th, zero, out=ys[t])
+            kept, reset = (1 - s) * v_d, s * p.v_reset
+            v = kept + reset if vs is None else torch.add(kept, reset, out=vs[t])
             if a is not None:
                 a = a + s * p.adaptation_spike
-            ys[t] = s
-            if v_ds is not None:
-                v_ds[t] = v_d
-            if vs is not None:
-                vs[t] = v
+        if vs is not None:
+            v = v.clone()  # not a view of the membranes returned beside it
         saved = (v_ds, ys, v0) if keep else None
         final = [v, i] if a is None else [v, i, a]
         return final, ys if want_y else None, vs, saved
@@ -183,36 +189,39 @@ class NorseExKernel:
         # v entering each step, as the forward computed it (the same ops: bitwise)
         v_in = torch.empty_like(v_ds)
         v_in[0] = v0
+        keep_v = 1 - ys  # d v' / d v_d
         if k > 1:
-            torch.add((1 - ys[:-1]) * v_ds[:-1], ys[:-1] * p.v_reset, out=v_in[1:])
+            torch.add(keep_v[:-1] * v_ds[:-1], ys[:-1] * p.v_reset, out=v_in[1:])
         # d v_d / d v = 1 + c_m * (e - 1): the exponential's slope less the leak's
         e_less_1 = torch.exp((v_in - p.v_th) / p.delta_T).sub_(1)
         del v_in
         slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
+        # d v' / d s = v_reset - v_d (in place on the saved tensor at the last backward)
+        drop = v_ds.neg_().add_(p.v_reset) if consume else p.v_reset - v_ds
         g_x = torch.empty_like(ys) if need_z else None  # dL/d i_j per step
         carry = [torch.zeros_like(ys[0]) if g is None else g for g in g_final]
         carry_v, carry_i = carry[0], carry[1]
         carry_a = carry[2] if self.adaptive else None
         for t in range(k - 1, -1, -1):
             g_v = carry_v if g_mem is None else g_mem[t] + carry_v
-            s = ys[t]
             # v' = (1 - s) v_d + s v_reset (a' = a_d + s adaptation_spike): s not detached
-            g_s = g_v * (p.v_reset - v_ds[t])
+            g_s = g_v * drop[t]
             if carry_a is not None:
                 g_s = g_s + carry_a * p.adaptation_spike
             if g_y is not None:
                 g_s = g_s + g_y[t]
-            g_vd = g_v * (1 - s) + slope[t] * g_s  # s = threshold(v_d - v_th)
+            g_vd = g_v * keep_v[t] + slope[t] * g_s  # s = threshold(v_d - v_th)
             g_sum = g_vd * c_m  # v_d = v + c_m * sum
-            g_ij = g_sum + (carry_i + carry_i * c_s)  # the sum reads i_j; i' = i_j + c_s i_j
-            if g_x is not None:
-                g_x[t] = g_ij
-            carry_i = g_ij  # i_j = i + x_t
+            g_id = carry_i + carry_i * c_s  # i' = i_j + c_s i_j
+            # the sum reads i_j; i_j = i + x_t
+            carry_i = g_sum + g_id if g_x is None else torch.add(g_sum, g_id, out=g_x[t])
             carry_v = g_vd + g_sum * e_less_1[t]  # the sum reads v: v_leak - v, delta_T * e
             if carry_a is not None:
                 g_in = carry_a * c_a  # a_d = a + c_a * (adaptation_current (v - v_leak) - a)
                 carry_v = carry_v + g_in * p.adaptation_current
                 carry_a = (carry_a - g_in) - g_sum  # and the sum's - a
+        if g_x is not None and k:
+            carry_i = carry_i.clone()  # not a view of the input's gradient
         finals: list[Tensor | None] = [carry_v, carry_i]
         if carry_a is not None:
             finals.append(carry_a)
