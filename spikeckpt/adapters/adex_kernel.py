@@ -18,11 +18,13 @@ a)``, ``a`` the adaptation current), the block's synaptic input ``x_t`` the curr
 Norse detaches nothing here: the reset and the adaptation pass the spike's gradient through the
 surrogate too. The forward runs these same operations in the same order (spikes, membranes and
 states bitwise Norse's); the backward runs the adjoint recurrence by hand, the surrogate's
-slope from Norse's own ``threshold`` once per chunk. Where the exponential overflows (a huge
-input), Norse's membrane becomes ``0 * inf = nan`` at the reset, and so does the kernel's.
+slope from Norse's own ``threshold`` once per chunk. Where ``v_d`` overflows (a membrane
+starting high, a huge input), Norse's reset makes ``0 * inf = nan``, and so does the kernel's,
+at the same places (its gradients too).
 
 A field of the parameters that takes a gradient (made learnable by the user) keeps Norse's
-per-step call: `NorseExKernel.params` is empty and `NorseExKernel.accepts` declines.
+per-step call: `NorseExKernel.accepts` declines it (the kernel returns no parameter
+gradients).
 """
 
 from __future__ import annotations
