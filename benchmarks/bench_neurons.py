@@ -3,13 +3,14 @@
 The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16, T = 500,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
-one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell`` and ``LSNNCell``
-(where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell``, ``LSNNCell``,
+``LIFExCell`` and ``LIFAdExCell`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
 compared (bitwise, else their largest relative difference) and the first weight's gradient
-relative to the loop's.
+relative to the loop's; peak is `spikeckpt.MemoryMeter`'s (live tensors on the CPU) of one
+separate training step of the loop and of the layer-wise row.
 
     taskset -c 1 python benchmarks/bench_neurons.py --n 512 --threads 1
 """
@@ -54,6 +55,8 @@ if norse is not None:
         "Norse LIFBoxCell": lambda: norse.LIFBoxCell(),
         "Norse LICell": lambda: norse.LICell(),
         "Norse LSNNCell": lambda: norse.LSNNCell(),
+        "Norse LIFExCell": lambda: norse.LIFExCell(),
+        "Norse LIFAdExCell": lambda: norse.LIFAdExCell(),
     }
 
 
@@ -132,9 +135,9 @@ def main() -> None:
     )
     print(
         "| neuron | its own loop | layer-wise | x loop | without Numba | x loop | neuron ran "
-        "| outputs | max rel dW |"
+        "| outputs | max rel dW | peak: loop, layer-wise |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, make in NEURONS.items():
         if args.only and not any(part in name for part in args.only):
             continue
@@ -154,6 +157,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for key, run in runs.items():
                 best[key] = min(best[key], one_step(run, net)[0])
+        peak = {}
+        for key in ("loop", "layer-wise"):
+            with sc.MemoryMeter() as meter:
+                one_step(runs[key], net)
+            peak[key] = meter.peak_bytes / 2**20
         (_, s_loop, g_loop), (_, s_ours, g_ours) = first["loop"], first["layer-wise"]
         rel = ((g_loop - g_ours).abs().max() / g_loop.abs().max()).item()
         # spikes come out bitwise; LI's output is a membrane, where the chunk's one product
@@ -164,7 +172,7 @@ def main() -> None:
             f"| {name} | {best['loop']:.4f} s | {best['layer-wise']:.4f} s | "
             f"{best['layer-wise'] / best['loop']:.3f} | {best['no numba']:.4f} s | "
             f"{best['no numba'] / best['loop']:.3f} | {wrapped.last_stats.blocks[0].neuron} | "
-            f"{same} | {rel:.1e} |"
+            f"{same} | {rel:.1e} | {peak['loop']:.2f}, {peak['layer-wise']:.2f} MiB |"
         )
 
 

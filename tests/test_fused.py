@@ -209,6 +209,26 @@ NEURONS: dict[str, Factory] = {
         ),
         autapses=True,
     ),
+    "norse lifex": lambda n: norse.LIFExCell(),
+    "norse lifex tanh sharp": lambda n: norse.LIFExCell(
+        norse.LIFExParameters(
+            method="tanh",
+            delta_T=torch.full((n,), 0.2),
+            v_th=torch.tensor(0.6),
+            v_reset=torch.tensor(-0.1),
+        )
+    ),
+    "norse lifadex": lambda n: norse.LIFAdExCell(),
+    "norse lifadex triangle adapting": lambda n: norse.LIFAdExCell(
+        norse.LIFAdExParameters(
+            method="triangle",
+            adaptation_current=torch.tensor(20.0),
+            adaptation_spike=torch.linspace(0.5, 3.0, n),
+            tau_ada_inv=torch.tensor(50.0),
+            delta_T=torch.tensor(1.5),
+            v_reset=torch.tensor(-0.2),
+        )
+    ),
     "norse lifbox": lambda n: norse.LIFBoxCell(),
     "norse lifbox subtract": lambda n: norse.LIFBoxCell(
         norse.LIFBoxParameters(
@@ -455,8 +475,26 @@ def test_lsnn_neurons_match_norses_own_step(
     )
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(n for n in NEURONS if "lifex" in n or "lifadex" in n)), **_CASES)
+def test_exponential_lif_neurons_match_norses_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """Norse's ``LIFExCell`` and ``LIFAdExCell`` (`NorseExKernel`: the exponential term, the
+    adaptation current, the spike's gradient through the reset and the adaptation as Norse
+    leaves it attached), default and other parameters (another surrogate, per-neuron fields,
+    an adapting membrane) against Norse's own step: spikes and membranes bitwise, gradients at
+    round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
-_TORCH_LOOP_ONLY = ("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent", "lsnn")
+_TORCH_LOOP_ONLY = (
+    *("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent", "lsnn"),
+    *("lifex", "lifadex"),
+)
 
 
 @pytest.mark.parametrize(

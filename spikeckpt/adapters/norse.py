@@ -35,6 +35,7 @@ from norse.torch.module.sequential import SequentialState
 from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
 
+from spikeckpt.adapters.adex_kernel import NorseExKernel
 from spikeckpt.adapters.generic import StatefulAdapter, own_loop_error, probe, state_arity
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
@@ -54,7 +55,15 @@ from spikeckpt.errors import ConfigTypeError
 __all__ = ["NorseAdapter", "make_adapter", "move_params"]
 
 #: the chunk kernels of Norse's steps
-NorseChunkKernel = NorseKernel | NorseLSNNFeedForwardKernel | NorseRecurrentKernel | NorseLSNNKernel
+NorseChunkKernel = (
+    NorseKernel
+    | NorseLSNNFeedForwardKernel
+    | NorseExKernel
+    | NorseRecurrentKernel
+    | NorseLSNNKernel
+)
+#: the kernels of the feed-forward steps
+FeedForwardKernel = NorseKernel | NorseLSNNFeedForwardKernel | NorseExKernel
 
 _SEQUENCE = (SNN, SNNRecurrent)
 _RECURRENT = (SNNRecurrentCell, SNNRecurrent)
@@ -220,8 +229,9 @@ class NorseAdapter(LayerAdapter):
     def chunk_kernel(self) -> NorseChunkKernel | None:
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
-        ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step`` or
-        ``lsnn_feed_forward_step``, or of a
+        ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step``,
+        ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step`` or
+        ``lif_adex_feed_forward_step``, or of a
         ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
         None."""
         if self.recurrent:
@@ -337,8 +347,9 @@ def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
     return spike
 
 
-#: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, and ``"lsnn"``
-FeedForwardMode = NorseMode | Literal["lsnn"]
+#: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, ``"lsnn"``
+#: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`)
+FeedForwardMode = NorseMode | Literal["lsnn", "ex", "adex"]
 
 
 def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
@@ -347,7 +358,9 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     from norse.torch.functional import reset as resets
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
+    from norse.torch.functional.lif_adex import lif_adex_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
+    from norse.torch.functional.lif_ex import lif_ex_feed_forward_step
     from norse.torch.functional.lsnn import lsnn_feed_forward_step
 
     modes: dict[Any, FeedForwardMode] = {
@@ -355,6 +368,8 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
         lif_box_feed_forward_step: "box",
         li_feed_forward_step: "li",
         lsnn_feed_forward_step: "lsnn",
+        lif_ex_feed_forward_step: "ex",
+        lif_adex_feed_forward_step: "adex",
     }
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
@@ -391,7 +406,7 @@ class _NorseChunkKernel(NorseKernel):
         return _kernel_key(self.module) == self.key and super().accepts(leaves, z)
 
 
-def norse_kernel(m: nn.Module) -> NorseKernel | NorseLSNNFeedForwardKernel | None:
+def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
     """The chunk kernel of the Norse cell or sequence module ``m`` (see
     `NorseAdapter.chunk_kernel`), or None."""
     key = _kernel_key(m)
@@ -401,6 +416,10 @@ def norse_kernel(m: nn.Module) -> NorseKernel | NorseLSNNFeedForwardKernel | Non
     if mode == "lsnn":
         return NorseLSNNFeedForwardKernel(
             lambda: m.p, dt, _norse_spike(m), lambda: _kernel_key(m) == key
+        )
+    if mode == "ex" or mode == "adex":
+        return NorseExKernel(
+            lambda: m.p, dt, _norse_spike(m), mode == "adex", lambda: _kernel_key(m) == key
         )
     return _NorseChunkKernel(m, (mode, subtract, dt))
 
