@@ -196,6 +196,9 @@ NEURONS: dict[str, Factory] = {
             v_reset=torch.tensor(-0.1),
         )
     ),
+    "norse lsnn per-neuron": lambda n: norse.LSNNCell(
+        norse.LSNNParameters(beta=torch.linspace(1.0, 2.0, n), v_th=torch.linspace(0.4, 0.6, n))
+    ),
     "norse lsnn recurrent": lambda n: norse.LSNNRecurrentCell(n, n),
     "norse lsnn recurrent tanh autapses adapting": lambda n: norse.LSNNRecurrentCell(
         n,

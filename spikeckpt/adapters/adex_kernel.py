@@ -82,6 +82,8 @@ class NorseExKernel:
     name = "fused"
     membrane: int | None = 0
     emits_states = False
+    binary_leaves: tuple[int, ...] = ()
+    binary_output = True
 
     def __init__(
         self,

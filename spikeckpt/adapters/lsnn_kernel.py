@@ -188,7 +188,6 @@ class NorseLSNNFeedForwardKernel:
     emits_states = False
     binary_leaves: tuple[int, ...] = ()
     binary_output = True
-    params: tuple[Tensor, ...] = ()  # a learnable field keeps the per-step call
 
     def __init__(
         self,
@@ -201,6 +200,14 @@ class NorseLSNNFeedForwardKernel:
         self.dt = dt
         self.spike = spike
         self.usable = usable
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        """The fields that are tensors, none taking a gradient (a learnable field keeps the
+        per-step call): the kernel's check against the step samples along the dimensions
+        where they vary (none given, a per-neuron ``beta`` failed the check: per step)."""
+        p = self.p()
+        return tuple(t for t in (getattr(p, f, None) for f in FIELDS) if isinstance(t, Tensor))
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return (
