@@ -41,3 +41,61 @@ def test_the_smallest_budget_named_holds_a_model_that_draws_nothing() -> None:
             meter.track([x])
             seq(x).sum().backward()
         assert meter.peak_bytes <= smallest
+
+
+def _norse_loop(model: nn.Module, x: Tensor) -> Tensor:
+    """Norse's tutorial loop: ``v, state = model(x_t, state)`` from ``state=None``."""
+    state, out = None, []
+    for t in range(x.shape[0]):
+        v, state = model(x[t], state)
+        out.append(v)
+    return torch.stack(out)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_norse_poisson_encoder_step_inside_the_model_draws_as_the_loop() -> None:
+    """Norse's per-step Poisson encoder inside a ``SequentialState`` (spikes drawn at each step
+    from the image, as Norse's examples encode outside the loop) was refused as having "no
+    per-step form". Now the stack runs it, replaying its draws when it recomputes a step:
+    the seeded loop's outputs and gradients; layer-wise refuses it naming 'stack', and
+    ``"auto"`` runs the stack."""
+    norse = pytest.importorskip("norse.torch")
+    from norse.torch.module.encode import PoissonEncoderStep
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return norse.SequentialState(
+            PoissonEncoderStep(f_max=400),
+            nn.Linear(C, 16),
+            norse.LIFCell(),
+            nn.Linear(16, K),
+            norse.LICell(),
+        )
+
+    image = torch.rand(B, C)
+    x = image.expand(T, *image.shape)  # the static image at every step
+    ref = build()
+    torch.manual_seed(7)
+    expected = _norse_loop(ref, x)
+    (expected * torch.arange(1.0, K + 1)).sum().backward()
+    for granularity in ("stack", "auto"):
+        model = build()
+        seq = sc.wrap(model, plan=sc.plans.Revolve(3), granularity=granularity)
+        torch.manual_seed(7)
+        out, _ = seq(x)
+        (out * torch.arange(1.0, K + 1)).sum().backward()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad)
+    with pytest.raises(sc.UnsupportedLayerError, match=r"may draw random numbers.*'stack'"):
+        sc.wrap(build(), granularity="layer")(x)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_norse_sequence_encoder_inside_the_model_is_refused_with_the_way() -> None:
+    """``PoissonEncoder(T)`` makes the whole sequence from one input: refused, saying to
+    encode before the wrapped model or to use the per-step encoder."""
+    norse = pytest.importorskip("norse.torch")
+    model = norse.SequentialState(norse.PoissonEncoder(T), nn.Linear(C, K), norse.LIFCell())
+    with pytest.raises(sc.UnsupportedLayerError, match=r"encode before the wrapped model.*Step"):
+        sc.wrap(model)(torch.rand(T, B, C))

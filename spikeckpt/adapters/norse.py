@@ -35,7 +35,13 @@ from norse.torch.module.sequential import SequentialState
 from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
 
-from spikeckpt.adapters.generic import StatefulAdapter, own_loop_error, probe, state_arity
+from spikeckpt.adapters.generic import (
+    StatefulAdapter,
+    StatelessAdapter,
+    own_loop_error,
+    probe,
+    state_arity,
+)
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
 from spikeckpt.adapters.memo import TensorMemo
@@ -300,6 +306,9 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
         return adapter_for(module.lifted_module, sub)
     if state_arity(module):
         return StatefulAdapter(module, path)
+    step_encoder = _step_encoder(module)
+    if step_encoder is not None:
+        return step_encoder(module, path)
     stateful = (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent, LILinearCell)
     inside = [n for n, m in module.named_modules() if n and isinstance(m, stateful)]
     if inside:  # a model of Norse's (norse.torch.models: ConvNet4, ...) with its own loop
@@ -309,12 +318,50 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
             f"its forward(x) runs layers that keep state over time ({', '.join(inside[:4])}) "
             "in a time loop of its own, so one call is not one time step",
         )
+    if type(module).__module__ == "norse.torch.module.encode":
+        raise unsupported(
+            module,
+            path,
+            "this Norse encoder makes a whole sequence from its input, so one call is not one "
+            "time step; encode before the wrapped model (x = encoder(inputs), (T, B, ...); "
+            "seq(x)), or, for Poisson spikes drawn at each step inside it, use "
+            "norse.torch.module.encode.PoissonEncoderStep (or SignedPoissonEncoderStep)",
+        )
     raise unsupported(
         module,
         path,
         "this Norse module has no per-step form (x, state) -> "
         "(z, state); encoders and whole-sequence modules cannot be stepped",
     )
+
+
+class NorseEncoderStepAdapter(StatelessAdapter):
+    """A Norse encoder of one time step (``PopulationEncoder``): ``y_t = module(x_t)``, no
+    state; the input ``x_t (B, ...)``, its code ``(B, ..., out_features)``."""
+
+
+class NorsePoissonStepAdapter(NorseEncoderStepAdapter):
+    """``PoissonEncoderStep`` / ``SignedPoissonEncoderStep``: one step's spikes ``(B, ...)``
+    drawn from torch's generator with probability ``f_max * dt * x_t``; the stack replays the
+    draws when it recomputes a step; layer-wise refuses it (it replays Dropout's only)."""
+
+    draws_random = True
+
+
+def _step_encoder(module: nn.Module) -> type[LayerAdapter] | None:
+    """The adapter class of Norse's encoders of one time step (no state, one step in, one
+    step out), or None for other modules."""
+    from norse.torch.module import encode
+
+    if not no_hooks(module) or type(module).forward not in (
+        encode.PoissonEncoderStep.forward,
+        encode.SignedPoissonEncoderStep.forward,
+        encode.PopulationEncoder.forward,
+    ):
+        return None
+    if isinstance(module, encode.PopulationEncoder):
+        return NorseEncoderStepAdapter
+    return NorsePoissonStepAdapter
 
 
 def is_sequence_stack(module: nn.Module) -> bool:

@@ -398,7 +398,7 @@ def _check_synapse(layer: LayerAdapter, why: str) -> None:
     inner = layer.inner if isinstance(layer, TimeLiftedAdapter) else layer
     if isinstance(inner.module, nn.modules.dropout._DropoutNd):
         return
-    if _may_draw_random(inner.module):
+    if inner.draws_random or _may_draw_random(inner.module):
         raise unsupported(
             layer.module,
             layer.path,
