@@ -99,3 +99,46 @@ def test_a_norse_sequence_encoder_inside_the_model_is_refused_with_the_way() -> 
     model = norse.SequentialState(norse.PoissonEncoder(T), nn.Linear(C, K), norse.LIFCell())
     with pytest.raises(sc.UnsupportedLayerError, match=r"encode before the wrapped model.*Step"):
         sc.wrap(model)(torch.rand(T, B, C))
+
+
+def test_a_budget_refused_after_two_runs_in_a_step_says_so(tmp_path: object) -> None:
+    """A ``training_step`` that calls the wrapped net twice (two views): the measured step
+    came out over the budget, the re-plan refused it naming a smallest budget that did not
+    hold either (28 KiB -> 36.06 KiB -> 38.42 KiB -> 38.92 KiB), and the refusal did not say
+    why (the warning about two runs came apart from it). The refusal now names the runs."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader
+
+    from spikeckpt.lightning import MemoryBudget
+
+    class TwoViews(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = sc.wrap(_fc_net(), readout="sum")
+
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            x, y = batch
+            logits = self.net(x) + self.net(x.flip(0))
+            return nn.functional.cross_entropy(logits, y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(1)
+    batches = [(_spikes((T, B, C)), torch.randint(0, K, (B,))) for _ in range(2)]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[MemoryBudget("28KiB", verbose=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with (
+        pytest.warns(UserWarning, match="ran 2 times"),
+        pytest.raises(sc.BudgetTooSmall, match=r"'net' ran 2 times in a training step"),
+    ):
+        trainer.fit(TwoViews(), DataLoader(batches, batch_size=None))
