@@ -142,3 +142,41 @@ def test_a_budget_refused_after_two_runs_in_a_step_says_so(tmp_path: object) -> 
         pytest.raises(sc.BudgetTooSmall, match=r"'net' ran 2 times in a training step"),
     ):
         trainer.fit(TwoViews(), DataLoader(batches, batch_size=None))
+
+
+class TakeMembrane(nn.Module):
+    """Picks the membrane out of the ``(spk, mem)`` an ``output=True`` neuron returns."""
+
+    def forward(self, out: tuple[Tensor, Tensor]) -> Tensor:
+        return out[1]
+
+
+@pytest.mark.parametrize("after", ["linear", "take_membrane"])
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_an_output_true_neuron_before_the_last_is_refused(after: str, granularity: str) -> None:
+    """``snn.Leaky(init_hidden=True, output=True)`` in a middle layer: ``net(x_t)`` hands its
+    ``(spk, mem)`` to the next layer (a ``Linear`` raises on it; a layer of yours may take the
+    membrane), but the wrapped model handed on the spikes alone: it ran where the loop
+    raised, and crashed or differed where a layer took the tuple. Now refused, naming the
+    layer and ``output=False``."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        middle = [TakeMembrane()] if after == "take_membrane" else []
+        return nn.Sequential(
+            nn.Linear(C, 16),
+            snn.Leaky(beta=0.9, init_hidden=True, output=True),
+            *middle,
+            nn.Linear(16, K),
+            snn.Leaky(beta=0.8, init_hidden=True),
+        )
+
+    x = _spikes((T, B, C))
+    with pytest.raises(sc.UnsupportedLayerError, match=r"'1'.*returns a tuple.*output=False"):
+        sc.wrap(build(), granularity=granularity)(x)
+    if after == "linear":  # the fix the message names: the loop's spikes
+        fixed, ref = build(), build()
+        fixed[1].output = ref[1].output = False
+        pytest.importorskip("snntorch.utils").reset(ref)
+        want = torch.stack([ref(x[t]) for t in range(T)])
+        assert torch.equal(sc.wrap(fixed, granularity=granularity)(x), want)
