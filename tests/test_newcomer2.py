@@ -180,3 +180,31 @@ def test_an_output_true_neuron_before_the_last_is_refused(after: str, granularit
         pytest.importorskip("snntorch.utils").reset(ref)
         want = torch.stack([ref(x[t]) for t in range(T)])
         assert torch.equal(sc.wrap(fixed, granularity=granularity)(x), want)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_norse_cell_beside_sequence_modules_is_refused() -> None:
+    """A ``SequentialState`` mixing a cell with sequence modules (``LI``): Norse's call
+    ``model(x)`` hands the cell the whole sequence as one step, the wrapped model stepped it
+    over time: outputs 1.5 apart, gradients up to 140 (of 21) off, silently. Now refused,
+    naming the cell and the ways: its sequence module (the wrapped model then gives Norse's
+    call's outputs and gradients), or cells throughout."""
+    norse = pytest.importorskip("norse.torch")
+
+    def build(neuron: nn.Module) -> nn.Module:
+        torch.manual_seed(0)
+        return norse.SequentialState(nn.Linear(C, 16), neuron, nn.Linear(16, K), norse.LI())
+
+    x = _spikes((T, B, C), 0.6) * 10
+    with pytest.raises(sc.UnsupportedLayerError, match=r"'1'.*LI at '3'.*LIF\(\.\.\.\)"):
+        sc.wrap(build(norse.LIFCell()))(x)
+    with pytest.raises(sc.UnsupportedLayerError, match=r"'1'.*make every layer a cell"):
+        sc.wrap(build(norse.LIFBoxCell()))(x)
+    ref, model = build(norse.LIF()), build(norse.LIF())
+    expected, _ = ref(x)
+    expected.sum().backward()
+    out, _ = sc.wrap(model, plan=sc.plans.Revolve(3))(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)

@@ -262,22 +262,54 @@ def type_of_li_state() -> type:
     return LIState
 
 
-def stack_options(module: nn.Module) -> dict[str, Any] | None:
-    """For a ``SequentialState`` (a plain one: `_plain_stack`): how to build its stack
-    (keyword arguments of `from_sequential`); else ``None``.
+def stack_options(module: nn.Module, path: str = "") -> dict[str, Any] | None:
+    """For a ``SequentialState`` (a plain one: `_plain_stack`) at ``path``: how to build its
+    stack (keyword arguments of `from_sequential`); else ``None``.
 
     Norse passes one state per position (``stateful_flags``: its ``stateful_layers``, a module
     Norse calls without a state is stepped without one); in sequence mode its plain layers see
     ``(T, B, ...)`` tensors; ``return_hidden=True`` makes each step's output the list of every
-    position's output (the wrapped model returns each one over time, in Norse's order)."""
+    position's output (the wrapped model returns each one over time, in Norse's order). A
+    cell beside sequence modules is refused (`_refuse_cells_in_sequence`)."""
     if not _plain_stack(module):
         return None
     flags = getattr(module, "stateful_layers", None)
+    sequence_mode = is_sequence_stack(module)
+    if sequence_mode:
+        _refuse_cells_in_sequence(module, path)
     return {
-        "sequence_mode": is_sequence_stack(module),
+        "sequence_mode": sequence_mode,
         "stateful_flags": list(flags) if flags is not None else [True] * len(module),
         "return_hidden": bool(getattr(module, "return_hidden", False)),
     }
+
+
+def _refuse_cells_in_sequence(module: nn.Module, path: str) -> None:
+    """Refuse a bare cell in a ``SequentialState`` of sequence modules (``LIF``, ``LI``,
+    ``Lift``): Norse's call hands it the whole sequence ``(T, B, ...)`` as one step (``T`` a
+    batch dimension), where spikeckpt would step it over time: the outputs would differ."""
+    import norse.torch as nt
+
+    sequences = [
+        f"{type(c).__name__} at {n!r}"
+        for n, c in module.named_children()
+        if isinstance(c, (*_SEQUENCE, Lift))
+    ]
+    for name, child in module.named_children():
+        if not isinstance(child, (SNNCell, SNNRecurrentCell, LILinearCell)):
+            continue
+        cell = type(child).__name__
+        sequence = cell.removesuffix("Cell")
+        way = f"use its sequence module {sequence}(...), or " if hasattr(nt, sequence) else ""
+        raise unsupported(
+            child,
+            f"{path}.{name}" if path else name,
+            f"this cell sits beside sequence modules ({', '.join(sequences[:3])}), so Norse's "
+            "call of the SequentialState hands it the whole sequence (T, B, ...) as one step, "
+            "and the wrapped model (which would step it over time) would differ from it; "
+            f"{way}make every layer a cell (LI -> LICell), which the wrapped model steps over "
+            "time as your per-step loop does",
+        )
 
 
 def _plain_stack(module: nn.Module) -> bool:
