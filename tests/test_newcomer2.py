@@ -208,3 +208,31 @@ def test_a_norse_cell_beside_sequence_modules_is_refused() -> None:
     torch.testing.assert_close(out, expected)
     for p, q in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_norse_population_encoder_inside_the_model_gives_the_loops_results(
+    granularity: str,
+) -> None:
+    """Norse's ``PopulationEncoder`` (one step's values to population codes, scaled by each
+    step's maximum) was refused as having "no per-step form"; it is a stateless layer."""
+    norse = pytest.importorskip("norse.torch")
+    from norse.torch.module.encode import PopulationEncoder
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return norse.SequentialState(
+            PopulationEncoder(5), nn.Flatten(), nn.Linear(6 * 5, 8), norse.LIFCell(),
+            nn.Linear(8, K), norse.LICell(),
+        )  # fmt: skip
+
+    x = torch.rand(T, B, 6) * torch.linspace(0.5, 2.0, T)[:, None, None]
+    ref, model = build(), build()
+    expected = _norse_loop(ref, x)
+    expected.sum().backward()
+    out, _ = sc.wrap(model, granularity=granularity, chunk=8 if granularity == "layer" else None)(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, expected)
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
