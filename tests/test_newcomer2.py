@@ -236,3 +236,26 @@ def test_norse_population_encoder_inside_the_model_gives_the_loops_results(
     torch.testing.assert_close(out, expected)
     for p, q in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_granularity_at_the_smallest_budget_does_not_probe_past_it() -> None:
+    """``granularity="auto"`` with a budget measures a layer-wise step (a chunk of one step at
+    least) beside the stack's probe. On an N-MNIST-style conv net with the dense input on the
+    device, at the smallest budget a refusal named, the layer-wise measurement alone took
+    1,397,362 bytes of 1,273,304 (the stack plan then chosen needed 1,241,920): the first
+    step broke the budget (under ``MemoryBudget`` it re-planned and refused its own number).
+    Now layer-wise is not measured when one chunk step of it cannot fit."""
+    torch.manual_seed(0)
+    x = _spikes((15, 8, 2, 34, 34), 0.05)
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 5, stride=2), nn.MaxPool2d(2), snn.Leaky(0.9), nn.Flatten(),
+        nn.Linear(4 * 7 * 7, 10), snn.Leaky(0.9),
+    )  # fmt: skip
+    with pytest.raises(sc.BudgetTooSmall) as info:
+        sc.wrap(net, plan="auto", budget=1000, readout="sum", granularity="auto")(x)
+    smallest = info.value.minimum_bytes
+    seq = sc.wrap(net, plan="auto", budget=smallest, readout="sum", granularity="auto")
+    with sc.MemoryMeter() as meter:
+        meter.track([x, *net.parameters()])
+        seq(x).sum().backward()
+    assert meter.peak_bytes <= smallest

@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from spikeckpt.engine.inputs import step_of
+from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
 from spikeckpt.errors import ConfigTypeError, UnsupportedLayerError
 from spikeckpt.planning.choice import Planned
 from spikeckpt.planning.probe import (
     block_sizes,
     compute_device,
+    layerwise_chunk_step_bytes,
     layerwise_probe_chunks,
     layerwise_seconds,
     layerwise_working_bytes,
@@ -92,6 +93,12 @@ def layerwise_candidate(
         return None
     unpacked = model.storage == "device"
     sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
+    sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
+    step = layerwise_chunk_step_bytes(sizes, sparse_first)
+    if not required and max_bytes is not None and step > max_bytes:
+        # one chunk step alone exceeds what the probe may hold: measuring the step (at a
+        # chunk of 1 at least) would break the budget, and no layer-wise run fits it
+        return None
     working = layerwise_working_bytes(
         blocks,
         x,

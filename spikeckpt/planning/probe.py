@@ -61,6 +61,7 @@ __all__ = [
     "Probed",
     "block_sizes",
     "compute_device",
+    "layerwise_chunk_step_bytes",
     "layerwise_probe_chunks",
     "layerwise_working_bytes",
     "probe_model",
@@ -243,6 +244,12 @@ def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
         b.step_bytes + (0 if sparse_first and i == 0 else 2 * b.input_bytes) + b.output_bytes
         for i, b in enumerate(sizes)
     )
+
+
+def layerwise_chunk_step_bytes(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
+    """The cost model's bytes per chunk step of a layer-wise run (see `_working`): a chunk of
+    one step holds at least about this much besides the block states and stored trains."""
+    return _working(sizes, sparse_first)
 
 
 def layerwise_probe_chunks(
