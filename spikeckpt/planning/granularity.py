@@ -71,6 +71,7 @@ def layerwise_candidate(
     required: bool,
     *,
     max_bytes: int | None = None,
+    skip_over: bool = False,
 ) -> Layered | None:
     """The blocks and their sizes when layer-wise can run, else None: made safe for a budget
     (the `BudgetPlanner`'s; both planners plan through it): stored spike trains are counted at
@@ -78,7 +79,9 @@ def layerwise_candidate(
     density of hidden spikes grows as the model trains, and index lists with it), dense with
     the device tier (it stores them unpacked); ``working`` is the training step's working set
     as `layerwise_working_bytes` measures it (held under
-    ``max_bytes``; the parameters' gradient sums included).
+    ``max_bytes``; the parameters' gradient sums included). ``skip_over``: None, without
+    measuring, when one chunk step of the cost model exceeds ``max_bytes`` (measuring a chunk
+    of one step would hold more than that).
     """
     blocks = model.layer_blocks(required)
     if blocks is None:
@@ -95,7 +98,7 @@ def layerwise_candidate(
     sizes = [replace(b, density=None if unpacked or b.density is None else 1.0) for b in sizes]
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     step = layerwise_chunk_step_bytes(sizes, sparse_first)
-    if not required and max_bytes is not None and step > max_bytes:
+    if skip_over and not required and max_bytes is not None and step > max_bytes:
         # one chunk step alone exceeds what the probe may hold: measuring the step (at a
         # chunk of 1 at least) would break the budget, and no layer-wise run fits it
         return None
