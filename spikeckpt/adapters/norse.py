@@ -36,7 +36,13 @@ from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
 
 from spikeckpt.adapters.adex_kernel import NorseExKernel
-from spikeckpt.adapters.generic import StatefulAdapter, own_loop_error, probe, state_arity
+from spikeckpt.adapters.generic import (
+    StatefulAdapter,
+    StatelessAdapter,
+    own_loop_error,
+    probe,
+    state_arity,
+)
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
 from spikeckpt.adapters.memo import TensorMemo
@@ -266,22 +272,54 @@ def type_of_li_state() -> type:
     return LIState
 
 
-def stack_options(module: nn.Module) -> dict[str, Any] | None:
-    """For a ``SequentialState`` (a plain one: `_plain_stack`): how to build its stack
-    (keyword arguments of `from_sequential`); else ``None``.
+def stack_options(module: nn.Module, path: str = "") -> dict[str, Any] | None:
+    """For a ``SequentialState`` (a plain one: `_plain_stack`) at ``path``: how to build its
+    stack (keyword arguments of `from_sequential`); else ``None``.
 
     Norse passes one state per position (``stateful_flags``: its ``stateful_layers``, a module
     Norse calls without a state is stepped without one); in sequence mode its plain layers see
     ``(T, B, ...)`` tensors; ``return_hidden=True`` makes each step's output the list of every
-    position's output (the wrapped model returns each one over time, in Norse's order)."""
+    position's output (the wrapped model returns each one over time, in Norse's order). A
+    cell beside sequence modules is refused (`_refuse_cells_in_sequence`)."""
     if not _plain_stack(module):
         return None
     flags = getattr(module, "stateful_layers", None)
+    sequence_mode = is_sequence_stack(module)
+    if sequence_mode:
+        _refuse_cells_in_sequence(module, path)
     return {
-        "sequence_mode": is_sequence_stack(module),
+        "sequence_mode": sequence_mode,
         "stateful_flags": list(flags) if flags is not None else [True] * len(module),
         "return_hidden": bool(getattr(module, "return_hidden", False)),
     }
+
+
+def _refuse_cells_in_sequence(module: nn.Module, path: str) -> None:
+    """Refuse a bare cell in a ``SequentialState`` of sequence modules (``LIF``, ``LI``,
+    ``Lift``): Norse's call hands it the whole sequence ``(T, B, ...)`` as one step (``T`` a
+    batch dimension), where spikeckpt would step it over time: the outputs would differ."""
+    import norse.torch as nt
+
+    sequences = [
+        f"{type(c).__name__} at {n!r}"
+        for n, c in module.named_children()
+        if isinstance(c, (*_SEQUENCE, Lift))
+    ]
+    for name, child in module.named_children():
+        if not isinstance(child, (SNNCell, SNNRecurrentCell, LILinearCell)):
+            continue
+        cell = type(child).__name__
+        sequence = cell.removesuffix("Cell")
+        way = f"use its sequence module {sequence}(...), or " if hasattr(nt, sequence) else ""
+        raise unsupported(
+            child,
+            f"{path}.{name}" if path else name,
+            f"this cell sits beside sequence modules ({', '.join(sequences[:3])}), so Norse's "
+            "call of the SequentialState hands it the whole sequence (T, B, ...) as one step, "
+            "and the wrapped model (which would step it over time) would differ from it; "
+            f"{way}make every layer a cell (LI -> LICell), which the wrapped model steps over "
+            "time as your per-step loop does",
+        )
 
 
 def _plain_stack(module: nn.Module) -> bool:
@@ -310,6 +348,9 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
         return adapter_for(module.lifted_module, sub)
     if state_arity(module):
         return StatefulAdapter(module, path)
+    step_encoder = _step_encoder(module)
+    if step_encoder is not None:
+        return step_encoder(module, path)
     stateful = (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent, LILinearCell)
     inside = [n for n, m in module.named_modules() if n and isinstance(m, stateful)]
     if inside:  # a model of Norse's (norse.torch.models: ConvNet4, ...) with its own loop
@@ -319,12 +360,50 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
             f"its forward(x) runs layers that keep state over time ({', '.join(inside[:4])}) "
             "in a time loop of its own, so one call is not one time step",
         )
+    if type(module).__module__ == "norse.torch.module.encode":
+        raise unsupported(
+            module,
+            path,
+            "this Norse encoder makes a whole sequence from its input, so one call is not one "
+            "time step; encode before the wrapped model (x = encoder(inputs), (T, B, ...); "
+            "seq(x)), or, for Poisson spikes drawn at each step inside it, use "
+            "norse.torch.module.encode.PoissonEncoderStep (or SignedPoissonEncoderStep)",
+        )
     raise unsupported(
         module,
         path,
         "this Norse module has no per-step form (x, state) -> "
         "(z, state); encoders and whole-sequence modules cannot be stepped",
     )
+
+
+class NorseEncoderStepAdapter(StatelessAdapter):
+    """A Norse encoder of one time step (``PopulationEncoder``): ``y_t = module(x_t)``, no
+    state; the input ``x_t (B, ...)``, its code ``(B, ..., out_features)``."""
+
+
+class NorsePoissonStepAdapter(NorseEncoderStepAdapter):
+    """``PoissonEncoderStep`` / ``SignedPoissonEncoderStep``: one step's spikes ``(B, ...)``
+    drawn from torch's generator with probability ``f_max * dt * x_t``; the stack replays the
+    draws when it recomputes a step; layer-wise refuses it (it replays Dropout's only)."""
+
+    draws_random = True
+
+
+def _step_encoder(module: nn.Module) -> type[LayerAdapter] | None:
+    """The adapter class of Norse's encoders of one time step (no state, one step in, one
+    step out), or None for other modules."""
+    from norse.torch.module import encode
+
+    if not no_hooks(module) or type(module).forward not in (
+        encode.PoissonEncoderStep.forward,
+        encode.SignedPoissonEncoderStep.forward,
+        encode.PopulationEncoder.forward,
+    ):
+        return None
+    if isinstance(module, encode.PopulationEncoder):
+        return NorseEncoderStepAdapter
+    return NorsePoissonStepAdapter
 
 
 def is_sequence_stack(module: nn.Module) -> bool:

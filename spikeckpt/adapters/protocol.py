@@ -59,6 +59,10 @@ class LayerAdapter:
     #: calls (snnTorch ``init_hidden=True``): a module at several positions then threads one
     #: state through all of them, in call order
     state_on_module: bool = False
+    #: whether the layer's step draws random numbers from torch's generators where its code
+    #: does not show it (a framework's random layer): the stack replays them; layer-wise,
+    #: which replays Dropout's only, refuses the layer
+    draws_random: bool = False
 
     def __init__(self, module: nn.Module, path: str = "") -> None:
         self.module = module

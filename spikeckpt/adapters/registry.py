@@ -187,7 +187,7 @@ def _snntorch_factory(module: nn.Module, path: str) -> LayerAdapter:
 def _norse_factory(module: nn.Module, path: str) -> LayerAdapter:
     from spikeckpt.adapters import norse as _norse
 
-    options = _norse.stack_options(module)
+    options = _norse.stack_options(module, path)
     if options is not None:  # SequentialState
         return sequential.StackAdapter.from_sequential(module, path, adapter_for, **options)
     return _norse.make_adapter(module, path, adapter_for)

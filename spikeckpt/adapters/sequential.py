@@ -79,6 +79,21 @@ class StackAdapter(LayerAdapter):
         self.state_on_module = any(layer.state_on_module for layer in self.layers)
         self.slots = self._share(explicit_states)
         self.returns_state = explicit_states
+        for layer in self.layers[:-1]:
+            # a neuron whose call returns a tuple: its step hands on the spikes alone (a nested
+            # stack ending in one hands on its spikes: a stack of yours composed of stacks
+            # whose loops unpack `spk, mem = stack(x_t)`, as snnTorch's autoencoder tutorial)
+            if layer.returns_more and not isinstance(layer, StackAdapter):
+                raise unsupported(
+                    layer.module,
+                    layer.path,
+                    "its call returns a tuple (init_hidden=True with output=True: spk, mem, "
+                    "...), and it is not the stack's last layer: your own loop's net(x_t) hands "
+                    "the whole tuple to the next layer (a Linear raises on it), where spikeckpt "
+                    "would hand on the spikes. Set output=False on every neuron but the last "
+                    "(the wrapped model returns the last one's tuple; wrap(..., output='mem' or "
+                    "'both') gives membranes)",
+                )
 
     def _share(self, explicit_states: bool) -> list[int]:
         """Each position's state slot; raise when a stateful module is repeated in a way no
@@ -398,7 +413,7 @@ def _check_synapse(layer: LayerAdapter, why: str) -> None:
     inner = layer.inner if isinstance(layer, TimeLiftedAdapter) else layer
     if isinstance(inner.module, nn.modules.dropout._DropoutNd):
         return
-    if _may_draw_random(inner.module):
+    if inner.draws_random or _may_draw_random(inner.module):
         raise unsupported(
             layer.module,
             layer.path,

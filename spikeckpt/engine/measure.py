@@ -86,9 +86,11 @@ class Probe:
             keep the CPU generator's state (5,056 bytes) with every checkpoint, made without an
             op (`MemoryMeter`'s tensor mode does not see it); 0 when the step draws nothing or
             runs on CUDA (its generator states are host memory).
-        rng_start_bytes: the generator state the stack engine captures at the start of a run
-            and holds to its end (to tell whether the steps drew): on the CPU 5,056 bytes, in
-            the work beside the plan; 0 on CUDA.
+        rng_start_bytes: the generator states the stack engine holds beside the plan: the
+            one it captures at the start of a run and holds to its end, and the one it captures
+            to compare with it (at each stored checkpoint of the forward pass and at its end:
+            whether the steps drew); on the CPU 2 x 5,056 bytes, in the work beside the plan;
+            0 on CUDA.
     """
 
     batch: int
@@ -284,7 +286,7 @@ def probe_step(
         work_bytes=work,
         work_capped=len(timed) < len(params),
         rng_bytes=rng,
-        rng_start_bytes=CPU_STATE_BYTES if device.type == "cpu" else 0,
+        rng_start_bytes=2 * CPU_STATE_BYTES if device.type == "cpu" else 0,
     )
     with _LOCK:
         _PROBES[key] = probe

@@ -496,10 +496,15 @@ class MemoryBudget(Callback):
         over = peak - limit + limit // 100
         cut = -(-over // len(self.planners))
         self._cut_bytes += cut
-        for planner in self.planners.values():
-            planner.replan(
-                planner.budget_bytes - cut, context="; measured steps came out over the plans"
-            )
+        for name, planner in self.planners.items():
+            context = "; measured steps came out over the plans"
+            runs = planner.runs - self._runs_at_start.get(name, planner.runs)
+            if runs > 1:  # each run planned alone, their tapes held together
+                context += (
+                    f" ({name!r} ran {runs} times in a training step, each run planned with "
+                    f"the whole budget: run it once per step, or allow for {runs} runs)"
+                )
+            planner.replan(planner.budget_bytes - cut, context=context)
         self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self.replans += 1
         self._to_measure = max(self._to_measure, self.measure_batches)

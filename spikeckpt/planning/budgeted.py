@@ -252,12 +252,52 @@ class BudgetPlanner:
         params = [p for p in model.parameters_for_scan() if p.requires_grad]
         room = max(self.budget_bytes - x_bytes, 0)  # what the probes may hold at once
         probe = probe_model(model, x, state, model.storage, max_bytes=room)
+
+        def measured(probe: Probe, blocks: Any, working: Any, seconds: Any) -> _Measured:
+            if blocks is not None:
+                blocks = [scaled_sizes(b, batch, probe.batch) for b in blocks]
+            if working is not None:
+                working = working.scaled(batch, probe.batch)
+            probe = probe.scaled(batch)
+            sizes = probe.sizes(
+                params,
+                input_bytes=x_bytes,
+                stacked=model.readout is None,
+                grad_in_step=self.grad_in_step,
+            )
+            return _Measured(
+                T=T,
+                batch=batch,
+                probe=probe,
+                blocks=blocks,
+                working=working,
+                seconds=seconds,
+                on_device=on_device,
+                costs=self.costs or probe.costs(),
+                sizes=sizes,
+                note=tier_note(model.storage, device.type),
+            )
+
         layered = None
         if model.granularity == "layer" or (
             model.granularity == "auto" and layerwise_may_pay(model, x)
         ):
+            # a stack plan fits: layer-wise is measured only where one chunk step of it may
+            # fit what the probes may hold (a chunk of one step measured past it would break
+            # the budget the stack keeps); none fits: it is measured whatever it holds, as
+            # the refusal names the smallest budget of either granularity
+            stack_fits = (
+                model.granularity == "auto"
+                and self.broadcast is None  # ranks would decide apart
+                and self._stack_choice(measured(probe, None, None, None)) is not None
+            )
             layered = layerwise_candidate(
-                model, x, state, model.granularity == "layer", max_bytes=room
+                model,
+                x,
+                state,
+                model.granularity == "layer",
+                max_bytes=room,
+                skip_over=stack_fits,
             )
         self.probes += 1
         blocks = layered.sizes if layered is not None else None
@@ -266,29 +306,7 @@ class BudgetPlanner:
         seconds = layered.seconds if layered is not None else None
         if self.broadcast is not None:
             probe, blocks, working = self.broadcast((probe, blocks, working))
-        if blocks is not None:
-            blocks = [scaled_sizes(b, batch, probe.batch) for b in blocks]
-        if working is not None:
-            working = working.scaled(batch, probe.batch)
-        probe = probe.scaled(batch)
-        sizes = probe.sizes(
-            params,
-            input_bytes=x_bytes,
-            stacked=model.readout is None,
-            grad_in_step=self.grad_in_step,
-        )
-        return _Measured(
-            T=T,
-            batch=batch,
-            probe=probe,
-            blocks=blocks,
-            working=working,
-            seconds=seconds,
-            on_device=on_device,
-            costs=self.costs or probe.costs(),
-            sizes=sizes,
-            note=tier_note(model.storage, device.type),
-        )
+        return measured(probe, blocks, working, seconds)
 
     def _stack_plan(self, m: _Measured) -> Any:
         """The plan given, its open intervals filled from the probe (None for ``"auto"``)."""

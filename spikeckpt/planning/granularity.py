@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from spikeckpt.engine.inputs import step_of
+from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
 from spikeckpt.errors import ConfigTypeError, UnsupportedLayerError
 from spikeckpt.planning.choice import Planned
 from spikeckpt.planning.probe import (
     block_sizes,
     compute_device,
+    layerwise_chunk_step_bytes,
     layerwise_probe_chunks,
     layerwise_seconds,
     layerwise_working_bytes,
@@ -70,6 +71,7 @@ def layerwise_candidate(
     required: bool,
     *,
     max_bytes: int | None = None,
+    skip_over: bool = False,
 ) -> Layered | None:
     """The blocks and their sizes when layer-wise can run, else None: made safe for a budget
     (the `BudgetPlanner`'s; both planners plan through it): stored spike trains are counted at
@@ -78,7 +80,9 @@ def layerwise_candidate(
     the device tier (it stores them unpacked), and so are the spike leaves of the stored
     chunk states; ``working`` is the training step's working set
     as `layerwise_working_bytes` measures it (held under
-    ``max_bytes``; the parameters' gradient sums included).
+    ``max_bytes``; the parameters' gradient sums included). ``skip_over``: None, without
+    measuring, when one chunk step of the cost model exceeds ``max_bytes`` (measuring a chunk
+    of one step would hold more than that).
     """
     blocks = model.layer_blocks(required)
     if blocks is None:
@@ -98,6 +102,12 @@ def layerwise_candidate(
         else replace(b, density=None if b.density is None else 1.0)
         for b in sizes
     ]
+    sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
+    step = layerwise_chunk_step_bytes(sizes, sparse_first)
+    if skip_over and not required and max_bytes is not None and step > max_bytes:
+        # one chunk step alone exceeds what the probe may hold: measuring the step (at a
+        # chunk of 1 at least) would break the budget, and no layer-wise run fits it
+        return None
     working = layerwise_working_bytes(
         blocks,
         x,

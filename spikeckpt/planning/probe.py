@@ -63,6 +63,7 @@ __all__ = [
     "Probed",
     "block_sizes",
     "compute_device",
+    "layerwise_chunk_step_bytes",
     "layerwise_probe_chunks",
     "layerwise_working_bytes",
     "probe_model",
@@ -292,10 +293,11 @@ class _ProbeLimit:
         self.peaks.append((chunk, peak))
 
 
-def _working(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
-    """The cost model's bytes per chunk step: ``max_b (A_b + 2 I_b + O_b)``; with
-    ``sparse_first`` (a packed input its synapse reads as positions, never dense, never
-    differentiated) the first block's input counts nothing."""
+def layerwise_chunk_step_bytes(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
+    """The cost model's bytes per chunk step of a layer-wise run, ``max_b (A_b + 2 I_b +
+    O_b)`` (a chunk of one step holds at least about this much besides the block states and
+    stored trains); with ``sparse_first`` (a packed input its synapse reads as positions,
+    never dense, never differentiated) the first block's input counts nothing."""
     return max(
         b.step_bytes + (0 if sparse_first and i == 0 else 2 * b.input_bytes) + b.output_bytes
         for i, b in enumerate(sizes)
@@ -314,7 +316,9 @@ def layerwise_probe_chunks(
     ``headroom`` times the cost model's working set fits it; at least 1)."""
     longest = max(1, T // 2)
     if max_bytes is not None:
-        longest = max(1, min(longest, max_bytes // (headroom * max(_working(sizes), 1))))
+        longest = max(
+            1, min(longest, max_bytes // (headroom * max(layerwise_chunk_step_bytes(sizes), 1)))
+        )
     return sorted({k for k in lengths if k <= longest} or {1})
 
 
@@ -386,7 +390,7 @@ def layerwise_working_bytes(
     one = [scaled_sizes(b, few, batch) for b in sizes]
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     # the step itself at the shortest lengths: the whole batch, as the training step runs
-    limit = _ProbeLimit(max_bytes, _working(sizes))
+    limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes))
     step, untaped = run(
         sizes,
         layerwise_probe_chunks(T, sizes, max_bytes),
@@ -420,11 +424,12 @@ def layerwise_working_bytes(
         layerwise_probe_chunks(T, one, max_bytes),
         samples=few,
         training=is_packed(x),
-        limit=_ProbeLimit(max_bytes, _working(one)),
+        limit=_ProbeLimit(max_bytes, layerwise_chunk_step_bytes(one)),
     )
-    slope = steepest_chord(tape, _working(one, sparse_first))
+    slope = steepest_chord(tape, layerwise_chunk_step_bytes(one, sparse_first))
     return MeasuredWorking(
-        tuple(points), max(_working(sizes, sparse_first), -(-slope * batch // few))
+        tuple(points),
+        max(layerwise_chunk_step_bytes(sizes, sparse_first), -(-slope * batch // few)),
     )
 
 
@@ -444,7 +449,7 @@ def _longer(
         last_k, last = points[-1]
         if k <= last_k or k > T // 2:
             continue
-        if max_bytes is not None and 2 * k * _working(sizes) > max_bytes:
+        if max_bytes is not None and 2 * k * layerwise_chunk_step_bytes(sizes) > max_bytes:
             break
         more, _ = run(sizes, [k], samples=batch, training=True)
         if not more:  # the probe's limit stops it
@@ -541,7 +546,7 @@ def _probe_residuals(
     input's only when ``x`` requires grad, as in a training step; else no parameter gradient
     and an input gradient (each block's tape alike, the gradient sums left out)."""
     T = int(x.shape[0])
-    work = _working(sizes)
+    work = layerwise_chunk_step_bytes(sizes)
 
     def dense(n: int) -> Tensor:
         """The first ``n`` steps of the probed samples, dense ``(n, samples, ...)``."""
