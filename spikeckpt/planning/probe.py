@@ -520,6 +520,14 @@ def layerwise_seconds(
     return per_step, per_chunk
 
 
+def _first_steps(x: Any, n: int, *, samples: int, device: torch.device) -> Tensor:
+    """The first ``n`` steps of the first ``samples`` samples of ``x``, dense ``(n, samples,
+    ...)`` on ``device``, a tensor of their own."""
+    if is_packed(x):  # one step at a time: never the whole chunk dense
+        return torch.stack([x.step(t, device)[:samples] for t in range(n)])
+    return chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+
+
 def _probe_residuals(
     blocks: Sequence[LayerBlock],
     x: Any,
@@ -534,8 +542,8 @@ def _probe_residuals(
     readout: Any,
     output: str,
     remote: bool,
+    limit: _ProbeLimit,
     fuse: bool = True,
-    limit: _ProbeLimit | None = None,
 ) -> tuple[list[tuple[int, int]], bool]:
     """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
     the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks`` that
@@ -548,12 +556,7 @@ def _probe_residuals(
     T = int(x.shape[0])
     work = layerwise_chunk_step_bytes(sizes)
 
-    def dense(n: int) -> Tensor:
-        """The first ``n`` steps of the probed samples, dense ``(n, samples, ...)``."""
-        if is_packed(x):  # one step at a time: never the whole chunk dense
-            return torch.stack([x.step(t, device)[:samples] for t in range(n)])
-        return chunk_of(x, 0, n, device)[:, :samples].detach().clone()
-
+    dense = partial(_first_steps, x, samples=samples, device=device)
     first = dense(1)
     step_bytes = tensor_nbytes(first[0])
     # a packed train is unpacked a chunk at a time during the step; the probe's input is
@@ -572,7 +575,7 @@ def _probe_residuals(
         with torch.random.fork_rng(devices=cuda_devices([first])), recompute_phase():
             for k in chunks:
                 n = min(T, 2 * k)
-                if limit is not None and not limit.allows(k, n * step_bytes):
+                if not limit.allows(k, n * step_bytes):
                     break
                 xs = dense(n).requires_grad_(input_grad)
                 run = partial(
@@ -588,8 +591,7 @@ def _probe_residuals(
                 wrt = (params if training else []) + ([xs] if input_grad else [])
                 peak, untaped = _run_peak(run, xs, states_for(xs[0].detach()), wrt, device)
                 del xs
-                if limit is not None:
-                    limit.record(k, peak)
+                limit.record(k, peak)
                 all_untaped = all_untaped and untaped
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
                 residuals.append((k, peak + k * unpacked - (modeled - k * work)))
