@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.adapters.kernels import (
+    NorseFieldsKernel,
     _host_scalar,
     _same_layout,
     per_leaf,
@@ -65,7 +66,7 @@ def _fixed(t: object, like: Tensor) -> bool:
     return t.dtype == like.dtype or (t.dim() == 0 and not t.is_complex())
 
 
-class NorseExKernel:
+class NorseExKernel(NorseFieldsKernel):
     """Norse's ``lif_ex_feed_forward_step`` (``adaptive=False``, state ``(v, i)``) or
     ``lif_adex_feed_forward_step`` (``adaptive=True``, state ``(v, i, a)``) over a chunk; the
     block's synaptic input ``x (k, B, ...)`` is the current's jump (see the module
@@ -79,12 +80,6 @@ class NorseExKernel:
         usable: ``() -> bool``, whether the module still has the step the kernel computes.
     """
 
-    name = "fused"
-    membrane: int | None = 0
-    emits_states = False
-    binary_leaves: tuple[int, ...] = ()
-    binary_output = True
-
     def __init__(
         self,
         params: Callable[[], Any],
@@ -93,20 +88,8 @@ class NorseExKernel:
         adaptive: bool,
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.p = params
-        self.dt = dt
-        self.spike = spike
+        super().__init__(params, dt, spike, ADEX_FIELDS if adaptive else EX_FIELDS, usable)
         self.adaptive = adaptive
-        self.fields = ADEX_FIELDS if adaptive else EX_FIELDS
-        self.usable = usable
-
-    @property
-    def params(self) -> tuple[Tensor, ...]:
-        """The fields that are tensors, none taking a gradient (`accepts` declines a cell
-        with a learnable field: it keeps the per-step call); the kernel's check against the
-        step samples along the dimensions where they vary."""
-        p = self.p()
-        return tuple(t for t in (getattr(p, f, None) for f in self.fields) if isinstance(t, Tensor))
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         p = self.p()

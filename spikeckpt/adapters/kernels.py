@@ -790,6 +790,49 @@ class SynapticKernel(SurrogateKernel):
 NorseMode = Literal["lif", "box", "li"]
 
 
+class NorseFieldsKernel:
+    """What the kernels of Norse's feed-forward cells with more state share (``LSNNCell``,
+    ``LIFExCell``, ``LIFAdExCell``): the module's parameters read at each call, its time step,
+    spike function, whether it still has the kernel's step, and the fields of its parameters
+    the step reads (a field that takes a gradient keeps the per-step call).
+
+    Args:
+        params: ``() -> p``, the module's current parameter NamedTuple.
+        dt: its time step.
+        spike: ``u -> threshold(u, method, alpha)``.
+        fields: the fields of ``p`` the step reads.
+        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    """
+
+    name = "fused"
+    membrane: int | None = 0
+    emits_states = False
+    binary_leaves: tuple[int, ...] = ()
+    binary_output = True
+
+    def __init__(
+        self,
+        params: Callable[[], Any],
+        dt: float,
+        spike: Callable[[Tensor], Tensor],
+        fields: tuple[str, ...],
+        usable: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.p = params
+        self.dt = dt
+        self.spike = spike
+        self.fields = fields
+        self.usable = usable
+
+    @property
+    def params(self) -> tuple[Tensor, ...]:
+        """The fields that are tensors, none taking a gradient when the kernel runs: the
+        kernel's check against the step samples along the dimensions where they vary (none
+        given, a per-neuron ``beta`` failed that check and ``LSNNCell`` ran per step)."""
+        p = self.p()
+        return tuple(t for t in (getattr(p, f, None) for f in self.fields) if isinstance(t, Tensor))
+
+
 class NorseKernel:
     """Norse's feed-forward steps (``lif_feed_forward_step``, ``lif_box_feed_forward_step``,
     ``li_feed_forward_step``), with Norse's parameter tensors and ``dt``:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spikeckpt.adapters.kernels import (
+    NorseFieldsKernel,
     _aligned,
     _host_scalar,
     _same_layout,
@@ -171,7 +172,7 @@ class NorseLSNNKernel(NorseCellKernel):
         return g_x, [carry_z, carry_v, carry_i, carry_b], _aligned(tensors, grads, need_params)
 
 
-class NorseLSNNFeedForwardKernel:
+class NorseLSNNFeedForwardKernel(NorseFieldsKernel):
     """Norse's ``LSNNCell`` / ``LSNN`` step (``lsnn_feed_forward_step``) over a chunk: the
     state ``(v, i, b)``, the block's synaptic input ``x (k, B, ...)`` the current's jump (see
     the module docstring).
@@ -183,12 +184,6 @@ class NorseLSNNFeedForwardKernel:
         usable: ``() -> bool``, whether the module still has the step the kernel computes.
     """
 
-    name = "fused"
-    membrane: int | None = 0
-    emits_states = False
-    binary_leaves: tuple[int, ...] = ()
-    binary_output = True
-
     def __init__(
         self,
         params: Callable[[], Any],
@@ -196,18 +191,7 @@ class NorseLSNNFeedForwardKernel:
         spike: Callable[[Tensor], Tensor],
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.p = params
-        self.dt = dt
-        self.spike = spike
-        self.usable = usable
-
-    @property
-    def params(self) -> tuple[Tensor, ...]:
-        """The fields that are tensors, none taking a gradient (a learnable field keeps the
-        per-step call): the kernel's check against the step samples along the dimensions
-        where they vary (none given, a per-neuron ``beta`` failed the check: per step)."""
-        p = self.p()
-        return tuple(t for t in (getattr(p, f, None) for f in FIELDS) if isinstance(t, Tensor))
+        super().__init__(params, dt, spike, FIELDS, usable)
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         return (
