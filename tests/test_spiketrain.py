@@ -109,6 +109,7 @@ def test_steps_wider_than_an_index_block(codec: str, density: float) -> None:
         assert_bitwise_equal(train.step(t), x[t])
     assert_bitwise_equal(train.chunk(1, 3), x[1:3])
     assert_bitwise_equal(train.dense(), x)
+    assert_bitwise_equal(train.to_dense(), x)  # torch's name for it
 
 
 def test_auto_prefers_index_lists_for_sparse_trains_and_bitpack_for_dense_ones() -> None:

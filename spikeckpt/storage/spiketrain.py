@@ -349,6 +349,10 @@ class SpikeTrain:
         """The whole train dense, ``(T, B, ...)`` in ``dtype``, on ``device`` (default: here)."""
         return self.chunk(0, self.T, device)
 
+    def to_dense(self) -> Tensor:
+        """`dense` here, by torch's name for it (``Tensor.to_dense``)."""
+        return self.dense()
+
     def positions(self) -> Tensor:
         """Flat row-major positions of the ones, ``(ones,)`` int64, ascending, on ``device``."""
         if self.codec == "bitpack":
