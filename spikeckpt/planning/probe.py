@@ -154,10 +154,11 @@ def block_sizes(
     """Measure each block for [`spikeckpt.plans.layerwise.layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] with one taped
     step from ``states`` on the input step ``x_t`` ``(B, ...)``: its state bytes, the bytes
     autograd keeps (``A_b``; parameters excluded), its input and output bytes per step and the
-    density of its input when that is binary (one step shows it: a neuron with a kernel says
-    whether its output is, a graded spike's first step may be all zeros). A neuron the run fuses (``fuse`` and a kernel
-    that takes the step) is counted by its fused chunk's growth per step instead
-    (`_fused_step_bytes`), its stored state with its spike leaves bit-packed. Changes nothing (RNG forked, no gradients)."""
+    density of its input when that is binary (where the neuron below has a kernel, it says
+    whether its output is: a graded spike's first step may be all zeros). A neuron the run
+    fuses (``fuse`` and a kernel that takes the step) is counted by its fused chunk's growth
+    per step instead (`_fused_step_bytes`), its stored state with its spike leaves bit-packed.
+    Changes nothing (RNG forked, no gradients)."""
     params = [t for b in blocks for t in b.params]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
