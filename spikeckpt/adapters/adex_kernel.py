@@ -38,7 +38,6 @@ from torch import Tensor
 from spikeckpt.adapters.kernels import (
     NorseFieldsKernel,
     _host_scalar,
-    _same_layout,
     per_leaf,
     surrogate_grad,
 )
@@ -88,19 +87,14 @@ class NorseExKernel(NorseFieldsKernel):
         adaptive: bool,
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
-        super().__init__(params, dt, spike, ADEX_FIELDS if adaptive else EX_FIELDS, usable)
+        fields, leaf_count = (ADEX_FIELDS, 3) if adaptive else (EX_FIELDS, 2)
+        super().__init__(params, dt, spike, fields, leaf_count, usable)
         self.adaptive = adaptive
 
-    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
-        p = self.p()
+    def fields_fit(self, p: Any, like: Tensor) -> bool:
         alpha = getattr(p, "alpha", None)
-        return (
-            len(leaves) == (3 if self.adaptive else 2)
-            and self.usable()
-            and _same_layout(leaves, z)
-            and all(t.dtype == z.dtype for t in leaves)
-            and all(_fixed(getattr(p, f, None), z) for f in self.fields)
-            and not (isinstance(alpha, Tensor) and alpha.requires_grad)
+        return all(_fixed(getattr(p, f, None), like) for f in self.fields) and not (
+            isinstance(alpha, Tensor) and alpha.requires_grad
         )
 
     def _rates(self, p: Any) -> tuple[Any, Any, Any]:

@@ -801,6 +801,7 @@ class NorseFieldsKernel:
         dt: its time step.
         spike: ``u -> threshold(u, method, alpha)``.
         fields: the fields of ``p`` the step reads.
+        leaf_count: the leaves of the state the step carries.
         usable: ``() -> bool``, whether the module still has the step the kernel computes.
     """
 
@@ -816,13 +817,29 @@ class NorseFieldsKernel:
         dt: float,
         spike: Callable[[Tensor], Tensor],
         fields: tuple[str, ...],
+        leaf_count: int,
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
         self.p = params
         self.dt = dt
         self.spike = spike
         self.fields = fields
+        self.leaf_count = leaf_count
         self.usable = usable
+
+    def fields_fit(self, p: Any, like: Tensor) -> bool:
+        """Whether the parameters ``p`` are what the kernel computes with on ``like``'s
+        device and dtype, none taking a gradient."""
+        raise NotImplementedError
+
+    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
+        return (
+            len(leaves) == self.leaf_count
+            and self.usable()
+            and _same_layout(leaves, z)
+            and all(t.dtype == z.dtype for t in leaves)
+            and self.fields_fit(self.p(), z)
+        )
 
     @property
     def params(self) -> tuple[Tensor, ...]:

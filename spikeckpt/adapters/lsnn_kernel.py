@@ -38,7 +38,6 @@ from spikeckpt.adapters.kernels import (
     NorseFieldsKernel,
     _aligned,
     _host_scalar,
-    _same_layout,
     _wanted,
     norse_heaviside,
     per_leaf,
@@ -191,16 +190,10 @@ class NorseLSNNFeedForwardKernel(NorseFieldsKernel):
         spike: Callable[[Tensor], Tensor],
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
-        super().__init__(params, dt, spike, FIELDS, usable)
+        super().__init__(params, dt, spike, FIELDS, 3, usable)
 
-    def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
-        return (
-            len(leaves) == 3
-            and self.usable()
-            and _same_layout(leaves, z)
-            and all(t.dtype == z.dtype for t in leaves)
-            and _fixed_fields(self.p(), z)
-        )
+    def fields_fit(self, p: Any, like: Tensor) -> bool:
+        return _fixed_fields(p, like)
 
     def forward(
         self,
