@@ -733,3 +733,33 @@ def test_an_lsnn_cell_learning_its_parameters_runs_per_step() -> None:
     assert want_grads[-1].abs().sum() > 0
     for a, b in zip(want_grads, torch.autograd.grad(got.sum(), params), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * max(1.0, float(a.abs().max())))
+
+
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_a_recurrent_cells_autapse_hook_never_gets_none_from_the_stack(T: int) -> None:
+    """``LSNNRecurrentCell`` (autapses off: Norse zeroes its recurrent gradient's diagonal in a
+    tensor hook that cannot take None) in the stack granularity. At T = 1 the output does not
+    reach the cell's weights (LSNN's membrane reads the old current): Norse's loop leaves
+    their ``.grad`` None; autograd calls the hooks of a Function's input with None, and the
+    hook crashed (``'NoneType' object has no attribute 'clone'``). Now ``.grad`` stays None
+    as in the loop; from T = 2 the hook still runs (T = 8: the diagonal zero)."""
+    torch.manual_seed(T)
+    net = nt.SequentialState(nt.LSNNRecurrentCell(IN, N), nn.Linear(N, 3), nt.LICell())
+    x = (torch.rand(T, 2, IN) < 0.5).float() * 30
+    state, out = None, []
+    for x_t in x:
+        y, state = net(x_t, state)
+        out.append(y)
+    torch.stack(out).sum().backward()
+    want = {name: p.grad for name, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    sc.wrap(net, granularity="stack")(x)[0].sum().backward()
+    for name, p in net.named_parameters():
+        if want[name] is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
+    weights = net[0].recurrent_weights
+    assert (weights.grad is None) == (T == 1)
+    if T == 8:
+        assert weights.grad.abs().sum() > 0 and not weights.grad.diagonal().any()

@@ -10,7 +10,9 @@ object with ``forward(needs, tensors) -> outputs``, ``backward(grads) -> input g
   `recompute_phase`, and under the recorded autocast state;
 - the job's stores (disk files) are closed when the autograd graph is dropped without backward;
 - a second-order backward (``create_graph=True``) is refused with a clear error instead of
-  silently returning gradients without a graph.
+  silently returning gradients without a graph;
+- an input the loss does not reach (no gradient, as in the plain loop) keeps ``.grad`` None
+  even where its own tensor hooks cannot take None (`guard_hooks`).
 """
 
 from __future__ import annotations
@@ -127,6 +129,40 @@ class Job:
             yield
 
 
+def _hooked(tensors: Sequence[Tensor]) -> list[tuple[int, weakref.ref[Tensor]]]:
+    """(position, weak reference) of each of ``tensors`` that has tensor hooks of its own."""
+    return [
+        (i, weakref.ref(t)) for i, t in enumerate(tensors) if getattr(t, "_backward_hooks", None)
+    ]
+
+
+def _none_passing(hook: Any) -> Any:
+    """``hook`` that passes None through without calling ``hook`` (marked, so never wrapped
+    twice)."""
+    if getattr(hook, "_spikeckpt_none_passing", False):
+        return hook
+
+    def guarded(grad: Tensor | None) -> Any:
+        return None if grad is None else hook(grad)
+
+    guarded._spikeckpt_none_passing = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def guard_hooks(tensor: Tensor) -> None:
+    """Let ``tensor``'s hooks (``tensor.register_hook``) pass a None gradient through.
+
+    Where a custom Function returns None for an input, autograd still calls that input's
+    tensor hooks, with None; in the plain loop the same input is not reached and its hooks
+    are not called. A hook written for tensors then crashes (Norse's recurrent cells zero
+    their weight gradient's diagonal: ``gradient.clone()``). Wrapped in place, under the same
+    keys (their handles still remove them); a hook given a tensor runs as before.
+    """
+    hooks = tensor._backward_hooks
+    for key, hook in list(hooks.items()):
+        hooks[key] = _none_passing(hook)
+
+
 class _RunFunction(torch.autograd.Function):
     """Inputs: (job, *tensors); outputs: whatever ``job.forward`` returns."""
 
@@ -136,6 +172,7 @@ class _RunFunction(torch.autograd.Function):
         job.record_context()
         outs = job.forward(ctx.needs_input_grad[1:], tensors)
         ctx.job = job
+        ctx.hooked = _hooked(tensors)
         ctx.save_for_backward(*(tensors[i] for i in job.referenced))
         weakref.finalize(ctx, job.close)  # free stores (disk files) when the graph is dropped
         return tuple(outs)
@@ -147,7 +184,12 @@ class _RunFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise UsageError(_NO_DOUBLE_BACKWARD)
         ctx.saved_tensors  # noqa: B018  (raises if a referenced input was modified in place)
-        return (None, *ctx.job.backward(grads))
+        out = ctx.job.backward(grads)
+        for i, ref in ctx.hooked:
+            tensor = ref()
+            if out[i] is None and tensor is not None:
+                guard_hooks(tensor)
+        return (None, *out)
 
 
 def run_job(job: Job, tensors: Sequence[Tensor]) -> list[Tensor]:
