@@ -200,3 +200,106 @@ def test_a_recurrent_neurons_stored_spikes_count_bit_packed_and_keep_the_budget(
         assert wrapped.last_decision is not None and wrapped.last_decision.granularity == "layer"
         assert wrapped.last_stats.blocks[0].neuron == "fused"
         assert peak <= budget, (budget, peak)
+
+
+class _Spike(torch.autograd.Function):
+    """Heaviside with a fast-sigmoid slope, as users write their own."""
+
+    @staticmethod
+    def forward(ctx: Any, u: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(u)
+        return (u > 0).float()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (u,) = ctx.saved_tensors
+        return g / (1 + 10 * u.abs()) ** 2
+
+
+class _ScaledLIF(nn.Module):
+    """A LIF neuron of a user's (no chunk kernel): its spikes times a learnable ``amp``."""
+
+    def __init__(self, n: int, amp: float) -> None:
+        super().__init__()
+        self.n = n
+        self.amp = nn.Parameter(torch.tensor(amp))
+
+    def initial_state(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(x.shape[0], self.n)
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mem = 0.9 * mem + x
+        spk = _Spike.apply(mem - 1.0)
+        return spk * self.amp, mem - spk
+
+
+def _scaled_net(amp: float) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(N_IN, 32), _ScaledLIF(32, amp), nn.Linear(32, 10), snn.Leaky(0.9))
+    with torch.no_grad():
+        net[0].weight.mul_(0.5)  # no spike at the first step
+    return net
+
+
+@pytest.mark.slow
+def test_a_graded_neuron_of_yours_silent_at_first_keeps_the_budget() -> None:
+    """A neuron of yours putting out spikes times 2, all zeros at the first step: the probe
+    steps on to its first spikes and counts the train dense (it counted it bit-packed from
+    the first step: 43,488 bytes at the smallest budget named, 39,392). The step keeps the
+    smallest budget and 13/12 of it."""
+    from spikeckpt.planning.granularity import layerwise_candidate
+
+    net, x = _scaled_net(2.0), _x()
+    with torch.no_grad():
+        assert not net[1](net[0](x[0]), torch.zeros(B, 32))[0].any()
+    seq = sc.wrap(net, granularity="layer")
+    sizes = layerwise_candidate(seq, x, seq.initial_state(x[0]), True).sizes
+    assert sizes[1].density is None
+
+    def through_wrap(budget: int) -> tuple[sc.CheckpointedSequence, int]:
+        wrapped = sc.wrap(net, budget=budget, granularity="layer")
+        return wrapped, _metered(lambda: wrapped(x), net, x)[1]
+
+    smallest = _smallest(through_wrap)
+    for budget in (smallest, smallest * 13 // 12):
+        wrapped, peak = through_wrap(budget)
+        assert not wrapped.last_stats.blocks[1].binary
+        assert peak <= budget, (budget, peak)
+
+
+@pytest.mark.slow
+def test_a_train_turning_graded_after_planning_is_planned_again_with_a_warning() -> None:
+    """The neuron's ``amp`` is 1 when the budget is planned (its train counted bit-packed)
+    and 2 after an update: the run stores the train dense. The next call warns, naming the
+    layer, and plans again counting it dense; its step keeps the budget (1.5x the smallest
+    of the binary net). At the smallest, the refusal names the graded train and a budget
+    that works."""
+    net, x = _scaled_net(1.0), _x()
+
+    def through_wrap(budget: int) -> tuple[sc.CheckpointedSequence, int]:
+        wrapped = sc.wrap(net, budget=budget, granularity="layer")
+        return wrapped, _metered(lambda: wrapped(x), net, x)[1]
+
+    smallest = _smallest(through_wrap)
+    for budget in (smallest * 3 // 2, smallest):
+        with torch.no_grad():
+            net[1].amp.fill_(1.0)
+        seq, peak = through_wrap(budget)
+        assert seq.last_decision.choice.packed_inputs == (1,) and peak <= budget
+        with torch.no_grad():
+            net[1].amp.fill_(2.0)
+        _metered(lambda seq=seq: seq(x), net, x)  # stored dense: planned packed
+        assert not seq.last_stats.blocks[1].binary
+        if budget < smallest * 3 // 2:
+            with (
+                pytest.warns(UserWarning, match="into layer.s. '3' was planned bit-packed"),
+                pytest.raises(sc.BudgetTooSmall, match="'3' turned graded") as info,
+            ):
+                seq(x)
+            named = info.value.minimum_bytes
+            assert through_wrap(named)[1] <= named  # the budget it names works
+            continue
+        with pytest.warns(UserWarning, match="into layer.s. '3' was planned bit-packed"):
+            _, peak = _metered(lambda seq=seq: seq(x), net, x)
+        assert seq.last_decision.choice.packed_inputs == ()
+        assert peak <= budget, (budget, peak)

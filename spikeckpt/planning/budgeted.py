@@ -10,6 +10,7 @@ the same functions ``scan(plan="auto", budget=...)`` calls on the same measureme
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NamedTuple, NoReturn
@@ -165,6 +166,9 @@ class BudgetPlanner:
         self.probes = 0
         self.runs = 0
         self.last: PlanChoice | None = None
+        #: blocks (by name) whose input train a run stored dense where a plan counted it
+        #: bit-packed (a graded neuron below, found only once it fired): counted dense since
+        self.graded: set[str] = set()
 
     def replan(self, budget_bytes: int, *, context: str = "") -> None:
         """Plan again with ``budget_bytes`` from the next forward on (every shape), adding
@@ -185,6 +189,7 @@ class BudgetPlanner:
         """
         if not torch.is_grad_enabled() or not _differentiates(model, x, state):
             return Decision("stack", plans.BPTT())
+        self._check_stored_trains(model)
         signature = model_signature(model)
         if signature != self.signature:  # measured on another model: plan every shape again
             if self.signature is not None:
@@ -209,6 +214,34 @@ class BudgetPlanner:
             self.choices[key] = choice
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
+
+    def _check_stored_trains(self, model: Planned) -> None:
+        """After a layer-wise run of this planner's `last` choice: where a block's input
+        train was counted bit-packed and the run found it not binary (stored dense, the step
+        over its budget), warn, count it dense from now on and plan every shape again."""
+        last, decision = self.last, getattr(model, "last_decision", None)
+        stats = getattr(model, "last_stats", None)
+        if last is None or decision is None or decision.choice is not last or stats is None:
+            return
+        blocks = stats.blocks
+        found = [
+            blocks[i].name
+            for i in last.packed_inputs
+            if i < len(blocks) and not blocks[i].binary and blocks[i].name not in self.graded
+        ]
+        if not found:
+            return
+        self.graded.update(found)
+        self.choices.clear()
+        names = ", ".join(repr(n) for n in found)
+        self.context += f"; the spike train into layer(s) {names} turned graded: counted dense"
+        warnings.warn(
+            f"spikeckpt: the spike train into layer(s) {names} was planned bit-packed (the "
+            "neuron below put out only 0 and 1 when the budget was planned) and the last run "
+            "found other values (graded spikes): it was stored dense, and that step may have "
+            "exceeded the budget. Planning again with it dense from this call on.",
+            stacklevel=4,
+        )
 
     def layer_within(self, model: Planned, x: Any, state: Any, chunk: int | None) -> int | None:
         """``granularity="auto"`` without a budget, this planner's ``plan`` given (a `Plan`):
@@ -298,6 +331,7 @@ class BudgetPlanner:
                 model.granularity == "layer",
                 max_bytes=room,
                 skip_over=stack_fits,
+                graded=self.graded,
             )
         self.probes += 1
         blocks = layered.sizes if layered is not None else None
@@ -376,6 +410,7 @@ class BudgetPlanner:
             working=m.working,
             seconds=m.seconds,
         )
+        packed = tuple(i for i, b in enumerate(m.blocks) if i > 0 and b.density is not None)
         return PlanChoice(
             plans.Uniform(modeled.chunk).for_length(m.T),
             m.T,
@@ -387,6 +422,7 @@ class BudgetPlanner:
             modeled.chunk,
             replace(base, activations=modeled.peak_bytes),
             note=m.note,
+            packed_inputs=packed,
         )
 
     def _stack_need(
@@ -453,12 +489,14 @@ class BudgetPlanner:
         return {
             "budget_bytes": self.budget_bytes,
             "choices": [choice_to_dict(choice) for choice in self.choices.values()],
+            "graded": sorted(self.graded),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the chosen plans; they are kept only if the budget is the same."""
         if state.get("budget_bytes") != self.budget_bytes:
             return
+        self.graded.update(state.get("graded", []))
         for item in state.get("choices", []):
             choice = choice_from_dict(item)
             self.choices[(choice.T, choice.batch)] = choice

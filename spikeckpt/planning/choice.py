@@ -74,6 +74,9 @@ class PlanChoice:
             ([`StepBytes`][spikeckpt.plans.account.StepBytes]); ``step.total`` is at most the
             planner's budget.
         note: which memory the storage tier is on a CPU run (None on a GPU).
+        packed_inputs: layer-wise: the blocks (by position) whose input spike train was
+            counted bit-packed (its neuron's output was exactly 0/1 when measured); a run
+            that stores one of them dense makes the planner plan again.
     """
 
     plan: Plan
@@ -86,6 +89,7 @@ class PlanChoice:
     chunk: int | None = None
     step: StepBytes = StepBytes()
     note: str | None = None
+    packed_inputs: tuple[int, ...] = ()
 
     @property
     def modeled_peak_bytes(self) -> int:
@@ -165,6 +169,7 @@ def choice_to_dict(choice: PlanChoice) -> dict[str, Any]:
         "chunk": choice.chunk,
         "step": asdict(choice.step),
         "note": choice.note,
+        "packed_inputs": list(choice.packed_inputs),
     }
 
 
@@ -183,4 +188,5 @@ def choice_from_dict(item: dict[str, Any]) -> PlanChoice:
         chunk=item.get("chunk"),
         step=StepBytes(**item.get("step", {})),
         note=item.get("note"),
+        packed_inputs=tuple(item.get("packed_inputs", ())),
     )

@@ -9,7 +9,7 @@ by measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the stack plan's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -25,6 +25,7 @@ from spikeckpt.planning.probe import (
     layerwise_seconds,
     layerwise_working_bytes,
 )
+from spikeckpt.planning.quiet_trains import judge_quiet_trains
 from spikeckpt.plans.account import host_is_device
 from spikeckpt.plans.layerwise import (
     BlockSizes,
@@ -72,17 +73,20 @@ def layerwise_candidate(
     *,
     max_bytes: int | None = None,
     skip_over: bool = False,
+    graded: Collection[str] = (),
 ) -> Layered | None:
     """The blocks and their sizes when layer-wise can run, else None: made safe for a budget
     (the `BudgetPlanner`'s; both planners plan through it): stored spike trains are counted at
     the bit-pack size whatever their density now (the ``auto`` codec never stores more; the
     density of hidden spikes grows as the model trains, and index lists with it), dense with
     the device tier (it stores them unpacked), and so are the spike leaves of the stored
-    chunk states; ``working`` is the training step's working set
+    chunk states; a train no kernel vouches for, all zeros at the first step, is judged at
+    its first non-zero step (`judge_quiet_trains`); ``working`` is the training step's working set
     as `layerwise_working_bytes` measures it (held under
     ``max_bytes``; the parameters' gradient sums included). ``skip_over``: None, without
     measuring, when one chunk step of the cost model exceeds ``max_bytes`` (measuring a chunk
-    of one step would hold more than that).
+    of one step would hold more than that). ``graded``: the blocks (by name) whose input
+    train a run stored dense though it was planned packed: counted dense.
     """
     blocks = model.layer_blocks(required)
     if blocks is None:
@@ -90,7 +94,13 @@ def layerwise_candidate(
     device = compute_device(model, x)
     fuse = bool(getattr(model, "fuse", True))
     try:
-        sizes = block_sizes(blocks, step_of(x, 0, device), model.block_states(state), fuse)
+        states = model.block_states(state)
+        sizes = block_sizes(blocks, step_of(x, 0, device), states, fuse)
+        sizes = judge_quiet_trains(blocks, x, states, sizes, device)
+        sizes = [
+            replace(b, density=None) if k.name in graded else b
+            for k, b in zip(blocks, sizes, strict=True)
+        ]
     except UnsupportedLayerError:  # a block's neuron returns no single tensor per step
         if required:
             raise
