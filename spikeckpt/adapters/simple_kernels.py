@@ -99,6 +99,11 @@ class _SimpleKernel(NorseFieldsKernel):
         ]
 
 
+def _or_zeros(t: Tensor | None, like: Tensor) -> Tensor:
+    """``t`` or zeros like ``like``."""
+    return torch.zeros_like(like) if t is None else t.reshape(like.shape)
+
+
 def _learns(p: Any, fields: Sequence[str]) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in (getattr(p, f) for f in fields))
 
@@ -167,32 +172,32 @@ class NorseIAFKernel(_SimpleKernel):
         p = self.p()
         k = ys.shape[0]
         slope = surrogate_grad(self.spike, v_ns, p.v_th, torch.ones_like(v_ns))
-        keep_v = 1 - ys  # d v' / d v_n
         drop = v_ns.neg_().add_(p.v_reset) if consume else p.v_reset - v_ns  # d v' / d s
-        learn = any(need_params)
-        g_us = torch.empty_like(slope) if learn else None  # dL/d (v_n - v_th) per step
-        g_vs = torch.empty_like(slope) if learn else None  # dL/d v' per step
+        # d v' / d v_n = (1 - s) + slope * (v_reset - v_n); the outputs' share slope * g_y
+        through = torch.mul(slope, drop).add_(1 - ys)
+        outer = None if g_y is None else slope * g_y
         g_x = torch.empty_like(slope)  # dL/d v_n = dL/d x_t = dL/d v per step
         carry = torch.zeros_like(slope[0]) if g_final[0] is None else g_final[0]
         for t in range(k - 1, -1, -1):
-            g_v = carry if g_mem is None else g_mem[t] + carry
-            g_s = g_v * drop[t]
-            if g_y is not None:
-                g_s = g_s + g_y[t]
-            g_u = slope[t] * g_s if g_us is None else torch.mul(slope[t], g_s, out=g_us[t])
-            if g_vs is not None:
-                g_vs[t] = g_v
-            carry = torch.add(g_v * keep_v[t], g_u, out=g_x[t])
+            g_v = carry if g_mem is None else g_mem[t] + carry  # dL/d v'
+            if outer is None:
+                carry = torch.mul(g_v, through[t], out=g_x[t])
+            else:
+                carry = torch.addcmul(outer[t], g_v, through[t], out=g_x[t])
         if k:
             carry = carry.clone()  # not a view of the input's gradient
 
-        def g_th() -> Tensor:
-            assert g_us is not None
-            return -g_us.sum(0)
+        def g_v_all() -> Tensor:
+            """dL/d v' per step: the next step's dL/d v (the last: the final state's)."""
+            after = torch.cat([g_x[1:], _or_zeros(g_final[0], g_x[:1])])
+            return after if g_mem is None else after + g_mem
+
+        def g_th() -> Tensor:  # u = v_n - v_th: dL/du = slope * (g_v' (v_reset - v_n) + g_y)
+            g_s = g_v_all() * drop
+            return -(slope * (g_s if g_y is None else g_s + g_y)).sum(0)
 
         def g_reset() -> Tensor:
-            assert g_vs is not None
-            return reduce_product(g_vs, ys, p.v_reset)
+            return reduce_product(g_v_all(), ys, p.v_reset)
 
         grads = self._param_grads({"v_th": g_th, "v_reset": g_reset}, need_params)
         return g_x if need_z else None, [carry], grads
@@ -252,29 +257,27 @@ class NorseLIBoxKernel(_SimpleKernel):
         v0, vs, z = saved  # (B, ...) v entering the chunk, (k, B, ...) v after each step, x
         p = self.p()
         c_m = self.dt * p.tau_mem_inv
-        g_x = torch.empty_like(vs)  # dL/d x_t = c_m * dL/d v' per step
-        g_vs = torch.empty_like(vs) if any(need_params) else None  # dL/d v' per step
+        outer = g_y if g_mem is None else g_mem if g_y is None else g_mem + g_y
+        keep_v = 1 - c_m  # v' = v + c_m * ((v_leak - v) + x): d v' / d v
+        g_vs = torch.empty_like(vs)  # dL/d v' per step
         carry = torch.zeros_like(vs[0]) if g_final[0] is None else g_final[0]
         for t in range(vs.shape[0] - 1, -1, -1):
-            g_v = carry if g_mem is None else g_mem[t] + carry
-            if g_y is not None:
-                g_v = g_v + g_y[t]
-            if g_vs is not None:
+            g_v = carry if outer is None else torch.add(carry, outer[t], out=g_vs[t])
+            if outer is None:
                 g_vs[t] = g_v
-            g_dv = torch.mul(g_v, c_m, out=g_x[t])  # v' = v + c_m * ((v_leak - v) + x)
-            carry = g_v - g_dv
+            carry = g_v * keep_v
+        g_x = g_vs * c_m if need_z else None  # d v' / d x
 
         def g_tau() -> Tensor:
-            assert g_vs is not None and v0 is not None
+            assert v0 is not None
             v_in = torch.cat([v0.expand_as(vs[0])[None], vs[:-1]])
             return self.dt * reduce_product(g_vs, (p.v_leak - v_in) + z, p.tau_mem_inv)
 
         def g_leak() -> Tensor:
-            assert g_vs is not None
             return g_vs.sum(0) * c_m
 
         grads = self._param_grads({"tau_mem_inv": g_tau, "v_leak": g_leak}, need_params)
-        return g_x if need_z else None, [carry], grads
+        return g_x, [carry], grads
 
 
 def _no_spike(u: Tensor) -> Tensor:
@@ -371,26 +374,25 @@ class NorseCobaKernel(_SimpleKernel):
         if k > 1:
             torch.add(keep_v[:-1] * v_ds[:-1], ys[:-1] * p.v_reset, out=v_in[1:])
         # d v_d / d v = 1 - c_v * (g_l + g_e + g_i); d v_d / d g_e = c_v * (e_rev_E - v), ...
-        slope_v = -((p.g_l + g_es) + g_is)
-        to_e, to_i = p.e_rev_E - v_in, p.e_rev_I - v_in
+        to_v = (-((p.g_l + g_es) + g_is)).mul_(c_v).add_(1)
+        to_e, to_i = (p.e_rev_E - v_in).mul_(c_v), (p.e_rev_I - v_in).mul_(c_v)
         del v_in
         slope = surrogate_grad(self.spike, v_ds, p.v_thresh, torch.ones_like(v_ds))
         drop = v_ds.neg_().add_(p.v_reset) if consume else p.v_reset - v_ds  # d v' / d s
+        # d v' / d v_d = (1 - s) + slope * (v_reset - v_d); the outputs' share slope * g_y
+        outer = None if g_y is None else slope * g_y
+        through = slope.mul_(drop).add_(keep_v)
+        del drop, keep_v
+        decay_e, decay_i = 1 + c_e, 1 + c_i  # g' = g + c * g
         g_ae = torch.empty_like(ys)  # dL/d g_e after each step's jump (before its decay)
         g_ai = torch.empty_like(ys)
         carry_v, carry_e, carry_i = (torch.zeros_like(ys[0]) if g is None else g for g in g_final)
         for t in range(k - 1, -1, -1):
-            g_v = carry_v if g_mem is None else g_mem[t] + carry_v
-            g_s = g_v * drop[t]
-            if g_y is not None:
-                g_s = g_s + g_y[t]
-            g_vd = g_v * keep_v[t] + slope[t] * g_s  # s = threshold(v_d - v_thresh)
-            g_sum = g_vd * c_v  # v_d = v + c_v * sum
-            carry_v = g_vd + g_sum * slope_v[t]
-            total_e = carry_e + g_sum * to_e[t]  # the sum reads the decayed conductances
-            total_i = carry_i + g_sum * to_i[t]
-            carry_e = torch.add(total_e, total_e * c_e, out=g_ae[t])  # g' = g + c * g
-            carry_i = torch.add(total_i, total_i * c_i, out=g_ai[t])
+            g_v = carry_v if g_mem is None else g_mem[t] + carry_v  # dL/d v'
+            g_vd = g_v * through[t] if outer is None else torch.addcmul(outer[t], g_v, through[t])
+            carry_v = g_vd * to_v[t]  # v_d = v + c_v * (... the sum reads v and the g's)
+            carry_e = torch.addcmul(carry_e, g_vd, to_e[t], out=g_ae[t]).mul_(decay_e)
+            carry_i = torch.addcmul(carry_i, g_vd, to_i[t], out=g_ai[t]).mul_(decay_i)
         g_x = None
         if need_z:  # relu(x) jumps g_e, relu(-x) g_i (relu's gradient 0 where x <= 0)
             g_x = torch.where(z <= 0, 0.0, g_ae) - torch.where(z >= 0, 0.0, g_ai)
