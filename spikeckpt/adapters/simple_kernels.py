@@ -105,6 +105,7 @@ def _or_zeros(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _learns(p: Any, fields: Sequence[str]) -> bool:
+    """Whether a field of ``p`` named in ``fields`` takes a gradient."""
     return any(isinstance(t, Tensor) and t.requires_grad for t in (getattr(p, f) for f in fields))
 
 
