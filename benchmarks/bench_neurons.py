@@ -4,7 +4,8 @@ The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
 one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell``, ``LSNNCell``,
-``LIFExCell`` and ``LIFAdExCell`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+``LIFExCell``, ``LIFAdExCell``, ``IAFCell``, ``LIBoxCell`` and a cell of
+``coba_lif_feed_forward_step`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
@@ -57,7 +58,33 @@ if norse is not None:
         "Norse LSNNCell": lambda: norse.LSNNCell(),
         "Norse LIFExCell": lambda: norse.LIFExCell(),
         "Norse LIFAdExCell": lambda: norse.LIFAdExCell(),
+        "Norse IAFCell": lambda: norse.IAFCell(),
+        "Norse LIBoxCell": lambda: norse.LIBoxCell(),
+        "Norse CobaLIF feed-forward": lambda: coba_cell(),
     }
+
+
+def coba_cell() -> nn.Module:
+    """A Norse cell of ``coba_lif_feed_forward_step`` (Norse 1.1.0 has no module of it),
+    starting at ``v_rest``; synapses 1000x faster than the default (``tau_syn_*_inv`` 200:
+    the default's conductances barely decay at ``dt`` 1 ms, grow until Euler's step is
+    unstable). Its gradient overflows over T = 500 even so (Norse's reset passes the spike's
+    gradient, times ``v_reset - v_d``, 60 mV near the threshold), in Norse's loop as in the
+    kernel: the row's ``max rel dW`` is nan."""
+    from norse.torch.functional.coba_lif import (
+        CobaLIFFeedForwardState,
+        CobaLIFParameters,
+        coba_lif_feed_forward_step,
+    )
+    from norse.torch.module.snn import SNNCell
+
+    p = CobaLIFParameters(tau_syn_exc_inv=torch.tensor(200.0), tau_syn_inh_inv=torch.tensor(200.0))
+
+    def rest(x: Tensor) -> CobaLIFFeedForwardState:
+        zeros = torch.zeros_like(x)
+        return CobaLIFFeedForwardState(zeros + p.v_rest, zeros, zeros.clone())
+
+    return SNNCell(coba_lif_feed_forward_step, rest, p)
 
 
 def framework_loop(net: nn.Sequential, x: Tensor) -> Tensor:

@@ -55,6 +55,12 @@ from spikeckpt.adapters.protocol import (
     unsupported,
 )
 from spikeckpt.adapters.recurrent_kernel import NorseRecurrentKernel
+from spikeckpt.adapters.simple_kernels import (
+    NorseCobaKernel,
+    NorseIAFKernel,
+    NorseLIBoxKernel,
+    simple_kernel,
+)
 from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
 
@@ -67,9 +73,19 @@ NorseChunkKernel = (
     | NorseExKernel
     | NorseRecurrentKernel
     | NorseLSNNKernel
+    | NorseIAFKernel
+    | NorseLIBoxKernel
+    | NorseCobaKernel
 )
 #: the kernels of the feed-forward steps
-FeedForwardKernel = NorseKernel | NorseLSNNFeedForwardKernel | NorseExKernel
+FeedForwardKernel = (
+    NorseKernel
+    | NorseLSNNFeedForwardKernel
+    | NorseExKernel
+    | NorseIAFKernel
+    | NorseLIBoxKernel
+    | NorseCobaKernel
+)
 
 _SEQUENCE = (SNN, SNNRecurrent)
 _RECURRENT = (SNNRecurrentCell, SNNRecurrent)
@@ -236,8 +252,9 @@ class NorseAdapter(LayerAdapter):
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
         ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step``,
-        ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step`` or
-        ``lif_adex_feed_forward_step``, or of a
+        ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step``,
+        ``lif_adex_feed_forward_step``, ``iaf_feed_forward_step``, ``li_box_feed_forward_step``
+        or ``coba_lif_feed_forward_step``, or of a
         ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
         None."""
         if self.recurrent:
@@ -427,15 +444,21 @@ def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
 
 
 #: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, ``"lsnn"``
-#: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`)
-FeedForwardMode = NorseMode | Literal["lsnn", "ex", "adex"]
+#: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`), ``"iaf"``,
+#: ``"libox"`` and ``"coba"`` (`simple_kernel`)
+FeedForwardMode = NorseMode | Literal["lsnn", "ex", "adex", "iaf", "libox", "coba"]
+#: the modes of `simple_kernel`
+_SIMPLE = ("iaf", "libox", "coba")
 
 
 def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     """``(mode, subtract, dt)`` of the fused kernel that reproduces ``m``'s step as it is
     now, or None where none does."""
     from norse.torch.functional import reset as resets
+    from norse.torch.functional.coba_lif import coba_lif_feed_forward_step
+    from norse.torch.functional.iaf import iaf_feed_forward_step
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
+    from norse.torch.functional.leaky_integrator_box import li_box_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
     from norse.torch.functional.lif_adex import lif_adex_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
@@ -449,6 +472,9 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
         lsnn_feed_forward_step: "lsnn",
         lif_ex_feed_forward_step: "ex",
         lif_adex_feed_forward_step: "adex",
+        iaf_feed_forward_step: "iaf",
+        li_box_feed_forward_step: "libox",
+        coba_lif_feed_forward_step: "coba",
     }
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
@@ -464,7 +490,7 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
         if reset not in (resets.reset_value, resets.reset_subtract):
             return None
         subtract = reset is resets.reset_subtract
-    if mode != "li" and getattr(p, "method", None) not in _METHODS:
+    if mode not in ("li", "libox") and getattr(p, "method", None) not in _METHODS:
         return None
     return mode, subtract, dt
 
@@ -500,6 +526,8 @@ def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
         return NorseExKernel(
             lambda: m.p, dt, _norse_spike(m), mode == "adex", lambda: _kernel_key(m) == key
         )
+    if mode in _SIMPLE:
+        return simple_kernel(mode, lambda: m.p, dt, _norse_spike(m), lambda: _kernel_key(m) == key)
     return _NorseChunkKernel(m, (mode, subtract, dt))
 
 
