@@ -4,7 +4,8 @@ The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
 one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell``, ``LSNNCell``,
-``LIFExCell`` and ``LIFAdExCell`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+``LIFExCell``, ``LIFAdExCell``, ``IzhikevichCell`` (``tonic_spiking``) and ``LIFRefracCell``
+(where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
@@ -57,6 +58,8 @@ if norse is not None:
         "Norse LSNNCell": lambda: norse.LSNNCell(),
         "Norse LIFExCell": lambda: norse.LIFExCell(),
         "Norse LIFAdExCell": lambda: norse.LIFAdExCell(),
+        "Norse IzhikevichCell": lambda: norse.IzhikevichCell(norse.tonic_spiking),
+        "Norse LIFRefracCell": lambda: norse.LIFRefracCell(),
     }
 
 
