@@ -43,6 +43,7 @@ from spikeckpt.adapters.generic import (
     probe,
     state_arity,
 )
+from spikeckpt.adapters.izhikevich_kernel import NorseIzhikevichKernel
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
 from spikeckpt.adapters.memo import TensorMemo
@@ -55,6 +56,7 @@ from spikeckpt.adapters.protocol import (
     unsupported,
 )
 from spikeckpt.adapters.recurrent_kernel import NorseRecurrentKernel
+from spikeckpt.adapters.refrac_kernel import NorseRefracKernel
 from spikeckpt.engine import tree as pytree
 from spikeckpt.errors import ConfigTypeError
 
@@ -67,9 +69,17 @@ NorseChunkKernel = (
     | NorseExKernel
     | NorseRecurrentKernel
     | NorseLSNNKernel
+    | NorseIzhikevichKernel
+    | NorseRefracKernel
 )
 #: the kernels of the feed-forward steps
-FeedForwardKernel = NorseKernel | NorseLSNNFeedForwardKernel | NorseExKernel
+FeedForwardKernel = (
+    NorseKernel
+    | NorseLSNNFeedForwardKernel
+    | NorseExKernel
+    | NorseIzhikevichKernel
+    | NorseRefracKernel
+)
 
 _SEQUENCE = (SNN, SNNRecurrent)
 _RECURRENT = (SNNRecurrentCell, SNNRecurrent)
@@ -236,8 +246,9 @@ class NorseAdapter(LayerAdapter):
         """The fused recurrence of a feed-forward cell or sequence module whose activation is
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
         ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step``,
-        ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step`` or
-        ``lif_adex_feed_forward_step``, or of a
+        ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step``,
+        ``lif_adex_feed_forward_step``, ``izhikevich_feed_forward_step`` or
+        ``lif_refrac_feed_forward_step``, or of a
         ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
         None."""
         if self.recurrent:
@@ -426,20 +437,34 @@ def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
     return spike
 
 
+def _norse_lif_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``u -> threshold(u, method, alpha)`` of ``m.p.lif`` (``LIFRefracParameters``), read at
+    each call."""
+    from norse.torch.functional.threshold import threshold
+
+    def spike(u: Tensor) -> Tensor:
+        return threshold(u, m.p.lif.method, m.p.lif.alpha)
+
+    return spike
+
+
 #: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, ``"lsnn"``
-#: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`)
-FeedForwardMode = NorseMode | Literal["lsnn", "ex", "adex"]
+#: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`),
+#: ``"izhikevich"`` (`NorseIzhikevichKernel`), ``"refrac"`` (`NorseRefracKernel`)
+FeedForwardMode = NorseMode | Literal["lsnn", "ex", "adex", "izhikevich", "refrac"]
 
 
 def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     """``(mode, subtract, dt)`` of the fused kernel that reproduces ``m``'s step as it is
     now, or None where none does."""
     from norse.torch.functional import reset as resets
+    from norse.torch.functional.izhikevich import izhikevich_feed_forward_step
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
     from norse.torch.functional.lif_adex import lif_adex_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
     from norse.torch.functional.lif_ex import lif_ex_feed_forward_step
+    from norse.torch.functional.lif_refrac import lif_refrac_feed_forward_step
     from norse.torch.functional.lsnn import lsnn_feed_forward_step
 
     modes: dict[Any, FeedForwardMode] = {
@@ -449,6 +474,8 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
         lsnn_feed_forward_step: "lsnn",
         lif_ex_feed_forward_step: "ex",
         lif_adex_feed_forward_step: "adex",
+        izhikevich_feed_forward_step: "izhikevich",
+        lif_refrac_feed_forward_step: "refrac",
     }
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
@@ -458,6 +485,8 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     own = type(m).forward in (SNNCell.forward, SNN.forward) and "forward" not in vars(m)
     if mode is None or p is None or not isinstance(dt, float) or not own:
         return None
+    if mode == "refrac":  # the spike's method is p.lif's
+        p = getattr(p, "lif", None)
     subtract = False
     if mode == "box":
         reset = getattr(p, "reset_method", None)
@@ -499,6 +528,14 @@ def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
     if mode == "ex" or mode == "adex":
         return NorseExKernel(
             lambda: m.p, dt, _norse_spike(m), mode == "adex", lambda: _kernel_key(m) == key
+        )
+    if mode == "izhikevich":
+        return NorseIzhikevichKernel(
+            lambda: m.p, dt, _norse_spike(m), lambda: _kernel_key(m) == key
+        )
+    if mode == "refrac":
+        return NorseRefracKernel(
+            lambda: m.p, dt, _norse_lif_spike(m), lambda: _kernel_key(m) == key
         )
     return _NorseChunkKernel(m, (mode, subtract, dt))
 
