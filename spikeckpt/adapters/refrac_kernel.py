@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.adapters.adex_kernel import _fixed
+from spikeckpt.adapters.izhikevich_kernel import as_host_scalar
 from spikeckpt.adapters.kernels import NorseFieldsKernel, per_leaf, surrogate_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
@@ -109,19 +110,26 @@ class NorseRefracKernel(NorseFieldsKernel):
         # the membranes and counters after each step (the backward's states entering a step)
         vs = v.new_empty(shape) if want_mem or keep else None
         rhos = v.new_empty(shape) if keep else None
+        c_m, c_s = (as_host_scalar(r, v) for r in (c_m, c_s))
+        v_leak, v_th, v_reset, rho_reset = (
+            as_host_scalar(f, v) for f in (q.v_leak, q.v_th, q.v_reset, p.rho_reset)
+        )
         zero = torch.as_tensor(0.0)  # Norse's heaviside: gt(x, 0) in x's dtype
+        one = torch.ones((), dtype=v.dtype)
+        s, m = torch.empty_like(v), torch.empty_like(v)  # this step's spike and mask
         for t, x_t in enumerate(z.unbind(0)):
             i_j = i + x_t
-            dv = c_m * ((q.v_leak - v) + i_j)
+            dv = c_m * ((v_leak - v) + i_j)
             v_d = v + dv if v_ds is None else torch.add(v, dv, out=v_ds[t])
             i = i_j + c_s * i_j
-            s = torch.gt(v_d - q.v_th, zero).to(v_d.dtype)
-            v_n = (1 - s) * v_d + s * q.v_reset
-            m = torch.gt(rho, zero).to(rho.dtype)
-            held, kept = (1 - m) * v_n, m * v
+            torch.gt(v_d - v_th, zero, out=s)
+            v_n = torch.sub(one, s) * v_d + s * v_reset
+            torch.gt(rho, zero, out=m)
+            open_ = torch.sub(one, m)  # 1 - m
+            held, kept = open_ * v_n, m * v
             v = held + kept if vs is None else torch.add(held, kept, out=vs[t])
-            s = torch.mul(1 - m, s, out=ys[t])
-            rho_d, jump = (1 - s) * torch.relu(rho - m), s * p.rho_reset
+            fired = torch.mul(open_, s, out=ys[t])
+            rho_d, jump = torch.sub(one, fired) * torch.relu(rho - m), fired * rho_reset
             rho = rho_d + jump if rhos is None else torch.add(rho_d, jump, out=rhos[t])
         if vs is not None:
             v = v.clone()  # not a view of the membranes returned beside it (or kept)
@@ -148,41 +156,48 @@ class NorseRefracKernel(NorseFieldsKernel):
         q = p.lif
         c_m, c_s = self._rates(q)
         k = v_ds.shape[0]
-        v_in = torch.cat([v0[None], vs[:-1]])  # v and rho entering each step
-        rho_in = torch.cat([rho0[None], rhos[:-1]])
+        like = {"dtype": v_ds.dtype, "device": v_ds.device}
         zero = torch.as_tensor(0.0)
-        spikes = torch.gt(v_ds - q.v_th, zero).to(v_ds.dtype)  # before the mask: bitwise
-        masks = torch.gt(rho_in, zero).to(rho_in.dtype)
-        open_ = 1 - masks
-        fired = open_ * spikes  # the output spikes z'
-        v_ns = (1 - spikes) * v_ds + spikes * q.v_reset
-        # d rho' / d relu(rho - m), and relu's gate
-        through = (1 - fired) * (rho_in - masks).gt(0).to(v_ds.dtype)
-        jump = p.rho_reset - torch.relu(rho_in - masks)  # d rho' / d z'
-        slope = surrogate_grad(self.spike, v_ds, q.v_th, torch.ones_like(v_ds))
+        rho_in = torch.cat([rho0[None], rhos[:-1]])  # rho entering each step
+        masks = torch.gt(rho_in, zero).to(v_ds.dtype)  # m
         slope_rho = surrogate_grad(self.spike, rho_in, 0.0, torch.ones_like(rho_in))
-        hold = v_in - v_ns  # d v' / d m
-        drop = q.v_reset - v_ds  # d v_n / d z
-        del v_in, rho_in, v_ds
-        g_x = torch.empty_like(spikes) if need_z else None  # dL/d i_j per step
-        carry = [torch.zeros_like(spikes[0]) if g is None else g for g in g_final]
+        slope = surrogate_grad(self.spike, v_ds, q.v_th, torch.ones_like(v_ds))
+        spikes = torch.gt(v_ds - q.v_th, zero).to(v_ds.dtype)  # z, before the mask
+        open_ = 1 - masks
+        # rho' = (1 - z') relu(rho - m) + z' rho_reset, z' = (1 - m) z
+        gap = rho_in.sub_(masks)
+        through = (1 - open_ * spikes).mul_(gap > 0)  # d rho' / d rho through relu
+        jump = torch.relu_(gap).neg_().add_(p.rho_reset)  # d rho' / d z'
+        del gap, rho_in
+        # v' = (1 - m) v_n + m v, v_n = (1 - z) v_d + z v_reset: d v' / d m = v - v_n
+        hold = torch.cat([v0[None], vs[:-1]]).sub_((1 - spikes) * v_ds + spikes * q.v_reset)
+        # dL/d v_d = g_v by_v + g_z' by_fired (z = threshold(v_d - v_th))
+        by_fired = slope * open_
+        by_v = v_ds.neg_() if consume else v_ds.neg()
+        by_v = by_v.add_(q.v_reset).mul_(slope).add_(1 - spikes).mul_(open_)
+        del slope
+        # m = threshold(rho): rho's carry gets slope_rho dL/d m, dL/d m = g_v hold - g_z'
+        # z - g_relu
+        rho_keep = through.mul_(1 - slope_rho)
+        rho_by_v = hold.mul_(slope_rho)
+        rho_by_fired = spikes.mul_(slope_rho).neg_()
+        del slope_rho, open_
+        v_keep = torch.as_tensor(1 - c_m, **like)  # v_d = v + c_m * ((v_leak - v) + i_j)
+        i_keep = torch.as_tensor(1 + c_s, **like)  # i' = i_j + c_s i_j
+        g_x = torch.empty_like(v_ds) if need_z else None  # dL/d i_j per step
+        carry = [torch.zeros_like(v_ds[0]) if g is None else g for g in g_final]
         carry_v, carry_i, carry_rho = carry
         for t in range(k - 1, -1, -1):
             g_v = carry_v if g_mem is None else g_mem[t] + carry_v
-            g_fired = carry_rho * jump[t]  # rho' = (1 - z') relu(rho - m) + z' rho_reset
-            if g_y is not None:
-                g_fired = g_fired + g_y[t]
-            g_relu = carry_rho * through[t]
-            # v' = (1 - m) v_n + m v, z' = (1 - m) z, relu(rho - m): the mask's gradient
-            g_mask = g_v * hold[t] - g_fired * spikes[t] - g_relu
-            g_vn = g_v * open_[t]
-            g_s = g_fired * open_[t] + g_vn * drop[t]  # v_n = (1 - z) v_d + z v_reset
-            g_vd = g_vn * (1 - spikes[t]) + slope[t] * g_s  # z = threshold(v_d - v_th)
-            g_sum = g_vd * c_m  # v_d = v + c_m * ((v_leak - v) + i_j)
-            g_ij = carry_i + carry_i * c_s  # i' = i_j + c_s i_j
-            carry_i = g_sum + g_ij if g_x is None else torch.add(g_sum, g_ij, out=g_x[t])
-            carry_v = (g_vd - g_sum) + g_v * masks[t]
-            carry_rho = g_relu + slope_rho[t] * g_mask  # m = threshold(rho)
+            g_fired = (
+                carry_rho * jump[t] if g_y is None else torch.addcmul(g_y[t], carry_rho, jump[t])
+            )
+            g_vd = torch.addcmul(g_v * by_v[t], g_fired, by_fired[t])
+            g_ij = torch.add(g_vd * c_m, carry_i * i_keep, out=None if g_x is None else g_x[t])
+            carry_i = g_ij
+            carry_v = torch.addcmul(g_vd * v_keep, g_v, masks[t])
+            carry_rho = torch.addcmul(carry_rho * rho_keep[t], g_v, rho_by_v[t])
+            carry_rho = torch.addcmul(carry_rho, g_fired, rho_by_fired[t])
         if g_x is not None and k:
             carry_i = carry_i.clone()  # not a view of the input's gradient
         return g_x, [carry_v, carry_i, carry_rho], []
