@@ -182,7 +182,6 @@ class NorseRefracKernel(NorseFieldsKernel):
         rho_by_v = hold.mul_(slope_rho)
         rho_by_fired = spikes.mul_(slope_rho).neg_()
         del slope_rho, open_
-        v_keep = torch.as_tensor(1 - c_m, **like)  # v_d = v + c_m * ((v_leak - v) + i_j)
         i_keep = torch.as_tensor(1 + c_s, **like)  # i' = i_j + c_s i_j
         g_x = torch.empty_like(v_ds) if need_z else None  # dL/d i_j per step
         carry = [torch.zeros_like(v_ds[0]) if g is None else g for g in g_final]
@@ -195,7 +194,7 @@ class NorseRefracKernel(NorseFieldsKernel):
             g_vd = torch.addcmul(g_v * by_v[t], g_fired, by_fired[t])
             g_ij = torch.add(g_vd * c_m, carry_i * i_keep, out=None if g_x is None else g_x[t])
             carry_i = g_ij
-            carry_v = torch.addcmul(g_vd * v_keep, g_v, masks[t])
+            carry_v = torch.addcmul(g_vd - g_vd * c_m, g_v, masks[t])
             carry_rho = torch.addcmul(carry_rho * rho_keep[t], g_v, rho_by_v[t])
             carry_rho = torch.addcmul(carry_rho, g_fired, rho_by_fired[t])
         if g_x is not None and k:
