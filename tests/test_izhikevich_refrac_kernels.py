@@ -273,3 +273,25 @@ def test_a_cell_changed_after_the_first_forward_is_not_fused_with_its_old_step(
         want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
     assert want.sum() > 0
     assert torch.equal(got.detach(), want)
+
+
+@pytest.mark.parametrize("name", ["IzhikevichCell", "LIFRefracCell"])
+def test_a_float64_model_runs_fused_at_float64_round_off(name: str) -> None:
+    """``model.double()`` (Norse's float32 0-d parameters beside float64 states, Python
+    numbers): fused, the spikes bitwise Norse's loop's, the gradients within 1e-12 (the
+    backward's coefficients are made in the state's dtype)."""
+    torch.manual_seed(6)
+    make, (gain, _) = CELLS[name]
+    net = nn.Sequential(nn.Linear(4, 6), make()).double()
+    with torch.no_grad():
+        net[0].weight.mul_(gain)
+    x = (torch.rand(11, 2, 4) < 0.5).double().requires_grad_()
+    want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
+    assert want.sum() > 0
+    want_grads = torch.autograd.grad(want.sum(), [x, net[0].weight])
+    seq = sc.wrap(net, granularity="layer", chunk=4)
+    got = seq(x)
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    for a, b in zip(want_grads, torch.autograd.grad(got.sum(), [x, net[0].weight]), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12 * float(a.abs().max()))

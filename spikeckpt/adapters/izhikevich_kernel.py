@@ -152,8 +152,10 @@ class NorseIzhikevichKernel(NorseFieldsKernel):
         by_y = None if g_y is None else slope.mul_(g_y)
         del slope
         # u_d = u + c_u * (b v - u): dL/d v from u's step, and u's carry factor
-        u_to_v = torch.as_tensor(c_u * p.b, dtype=ys.dtype, device=ys.device)
-        u_keep = torch.as_tensor(1 - c_u, dtype=ys.dtype, device=ys.device)
+        # (in the state's dtype: a float32 field in a float64 model is exact there)
+        c_u = torch.as_tensor(c_u, dtype=ys.dtype, device=ys.device)
+        u_to_v = c_u * torch.as_tensor(p.b, dtype=ys.dtype, device=ys.device)
+        u_keep = 1 - c_u
         g_x = torch.empty_like(ys) if need_z else None  # dL/d x_t per step
         carry_v, carry_u = (torch.zeros_like(ys[0]) if g is None else g for g in g_final)
         for t in range(k - 1, -1, -1):

@@ -160,7 +160,7 @@ class NorseRefracKernel(NorseFieldsKernel):
         zero = torch.as_tensor(0.0)
         rho_in = torch.cat([rho0[None], rhos[:-1]])  # rho entering each step
         masks = torch.gt(rho_in, zero).to(v_ds.dtype)  # m
-        slope_rho = surrogate_grad(self.spike, rho_in, 0.0, torch.ones_like(rho_in))
+        slope_rho = surrogate_grad(self.spike, rho_in, zero, torch.ones_like(rho_in))
         slope = surrogate_grad(self.spike, v_ds, q.v_th, torch.ones_like(v_ds))
         spikes = torch.gt(v_ds - q.v_th, zero).to(v_ds.dtype)  # z, before the mask
         open_ = 1 - masks
@@ -182,7 +182,7 @@ class NorseRefracKernel(NorseFieldsKernel):
         rho_by_v = hold.mul_(slope_rho)
         rho_by_fired = spikes.mul_(slope_rho).neg_()
         del slope_rho, open_
-        i_keep = torch.as_tensor(1 + c_s, **like)  # i' = i_j + c_s i_j
+        i_keep = 1 + torch.as_tensor(c_s, **like)  # i' = i_j + c_s i_j (in the state's dtype)
         g_x = torch.empty_like(v_ds) if need_z else None  # dL/d i_j per step
         carry = [torch.zeros_like(v_ds[0]) if g is None else g for g in g_final]
         carry_v, carry_i, carry_rho = carry
