@@ -4,8 +4,9 @@ The peers' setup (`bench_peers.py`: one ``Linear(n, n)`` + the neuron, batch 16,
 input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Synaptic``, ``Alpha`` and
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
 one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell``, ``LSNNCell``,
-``LIFExCell``, ``LIFAdExCell``, ``IAFCell``, ``LIBoxCell`` and a cell of
-``coba_lif_feed_forward_step`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+``LIFExCell``, ``LIFAdExCell``, ``IAFCell``, ``LIBoxCell``, a cell of
+``coba_lif_feed_forward_step``, ``IzhikevichCell`` (``tonic_spiking``) and ``LIFRefracCell``
+(where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
@@ -61,6 +62,8 @@ if norse is not None:
         "Norse IAFCell": lambda: norse.IAFCell(),
         "Norse LIBoxCell": lambda: norse.LIBoxCell(),
         "Norse CobaLIF feed-forward": lambda: coba_cell(),
+        "Norse IzhikevichCell": lambda: norse.IzhikevichCell(norse.tonic_spiking),
+        "Norse LIFRefracCell": lambda: norse.LIFRefracCell(),
     }
 
 

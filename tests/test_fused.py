@@ -234,6 +234,22 @@ NEURONS: dict[str, Factory] = {
             v_reset=torch.tensor(-0.2),
         )
     ),
+    "norse izhikevich": lambda n: norse.IzhikevichCell(_fast_izhikevich(n, per_neuron=False)),
+    "norse izhikevich tanh per-neuron": lambda n: norse.IzhikevichCell(
+        _fast_izhikevich(n, per_neuron=True)
+    ),
+    "norse lifrefrac": lambda n: norse.LIFRefracCell(),
+    "norse lifrefrac tanh short per-neuron": lambda n: norse.LIFRefracCell(
+        norse.LIFRefracParameters(
+            norse.LIFParameters(
+                method="tanh",
+                v_th=torch.tensor(0.4),
+                v_reset=torch.linspace(-0.2, 0.1, n),
+                tau_mem_inv=torch.tensor(150.0),
+            ),
+            rho_reset=torch.linspace(0.5, 3.5, n),  # fractional: relu's gate at 0
+        )
+    ),
     "norse lifbox": lambda n: norse.LIFBoxCell(),
     "norse lifbox subtract": lambda n: norse.LIFBoxCell(
         norse.LIFBoxParameters(
@@ -285,6 +301,26 @@ NEURONS: dict[str, Factory] = {
 }
 
 
+def _fast_izhikevich(n: int, per_neuron: bool) -> Any:
+    """Norse's ``tonic_spiking`` 16 times as fast (``tau_inv`` 4000) from -56 mV: the
+    table's inputs make a third of the neurons fire each step; per-neuron ``b`` and ``d`` and
+    the ``tanh`` surrogate with ``per_neuron``."""
+    if not per_neuron:
+        p = norse.IzhikevichParameters(a=0.02, b=0.2, c=-65, d=6, tau_inv=4000)
+    else:
+        p = norse.IzhikevichParameters(
+            a=0.02,
+            b=torch.linspace(0.15, 0.25, n),
+            c=torch.tensor(-60.0),
+            d=torch.linspace(2.0, 8.0, n),
+            tau_inv=4000,
+            method="tanh",
+            alpha=0.5,
+        )
+    v = torch.tensor(-56.0)
+    return norse.IzhikevichSpikingBehavior(p, norse.IzhikevichState(v=v, u=v * 0.2))
+
+
 def _is_norse(neuron: nn.Module) -> bool:
     return type(neuron).__module__.startswith("norse")
 
@@ -315,7 +351,7 @@ def _framework_loop(
         for z_t in z.unbind(0):
             if _is_norse(neuron):
                 y, state = neuron(z_t, state)
-                mem = state.v
+                mem = getattr(state, "lif", state).v  # LIFRefracCell's: state.lif.v
             elif isinstance(neuron, snn.Synaptic):
                 if state is None:
                     state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
@@ -355,7 +391,7 @@ def _framework_loop(
             mems.append(mem)
     if not _is_norse(neuron) and neuron.init_hidden:
         neuron.reset_mem()
-    leaves = [t for t in (state if isinstance(state, tuple) else [state])]
+    leaves = torch.utils._pytree.tree_leaves(state)  # Norse's may nest (LIFRefracCell)
     return torch.stack(spikes), torch.stack(mems), leaves
 
 
@@ -546,10 +582,29 @@ def test_iaf_libox_and_coba_neurons_match_norses_own_step(
     )
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(n for n in NEURONS if "izhikevich" in n or "refrac" in n)), **_CASES
+)
+def test_izhikevich_and_refractory_neurons_match_norses_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """Norse's ``IzhikevichCell`` (`NorseIzhikevichKernel`: the quadratic membrane, the
+    recovery variable and both resets passing the spike's gradient) and ``LIFRefracCell``
+    (`NorseRefracKernel`: the refractory mask's gradient through ``threshold(rho)``, the
+    counter's through the spike, as Norse leaves them attached), default and other
+    parameters (another surrogate, per-neuron fields, a fractional refractory period)
+    against Norse's own step: spikes and membranes bitwise, gradients at round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
 _TORCH_LOOP_ONLY = (
     *("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent", "lsnn"),
     *("lifex", "lifadex", "iaf", "libox", "coba"),
+    *("izhikevich", "lifrefrac"),
 )
 
 

@@ -43,6 +43,7 @@ from spikeckpt.adapters.generic import (
     probe,
     state_arity,
 )
+from spikeckpt.adapters.izhikevich_kernel import NorseIzhikevichKernel
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
 from spikeckpt.adapters.memo import TensorMemo
@@ -55,6 +56,7 @@ from spikeckpt.adapters.protocol import (
     unsupported,
 )
 from spikeckpt.adapters.recurrent_kernel import NorseRecurrentKernel
+from spikeckpt.adapters.refrac_kernel import NorseRefracKernel
 from spikeckpt.adapters.simple_kernels import (
     NorseCobaKernel,
     NorseIAFKernel,
@@ -76,6 +78,8 @@ NorseChunkKernel = (
     | NorseIAFKernel
     | NorseLIBoxKernel
     | NorseCobaKernel
+    | NorseIzhikevichKernel
+    | NorseRefracKernel
 )
 #: the kernels of the feed-forward steps
 FeedForwardKernel = (
@@ -85,6 +89,8 @@ FeedForwardKernel = (
     | NorseIAFKernel
     | NorseLIBoxKernel
     | NorseCobaKernel
+    | NorseIzhikevichKernel
+    | NorseRefracKernel
 )
 
 _SEQUENCE = (SNN, SNNRecurrent)
@@ -253,8 +259,9 @@ class NorseAdapter(LayerAdapter):
         Norse's ``lif_feed_forward_step``, ``lif_box_feed_forward_step`` (resetting with
         ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step``,
         ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step``,
-        ``lif_adex_feed_forward_step``, ``iaf_feed_forward_step``, ``li_box_feed_forward_step``
-        or ``coba_lif_feed_forward_step``, or of a
+        ``lif_adex_feed_forward_step``, ``iaf_feed_forward_step``, ``li_box_feed_forward_step``,
+        ``coba_lif_feed_forward_step``, ``izhikevich_feed_forward_step`` or
+        ``lif_refrac_feed_forward_step``, or of a
         ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
         None."""
         if self.recurrent:
@@ -443,10 +450,24 @@ def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
     return spike
 
 
+def _norse_lif_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``u -> threshold(u, method, alpha)`` of ``m.p.lif`` (``LIFRefracParameters``), read at
+    each call."""
+    from norse.torch.functional.threshold import threshold
+
+    def spike(u: Tensor) -> Tensor:
+        return threshold(u, m.p.lif.method, m.p.lif.alpha)
+
+    return spike
+
+
 #: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, ``"lsnn"``
 #: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`), ``"iaf"``,
-#: ``"libox"`` and ``"coba"`` (`simple_kernel`)
-FeedForwardMode = NorseMode | Literal["lsnn", "ex", "adex", "iaf", "libox", "coba"]
+#: ``"libox"`` and ``"coba"`` (`simple_kernel`), ``"izhikevich"`` (`NorseIzhikevichKernel`),
+#: ``"refrac"`` (`NorseRefracKernel`)
+FeedForwardMode = (
+    NorseMode | Literal["lsnn", "ex", "adex", "iaf", "libox", "coba", "izhikevich", "refrac"]
+)
 #: the modes of `simple_kernel`
 _SIMPLE = ("iaf", "libox", "coba")
 
@@ -457,12 +478,14 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     from norse.torch.functional import reset as resets
     from norse.torch.functional.coba_lif import coba_lif_feed_forward_step
     from norse.torch.functional.iaf import iaf_feed_forward_step
+    from norse.torch.functional.izhikevich import izhikevich_feed_forward_step
     from norse.torch.functional.leaky_integrator import li_feed_forward_step
     from norse.torch.functional.leaky_integrator_box import li_box_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
     from norse.torch.functional.lif_adex import lif_adex_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
     from norse.torch.functional.lif_ex import lif_ex_feed_forward_step
+    from norse.torch.functional.lif_refrac import lif_refrac_feed_forward_step
     from norse.torch.functional.lsnn import lsnn_feed_forward_step
 
     modes: dict[Any, FeedForwardMode] = {
@@ -475,6 +498,8 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
         iaf_feed_forward_step: "iaf",
         li_box_feed_forward_step: "libox",
         coba_lif_feed_forward_step: "coba",
+        izhikevich_feed_forward_step: "izhikevich",
+        lif_refrac_feed_forward_step: "refrac",
     }
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
@@ -484,6 +509,8 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     own = type(m).forward in (SNNCell.forward, SNN.forward) and "forward" not in vars(m)
     if mode is None or p is None or not isinstance(dt, float) or not own:
         return None
+    if mode == "refrac":  # the spike's method is p.lif's
+        p = getattr(p, "lif", None)
     subtract = False
     if mode == "box":
         reset = getattr(p, "reset_method", None)
@@ -528,6 +555,14 @@ def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
         )
     if mode in _SIMPLE:
         return simple_kernel(mode, lambda: m.p, dt, _norse_spike(m), lambda: _kernel_key(m) == key)
+    if mode == "izhikevich":
+        return NorseIzhikevichKernel(
+            lambda: m.p, dt, _norse_spike(m), lambda: _kernel_key(m) == key
+        )
+    if mode == "refrac":
+        return NorseRefracKernel(
+            lambda: m.p, dt, _norse_lif_spike(m), lambda: _kernel_key(m) == key
+        )
     return _NorseChunkKernel(m, (mode, subtract, dt))
 
 
