@@ -258,8 +258,8 @@ NEURONS: dict[str, Factory] = {
             tau_mem_inv=nn.Parameter(torch.tensor(90.0)),
         )
     ),
-    # fresh tensors: Norse's IAFCell.initial_state makes v_reset take a gradient (through the
-    # initial state, which the wrapped model detaches: the default's is compared elsewhere)
+    # fresh tensors: Norse's IAFCell.initial_state makes v_reset take a gradient, and the
+    # default IAFParameters() is one object shared by every IAFCell() (its .grad would add up)
     "norse iaf": lambda n: norse.IAFCell(
         norse.IAFParameters(v_th=torch.tensor(1.0), v_reset=torch.tensor(0.0))
     ),

@@ -102,8 +102,8 @@ def test_the_sequence_modules_run_fused_as_norses_loop(module: str) -> None:
 
 def _learnable(name: str) -> tuple[nn.Module, list[nn.Parameter], Any]:
     """A cell with learnable fields (``nn.Parameter`` in its NamedTuple), those fields and a
-    start state ``(2, 6)`` (Norse's own start of ``IAFCell`` is ``v_reset`` itself, a path
-    to its gradient that the wrapped model's detached start lacks)."""
+    start state ``(2, 6)`` (Norse's own start of ``IAFCell`` is ``v_reset`` itself: see
+    `test_iafs_own_start_is_v_reset_and_takes_its_gradient`)."""
     zeros = torch.zeros(2, 6)
     if name == "IAFCell":
         fields = [nn.Parameter(torch.linspace(0.5, 1.5, 6)), nn.Parameter(torch.tensor(-0.3))]
@@ -213,4 +213,31 @@ def test_a_spike_method_changed_since_the_wrap_is_read_at_each_chunk(name: str) 
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
     assert torch.equal(got, want)
     for a, b in zip(want_grads, torch.autograd.grad(_weighted(got), wrt), strict=True):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("granularity", ["layer", "stack"])
+def test_iafs_own_start_is_v_reset_and_takes_its_gradient(granularity: str) -> None:
+    """Norse's ``IAFCell.initial_state`` starts ``v`` at ``p.v_reset`` itself (and sets its
+    ``requires_grad``): in Norse's loop ``v_reset``'s gradient has a path through the start
+    as well as through each reset. The wrapped model (no state given: Norse's own start)
+    keeps that path, in both granularities: ``v_reset.grad`` -2.1386 as Norse's loop, where
+    the detached start gave -1.8517."""
+    torch.manual_seed(0)
+    v_reset = nn.Parameter(torch.tensor(0.1))
+    cell = norse.IAFCell(norse.IAFParameters(v_th=torch.tensor(1.0), v_reset=v_reset))
+    model = norse.SequentialState(nn.Linear(4, 6), cell, nn.Linear(6, 3), norse.LICell())
+    x = (torch.rand(13, 2, 4) < 0.5).float() * 2
+    want = _norse_loop(model, x)
+    _weighted(want).backward()
+    want_grads = [p.grad for p in (v_reset, *model.parameters())]
+    v_reset.grad = None
+    model.zero_grad(set_to_none=True)
+    plan = {"chunk": 4} if granularity == "layer" else {"plan": sc.plans.Uniform(4)}
+    seq = sc.wrap(model, granularity=granularity, **plan)
+    _weighted(seq(x)[0]).backward()
+    if granularity == "layer":
+        assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+    for a, b in zip(want_grads, [p.grad for p in (v_reset, *model.parameters())], strict=True):
+        assert a is not None and b is not None and a.abs().sum() > 0
         _close(a, b)

@@ -141,15 +141,20 @@ def _tensors(p: Any) -> list[Tensor]:
 
 
 def _conform(init: Any, nxt: Any, module: nn.Module, path: str) -> Any:
-    """``init`` with each leaf broadcast to the shape and cast to the dtype of ``nxt``'s leaf."""
+    """``init`` with each leaf broadcast to the shape and cast to the dtype of ``nxt``'s leaf,
+    detached, but for a leaf that is one of the cell's parameters taking a gradient: Norse's
+    ``IAFCell`` starts ``v`` at ``p.v_reset`` itself (and sets its ``requires_grad``), so in
+    Norse's loop ``v_reset``'s gradient has a path through the start too."""
     leaves, spec = pytree.tree_flatten(init)
     nxt_leaves, nxt_spec = pytree.tree_flatten(nxt)
     if spec != nxt_spec:
         raise unsupported(module, path, "its state changes structure after one step")
+    own = {id(t) for t in _tensors(getattr(module, "p", None)) if t.requires_grad}
     out = []
     for a, b in zip(leaves, nxt_leaves, strict=True):
         if isinstance(a, Tensor) and isinstance(b, Tensor):
-            a = a.detach()
+            if id(a) not in own:
+                a = a.detach()
             if a.shape != b.shape:
                 a = a.expand(b.shape)
             a = a.to(dtype=b.dtype, device=b.device).clone()
