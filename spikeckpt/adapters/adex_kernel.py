@@ -87,8 +87,8 @@ class NorseExKernel(NorseFieldsKernel):
         adaptive: bool,
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
-        fields, leaf_count = (ADEX_FIELDS, 3) if adaptive else (EX_FIELDS, 2)
-        super().__init__(params, dt, spike, fields, leaf_count, usable)
+        super().__init__(params, dt, spike, usable)
+        self.fields, self.leaf_count = (ADEX_FIELDS, 3) if adaptive else (EX_FIELDS, 2)
         self.adaptive = adaptive
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:

@@ -24,7 +24,7 @@ call: `NorseIzhikevichKernel.accepts` declines it (the kernel returns no paramet
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,21 +54,11 @@ class NorseIzhikevichKernel(NorseFieldsKernel):
     """Norse's ``izhikevich_feed_forward_step`` over a chunk (state ``(v, u)``); the block's
     synaptic input ``x (k, B, ...)`` is the input current (see the module docstring).
 
-    Args:
-        params: ``() -> p``, the module's current ``IzhikevichParameters``.
-        dt: its time step.
-        spike: ``u -> threshold(u, method, alpha)``.
-        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    Built as `NorseFieldsKernel` (``params``: the module's current ``IzhikevichParameters``).
     """
 
-    def __init__(
-        self,
-        params: Callable[[], Any],
-        dt: float,
-        spike: Callable[[Tensor], Tensor],
-        usable: Callable[[], bool] = lambda: True,
-    ) -> None:
-        super().__init__(params, dt, spike, IZHIKEVICH_FIELDS, 2, usable)
+    fields = IZHIKEVICH_FIELDS
+    leaf_count = 2
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
         alpha = getattr(p, "alpha", None)

@@ -792,16 +792,17 @@ NorseMode = Literal["lif", "box", "li"]
 
 class NorseFieldsKernel:
     """What the kernels of Norse's feed-forward cells with more state share (``LSNNCell``,
-    ``LIFExCell``, ``LIFAdExCell``): the module's parameters read at each call, its time step,
-    spike function, whether it still has the kernel's step, and the fields of its parameters
-    the step reads (a field that takes a gradient keeps the per-step call).
+    ``LIFExCell``, ``LIFAdExCell``, ``IAFCell``, ``IzhikevichCell``, ...): the module's
+    parameters read at each call, its time step, spike function, whether it still has the
+    kernel's step, and the fields of its parameters the step reads (a field that takes a
+    gradient keeps the per-step call, unless the kernel returns its gradient). A subclass
+    names those fields (``fields``) and the leaves of the state the step carries
+    (``leaf_count``).
 
     Args:
         params: ``() -> p``, the module's current parameter NamedTuple.
         dt: its time step.
         spike: ``u -> threshold(u, method, alpha)``.
-        fields: the fields of ``p`` the step reads.
-        leaf_count: the leaves of the state the step carries.
         usable: ``() -> bool``, whether the module still has the step the kernel computes.
     """
 
@@ -810,21 +811,21 @@ class NorseFieldsKernel:
     emits_states = False
     binary_leaves: tuple[int, ...] = ()
     binary_output = True
+    #: the fields of ``p`` the step reads
+    fields: tuple[str, ...] = ()
+    #: the leaves of the state the step carries
+    leaf_count = 0
 
     def __init__(
         self,
         params: Callable[[], Any],
         dt: float,
         spike: Callable[[Tensor], Tensor],
-        fields: tuple[str, ...],
-        leaf_count: int,
         usable: Callable[[], bool] = lambda: True,
     ) -> None:
         self.p = params
         self.dt = dt
         self.spike = spike
-        self.fields = fields
-        self.leaf_count = leaf_count
         self.usable = usable
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:

@@ -27,7 +27,7 @@ its gradient through the surrogate too. Either kernel keeps the per-step call fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -176,21 +176,11 @@ class NorseLSNNFeedForwardKernel(NorseFieldsKernel):
     state ``(v, i, b)``, the block's synaptic input ``x (k, B, ...)`` the current's jump (see
     the module docstring).
 
-    Args:
-        params: ``() -> p``, the module's current ``LSNNParameters``.
-        dt: its time step.
-        spike: ``u -> threshold(u, method, alpha)``.
-        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    Built as `NorseFieldsKernel` (``params``: the module's current ``LSNNParameters``).
     """
 
-    def __init__(
-        self,
-        params: Callable[[], Any],
-        dt: float,
-        spike: Callable[[Tensor], Tensor],
-        usable: Callable[[], bool] = lambda: True,
-    ) -> None:
-        super().__init__(params, dt, spike, FIELDS, 3, usable)
+    fields = FIELDS
+    leaf_count = 3
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
         return _fixed_fields(p, like)

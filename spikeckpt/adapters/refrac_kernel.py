@@ -29,7 +29,7 @@ gradients).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,21 +51,12 @@ class NorseRefracKernel(NorseFieldsKernel):
     the block's synaptic input ``x (k, B, ...)`` is the current's jump (see the module
     docstring).
 
-    Args:
-        params: ``() -> p``, the module's current ``LIFRefracParameters``.
-        dt: its time step.
-        spike: ``u -> threshold(u, p.lif.method, p.lif.alpha)``.
-        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    Built as `NorseFieldsKernel` (``params``: the module's current ``LIFRefracParameters``;
+    ``spike``: ``u -> threshold(u, p.lif.method, p.lif.alpha)``).
     """
 
-    def __init__(
-        self,
-        params: Callable[[], Any],
-        dt: float,
-        spike: Callable[[Tensor], Tensor],
-        usable: Callable[[], bool] = lambda: True,
-    ) -> None:
-        super().__init__(params, dt, spike, LIF_FIELDS, 3, usable)
+    fields = LIF_FIELDS
+    leaf_count = 3
 
     def _fields(self, p: Any) -> list[Any]:
         """The fields the step reads: ``p.lif``'s, then ``p.rho_reset``."""

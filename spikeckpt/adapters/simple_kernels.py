@@ -113,23 +113,13 @@ class NorseIAFKernel(_SimpleKernel):
     """Norse's ``iaf_feed_forward_step`` over a chunk, state ``(v,)``; the input ``x (k, B,
     ...)`` jumps the membrane (see the module docstring).
 
-    Args:
-        params: ``() -> p``, the module's current ``IAFParameters``.
-        dt: its time step (unused by the step).
-        spike: ``u -> threshold(u, method, alpha)``.
-        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    Built as `NorseFieldsKernel` (``params``: the module's current ``IAFParameters``).
     """
 
     learnable = True
 
-    def __init__(
-        self,
-        params: Callable[[], Any],
-        dt: float,
-        spike: Callable[[Tensor], Tensor],
-        usable: Callable[[], bool] = lambda: True,
-    ) -> None:
-        super().__init__(params, dt, spike, IAF_FIELDS, 1, usable)
+    fields = IAF_FIELDS
+    leaf_count = 1
 
     def forward(
         self,
@@ -217,10 +207,13 @@ class NorseLIBoxKernel(_SimpleKernel):
     learnable = True
     binary_output = False
 
+    fields = LIBOX_FIELDS
+    leaf_count = 1
+
     def __init__(
         self, params: Callable[[], Any], dt: float, usable: Callable[[], bool] = lambda: True
     ) -> None:
-        super().__init__(params, dt, _no_spike, LIBOX_FIELDS, 1, usable)
+        super().__init__(params, dt, _no_spike, usable)
 
     def forward(
         self,
@@ -291,21 +284,11 @@ class NorseCobaKernel(_SimpleKernel):
     input ``x (k, B, ...)``'s positive part jumps the excitatory conductance, its negative part
     the inhibitory one (see the module docstring).
 
-    Args:
-        params: ``() -> p``, the module's current ``CobaLIFParameters``.
-        dt: its time step.
-        spike: ``u -> threshold(u, method, alpha)``.
-        usable: ``() -> bool``, whether the module still has the step the kernel computes.
+    Built as `NorseFieldsKernel` (``params``: the module's current ``CobaLIFParameters``).
     """
 
-    def __init__(
-        self,
-        params: Callable[[], Any],
-        dt: float,
-        spike: Callable[[Tensor], Tensor],
-        usable: Callable[[], bool] = lambda: True,
-    ) -> None:
-        super().__init__(params, dt, spike, COBA_FIELDS, 3, usable)
+    fields = COBA_FIELDS
+    leaf_count = 3
 
     def _rates(self, p: Any) -> tuple[Any, Any, Any]:
         """``(-dt * tau_syn_exc_inv, -dt * tau_syn_inh_inv, dt * c_m_inv)``: the products
