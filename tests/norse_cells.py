@@ -1,9 +1,13 @@
-"""A Norse cell of ``coba_lif_feed_forward_step``, which Norse 1.1.0 has no module of (its
-``CobaLIFCell`` runs the recurrent ``coba_lif_step``), built as Norse builds its cells."""
+"""Shared Norse test helpers: Norse's tutorial loop, the round-off comparison of the fused
+kernels' tests, and a cell of ``coba_lif_feed_forward_step``, which Norse 1.1.0 has no module
+of (its ``CobaLIFCell`` runs the recurrent ``coba_lif_step``), built as Norse builds its
+cells."""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +20,21 @@ with warnings.catch_warnings():
         coba_lif_feed_forward_step,
     )
     from norse.torch.module.snn import SNN, SNNCell
+
+
+def norse_loop(model: Callable[..., Any], x: Tensor, state: Any = None) -> Tensor:
+    """Norse's tutorial loop: ``z, state = model(x_t, state)`` per step, outputs stacked."""
+    out = []
+    for x_t in x:
+        z, state = model(x_t, state)
+        out.append(z)
+    return torch.stack(out)
+
+
+def close(a: Tensor, b: Tensor) -> None:
+    """``b`` equals ``a`` at float32 round-off (relative to ``a``'s largest magnitude)."""
+    scale = max(1.0, float(a.abs().max())) if a.numel() else 1.0
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
 
 
 #: Norse's default parameters

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from norse_cells import close, norse_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -28,20 +29,6 @@ CELLS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def _norse_loop(model: nn.Module, x: Tensor, state: Any = None) -> Tensor:
-    """Norse's tutorial loop: ``z, state = model(x_t, state)`` per step, outputs stacked."""
-    out = []
-    for x_t in x:
-        z, state = model(x_t, state)
-        out.append(z)
-    return torch.stack(out)
-
-
-def _close(a: Tensor, b: Tensor) -> None:
-    scale = max(1.0, float(a.abs().max())) if a.numel() else 1.0
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
-
-
 @pytest.mark.parametrize("name", sorted(CELLS))
 def test_a_sequential_state_of_exponential_cells_runs_fused_as_norses_loop(name: str) -> None:
     """``SequentialState(Linear, cell, Linear, cell)`` layer-wise (T = 13, chunks of 4: the
@@ -54,7 +41,7 @@ def test_a_sequential_state_of_exponential_cells_runs_fused_as_norses_loop(name:
         model[2].weight.mul_(6.0)
     x = ((torch.rand(13, 2, 4) < 0.5).float() * 2).requires_grad_()
     wrt = [x, *model.parameters()]
-    want = _norse_loop(model, x)
+    want = norse_loop(model, x)
     assert want.sum() > 0
     want_grads = torch.autograd.grad(
         (want * torch.linspace(-1, 1, want.numel()).view_as(want)).sum(), wrt
@@ -68,7 +55,7 @@ def test_a_sequential_state_of_exponential_cells_runs_fused_as_norses_loop(name:
     )
     for a, b in zip(want_grads, got_grads, strict=True):
         assert a.abs().sum() > 0
-        _close(a, b)
+        close(a, b)
 
 
 @pytest.mark.parametrize("module", ["LIFEx", "LIFAdEx"])
@@ -91,7 +78,7 @@ def test_the_sequence_modules_run_fused_as_norses_loop(module: str) -> None:
     assert torch.equal(got, want)
     got_grads = torch.autograd.grad((got * w).sum(), [x, *model.parameters()])
     for a, b in zip(want_grads, got_grads, strict=True):
-        _close(a, b)
+        close(a, b)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +103,7 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(
         net[0].weight.mul_(4.0)
     x = (torch.rand(10, 2, 4) < 0.5).float() * 2
     wrt = [*net.parameters(), field]
-    want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)  # type: ignore[arg-type]
+    want = norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)  # type: ignore[arg-type]
     want_grads = torch.autograd.grad(want.sum(), wrt)
     assert want_grads[-1].abs().sum() > 0
     seq = sc.wrap(net, granularity="layer", chunk=4)
@@ -124,7 +111,7 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(
     assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
     assert torch.equal(got, want)
     for a, b in zip(want_grads, torch.autograd.grad(got.sum(), wrt), strict=True):
-        _close(a, b)
+        close(a, b)
     field.requires_grad_(False)
     seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
@@ -179,4 +166,4 @@ def test_where_the_exponential_overflows_the_kernel_gives_norses_nans(adaptive: 
     for a, b in zip(want_grads, got_grads, strict=True):
         assert torch.equal(a.isnan(), b.isnan())
         finite = ~a.isnan()
-        _close(a[finite], b[finite])
+        close(a[finite], b[finite])

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from norse_cells import close, norse_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -34,20 +35,6 @@ CELLS: dict[str, tuple[Callable[[], nn.Module], tuple[float, float]]] = {
 }
 
 
-def _norse_loop(model: Callable[..., Any], x: Tensor, state: Any = None) -> Tensor:
-    """Norse's tutorial loop: ``z, state = model(x_t, state)`` per step, outputs stacked."""
-    out = []
-    for x_t in x:
-        z, state = model(x_t, state)
-        out.append(z)
-    return torch.stack(out)
-
-
-def _close(a: Tensor, b: Tensor) -> None:
-    scale = max(1.0, float(a.abs().max())) if a.numel() else 1.0
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
-
-
 @pytest.mark.parametrize("name", sorted(CELLS))
 def test_a_sequential_state_of_the_cells_runs_fused_as_norses_loop(name: str) -> None:
     """``SequentialState(Linear, cell, Linear, cell)`` layer-wise (T = 13, chunks of 4: the
@@ -61,7 +48,7 @@ def test_a_sequential_state_of_the_cells_runs_fused_as_norses_loop(name: str) ->
         model[2].weight.mul_(g1)
     x = ((torch.rand(13, 2, 4) < 0.5).float() * 2).requires_grad_()
     wrt = [x, *model.parameters()]
-    want = _norse_loop(model, x)
+    want = norse_loop(model, x)
     assert want.sum() > 0
     w = torch.linspace(-1, 1, want.numel()).view_as(want)
     want_grads = torch.autograd.grad((want * w).sum(), wrt)
@@ -72,7 +59,7 @@ def test_a_sequential_state_of_the_cells_runs_fused_as_norses_loop(name: str) ->
     got_grads = torch.autograd.grad((got * w).sum(), wrt)
     for a, b in zip(want_grads, got_grads, strict=True):
         assert a.abs().sum() > 0
-        _close(a, b)
+        close(a, b)
 
 
 def test_the_sequence_module_izhikevich_runs_fused_as_norses_loop() -> None:
@@ -96,7 +83,7 @@ def test_the_sequence_module_izhikevich_runs_fused_as_norses_loop() -> None:
     assert torch.equal(got, want)
     got_grads = torch.autograd.grad((got * w).sum(), [x, *model.parameters()])
     for a, b in zip(want_grads, got_grads, strict=True):
-        _close(a, b)
+        close(a, b)
 
 
 def _izhikevich(field: Tensor) -> nn.Module:
@@ -127,7 +114,7 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(
         net[0].weight.mul_(gain)
     x = (torch.rand(10, 2, 4) < 0.5).float() * 2
     wrt = [*net.parameters(), field]
-    want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
+    want = norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
     assert want.sum() > 0
     want_grads = torch.autograd.grad(want.sum(), wrt)
     assert want_grads[-1].abs().sum() > 0
@@ -136,7 +123,7 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(
     assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
     assert torch.equal(got, want)
     for a, b in zip(want_grads, torch.autograd.grad(got.sum(), wrt), strict=True):
-        _close(a, b)
+        close(a, b)
     field.requires_grad_(False)
     seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
@@ -183,7 +170,7 @@ def test_a_refractory_period_across_chunk_boundaries_matches_norses_loop(method:
     got_grads = torch.autograd.grad((got * w).sum(), wrt)
     for a, b in zip(want_grads, got_grads, strict=True):
         assert a.abs().sum() > 0
-        _close(a, b)
+        close(a, b)
 
 
 class _ClampedIzhikevich(norse.IzhikevichCell):
@@ -206,7 +193,7 @@ def test_a_subclass_with_a_forward_of_its_own_keeps_the_per_step_call() -> None:
     got = seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
     with torch.no_grad():
-        want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
+        want = norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
     assert want.sum() > 0
     assert torch.equal(got, want)
 
@@ -270,7 +257,7 @@ def test_a_cell_changed_after_the_first_forward_is_not_fused_with_its_old_step(
     assert ran == [b.neuron for b in fresh.last_stats.blocks]
     assert ran == (["fused"] if change is _set_dt else ["per-step"])
     with torch.no_grad():
-        want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
+        want = norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
     assert want.sum() > 0
     assert torch.equal(got.detach(), want)
 
@@ -286,7 +273,7 @@ def test_a_float64_model_runs_fused_at_float64_round_off(name: str) -> None:
     with torch.no_grad():
         net[0].weight.mul_(gain)
     x = (torch.rand(11, 2, 4) < 0.5).double().requires_grad_()
-    want = _norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
+    want = norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
     assert want.sum() > 0
     want_grads = torch.autograd.grad(want.sum(), [x, net[0].weight])
     seq = sc.wrap(net, granularity="layer", chunk=4)

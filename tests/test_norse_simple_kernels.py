@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from norse_cells import CobaLIFFeedForward, CobaLIFFeedForwardCell
+from norse_cells import CobaLIFFeedForward, CobaLIFFeedForwardCell, close, norse_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -29,20 +29,6 @@ CELLS: dict[str, tuple[Callable[[], nn.Module], float]] = {
     "LIBoxCell": (lambda: norse.LIBoxCell(), 1.0),
     "CobaLIF": (lambda: CobaLIFFeedForwardCell(CobaLIFParameters(c_m_inv=torch.tensor(60.0))), 8),
 }
-
-
-def _norse_loop(model: Callable[..., Any], x: Tensor, state: Any = None) -> Tensor:
-    """Norse's tutorial loop: ``z, state = model(x_t, state)`` per step, outputs stacked."""
-    out = []
-    for x_t in x:
-        z, state = model(x_t, state)
-        out.append(z)
-    return torch.stack(out)
-
-
-def _close(a: Tensor, b: Tensor) -> None:
-    scale = max(1.0, float(a.abs().max())) if a.numel() else 1.0
-    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
 
 
 def _weighted(y: Tensor) -> Tensor:
@@ -63,7 +49,7 @@ def test_a_sequential_state_of_the_cells_runs_fused_as_norses_loop(name: str) ->
         model[2].weight.mul_(6.0 * gain)
     x = ((torch.rand(13, 2, 4) < 0.5).float() * 2).requires_grad_()
     wrt = [x, *model.parameters()]
-    want = _norse_loop(model, x)
+    want = norse_loop(model, x)
     assert want.sum() != 0 and (name == "LIBoxCell" or want.sum() < want.numel())
     want_grads = torch.autograd.grad(_weighted(want), wrt)
     seq = sc.wrap(model, granularity="layer", chunk=4)
@@ -72,7 +58,7 @@ def test_a_sequential_state_of_the_cells_runs_fused_as_norses_loop(name: str) ->
     assert torch.equal(got, want)
     for a, b in zip(want_grads, torch.autograd.grad(_weighted(got), wrt), strict=True):
         assert a.abs().sum() > 0
-        _close(a, b)
+        close(a, b)
 
 
 @pytest.mark.parametrize("module", ["IAF", "CobaLIFFeedForward"])
@@ -97,7 +83,7 @@ def test_the_sequence_modules_run_fused_as_norses_loop(module: str) -> None:
     assert torch.equal(got, want)
     got_grads = torch.autograd.grad(_weighted(got), [x, *model.parameters()])
     for a, b in zip(want_grads, got_grads, strict=True):
-        _close(a, b)
+        close(a, b)
 
 
 def _learnable(name: str) -> tuple[nn.Module, list[nn.Parameter], Any]:
@@ -133,7 +119,7 @@ def test_learnable_fields_match_norses_loop(name: str) -> None:
     v0 = start.v.clone().requires_grad_()
     start = start._replace(v=v0)
     wrt = [*fields, x, *net.parameters(), v0]
-    want = _norse_loop(lambda x_t, s: cell(net[0](x_t), s), x, start)
+    want = norse_loop(lambda x_t, s: cell(net[0](x_t), s), x, start)
     assert want.sum() > 0 and (name == "LIBoxCell" or want.sum() < want.numel())
     want_grads = torch.autograd.grad(_weighted(want), wrt)
     seq = sc.wrap(net, granularity="layer", chunk=4)
@@ -143,7 +129,7 @@ def test_learnable_fields_match_norses_loop(name: str) -> None:
     assert torch.equal(got, want)
     for a, b in zip(want_grads, torch.autograd.grad(_weighted(got), wrt), strict=True):
         assert a.abs().sum() > 0
-        _close(a, b)
+        close(a, b)
     for f in fields:
         f.requires_grad_(False)
     seq(x)
@@ -188,7 +174,7 @@ def test_a_step_changed_since_the_wrap_is_not_fused_with_its_old_step(
     change(cell)
     got = seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == [then]
-    assert torch.equal(got, _norse_loop(lambda x_t, s: cell(net[0](x_t), s), x))
+    assert torch.equal(got, norse_loop(lambda x_t, s: cell(net[0](x_t), s), x))
 
 
 @pytest.mark.parametrize("name", ["IAFCell", "CobaLIF"])
@@ -207,13 +193,13 @@ def test_a_spike_method_changed_since_the_wrap_is_read_at_each_chunk(name: str) 
     seq(x)
     cell.p = cell.p._replace(method="tanh", alpha=torch.tensor(3.0))
     wrt = [x, *net.parameters()]
-    want = _norse_loop(lambda x_t, s: cell(net[0](x_t), s), x)
+    want = norse_loop(lambda x_t, s: cell(net[0](x_t), s), x)
     want_grads = torch.autograd.grad(_weighted(want), wrt)
     got = seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
     assert torch.equal(got, want)
     for a, b in zip(want_grads, torch.autograd.grad(_weighted(got), wrt), strict=True):
-        _close(a, b)
+        close(a, b)
 
 
 @pytest.mark.parametrize("granularity", ["layer", "stack"])
@@ -228,7 +214,7 @@ def test_iafs_own_start_is_v_reset_and_takes_its_gradient(granularity: str) -> N
     cell = norse.IAFCell(norse.IAFParameters(v_th=torch.tensor(1.0), v_reset=v_reset))
     model = norse.SequentialState(nn.Linear(4, 6), cell, nn.Linear(6, 3), norse.LICell())
     x = (torch.rand(13, 2, 4) < 0.5).float() * 2
-    want = _norse_loop(model, x)
+    want = norse_loop(model, x)
     _weighted(want).backward()
     want_grads = [p.grad for p in (v_reset, *model.parameters())]
     v_reset.grad = None
@@ -240,4 +226,4 @@ def test_iafs_own_start_is_v_reset_and_takes_its_gradient(granularity: str) -> N
         assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
     for a, b in zip(want_grads, [p.grad for p in (v_reset, *model.parameters())], strict=True):
         assert a is not None and b is not None and a.abs().sum() > 0
-        _close(a, b)
+        close(a, b)
