@@ -37,7 +37,7 @@ from torch import Tensor
 
 from spikeckpt.adapters.kernels import (
     NorseFieldsKernel,
-    _host_scalar,
+    field_fits,
     per_leaf,
     surrogate_grad,
 )
@@ -49,20 +49,6 @@ __all__ = ["NorseExKernel"]
 EX_FIELDS = ("delta_T", "tau_syn_inv", "tau_mem_inv", "v_leak", "v_th", "v_reset")
 #: those of ``LIFAdExParameters``
 ADEX_FIELDS = (*EX_FIELDS, "adaptation_current", "adaptation_spike", "tau_ada_inv")
-
-
-def _fixed(t: object, like: Tensor) -> bool:
-    """Whether ``t`` is a field the kernel computes with as Norse does: a Python number, or a
-    tensor without grad on ``like``'s device (or a 0-d host scalar) of ``like``'s dtype, or
-    0-d of a real dtype (it does not widen a step: ``LIFAdExParameters``'
-    ``adaptation_current`` is an int64 4)."""
-    if isinstance(t, (int, float)):
-        return True
-    if not isinstance(t, Tensor) or t.requires_grad:
-        return False
-    if not (t.device == like.device or _host_scalar(t)):
-        return False
-    return t.dtype == like.dtype or (t.dim() == 0 and not t.is_complex())
 
 
 class NorseExKernel(NorseFieldsKernel):
@@ -93,7 +79,7 @@ class NorseExKernel(NorseFieldsKernel):
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
         alpha = getattr(p, "alpha", None)
-        return all(_fixed(getattr(p, f, None), like) for f in self.fields) and not (
+        return all(field_fits(getattr(p, f, None), like) for f in self.fields) and not (
             isinstance(alpha, Tensor) and alpha.requires_grad
         )
 

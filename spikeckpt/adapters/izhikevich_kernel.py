@@ -30,8 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spikeckpt.adapters.adex_kernel import _fixed
-from spikeckpt.adapters.kernels import NorseFieldsKernel, per_leaf, surrogate_grad
+from spikeckpt.adapters.kernels import NorseFieldsKernel, field_fits, per_leaf, surrogate_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
 __all__ = ["NorseIzhikevichKernel"]
@@ -62,7 +61,7 @@ class NorseIzhikevichKernel(NorseFieldsKernel):
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
         alpha = getattr(p, "alpha", None)
-        return all(_fixed(getattr(p, f, None), like) for f in self.fields) and not (
+        return all(field_fits(getattr(p, f, None), like) for f in self.fields) and not (
             isinstance(alpha, Tensor) and alpha.requires_grad
         )
 

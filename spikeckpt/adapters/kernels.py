@@ -105,6 +105,23 @@ def clamp_grad(grad: Tensor, value: Tensor) -> Tensor:
     return grad * ((value >= 0) & (value <= 1)).to(grad.dtype)
 
 
+def field_fits(t: object, like: Tensor, learnable: bool = False) -> bool:
+    """Whether ``t`` is a field of a Norse parameter NamedTuple that a kernel computes with as
+    Norse does on ``like``'s device and dtype: a Python number; a tensor on ``like``'s device
+    (or a 0-d CPU scalar) of ``like``'s dtype, or 0-d of a real dtype (it does not widen a
+    step: ``LIFAdExParameters``' ``adaptation_current`` is an int64 4). One that takes a
+    gradient only where ``learnable`` (the kernel returns its gradient), and then floating."""
+    if isinstance(t, (int, float)):
+        return True
+    if not isinstance(t, Tensor) or (t.requires_grad and not learnable):
+        return False
+    if not (t.device == like.device or (t.dim() == 0 and t.device.type == "cpu")):
+        return False
+    if t.requires_grad and not t.is_floating_point():
+        return False
+    return t.dtype == like.dtype or (t.dim() == 0 and not t.is_complex())
+
+
 def _host_scalar(t: Tensor) -> bool:
     """A 0-d CPU tensor that needs no gradient: torch takes it as a scalar beside tensors on
     any device (Norse's parameters stay on the CPU when a model moves to a GPU)."""

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spikeckpt.adapters.adex_kernel import _fixed
 from spikeckpt.adapters.izhikevich_kernel import as_host_scalar
-from spikeckpt.adapters.kernels import NorseFieldsKernel, per_leaf, surrogate_grad
+from spikeckpt.adapters.kernels import NorseFieldsKernel, field_fits, per_leaf, surrogate_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
 __all__ = ["NorseRefracKernel"]
@@ -65,7 +64,7 @@ class NorseRefracKernel(NorseFieldsKernel):
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
         alpha = getattr(getattr(p, "lif", None), "alpha", None)
-        return all(_fixed(f, like) for f in self._fields(p)) and not (
+        return all(field_fits(f, like) for f in self._fields(p)) and not (
             isinstance(alpha, Tensor) and alpha.requires_grad
         )
 

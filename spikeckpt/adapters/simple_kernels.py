@@ -36,6 +36,7 @@ from torch import Tensor
 from spikeckpt.adapters.kernels import (
     NorseFieldsKernel,
     _grads_for,
+    field_fits,
     per_leaf,
     reduce_product,
     surrogate_grad,
@@ -55,23 +56,6 @@ COBA_FIELDS = (
 )
 
 
-def _fits(t: object, like: Tensor, learnable: bool) -> bool:
-    """Whether ``t`` is a field the kernel computes with as Norse does on ``like``'s device
-    and dtype: a Python number; a tensor on ``like``'s device (or a 0-d CPU scalar) of
-    ``like``'s dtype, or 0-d of a real dtype (it does not widen a step: ``CobaLIFParameters``'
-    potentials are int64). One that takes a gradient only where ``learnable``."""
-    if isinstance(t, (int, float)):
-        return True
-    if not isinstance(t, Tensor) or (t.requires_grad and not learnable):
-        return False
-    scalar = t.dim() == 0 and t.device.type == "cpu"
-    if not (t.device == like.device or scalar):
-        return False
-    if t.requires_grad and not t.is_floating_point():
-        return False
-    return t.dtype == like.dtype or (t.dim() == 0 and not t.is_complex())
-
-
 class _SimpleKernel(NorseFieldsKernel):
     """`NorseFieldsKernel` whose fields may take gradients where ``learnable``."""
 
@@ -79,9 +63,9 @@ class _SimpleKernel(NorseFieldsKernel):
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
         alpha = getattr(p, "alpha", None)
-        return all(_fits(getattr(p, f, None), like, self.learnable) for f in self.fields) and not (
-            isinstance(alpha, Tensor) and alpha.requires_grad
-        )
+        return all(
+            field_fits(getattr(p, f, None), like, self.learnable) for f in self.fields
+        ) and not (isinstance(alpha, Tensor) and alpha.requires_grad)
 
     def _param_grads(
         self, makers: dict[str, Callable[[], Tensor]], need: Sequence[bool]
