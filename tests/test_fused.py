@@ -291,6 +291,13 @@ NEURONS: dict[str, Factory] = {
         dt=0.002,
     ),
     "norse li": lambda n: norse.LICell(),
+    # Python numbers: LIParameters and LIFBoxParameters keep them as given
+    "norse li numbers": lambda n: norse.LICell(
+        norse.LIParameters(tau_mem_inv=90.0, tau_syn_inv=150)
+    ),
+    "norse lifbox numbers": lambda n: norse.LIFBoxCell(
+        norse.LIFBoxParameters(tau_mem_inv=90.0, v_th=0.4, v_reset=-0.1)
+    ),
     "norse li learnable": lambda n: norse.LICell(
         norse.LIParameters(
             tau_mem_inv=nn.Parameter(torch.tensor(90.0)),
@@ -577,6 +584,19 @@ def test_iaf_libox_and_coba_neurons_match_norses_own_step(
     and negative parts and their decay, the spike's gradient through the reset), default and
     other parameters (another surrogate, per-neuron and learnable fields) against Norse's own
     step: spikes and membranes bitwise, gradients at round-off."""
+    test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
+        name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
+    )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(n for n in NEURONS if n.endswith("numbers"))), **_CASES)
+def test_python_numbers_in_norses_parameters_match_norses_own_step(
+    name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
+) -> None:
+    """``LICell`` and ``LIFBoxCell`` with Python numbers in ``p`` (``LIParameters`` and
+    ``LIFBoxParameters`` keep them as given; such a cell ran per step): spikes and membranes
+    bitwise Norse's own step, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
         name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
     )

@@ -184,3 +184,22 @@ def test_a_generator_of_the_step_s_own_is_refused_when_steps_are_recomputed(
     ref = sum(ys_ref[1:], ys_ref[0]) if readout == "sum" else torch.stack(ys_ref)  # in order
     assert torch.equal(ys, ref)
     torch.testing.assert_close(got, torch.autograd.grad(ref.sum(), [layer.weight]))
+
+
+def test_a_tuple_of_time_first_tensors_is_refused_naming_the_per_step_pairs() -> None:
+    """``scan(step, (spikes, current), ...)`` with two ``(T, ...)`` tensors of different shapes:
+    a tuple is a sequence of per-step inputs (here 2 steps), and ``torch.stack``'s own error
+    ("stack expects each tensor to be equal size") named neither the steps nor the fix."""
+    w = torch.randn(3, 4, requires_grad=True)
+    spikes, current = torch.randn(10, 2, 3), torch.randn(10, 2, 4)
+
+    def step(v: Tensor, x_t: Any) -> tuple[Tensor, Tensor]:
+        s, c = x_t
+        v = 0.9 * v + s @ w + c
+        return v, v
+
+    with pytest.raises(sc.ConfigError, match=r"input 1 is \(10, 2, 4\).*2 steps.*list\(zip"):
+        sc.scan(step, (spikes, current), torch.zeros(2, 4), plan=P.Uniform(3))
+    ys, v = sc.scan(step, list(zip(spikes, current)), torch.zeros(2, 4), plan=P.Uniform(3))
+    ys_ref, v_ref = _loop(step, list(zip(spikes, current)), torch.zeros(2, 4))
+    assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)

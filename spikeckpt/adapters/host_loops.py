@@ -301,12 +301,18 @@ def synaptic_backward_on_host(
     return g_syn, out_syn, out_mem
 
 
-def _stacked(shape: torch.Size, like: Tensor, *rows: Tensor | None) -> np.ndarray | None:
-    """``rows`` broadcast to ``shape`` and stacked as ``(len(rows), numel)`` (None rows: zeros),
-    or None where one is wider than a step or of another dtype or device than ``like``."""
+def _stacked(
+    shape: torch.Size, like: Tensor, *rows: Tensor | float | None
+) -> np.ndarray | None:
+    """``rows`` broadcast to ``shape`` and stacked as ``(len(rows), numel)`` (None rows: zeros;
+    a Python number: rounded to ``like``'s dtype once, as torch rounds a scalar operand), or
+    None where one is wider than a step or of another dtype or device than ``like``."""
     out = np.zeros((len(rows), int(np.prod(shape))), dtype=like.detach().numpy().dtype)
     for r, tensor in enumerate(rows):
         if tensor is None:
+            continue
+        if isinstance(tensor, (int, float)):
+            out[r] = tensor
             continue
         if tensor.device != like.device or tensor.dtype != like.dtype:
             return None
@@ -320,7 +326,7 @@ def norse_forward_on_host(
     v: Tensor,
     i: Tensor | None,
     z: Tensor,
-    params: tuple[Tensor | None, ...],
+    params: tuple[Tensor | float | None, ...],
     mode: str,
     subtract: bool,
     hold: bool,
@@ -367,7 +373,7 @@ def norse_backward_on_host(
     deriv: Tensor | None,
     g_y: Tensor | None,
     g_mem: Tensor | None,
-    params: tuple[Tensor | None, ...],
+    params: tuple[Tensor | float | None, ...],
     mode: str,
     subtract: bool,
     carries: tuple[Tensor | None, Tensor | None],

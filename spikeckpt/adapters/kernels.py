@@ -122,6 +122,11 @@ def field_fits(t: object, like: Tensor, learnable: bool = False) -> bool:
     return t.dtype == like.dtype or (t.dim() == 0 and not t.is_complex())
 
 
+def _is_number(t: object) -> bool:
+    """A Python ``int`` or ``float`` (not ``bool``), which Norse's steps take as a field."""
+    return isinstance(t, (int, float)) and not isinstance(t, bool)
+
+
 def _host_scalar(t: Tensor) -> bool:
     """A 0-d CPU tensor that needs no gradient: torch takes it as a scalar beside tensors on
     any device (Norse's parameters stay on the CPU when a model moves to a GPU)."""
@@ -179,7 +184,7 @@ def _grads_for(
 ) -> list[Tensor | None]:
     """Gradients of the parameters that require grad (``need`` is aligned with those); None
     where ``make`` gives None (a parameter the step does not use)."""
-    wanted = [(p, make) for p, make in pairs if p.requires_grad]
+    wanted = [(p, make) for p, make in pairs if isinstance(p, Tensor) and p.requires_grad]
     made = [make() if n else None for (_, make), n in zip(wanted, need, strict=True)]
     return [None if g is None else reduce_to(g, p) for (p, _), g in zip(wanted, made, strict=True)]
 
@@ -921,23 +926,26 @@ class NorseKernel:
 
     @property
     def params(self) -> tuple[Tensor, ...]:
-        """The parameter fields that are tensors (a Python number, which Norse takes too,
-        needs no gradient; `accepts` declines such a cell)."""
+        """The parameter fields that are tensors (a Python number, which Norse takes too
+        and keeps in ``LIParameters`` / ``LIFBoxParameters``, needs no gradient)."""
         p = self.p()
         return tuple(t for t in (getattr(p, f) for f in self.fields) if isinstance(t, Tensor))
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         p = self.p()
-        tensors = [getattr(p, f) for f in self.fields]
+        fields = [getattr(p, f) for f in self.fields]
         frozen = [getattr(p, "alpha", None)]
         return (
             len(leaves) == (1 if self.mode == "box" else 2)
             and _same_layout(leaves, z, [t for t in frozen if isinstance(t, Tensor)])
             and all(
-                isinstance(t, Tensor)
-                and t.dtype == leaves[0].dtype
-                and (t.device == z.device or _host_scalar(t))
-                for t in tensors
+                _is_number(t)
+                or (
+                    isinstance(t, Tensor)
+                    and t.dtype == leaves[0].dtype
+                    and (t.device == z.device or _host_scalar(t))
+                )
+                for t in fields
             )
             and all(t.dtype == z.dtype for t in leaves)
         )

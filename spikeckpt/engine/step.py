@@ -221,6 +221,20 @@ class StepFn:
 # ----------------------------------------------------------------------------- inputs
 
 
+def _same_step_shape(column: list[Tensor], leaf: Tensor, t: int, steps: int) -> None:
+    """Refuse per-step input ``t`` whose leaf is not shaped like input 0's (``torch.stack``'s
+    own error names neither the steps nor the likely cause: time-first tensors given as a
+    tuple, which is read as a sequence of ``steps`` steps)."""
+    if column and leaf.shape != column[0].shape:
+        raise ConfigError(
+            f"per-step input {t} is {tuple(leaf.shape)}, input 0 is "
+            f"{tuple(column[0].shape)}: a sequence of inputs is read as "
+            f"{steps} steps, one input each, and every step's input must have the same shape. "
+            "Several time-first inputs (T, ...) go in as per-step pairs: "
+            "list(zip(spikes, current))"
+        )
+
+
 def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
     """Time-first input leaves ``(T, ...)``, the per-step structure, and ``T``."""
     if is_packed(inputs):  # a packed train: one leaf, unpacked step by step
@@ -240,6 +254,7 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
             if leaves is None or not all(isinstance(x, Tensor) for x in leaves):
                 raise ConfigTypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
             for column, leaf in zip(columns, leaves, strict=False):
+                _same_step_shape(column, leaf, t, len(inputs))
                 column.append(leaf)
         return [torch.stack(column) for column in columns], in_def, len(inputs)
     raise ConfigTypeError(
