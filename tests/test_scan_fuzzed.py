@@ -200,6 +200,7 @@ def test_a_tuple_of_time_first_tensors_is_refused_naming_the_per_step_pairs() ->
 
     with pytest.raises(sc.ConfigError, match=r"input 1 is \(10, 2, 4\).*2 steps.*list\(zip"):
         sc.scan(step, (spikes, current), torch.zeros(2, 4), plan=P.Uniform(3))
-    ys, v = sc.scan(step, list(zip(spikes, current)), torch.zeros(2, 4), plan=P.Uniform(3))
-    ys_ref, v_ref = _loop(step, list(zip(spikes, current)), torch.zeros(2, 4))
+    pairs = list(zip(spikes, current, strict=True))
+    ys, v = sc.scan(step, pairs, torch.zeros(2, 4), plan=P.Uniform(3))
+    ys_ref, v_ref = _loop(step, pairs, torch.zeros(2, 4))
     assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)
