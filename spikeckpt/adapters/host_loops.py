@@ -301,9 +301,7 @@ def synaptic_backward_on_host(
     return g_syn, out_syn, out_mem
 
 
-def _stacked(
-    shape: torch.Size, like: Tensor, *rows: Tensor | float | None
-) -> np.ndarray | None:
+def _stacked(shape: torch.Size, like: Tensor, *rows: Tensor | float | None) -> np.ndarray | None:
     """``rows`` broadcast to ``shape`` and stacked as ``(len(rows), numel)`` (None rows: zeros;
     a Python number: rounded to ``like``'s dtype once, as torch rounds a scalar operand), or
     None where one is wider than a step or of another dtype or device than ``like``."""
