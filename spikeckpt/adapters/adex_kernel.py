@@ -43,12 +43,39 @@ from spikeckpt.adapters.kernels import (
 )
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
-__all__ = ["NorseExKernel"]
+__all__ = ["NorseExKernel", "ex_fields_fit", "ex_rates", "exp_slope_less_one"]
 
 #: the fields of ``LIFExParameters`` the step reads
 EX_FIELDS = ("delta_T", "tau_syn_inv", "tau_mem_inv", "v_leak", "v_th", "v_reset")
 #: those of ``LIFAdExParameters``
 ADEX_FIELDS = (*EX_FIELDS, "adaptation_current", "adaptation_spike", "tau_ada_inv")
+
+
+def ex_fields_fit(p: Any, fields: Sequence[str], like: Tensor) -> bool:
+    """Whether every field of ``p`` in ``fields`` fits ``like`` (`field_fits`: none takes a
+    gradient) and ``alpha`` takes none."""
+    alpha = getattr(p, "alpha", None)
+    return all(field_fits(getattr(p, f, None), like) for f in fields) and not (
+        isinstance(alpha, Tensor) and alpha.requires_grad
+    )
+
+
+def ex_rates(p: Any, dt: float, adaptive: bool) -> tuple[Any, Any, Any]:
+    """``(dt * tau_mem_inv, -dt * tau_syn_inv, dt * tau_ada_inv or None)``: the products
+    Norse's steps form first (the same values)."""
+    return dt * p.tau_mem_inv, -dt * p.tau_syn_inv, dt * p.tau_ada_inv if adaptive else None
+
+
+def exp_slope_less_one(p: Any, v_ds: Tensor, ys: Tensor, v0: Tensor) -> Tensor:
+    """``exp((v - v_th) / delta_T) - 1 (k, B, ...)`` at the membrane ``v`` entering each step,
+    recomputed as the forward computed it (bitwise) from the membranes before the reset
+    ``v_ds``, the spikes ``ys`` and ``v0 (B, ...)`` entering the chunk: d v_d / d v is ``1 +
+    c_m`` times it (the exponential's slope less the leak's)."""
+    v_in = torch.empty_like(v_ds)
+    v_in[0] = v0
+    if ys.shape[0] > 1:
+        torch.add((1 - ys[:-1]) * v_ds[:-1], ys[:-1] * p.v_reset, out=v_in[1:])
+    return torch.exp((v_in - p.v_th) / p.delta_T).sub_(1)
 
 
 class NorseExKernel(NorseFieldsKernel):
@@ -78,20 +105,11 @@ class NorseExKernel(NorseFieldsKernel):
         self.adaptive = adaptive
 
     def fields_fit(self, p: Any, like: Tensor) -> bool:
-        alpha = getattr(p, "alpha", None)
-        return all(field_fits(getattr(p, f, None), like) for f in self.fields) and not (
-            isinstance(alpha, Tensor) and alpha.requires_grad
-        )
+        return ex_fields_fit(p, self.fields, like)
 
     def _rates(self, p: Any) -> tuple[Any, Any, Any]:
-        """``(dt * tau_mem_inv, -dt * tau_syn_inv, dt * tau_ada_inv or None)``: the products
-        Norse's step forms first (the same values)."""
-        dt = self.dt
-        return (
-            dt * p.tau_mem_inv,
-            -dt * p.tau_syn_inv,
-            dt * p.tau_ada_inv if self.adaptive else None,
-        )
+        """`ex_rates` of ``p``."""
+        return ex_rates(p, self.dt, self.adaptive)
 
     def forward(
         self,
@@ -153,15 +171,9 @@ class NorseExKernel(NorseFieldsKernel):
         p = self.p()
         c_m, c_s, c_a = self._rates(p)
         k = ys.shape[0]
-        # v entering each step, as the forward computed it (the same ops: bitwise)
-        v_in = torch.empty_like(v_ds)
-        v_in[0] = v0
         keep_v = 1 - ys  # d v' / d v_d
-        if k > 1:
-            torch.add(keep_v[:-1] * v_ds[:-1], ys[:-1] * p.v_reset, out=v_in[1:])
         # d v_d / d v = 1 + c_m * (e - 1): the exponential's slope less the leak's
-        e_less_1 = torch.exp((v_in - p.v_th) / p.delta_T).sub_(1)
-        del v_in
+        e_less_1 = exp_slope_less_one(p, v_ds, ys, v0)
         slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
         # d v' / d s = v_reset - v_d (in place on the saved tensor at the last backward)
         drop = v_ds.neg_().add_(p.v_reset) if consume else p.v_reset - v_ds

@@ -36,6 +36,7 @@ from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
 
 from spikeckpt.adapters.adex_kernel import NorseExKernel
+from spikeckpt.adapters.ex_recurrent_kernel import NorseExRecurrentKernel
 from spikeckpt.adapters.generic import (
     StatefulAdapter,
     StatelessAdapter,
@@ -75,6 +76,7 @@ NorseChunkKernel = (
     | NorseExKernel
     | NorseRecurrentKernel
     | NorseLSNNKernel
+    | NorseExRecurrentKernel
     | NorseIAFKernel
     | NorseLIBoxKernel
     | NorseCobaKernel
@@ -267,8 +269,9 @@ class NorseAdapter(LayerAdapter):
         ``lif_adex_feed_forward_step``, ``iaf_feed_forward_step``, ``li_box_feed_forward_step``,
         ``coba_lif_feed_forward_step``, ``izhikevich_feed_forward_step`` or
         ``lif_refrac_feed_forward_step``, or of a
-        ``LIFRecurrentCell`` (``lif_step``) or ``LSNNRecurrentCell`` (``lsnn_step``), else
-        None."""
+        ``LIFRecurrentCell`` (``lif_step``), ``LSNNRecurrentCell`` (``lsnn_step``),
+        ``LIFExRecurrentCell`` (``lif_ex_step``) or ``LIFAdExRecurrentCell``
+        (``lif_adex_step``), else None."""
         if self.recurrent:
             return norse_recurrent_kernel(self.module)
         return norse_kernel(self.module)
@@ -572,25 +575,31 @@ def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
 
 
 def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
-    """``(dt, method, step)`` of a ``LIFRecurrentCell`` (step ``"lif"``) or
-    ``LSNNRecurrentCell`` (``"lsnn"``) whose step a kernel reproduces as it is now (Norse's
-    own call, ``lif_step`` / ``lsnn_step``, a spike method it knows), or None."""
+    """``(dt, method, step)`` of a ``LIFRecurrentCell`` (step ``"lif"``),
+    ``LSNNRecurrentCell`` (``"lsnn"``), ``LIFExRecurrentCell`` (``"ex"``) or
+    ``LIFAdExRecurrentCell`` (``"adex"``) whose step a kernel reproduces as it is now (Norse's
+    own call, ``lif_step`` / ``lsnn_step`` / ``lif_ex_step`` / ``lif_adex_step``, a spike
+    method it knows), or None."""
     from norse.torch.functional.lif import lif_step
+    from norse.torch.functional.lif_adex import lif_adex_step
+    from norse.torch.functional.lif_ex import lif_ex_step
     from norse.torch.functional.lsnn import lsnn_step
 
+    steps = {lif_step: "lif", lsnn_step: "lsnn", lif_ex_step: "ex", lif_adex_step: "adex"}
     p, dt = getattr(m, "p", None), getattr(m, "dt", None)
     own = type(m).forward is SNNRecurrentCell.forward and "forward" not in vars(m)
     method = getattr(p, "method", None)
-    activation = getattr(m, "activation", None)
-    step = "lif" if activation is lif_step else "lsnn" if activation is lsnn_step else None
+    step = steps.get(getattr(m, "activation", None))
     if step is None or not own or not isinstance(dt, float):
         return None
     return (dt, method, step) if method in _METHODS else None
 
 
-def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | NorseLSNNKernel | None:
-    """The chunk kernel of the ``LIFRecurrentCell`` or ``LSNNRecurrentCell`` ``m``, or
-    None."""
+def norse_recurrent_kernel(
+    m: nn.Module,
+) -> NorseRecurrentKernel | NorseLSNNKernel | NorseExRecurrentKernel | None:
+    """The chunk kernel of the ``LIFRecurrentCell``, ``LSNNRecurrentCell``,
+    ``LIFExRecurrentCell`` or ``LIFAdExRecurrentCell`` ``m``, or None."""
     key = _recurrent_key(m)
     if key is None:
         return None
@@ -601,5 +610,7 @@ def norse_recurrent_kernel(m: nn.Module) -> NorseRecurrentKernel | NorseLSNNKern
     def usable() -> bool:
         return _recurrent_key(m) == key and no_hooks(m)
 
+    if key[2] in ("ex", "adex"):
+        return NorseExRecurrentKernel(tensors, key[0], _norse_spike(m), key[2] == "adex", usable)
     kernel = NorseLSNNKernel if key[2] == "lsnn" else NorseRecurrentKernel
     return kernel(tensors, key[0], _norse_spike(m), usable)
