@@ -5,8 +5,8 @@ input spikes at 5%, loss on the output spikes) with snnTorch's ``Leaky``, ``Syna
 their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``Linear`` and
 one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell``, ``LSNNCell``,
 ``LIFExCell``, ``LIFAdExCell``, ``IAFCell``, ``LIBoxCell``, a cell of
-``coba_lif_feed_forward_step``, ``IzhikevichCell`` (``tonic_spiking``) and ``LIFRefracCell``
-(where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+``coba_lif_feed_forward_step``, ``IzhikevichCell`` (``tonic_spiking``), ``LIFRefracCell``,
+``LIFExRecurrentCell`` and ``LIFAdExRecurrentCell`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
@@ -64,6 +64,9 @@ if norse is not None:
         "Norse CobaLIF feed-forward": lambda: coba_cell(),
         "Norse IzhikevichCell": lambda: norse.IzhikevichCell(norse.tonic_spiking),
         "Norse LIFRefracCell": lambda: norse.LIFRefracCell(),
+        # input and recurrent weights inside the cell: made for the layer's width
+        "Norse LIFExRecurrentCell": lambda: norse.LIFExRecurrentCell(WIDTH[0], WIDTH[0]),
+        "Norse LIFAdExRecurrentCell": lambda: norse.LIFAdExRecurrentCell(WIDTH[0], WIDTH[0]),
     }
 
 

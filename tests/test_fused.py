@@ -718,7 +718,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
         snn.Leaky(beta=0.9, inhibition=True),
         snn.RLeaky(beta=0.9, linear_features=5, reset_delay=False),
-        norse.LIFAdExRecurrentCell(5, 5),
+        norse.LIFRefracRecurrentCell(5, 5),
     ],
     ids=["SSO surrogate", "inhibition", "RLeaky reset_delay False", "norse recurrent"],
 )
