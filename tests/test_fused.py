@@ -234,6 +234,17 @@ NEURONS: dict[str, Factory] = {
             v_reset=torch.tensor(-0.2),
         )
     ),
+    "norse lifex recurrent": lambda n: norse.LIFExRecurrentCell(n, n),
+    "norse lifadex recurrent triangle autapses": lambda n: norse.LIFAdExRecurrentCell(
+        n,
+        n,
+        p=norse.LIFAdExParameters(
+            method="triangle",
+            adaptation_spike=torch.linspace(0.5, 3.0, n),
+            tau_ada_inv=torch.tensor(50.0),
+        ),
+        autapses=True,
+    ),
     "norse izhikevich": lambda n: norse.IzhikevichCell(_fast_izhikevich(n, per_neuron=False)),
     "norse izhikevich tanh per-neuron": lambda n: norse.IzhikevichCell(
         _fast_izhikevich(n, per_neuron=True)
@@ -522,7 +533,10 @@ def test_alpha_matches_snntorchs_own_step(
 
 
 #: the neurons with recurrent weights inside
-_RECURRENT = ("rleaky", "rsynaptic", "norse lif recurrent", "norse lsnn recurrent")
+_RECURRENT = (
+    *("rleaky", "rsynaptic", "norse lif recurrent", "norse lsnn recurrent"),
+    *("norse lifex recurrent", "norse lifadex recurrent"),
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -534,7 +548,8 @@ def test_recurrent_neurons_match_the_frameworks_own_step(
     through the recurrent ``Linear`` or one-to-one ``V`` inside the neuron, every reset,
     learnable ``alpha``, ``beta``, threshold and recurrent weights) and Norse's
     ``LIFRecurrentCell`` (`NorseRecurrentKernel`: input and recurrent weights inside the cell)
-    and ``LSNNRecurrentCell`` (`NorseLSNNKernel`: its threshold adapting too) against the
+    ``LSNNRecurrentCell`` (`NorseLSNNKernel`: its threshold adapting too),
+    ``LIFExRecurrentCell`` and ``LIFAdExRecurrentCell`` (`NorseExRecurrentKernel`) against the
     framework's own step: spikes and membranes bitwise, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
         name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
