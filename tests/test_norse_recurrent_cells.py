@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from norse_cells import close, norse_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
-from tests.norse_cells import close, norse_loop
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
