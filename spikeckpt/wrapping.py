@@ -27,6 +27,7 @@ from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.function import refuse_func_transforms
+from spikeckpt.engine.hook_guard import hook_guard
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.phase import refuse_power_iteration, uncached_parametrizations
@@ -265,7 +266,7 @@ class CheckpointedSequence(Remade):
         refuse_func_transforms()
         if legacy:
             state, return_state = _legacy_call(legacy, state, return_state)
-        with uncached_parametrizations():  # each step computes its parametrized weights
+        with uncached_parametrizations(), hook_guard(self.module):
             return self._forward(x, state, return_state)
 
     def _forward(self, x: Any, state: State | None, return_state: bool) -> Any:

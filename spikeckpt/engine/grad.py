@@ -101,6 +101,18 @@ def _engine_grad() -> Callable[..., tuple[Tensor | None, ...]] | None:
 _ENGINE_GRAD: list[Callable[..., tuple[Tensor | None, ...]] | None] = []  # checked on first use
 
 
+_ANCHOR: list[Tensor] = []
+
+
+def alias_anchor() -> Tensor:
+    """A scalar leaf requiring grad, made once: an input that makes a custom ``Function``'s
+    output require grad (`spikeckpt.engine.hook_guard`). It gets no gradient and
+    `unseen_leaves` never reports it."""
+    if not _ANCHOR:
+        _ANCHOR.append(torch.zeros((), requires_grad=True))
+    return _ANCHOR[0]
+
+
 def grad(
     outputs: list[Tensor], inputs: list[Tensor], grads: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
@@ -133,7 +145,7 @@ def unseen_leaves(
         t.grad_fn for t in known if isinstance(t, Tensor) and t.grad_fn is not None
     ]
     seen: set[int] = {id(node) for node in visited}
-    known_ids = {id(t) for t in known}
+    known_ids = {id(t) for t in (*known, *_ANCHOR)}
     found: list[Tensor] = []
     while stack and len(visited) < limit:
         node = stack.pop()

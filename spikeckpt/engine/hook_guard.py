@@ -1,0 +1,140 @@
+"""The tensors a layer's forward hooks see in a wrapped run: theirs to watch, refused in a loss.
+
+A wrapped run calls a hooked layer more often than the user's loop does (a shape probe,
+recomputation in the backward pass, a chunk at a time layer-wise) and runs most of its steps
+untaped, so a loss built from what the hooks kept would get gradients unlike the loop's: none
+at all for untaped steps (silently), or a second backward through a graph the engine already
+backpropagated. During the forward pass, `hook_guard` hands each forward hook (and pre-hook) of
+the model's layers an alias of the layer's output (inputs) whose backward raises
+`UsageError` naming the layer; the layer's caller still gets the layer's own output. Watching
+the values (``.detach()``, ``.sum().item()``, plotting) works as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from spikeckpt.engine.grad import alias_anchor
+from spikeckpt.engine.tree import tree_map
+from spikeckpt.errors import UsageError
+
+__all__ = ["hook_guard"]
+
+
+class _SeenByHook(torch.autograd.Function):
+    """``value`` itself (a view), as a hook sees it; backpropagating it raises, unless the
+    node is marked ``part_of_model`` (a hook returned a replacement of the layer's output,
+    built from the alias: the model's own graph runs through it, the gradient passes)."""
+
+    @staticmethod
+    def forward(ctx: Any, where: str, value: Tensor, _anchor: Tensor | None) -> Tensor:  # type: ignore[override]
+        ctx.where = where
+        ctx.part_of_model = False
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:  # type: ignore[override]
+        if ctx.part_of_model:
+            return None, grad, None
+        raise UsageError(
+            f"the loss backpropagates through a tensor a forward hook of layer {ctx.where} "
+            "saw in a wrapped run. spikeckpt calls a layer more often than your loop (a "
+            "shape probe, recomputation in the backward pass, a chunk of steps at a time "
+            "layer-wise) and runs most steps untaped, so a loss built from hooked tensors "
+            "cannot get the loop's gradients. Use hooks to watch values (detach them); "
+            "return what the loss needs from the model instead: output='both' for the last "
+            "neuron's membrane, Norse's return_hidden=True, or a module (or a spikeckpt.scan "
+            "step) whose output includes the hidden spikes"
+        )
+
+
+class _Aliases:
+    """The aliases of one call's tensors (``aliased``, the structure of ``own``)."""
+
+    def __init__(self, where: str, own: Any) -> None:
+        self.own = own
+        self.nodes: list[Any] = []
+        self.aliased = tree_map(lambda t: self._one(where, t), own)
+
+    def _one(self, where: str, t: Any) -> Any:
+        if not (isinstance(t, Tensor) and t.is_floating_point()):
+            return t
+        anchor = None if t.requires_grad else alias_anchor()  # untaped: make it require grad
+        with torch.enable_grad():
+            alias = _SeenByHook.apply(where, t, anchor)
+        self.nodes.append(alias.grad_fn)
+        return alias
+
+    def restore(self, result: Any) -> Any:
+        """The layer's own tensors if the hooks left the aliases as they were; else the hooks'
+        replacement, its aliases then passing gradients as part of the model."""
+        if result is self.aliased:
+            return self.own
+        for node in self.nodes:
+            node.part_of_model = True
+        return result
+
+
+def _guard(module: nn.Module, where: str) -> list[RemovableHandle]:
+    """Hooks around ``module``'s own: the first swaps in aliases, the last puts the layer's
+    own tensors back unless a hook of the user's replaced them."""
+    handles: list[RemovableHandle] = []
+    if module._forward_hooks:
+        outputs: list[_Aliases] = []
+
+        def alias_output(_m: nn.Module, _args: Any, output: Any) -> Any:
+            outputs.append(_Aliases(where, output))
+            return outputs[-1].aliased
+
+        def restore_output(_m: nn.Module, _args: Any, output: Any) -> Any:
+            return outputs.pop().restore(output)
+
+        handles.append(module.register_forward_hook(alias_output, prepend=True))
+        handles.append(module.register_forward_hook(restore_output))
+    if module._forward_pre_hooks:
+        inputs: list[_Aliases] = []
+
+        def alias_args(_m: nn.Module, args: Any) -> Any:
+            inputs.append(_Aliases(where, args))
+            return inputs[-1].aliased
+
+        def restore_args(_m: nn.Module, args: Any) -> Any:
+            return inputs.pop().restore(args)
+
+        handles.append(module.register_forward_pre_hook(alias_args, prepend=True))
+        handles.append(module.register_forward_pre_hook(restore_args))
+    return handles
+
+
+@contextlib.contextmanager
+def hook_guard(model: nn.Module) -> Iterator[None]:
+    """Inside, the forward hooks and pre-hooks of ``model``'s modules see aliases whose
+    backward raises `UsageError` naming the layer (see the module docstring). Nothing is
+    installed when grad is off, no module has hooks or no parameter requires grad (the loop's
+    tensors would carry no gradient either)."""
+    hooked = [
+        (name, m) for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks
+    ]
+    if (
+        not hooked
+        or not torch.is_grad_enabled()
+        or not any(p.requires_grad for p in model.parameters())
+    ):
+        yield
+        return
+    handles = [
+        h
+        for name, m in hooked
+        for h in _guard(m, f"{name or '<root>'!r} ({type(m).__module__}.{type(m).__qualname__})")
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
