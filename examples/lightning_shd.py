@@ -126,7 +126,7 @@ def main() -> None:
     for _, per_shape in sorted(choices.items(), key=lambda item: (item[0][0], -item[0][1])):
         print(f"  {per_shape.summary()}")
     # callback.plans: wrapped module name -> the latest PlanChoice (the last batch's shape)
-    print(f"callback.plans['net'] (the last batch's): {callback.plans['net'].plan!r}")
+    print(f"callback.plans['net'] (the last batch's): {callback.plans['net'].describe()}")
     print(f"measured peak of the first training step: {fmt(callback.measured_peak_bytes)}")
 
 
