@@ -266,7 +266,7 @@ class CheckpointedSequence(Remade):
         refuse_func_transforms()
         if legacy:
             state, return_state = _legacy_call(legacy, state, return_state)
-        with uncached_parametrizations(), hook_guard(self.module):
+        with uncached_parametrizations(), hook_guard(self.module, self.compile is not True):
             return self._forward(x, state, return_state)
 
     def _forward(self, x: Any, state: State | None, return_state: bool) -> Any:

@@ -210,8 +210,8 @@ class Executor:
         same states) draw nothing either, and the backward phase neither captures nor restores
         RNG states (one capture per stored checkpoint and one restore per load saved). The
         forward phase evaluates every step once, so a step that draws only at some ``t`` is
-        still seen. (The backward phase runs inside ``fork_rng``, so skipping restores never
-        changes the generators the caller sees.)
+        still seen. (Skipping restores never changes the generators the caller sees: the
+        backward phase leaves them where its own draws end, `backward_draws`.)
         """
         if self.rng_used is None:
             self.rng_used = not RngState.capture(self.cuda_devices).same_as(self._rng_start)

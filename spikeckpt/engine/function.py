@@ -5,8 +5,9 @@ object with ``forward(needs, tensors) -> outputs``, ``backward(grads) -> input g
 ``close()``. `run_job` applies it as one custom `torch.autograd.Function`:
 
 - the forward records the autocast state, so recomputation in backward runs under the same one;
-- the backward runs inside ``torch.random.fork_rng`` over the run's CUDA devices (replayed
-  generator states never leak to the caller), inside
+- the backward runs inside `backward_draws` over the run's CUDA devices (replayed generator
+  states never leak to the caller, which sees the generators where the backward functions'
+  own draws leave them, as after the plain loop's backward), inside
   `recompute_phase`, and under the recorded autocast state;
 - the job's stores (disk files) are closed when the autograd graph is dropped without backward;
 - a second-order backward (``create_graph=True``) is refused with a clear error instead of
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from spikeckpt.engine.amp import autocast_kinds
 from spikeckpt.engine.phase import recompute_phase
+from spikeckpt.engine.rng import backward_draws
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.errors import UsageError
 
@@ -118,9 +120,10 @@ class Job:
 
     @contextlib.contextmanager
     def backward_context(self) -> Iterator[None]:
-        """RNG forked, recompute phase on, the forward's autocast state."""
+        """The backward's own draws one stream (`backward_draws`: the caller's generators
+        end where that stream ends), recompute phase on, the forward's autocast state."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices))
+            stack.enter_context(backward_draws(self.cuda_devices))
             stack.enter_context(recompute_phase())
             for kind, enabled, dtype in self.autocast:
                 stack.enter_context(

@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
+from spikeckpt.engine.rng import rejoin_backward_draws
+
 
 class GradSink:
     """Where an op's backward may add a parameter's gradient in place, instead of returning a
@@ -120,6 +122,7 @@ def grad(
     if not _ENGINE_GRAD:
         _ENGINE_GRAD.append(_engine_grad())
     engine = _ENGINE_GRAD[0]
+    rejoin_backward_draws()  # a backward function that draws continues the backward's stream
     if (
         engine is not None
         and not has_torch_function(outputs)

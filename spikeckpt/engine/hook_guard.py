@@ -113,16 +113,18 @@ def _guard(module: nn.Module, where: str) -> list[RemovableHandle]:
 
 
 @contextlib.contextmanager
-def hook_guard(model: nn.Module) -> Iterator[None]:
+def hook_guard(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Inside, the forward hooks and pre-hooks of ``model``'s modules see aliases whose
     backward raises `UsageError` naming the layer (see the module docstring). Nothing is
-    installed when grad is off, no module has hooks or no parameter requires grad (the loop's
-    tensors would carry no gradient either)."""
+    installed when not ``enabled`` (a step compiled with ``torch.compile``: hooks installed
+    anew at each call would recompile it at each call), grad is off, no module has hooks or no
+    parameter requires grad (the loop's tensors would carry no gradient either)."""
     hooked = [
         (name, m) for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks
     ]
     if (
-        not hooked
+        not enabled
+        or not hooked
         or not torch.is_grad_enabled()
         or not any(p.requires_grad for p in model.parameters())
     ):

@@ -2,8 +2,9 @@
 
 The one place the engine (and the layers above it) handle RNG: which CUDA devices a run
 touches (`cuda_devices`), and a capture/restore pair (`RngState`), as
-``torch.utils.checkpoint`` does. The backward phase runs inside ``torch.random.fork_rng`` over
-those devices, so restoring states there never changes the generators the caller sees.
+``torch.utils.checkpoint`` does. The backward phase runs inside `backward_draws` over those
+devices: restoring states there never changes the generators the caller sees, which end where
+the backward functions' own draws (a noisy surrogate gradient) leave them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,17 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine.meter import count_made
-from spikeckpt.engine.step import reachable_generators
 from spikeckpt.errors import ConfigError
 
-__all__ = ["CPU_STATE_BYTES", "RngState", "cuda_devices", "no_own_draws", "refuse_own_generators"]
+__all__ = [
+    "CPU_STATE_BYTES",
+    "RngState",
+    "backward_draws",
+    "cuda_devices",
+    "no_own_draws",
+    "refuse_own_generators",
+    "rejoin_backward_draws",
+]
 
 #: bytes of the CPU generator's state (``torch.get_rng_state()``: 5,056 in torch 2.x), which
 #: a capture holds
@@ -48,7 +56,14 @@ class RngState:
         return RngState(cpu, cuda)
 
     def restore(self) -> None:
-        """Set the generators back to the captured states."""
+        """Set the generators back to the captured states (inside a backward phase, first
+        keeping the position of its own draws: `backward_draws`)."""
+        if _BACKWARD_DRAWS:
+            _BACKWARD_DRAWS[-1].leave()
+        self.set()
+
+    def set(self) -> None:
+        """Set the generators to the captured states."""
         torch.set_rng_state(self.cpu)
         for device, state in self.cuda:
             torch.cuda.set_rng_state(state, device)
@@ -85,7 +100,57 @@ def no_own_draws(root: Any, who: str, way: str) -> Iterator[None]:
     """Around a forward pass that its backward recomputes: the ``torch.Generator``s reachable
     from ``root`` (a step, a module) must not draw (`refuse_own_generators`); nothing is
     checked without grad (nothing will be recomputed)."""
+    from spikeckpt.engine.step import reachable_generators  # step -> grad -> this module
+
     generators = reachable_generators(root) if torch.is_grad_enabled() else []
     before = [g.get_state() for g in generators]
     yield
     refuse_own_generators(generators, before, who, way)
+
+
+class _BackwardDraws:
+    """Where the draws of one backward phase's own functions stand: at the generators
+    (``kept`` None) or, after a recomputation restored forward states, in ``kept``."""
+
+    def __init__(self, devices: Sequence[int]) -> None:
+        self.devices = list(devices)
+        self.kept: RngState | None = None
+
+    def leave(self) -> None:
+        """The generators are about to be set elsewhere: keep the stream's position."""
+        if self.kept is None:
+            self.kept = RngState.capture(self.devices)
+
+    def rejoin(self) -> None:
+        """Put the generators back at the stream's position."""
+        if self.kept is not None:
+            self.kept.set()
+            self.kept = None
+
+
+_BACKWARD_DRAWS: list[_BackwardDraws] = []  # the backward phases running (nested)
+
+
+@contextlib.contextmanager
+def backward_draws(devices: Sequence[int]) -> Iterator[None]:
+    """Around a run's backward phase (in place of ``torch.random.fork_rng``): the random
+    numbers its backward functions draw (a surrogate that adds noise to its gradient,
+    snnTorch's ``SSO``) continue one stream from the generators' states at its start, whatever
+    the recomputation restores in between (`rejoin_backward_draws`), and the caller's generators end
+    where that stream ends, as after the plain loop's backward (before, they were put back
+    where they were: with no other draws, every training step drew the same noise). Nothing is
+    captured unless a recomputation restores states (a forward that drew)."""
+    draws = _BackwardDraws(devices)
+    _BACKWARD_DRAWS.append(draws)
+    try:
+        yield
+    finally:
+        _BACKWARD_DRAWS.remove(draws)
+        draws.rejoin()
+
+
+def rejoin_backward_draws() -> None:
+    """Before backpropagating a recomputed segment: its draws come from the backward stream
+    (`backward_draws`). No-op outside a backward phase."""
+    if _BACKWARD_DRAWS:
+        _BACKWARD_DRAWS[-1].rejoin()
