@@ -31,9 +31,9 @@ from spikeckpt.engine.hook_guard import hook_guard
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.phase import refuse_power_iteration, uncached_parametrizations
-from spikeckpt.engine.rng import no_own_draws
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
+from spikeckpt.engine.step import no_own_draws
 from spikeckpt.errors import (
     ConfigError,
     ConfigTypeError,

@@ -490,9 +490,9 @@ def test_plan_repr_lists_every_argument_that_is_not_its_default() -> None:
 
 def test_layerwise_counts_a_replay_state_per_chunk_of_a_drawing_block() -> None:
     """A block that draws random numbers keeps its generator state per chunk (to replay the
-    draws in the recomputation): the peak counts ``chunks * rng_bytes``, so short chunks can
-    cost more than long ones, and the chunk search finds a fitting length where chunks of
-    one step do not fit."""
+    draws in the recomputation), and the backward one more (where its own draws stand): the
+    peak counts ``(chunks + 1) * rng_bytes``, so short chunks can cost more than long ones,
+    and the chunk search finds a fitting length where chunks of one step do not fit."""
     from spikeckpt.plans.layerwise import BlockSizes, fitting_chunk, layerwise_cost
 
     quiet = [BlockSizes(64, 32, 80, 128), BlockSizes(16, 16, 128, 20)]
@@ -500,7 +500,7 @@ def test_layerwise_counts_a_replay_state_per_chunk_of_a_drawing_block() -> None:
     T = 200
     for k in (1, 7, 50, 200):
         extra = layerwise_cost(T, k, drawing).peak_bytes - layerwise_cost(T, k, quiet).peak_bytes
-        assert extra == -(-T // k) * 5056
+        assert extra == (-(-T // k) + 1) * 5056
     budget = layerwise_cost(T, 40, drawing).peak_bytes
     assert layerwise_cost(T, 1, drawing).peak_bytes > budget
     found = fitting_chunk(T, drawing, budget, T)

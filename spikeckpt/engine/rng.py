@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +24,6 @@ __all__ = [
     "RngState",
     "backward_draws",
     "cuda_devices",
-    "no_own_draws",
     "refuse_own_generators",
     "rejoin_backward_draws",
 ]
@@ -93,19 +91,6 @@ def refuse_own_generators(
                 f"torch.Generator of its own (on {gen.device}), which it cannot replay (the "
                 f"gradient would be wrong): it replays torch's default generators only; {way}"
             )
-
-
-@contextlib.contextmanager
-def no_own_draws(root: Any, who: str, way: str) -> Iterator[None]:
-    """Around a forward pass that its backward recomputes: the ``torch.Generator``s reachable
-    from ``root`` (a step, a module) must not draw (`refuse_own_generators`); nothing is
-    checked without grad (nothing will be recomputed)."""
-    from spikeckpt.engine.step import reachable_generators  # step -> grad -> this module
-
-    generators = reachable_generators(root) if torch.is_grad_enabled() else []
-    before = [g.get_state() for g in generators]
-    yield
-    refuse_own_generators(generators, before, who, way)
 
 
 class _BackwardDraws:

@@ -39,9 +39,9 @@ from spikeckpt.engine.planned import (
     simulate_cached,
 )
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
-from spikeckpt.engine.rng import cuda_devices, no_own_draws
+from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.stats import ScanResult, ScanStats
-from spikeckpt.engine.step import StepFn, default_params, time_leaves, unshaped
+from spikeckpt.engine.step import StepFn, default_params, no_own_draws, time_leaves, unshaped
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten, tree_leaves, tree_map
 from spikeckpt.errors import BudgetTooSmall, ConfigError, ConfigTypeError, UsageError
 from spikeckpt.plans.account import (

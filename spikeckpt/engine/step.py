@@ -14,7 +14,7 @@ import contextlib
 import functools
 import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,12 +24,14 @@ from spikeckpt.engine.grad import unseen_leaves
 from spikeckpt.engine.inputs import is_packed
 from spikeckpt.engine.phase import guard_running_stats, refuse_power_iteration
 from spikeckpt.engine.readout import ReadoutFn
+from spikeckpt.engine.rng import refuse_own_generators
 from spikeckpt.engine.tree import TreeDef, tree_flatten, tree_map
 from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError
 
 __all__ = [
     "StepFn",
     "default_params",
+    "no_own_draws",
     "reachable_generators",
     "time_leaves",
     "unshaped",
@@ -404,3 +406,14 @@ def reachable_generators(step: Any) -> list[torch.Generator]:
     walk = _Reach()
     walk.visit(step, 0)
     return list(walk.generators.values())
+
+
+@contextlib.contextmanager
+def no_own_draws(root: Any, who: str, way: str) -> Iterator[None]:
+    """Around a forward pass that its backward recomputes: the ``torch.Generator``s reachable
+    from ``root`` (a step, a module) must not draw (`refuse_own_generators`); nothing is
+    checked without grad (nothing will be recomputed)."""
+    generators = reachable_generators(root) if torch.is_grad_enabled() else []
+    before = [g.get_state() for g in generators]
+    yield
+    refuse_own_generators(generators, before, who, way)

@@ -250,8 +250,11 @@ def layerwise_cost(
     trains = sum(T * packed_bytes(b.input_bytes, b.density) for b in blocks[1:])
     # the first block's input is the caller's tensor: referenced, never copied
     stored = trains + (n_chunks - 1) * sum(b.stored_state for b in blocks)
-    # a drawing block's generator state per chunk stays in memory, whatever the tier
-    replay = n_chunks * sum(b.rng_bytes for b in blocks)
+    # a drawing block's generator state per chunk stays in memory, whatever the tier, and the
+    # backward keeps one more: where its own draws stand while recomputation replays others
+    replay = n_chunks * sum(b.rng_bytes for b in blocks) + max(
+        (b.rng_bytes for b in blocks), default=0
+    )
     peak = 2 * states + held + (0 if remote else stored) + replay
     if seconds is not None:
         time = T * seconds[0] + n_chunks * seconds[1]
