@@ -261,6 +261,31 @@ NEURONS: dict[str, Factory] = {
             rho_reset=torch.linspace(0.5, 3.5, n),  # fractional: relu's gate at 0
         )
     ),
+    "norse lifadexrefrac": lambda n: norse.LIFAdExRefracCell(),
+    "norse lifadexrefrac triangle adapting per-neuron": lambda n: norse.LIFAdExRefracCell(
+        norse.LIFAdExRefracParameters(
+            norse.LIFAdExParameters(
+                method="triangle",
+                adaptation_current=torch.tensor(20.0),
+                adaptation_spike=torch.linspace(0.5, 3.0, n),
+                tau_ada_inv=torch.tensor(50.0),
+                delta_T=torch.tensor(1.5),
+                v_reset=torch.linspace(-0.2, 0.1, n),
+            ),
+            rho_reset=torch.linspace(0.5, 3.5, n),  # fractional: relu's gate at 0
+        )
+    ),
+    "norse lifrefrac recurrent": lambda n: norse.LIFRefracRecurrentCell(n, n),
+    "norse lifrefrac recurrent triangle autapses short": lambda n: norse.LIFRefracRecurrentCell(
+        n,
+        n,
+        p=norse.LIFRefracParameters(
+            norse.LIFParameters(method="triangle", v_th=torch.tensor(0.4)),
+            rho_reset=torch.linspace(0.5, 3.5, n),
+        ),
+        autapses=True,
+    ),
+    "norse lifadexrefrac recurrent": lambda n: norse.LIFAdExRefracRecurrentCell(n, n),
     "norse lifbox": lambda n: norse.LIFBoxCell(),
     "norse lifbox subtract": lambda n: norse.LIFBoxCell(
         norse.LIFBoxParameters(
@@ -369,7 +394,8 @@ def _framework_loop(
         for z_t in z.unbind(0):
             if _is_norse(neuron):
                 y, state = neuron(z_t, state)
-                mem = getattr(state, "lif", state).v  # LIFRefracCell's: state.lif.v
+                # LIFRefracCell's: state.lif.v; LIFAdExRefracCell's: state.lif_adex.v
+                mem = getattr(state, "lif", getattr(state, "lif_adex", state)).v
             elif isinstance(neuron, snn.Synaptic):
                 if state is None:
                     state = (torch.zeros_like(z_t), torch.zeros_like(z_t))
@@ -536,6 +562,7 @@ def test_alpha_matches_snntorchs_own_step(
 _RECURRENT = (
     *("rleaky", "rsynaptic", "norse lif recurrent", "norse lsnn recurrent"),
     *("norse lifex recurrent", "norse lifadex recurrent"),
+    *("norse lifrefrac recurrent", "norse lifadexrefrac recurrent"),
 )
 
 
@@ -733,7 +760,7 @@ def test_stats_say_how_each_neuron_ran() -> None:
         snn.Leaky(beta=0.9, spike_grad=snn.surrogate.SSO()),  # draws random numbers
         snn.Leaky(beta=0.9, inhibition=True),
         snn.RLeaky(beta=0.9, linear_features=5, reset_delay=False),
-        norse.LIFRefracRecurrentCell(5, 5),
+        norse.IzhikevichRecurrentCell(5, 5, norse.tonic_spiking),
     ],
     ids=["SSO surrogate", "inhibition", "RLeaky reset_delay False", "norse recurrent"],
 )
