@@ -301,3 +301,60 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(name: str) -> None:
     field.requires_grad_(False)
     seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    adaptive=st.booleans(),
+    T=st.integers(0, 6).map(lambda n: 2 * n + 1),
+    B=st.integers(1, 3),
+    chunk=st.integers(1, 8),
+    exact=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_recurrent_refractory_cell_first_gathers_its_sparse_input(
+    adaptive: bool, T: int, B: int, chunk: int, exact: bool, seed: int
+) -> None:
+    """``LIFRefracRecurrentCell`` / ``LIFAdExRefracRecurrentCell`` weighting a sparse spike
+    input itself: its kernel sums ``x W_in^T`` over the chunk's non-zeros (one gather per
+    chunk) and ``W_in``'s gradient over them, unless ``exact=True`` (the cell's own product
+    per step). Weights on a 1/4 grid, so every sum is exact in any order: the cell's spikes
+    bitwise Norse's loop either way, the output and gradients within round-off."""
+    from spikeckpt.adapters import recurrent_kernel
+
+    torch.manual_seed(seed)
+    n_in, hidden = 64, 48
+    make = norse.LIFAdExRefracRecurrentCell if adaptive else norse.LIFRefracRecurrentCell
+    cell = make(n_in, hidden)
+    net = SequentialState(cell, nn.Linear(hidden, 3), norse.LICell())
+    with torch.no_grad():
+        cell.input_weights.copy_(torch.randint(-8, 48, cell.input_weights.shape) / 4)
+        cell.recurrent_weights.copy_(torch.randint(-8, 9, cell.recurrent_weights.shape) / 4)
+    x = (torch.rand(T, B, n_in) < 0.04).float()
+    params = list(net.parameters())
+    want = norse_loop(net, x)
+    want_grads = torch.autograd.grad(want.sum(), params)
+    gather, calls = recurrent_kernel.gather, []
+
+    def counted(*args: Any, **kwargs: Any) -> Tensor:
+        calls.append(1)
+        return gather(*args, **kwargs)
+
+    recurrent_kernel.gather = counted
+    try:
+        seq = sc.wrap(net, granularity="layer", chunk=chunk, exact=exact)
+        got = seq(x)[0]
+        got_grads = torch.autograd.grad(got.sum(), params)
+        alone = sc.wrap(SequentialState(cell), granularity="layer", chunk=chunk, exact=exact)
+        got_spikes = alone(x)[0]
+    finally:
+        recurrent_kernel.gather = gather
+    assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+    # the tests' gather rule (conftest): a chunk of at most 1/16 ones gathers
+    sparse = any(bool(c.count_nonzero() <= c.numel() / 16) for c in x.split(chunk))
+    assert bool(calls) == (not exact and sparse)
+    with torch.no_grad():
+        assert torch.equal(got_spikes, norse_loop(cell, x))
+    close(want, got)  # LICell's membrane: the Linear before it one product per chunk
+    for a, b in zip(want_grads, got_grads, strict=True):
+        close(a, b)
