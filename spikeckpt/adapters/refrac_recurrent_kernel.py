@@ -70,7 +70,9 @@ class NorseRefracRecurrentKernel(NorseCellKernel):
         super().__init__(tensors, dt, spike, usable)
         self.adaptive = adaptive
         self.leaf_count = 5 if adaptive else 4
-        self.fields, self.inner = (ADEX_FIELDS, "lif_adex") if adaptive else (LIF_FIELDS, "lif")
+        #: the fields of ``p``'s neuron parameters the step reads, and that field's name
+        self.fields: tuple[str, ...] = ADEX_FIELDS if adaptive else LIF_FIELDS
+        self.inner = "lif_adex" if adaptive else "lif"
 
     @property
     def params(self) -> tuple[Tensor, ...]:
