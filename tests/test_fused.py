@@ -576,8 +576,10 @@ def test_recurrent_neurons_match_the_frameworks_own_step(
     learnable ``alpha``, ``beta``, threshold and recurrent weights) and Norse's
     ``LIFRecurrentCell`` (`NorseRecurrentKernel`: input and recurrent weights inside the cell)
     ``LSNNRecurrentCell`` (`NorseLSNNKernel`: its threshold adapting too),
-    ``LIFExRecurrentCell`` and ``LIFAdExRecurrentCell`` (`NorseExRecurrentKernel`) against the
-    framework's own step: spikes and membranes bitwise, gradients at round-off."""
+    ``LIFExRecurrentCell`` and ``LIFAdExRecurrentCell`` (`NorseExRecurrentKernel`),
+    ``LIFRefracRecurrentCell`` and ``LIFAdExRefracRecurrentCell``
+    (`NorseRefracRecurrentKernel`) against the framework's own step: spikes and membranes
+    bitwise, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
         name=name, T=T, chunk=chunk, batch=batch, n=n, output=output, dropout=dropout, seed=seed
     )
@@ -652,9 +654,11 @@ def test_izhikevich_and_refractory_neurons_match_norses_own_step(
     name: str, T: int, chunk: int, batch: int, n: int, output: str, dropout: bool, seed: int
 ) -> None:
     """Norse's ``IzhikevichCell`` (`NorseIzhikevichKernel`: the quadratic membrane, the
-    recovery variable and both resets passing the spike's gradient) and ``LIFRefracCell``
+    recovery variable and both resets passing the spike's gradient), ``LIFRefracCell``
     (`NorseRefracKernel`: the refractory mask's gradient through ``threshold(rho)``, the
-    counter's through the spike, as Norse leaves them attached), default and other
+    counter's through the spike, as Norse leaves them attached), ``LIFAdExRefracCell``
+    (`NorseAdExRefracKernel`) and the recurrent refractory cells
+    (`NorseRefracRecurrentKernel`), default and other
     parameters (another surrogate, per-neuron fields, a fractional refractory period)
     against Norse's own step: spikes and membranes bitwise, gradients at round-off."""
     test_fused_neurons_match_the_frameworks_own_step.hypothesis.inner_test(  # type: ignore[attr-defined]
