@@ -6,7 +6,8 @@ their ``"zero"`` resets, ``Leaky(reset_delay=False)``, ``RLeaky`` (recurrent ``L
 one-to-one), ``RSynaptic``, and Norse's ``LIFCell``, ``LIFBoxCell``, ``LICell``, ``LSNNCell``,
 ``LIFExCell``, ``LIFAdExCell``, ``IAFCell``, ``LIBoxCell``, a cell of
 ``coba_lif_feed_forward_step``, ``IzhikevichCell`` (``tonic_spiking``), ``LIFRefracCell``,
-``LIFExRecurrentCell`` and ``LIFAdExRecurrentCell`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
+``LIFAdExRefracCell``, ``LIFExRecurrentCell``, ``LIFAdExRecurrentCell``,
+``LIFRefracRecurrentCell`` and ``LIFAdExRefracRecurrentCell`` (where Norse is installed); spikeckpt's row is ``wrap(net, granularity="layer", chunk=25)``,
 with the recurrence compiled by Numba (`spikeckpt.adapters.jit_loops`) and without it
 (``host_loops.USE_JIT = False``: NumPy's or the torch loop, as before Numba).
 Time is the minimum of interleaved rounds after a warm-up, in one process; the outputs are
@@ -64,9 +65,14 @@ if norse is not None:
         "Norse CobaLIF feed-forward": lambda: coba_cell(),
         "Norse IzhikevichCell": lambda: norse.IzhikevichCell(norse.tonic_spiking),
         "Norse LIFRefracCell": lambda: norse.LIFRefracCell(),
+        "Norse LIFAdExRefracCell": lambda: norse.LIFAdExRefracCell(),
         # input and recurrent weights inside the cell: made for the layer's width
         "Norse LIFExRecurrentCell": lambda: norse.LIFExRecurrentCell(WIDTH[0], WIDTH[0]),
         "Norse LIFAdExRecurrentCell": lambda: norse.LIFAdExRecurrentCell(WIDTH[0], WIDTH[0]),
+        "Norse LIFRefracRecurrentCell": lambda: norse.LIFRefracRecurrentCell(WIDTH[0], WIDTH[0]),
+        "Norse LIFAdExRefracRecurrentCell": lambda: norse.LIFAdExRefracRecurrentCell(
+            WIDTH[0], WIDTH[0]
+        ),
     }
 
 

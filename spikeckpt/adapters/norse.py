@@ -36,6 +36,7 @@ from norse.torch.module.snn import SNN, SNNCell, SNNRecurrent, SNNRecurrentCell
 from torch import Tensor, nn
 
 from spikeckpt.adapters.adex_kernel import NorseExKernel
+from spikeckpt.adapters.adex_refrac_kernel import NorseAdExRefracKernel
 from spikeckpt.adapters.ex_recurrent_kernel import NorseExRecurrentKernel
 from spikeckpt.adapters.generic import (
     StatefulAdapter,
@@ -58,6 +59,7 @@ from spikeckpt.adapters.protocol import (
 )
 from spikeckpt.adapters.recurrent_kernel import NorseRecurrentKernel
 from spikeckpt.adapters.refrac_kernel import NorseRefracKernel
+from spikeckpt.adapters.refrac_recurrent_kernel import NorseRefracRecurrentKernel
 from spikeckpt.adapters.simple_kernels import (
     NorseCobaKernel,
     NorseIAFKernel,
@@ -77,11 +79,13 @@ NorseChunkKernel = (
     | NorseRecurrentKernel
     | NorseLSNNKernel
     | NorseExRecurrentKernel
+    | NorseRefracRecurrentKernel
     | NorseIAFKernel
     | NorseLIBoxKernel
     | NorseCobaKernel
     | NorseIzhikevichKernel
     | NorseRefracKernel
+    | NorseAdExRefracKernel
 )
 #: the kernels of the feed-forward steps
 FeedForwardKernel = (
@@ -93,6 +97,7 @@ FeedForwardKernel = (
     | NorseCobaKernel
     | NorseIzhikevichKernel
     | NorseRefracKernel
+    | NorseAdExRefracKernel
 )
 
 _SEQUENCE = (SNN, SNNRecurrent)
@@ -267,11 +272,12 @@ class NorseAdapter(LayerAdapter):
         ``reset_value`` or ``reset_subtract``), ``li_feed_forward_step``,
         ``lsnn_feed_forward_step``, ``lif_ex_feed_forward_step``,
         ``lif_adex_feed_forward_step``, ``iaf_feed_forward_step``, ``li_box_feed_forward_step``,
-        ``coba_lif_feed_forward_step``, ``izhikevich_feed_forward_step`` or
-        ``lif_refrac_feed_forward_step``, or of a
+        ``coba_lif_feed_forward_step``, ``izhikevich_feed_forward_step``,
+        ``lif_refrac_feed_forward_step`` or ``lif_adex_refrac_feed_forward_step``, or of a
         ``LIFRecurrentCell`` (``lif_step``), ``LSNNRecurrentCell`` (``lsnn_step``),
-        ``LIFExRecurrentCell`` (``lif_ex_step``) or ``LIFAdExRecurrentCell``
-        (``lif_adex_step``), else None."""
+        ``LIFExRecurrentCell`` (``lif_ex_step``), ``LIFAdExRecurrentCell``
+        (``lif_adex_step``), ``LIFRefracRecurrentCell`` (``lif_refrac_step``) or
+        ``LIFAdExRefracRecurrentCell`` (``lif_adex_refrac_step``), else None."""
         if self.recurrent:
             return norse_recurrent_kernel(self.module)
         return norse_kernel(self.module)
@@ -458,13 +464,15 @@ def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
     return spike
 
 
-def _norse_lif_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
-    """``u -> threshold(u, method, alpha)`` of ``m.p.lif`` (``LIFRefracParameters``), read at
-    each call."""
+def _norse_lif_spike(m: nn.Module, field: str = "lif") -> Callable[[Tensor], Tensor]:
+    """``u -> threshold(u, method, alpha)`` of ``m.p.lif`` (``LIFRefracParameters``; with
+    ``field``, ``m.p``'s other field: ``"lif_adex"`` of ``LIFAdExRefracParameters``), read
+    at each call."""
     from norse.torch.functional.threshold import threshold
 
     def spike(u: Tensor) -> Tensor:
-        return threshold(u, m.p.lif.method, m.p.lif.alpha)
+        q = getattr(m.p, field)
+        return threshold(u, q.method, q.alpha)
 
     return spike
 
@@ -472,9 +480,10 @@ def _norse_lif_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
 #: a feed-forward step a kernel reproduces: `NorseKernel`'s modes, ``"lsnn"``
 #: (`NorseLSNNFeedForwardKernel`), ``"ex"`` and ``"adex"`` (`NorseExKernel`), ``"iaf"``,
 #: ``"libox"`` and ``"coba"`` (`simple_kernel`), ``"izhikevich"`` (`NorseIzhikevichKernel`),
-#: ``"refrac"`` (`NorseRefracKernel`)
+#: ``"refrac"`` (`NorseRefracKernel`), ``"adexrefrac"`` (`NorseAdExRefracKernel`)
 FeedForwardMode = (
-    NorseMode | Literal["lsnn", "ex", "adex", "iaf", "libox", "coba", "izhikevich", "refrac"]
+    NorseMode
+    | Literal["lsnn", "ex", "adex", "iaf", "libox", "coba", "izhikevich", "refrac", "adexrefrac"]
 )
 #: the modes of `simple_kernel`
 _SIMPLE = ("iaf", "libox", "coba")
@@ -491,6 +500,7 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     from norse.torch.functional.leaky_integrator_box import li_box_feed_forward_step
     from norse.torch.functional.lif import lif_feed_forward_step
     from norse.torch.functional.lif_adex import lif_adex_feed_forward_step
+    from norse.torch.functional.lif_adex_refrac import lif_adex_refrac_feed_forward_step
     from norse.torch.functional.lif_box import lif_box_feed_forward_step
     from norse.torch.functional.lif_ex import lif_ex_feed_forward_step
     from norse.torch.functional.lif_refrac import lif_refrac_feed_forward_step
@@ -508,6 +518,7 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
         coba_lif_feed_forward_step: "coba",
         izhikevich_feed_forward_step: "izhikevich",
         lif_refrac_feed_forward_step: "refrac",
+        lif_adex_refrac_feed_forward_step: "adexrefrac",
     }
     mode = modes.get(getattr(m, "activation", None))
     p = getattr(m, "p", None)
@@ -517,8 +528,8 @@ def _kernel_key(m: nn.Module) -> tuple[FeedForwardMode, bool, float] | None:
     own = type(m).forward in (SNNCell.forward, SNN.forward) and "forward" not in vars(m)
     if mode is None or p is None or not isinstance(dt, float) or not own:
         return None
-    if mode == "refrac":  # the spike's method is p.lif's
-        p = getattr(p, "lif", None)
+    if mode in ("refrac", "adexrefrac"):  # the spike's method is p.lif's (p.lif_adex's)
+        p = getattr(p, "lif" if mode == "refrac" else "lif_adex", None)
     subtract = False
     if mode == "box":
         reset = getattr(p, "reset_method", None)
@@ -571,35 +582,58 @@ def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
         return NorseRefracKernel(
             lambda: m.p, dt, _norse_lif_spike(m), lambda: _kernel_key(m) == key
         )
+    if mode == "adexrefrac":
+        return NorseAdExRefracKernel(
+            lambda: m.p, dt, _norse_lif_spike(m, "lif_adex"), lambda: _kernel_key(m) == key
+        )
     return _NorseChunkKernel(m, (mode, subtract, dt))
 
 
 def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
     """``(dt, method, step)`` of a ``LIFRecurrentCell`` (step ``"lif"``),
-    ``LSNNRecurrentCell`` (``"lsnn"``), ``LIFExRecurrentCell`` (``"ex"``) or
-    ``LIFAdExRecurrentCell`` (``"adex"``) whose step a kernel reproduces as it is now (Norse's
-    own call, ``lif_step`` / ``lsnn_step`` / ``lif_ex_step`` / ``lif_adex_step``, a spike
-    method it knows), or None."""
+    ``LSNNRecurrentCell`` (``"lsnn"``), ``LIFExRecurrentCell`` (``"ex"``),
+    ``LIFAdExRecurrentCell`` (``"adex"``), ``LIFRefracRecurrentCell`` (``"refrac"``) or
+    ``LIFAdExRefracRecurrentCell`` (``"adexrefrac"``) whose step a kernel reproduces as it is
+    now (Norse's own call, ``lif_step`` / ``lsnn_step`` / ``lif_ex_step`` / ``lif_adex_step`` /
+    ``lif_refrac_step`` / ``lif_adex_refrac_step``, a spike method it knows: ``p.method``,
+    ``p.lif.method`` or ``p.lif_adex.method``), or None."""
     from norse.torch.functional.lif import lif_step
     from norse.torch.functional.lif_adex import lif_adex_step
+    from norse.torch.functional.lif_adex_refrac import lif_adex_refrac_step
     from norse.torch.functional.lif_ex import lif_ex_step
+    from norse.torch.functional.lif_refrac import lif_refrac_step
     from norse.torch.functional.lsnn import lsnn_step
 
-    steps = {lif_step: "lif", lsnn_step: "lsnn", lif_ex_step: "ex", lif_adex_step: "adex"}
+    steps = {
+        lif_step: "lif",
+        lsnn_step: "lsnn",
+        lif_ex_step: "ex",
+        lif_adex_step: "adex",
+        lif_refrac_step: "refrac",
+        lif_adex_refrac_step: "adexrefrac",
+    }
     p, dt = getattr(m, "p", None), getattr(m, "dt", None)
     own = type(m).forward is SNNRecurrentCell.forward and "forward" not in vars(m)
-    method = getattr(p, "method", None)
     step = steps.get(getattr(m, "activation", None))
     if step is None or not own or not isinstance(dt, float):
         return None
+    inner = {"refrac": "lif", "adexrefrac": "lif_adex"}.get(step)
+    method = getattr(getattr(p, inner, None) if inner else p, "method", None)
     return (dt, method, step) if method in _METHODS else None
 
 
 def norse_recurrent_kernel(
     m: nn.Module,
-) -> NorseRecurrentKernel | NorseLSNNKernel | NorseExRecurrentKernel | None:
+) -> (
+    NorseRecurrentKernel
+    | NorseLSNNKernel
+    | NorseExRecurrentKernel
+    | NorseRefracRecurrentKernel
+    | None
+):
     """The chunk kernel of the ``LIFRecurrentCell``, ``LSNNRecurrentCell``,
-    ``LIFExRecurrentCell`` or ``LIFAdExRecurrentCell`` ``m``, or None."""
+    ``LIFExRecurrentCell``, ``LIFAdExRecurrentCell``, ``LIFRefracRecurrentCell`` or
+    ``LIFAdExRefracRecurrentCell`` ``m``, or None."""
     key = _recurrent_key(m)
     if key is None:
         return None
@@ -612,5 +646,9 @@ def norse_recurrent_kernel(
 
     if key[2] in ("ex", "adex"):
         return NorseExRecurrentKernel(tensors, key[0], _norse_spike(m), key[2] == "adex", usable)
+    if key[2] in ("refrac", "adexrefrac"):
+        adaptive = key[2] == "adexrefrac"
+        spike = _norse_lif_spike(m, "lif_adex" if adaptive else "lif")
+        return NorseRefracRecurrentKernel(tensors, key[0], spike, adaptive, usable)
     kernel = NorseLSNNKernel if key[2] == "lsnn" else NorseRecurrentKernel
     return kernel(tensors, key[0], _norse_spike(m), usable)
