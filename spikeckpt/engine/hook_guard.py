@@ -21,27 +21,28 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from spikeckpt.engine.grad import alias_anchor
-from spikeckpt.engine.tree import tree_map
+from spikeckpt.engine.tree import tree_flatten, tree_unflatten
 from spikeckpt.errors import UsageError
 
 __all__ = ["hook_guard"]
 
 
 class _SeenByHook(torch.autograd.Function):
-    """``value`` itself (a view), as a hook sees it; backpropagating it raises, unless the
-    node is marked ``part_of_model`` (a hook returned a replacement of the layer's output,
-    built from the alias: the model's own graph runs through it, the gradient passes)."""
+    """``values`` themselves (views), as a hook sees them; backpropagating any of them raises,
+    unless the node is marked ``part_of_model`` (a hook returned a replacement of the layer's
+    output, built from the aliases: the model's own graph runs through it, gradients pass)."""
 
     @staticmethod
-    def forward(ctx: Any, where: str, value: Tensor, _anchor: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, where: str, _anchor: Tensor | None, *values: Tensor) -> Any:  # type: ignore[override]
         ctx.where = where
         ctx.part_of_model = False
-        return value.view_as(value)
+        ctx.set_materialize_grads(False)
+        return tuple(v.view_as(v) for v in values)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         if ctx.part_of_model:
-            return None, grad, None
+            return (None, None, *grads)
         raise UsageError(
             f"the loss backpropagates through a tensor a forward hook of layer {ctx.where} "
             "saw in a wrapped run. spikeckpt calls a layer more often than your loop (a "
@@ -55,29 +56,34 @@ class _SeenByHook(torch.autograd.Function):
 
 
 class _Aliases:
-    """The aliases of one call's tensors (``aliased``, the structure of ``own``)."""
+    """The aliases of one call's tensors (``aliased``, the structure of ``own``): one node
+    for all of the call's floating-point tensors."""
 
     def __init__(self, where: str, own: Any) -> None:
         self.own = own
-        self.nodes: list[Any] = []
-        self.aliased = tree_map(lambda t: self._one(where, t), own)
-
-    def _one(self, where: str, t: Any) -> Any:
-        if not (isinstance(t, Tensor) and t.is_floating_point()):
-            return t
-        anchor = None if t.requires_grad else alias_anchor()  # untaped: make it require grad
+        self.node: Any = None
+        leaves, spec = tree_flatten(own)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
+        if not at:
+            self.aliased = own
+            return
+        values = [leaves[i] for i in at]
+        # untaped tensors: the anchor makes the aliases require grad, as the loop's tensors do
+        anchor = None if any(v.requires_grad for v in values) else alias_anchor()
         with torch.enable_grad():
-            alias = _SeenByHook.apply(where, t, anchor)
-        self.nodes.append(alias.grad_fn)
-        return alias
+            aliases = _SeenByHook.apply(where, anchor, *values)
+        self.node = aliases[0].grad_fn
+        for i, alias in zip(at, aliases, strict=True):
+            leaves[i] = alias
+        self.aliased = tree_unflatten(leaves, spec)
 
     def restore(self, result: Any) -> Any:
         """The layer's own tensors if the hooks left the aliases as they were; else the hooks'
         replacement, its aliases then passing gradients as part of the model."""
         if result is self.aliased:
             return self.own
-        for node in self.nodes:
-            node.part_of_model = True
+        if self.node is not None:
+            self.node.part_of_model = True
         return result
 
 
