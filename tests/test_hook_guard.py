@@ -158,3 +158,21 @@ def test_a_norse_cells_hooked_spikes_in_a_loss_raise() -> None:
     out, _ = sc.wrap(model, plan=Uniform(3))(_input() * 5)
     with pytest.raises(sc.UsageError, match=re.escape("layer '1' (norse.torch")):
         (out.sum() + sum(s.sum() for s in seen)).backward()
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_hook_that_changes_the_output_in_place_runs_as_in_the_loop(route: str) -> None:
+    """An in-place change in a hook reaches the layer's tensor (the aliases share its
+    memory); a view made by an autograd Function refused it (before this was built so)."""
+    x = _input()
+    plain = _net()
+    plain[0].register_forward_hook(lambda m, args, out: out.mul_(0.5))
+    ref_out = _loop(plain, x)
+    ref_out.sum().backward()
+    net = _net()
+    net[0].register_forward_hook(lambda m, args, out: out.mul_(0.5))
+    out = sc.wrap(net, **ROUTES[route])(x)
+    out.sum().backward()
+    assert torch.equal(out, ref_out)
+    for p, q in zip(net.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

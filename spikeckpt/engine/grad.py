@@ -103,18 +103,6 @@ def _engine_grad() -> Callable[..., tuple[Tensor | None, ...]] | None:
 _ENGINE_GRAD: list[Callable[..., tuple[Tensor | None, ...]] | None] = []  # checked on first use
 
 
-_ANCHOR: list[Tensor] = []
-
-
-def alias_anchor() -> Tensor:
-    """A scalar leaf requiring grad, made once: an input that makes a custom ``Function``'s
-    output require grad (`spikeckpt.engine.hook_guard`). It gets no gradient and
-    `unseen_leaves` never reports it."""
-    if not _ANCHOR:
-        _ANCHOR.append(torch.zeros((), requires_grad=True))
-    return _ANCHOR[0]
-
-
 def grad(
     outputs: list[Tensor], inputs: list[Tensor], grads: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
@@ -148,7 +136,7 @@ def unseen_leaves(
         t.grad_fn for t in known if isinstance(t, Tensor) and t.grad_fn is not None
     ]
     seen: set[int] = {id(node) for node in visited}
-    known_ids = {id(t) for t in (*known, *_ANCHOR)}
+    known_ids = {id(t) for t in known}
     found: list[Tensor] = []
     while stack and len(visited) < limit:
         node = stack.pop()

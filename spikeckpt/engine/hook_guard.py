@@ -5,14 +5,16 @@ recomputation in the backward pass, a chunk at a time layer-wise) and runs most 
 untaped, so a loss built from what the hooks kept would get gradients unlike the loop's: none
 at all for untaped steps (silently), or a second backward through a graph the engine already
 backpropagated. During the forward pass, `hook_guard` hands each forward hook (and pre-hook) of
-the model's layers an alias of the layer's output (inputs) whose backward raises
+the model's layers an alias of the layer's untaped output (inputs) whose gradient raises
 `UsageError` naming the layer; the layer's caller still gets the layer's own output. Watching
-the values (``.detach()``, ``.sum().item()``, plotting) works as before.
+the values (``.detach()``, ``.sum().item()``, plotting) and changing them in place work as
+before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,71 +22,51 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from spikeckpt.engine.grad import alias_anchor
 from spikeckpt.engine.tree import tree_flatten, tree_unflatten
 from spikeckpt.errors import UsageError
 
 __all__ = ["hook_guard"]
 
 
-class _SeenByHook(torch.autograd.Function):
-    """``values`` themselves (views), as a hook sees them; backpropagating any of them raises,
-    unless the node is marked ``part_of_model`` (a hook returned a replacement of the layer's
-    output, built from the aliases: the model's own graph runs through it, gradients pass)."""
-
-    @staticmethod
-    def forward(ctx: Any, where: str, _anchor: Tensor | None, *values: Tensor) -> Any:  # type: ignore[override]
-        ctx.where = where
-        ctx.part_of_model = False
-        ctx.set_materialize_grads(False)
-        return tuple(v.view_as(v) for v in values)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if ctx.part_of_model:
-            return (None, None, *grads)
-        raise UsageError(
-            f"the loss backpropagates through a tensor a forward hook of layer {ctx.where} "
-            "saw in a wrapped run. spikeckpt calls a layer more often than your loop (a "
-            "shape probe, recomputation in the backward pass, a chunk of steps at a time "
-            "layer-wise) and runs most steps untaped, so a loss built from hooked tensors "
-            "cannot get the loop's gradients. Use hooks to watch values (detach them); "
-            "return what the loss needs from the model instead: output='both' for the last "
-            "neuron's membrane, Norse's return_hidden=True, or a module (or a spikeckpt.scan "
-            "step) whose output includes the hidden spikes"
-        )
+def _refuse(where: str, _grad: Tensor) -> None:
+    raise UsageError(
+        f"the loss backpropagates through a tensor a forward hook of layer {where} saw in a "
+        "wrapped run. spikeckpt calls a layer more often than your loop (a shape probe, "
+        "recomputation in the backward pass, a chunk of steps at a time layer-wise) and runs "
+        "most steps untaped, so a loss built from hooked tensors cannot get the loop's "
+        "gradients. Use hooks to watch values (detach them); return what the loss needs from "
+        "the model instead: output='both' for the last neuron's membrane, Norse's "
+        "return_hidden=True, or a module (or a spikeckpt.scan step) whose output includes the "
+        "hidden spikes"
+    )
 
 
 class _Aliases:
-    """The aliases of one call's tensors (``aliased``, the structure of ``own``): one node
-    for all of the call's floating-point tensors."""
+    """What the hooks of one call see (``aliased``, the structure of ``own``): each untaped
+    floating-point tensor of ``own`` as a leaf that shares its memory (an in-place change in
+    a hook changes the layer's tensor, as in the loop) and requires grad, as the loop's
+    tensors do; a gradient reaching it raises `UsageError`. Taped tensors (a step taped in
+    the forward pass) are handed over as they are: a loss through them fails in the backward
+    with torch's own error (their graph is the engine's, backpropagated by then)."""
 
     def __init__(self, where: str, own: Any) -> None:
         self.own = own
-        self.node: Any = None
         leaves, spec = tree_flatten(own)
-        at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
-        if not at:
-            self.aliased = own
-            return
-        values = [leaves[i] for i in at]
-        # untaped tensors: the anchor makes the aliases require grad, as the loop's tensors do
-        anchor = None if any(v.requires_grad for v in values) else alias_anchor()
-        with torch.enable_grad():
-            aliases = _SeenByHook.apply(where, anchor, *values)
-        self.node = aliases[0].grad_fn
-        for i, alias in zip(at, aliases, strict=True):
+        at = [
+            i
+            for i, t in enumerate(leaves)
+            if isinstance(t, Tensor) and t.is_floating_point() and not t.requires_grad
+        ]
+        for i in at:
+            alias = leaves[i].detach().requires_grad_()
+            alias.register_hook(functools.partial(_refuse, where))
             leaves[i] = alias
-        self.aliased = tree_unflatten(leaves, spec)
+        self.aliased = tree_unflatten(leaves, spec) if at else own
 
     def restore(self, result: Any) -> Any:
         """The layer's own tensors if the hooks left the aliases as they were; else the hooks'
-        replacement, its aliases then passing gradients as part of the model."""
-        if result is self.aliased:
-            return self.own
-        if self.node is not None:
-            self.node.part_of_model = True
-        return result
+        replacement (computed untaped: no graph reaches the aliases)."""
+        return self.own if result is self.aliased else result
 
 
 def _guard(module: nn.Module, where: str) -> list[RemovableHandle]:
