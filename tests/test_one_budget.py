@@ -128,6 +128,7 @@ def test_the_plan_says_when_the_host_tier_is_the_device() -> None:
     seq(x)
     choice = seq.last_decision.choice
     assert choice is not None and "host tier is this device's memory" in choice.summary()
+    assert str(choice) == choice.summary()  # print(choice): one line, not the dataclass's repr
     disk = sc.wrap(net, budget="4MiB", storage="disk")
     disk(x)
     assert "off the budget" in (disk.last_stats.note or "")

@@ -116,6 +116,10 @@ class PlanChoice:
         """The plan as it runs: ``"Uniform(interval=32)"`` or ``"layer-wise(chunk=20)"``."""
         return f"layer-wise(chunk={self.chunk})" if self.granularity == "layer" else repr(self.plan)
 
+    def __str__(self) -> str:
+        """`summary`: ``print(callback.plans["net"])`` prints one line."""
+        return self.summary()
+
     def summary(self) -> str:
         """One line: plan, modeled peak, what else the step holds, time factor."""
         step = self.step
