@@ -42,21 +42,20 @@ def _refuse(where: str, _grad: Tensor) -> None:
 
 
 class _Aliases:
-    """What the hooks of one call see (``aliased``, the structure of ``own``): each untaped
-    floating-point tensor of ``own`` as a leaf that shares its memory (an in-place change in
-    a hook changes the layer's tensor, as in the loop) and requires grad, as the loop's
-    tensors do; a gradient reaching it raises `UsageError`. Taped tensors (a step taped in
-    the forward pass) are handed over as they are: a loss through them fails in the backward
-    with torch's own error (their graph is the engine's, backpropagated by then)."""
+    """What the hooks of one call see (``aliased``, the structure of ``own``). In a step run
+    untaped (grad off), each floating-point tensor of ``own`` as a leaf that shares its
+    memory (an in-place change in a hook changes the layer's tensor, as in the loop) and
+    requires grad, as the loop's tensors do; a gradient reaching it raises `UsageError`. In a
+    step taped in the forward pass, ``own`` as it is: a loss through its tensors fails in the
+    backward with torch's own error (their graph is the engine's, backpropagated by then)."""
 
     def __init__(self, where: str, own: Any) -> None:
         self.own = own
+        if torch.is_grad_enabled():  # a taped step: the loop's tensors, as the loop has them
+            self.aliased = own
+            return
         leaves, spec = tree_flatten(own)
-        at = [
-            i
-            for i, t in enumerate(leaves)
-            if isinstance(t, Tensor) and t.is_floating_point() and not t.requires_grad
-        ]
+        at = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
         for i in at:
             alias = leaves[i].detach().requires_grad_()
             alias.register_hook(functools.partial(_refuse, where))
