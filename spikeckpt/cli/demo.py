@@ -441,7 +441,8 @@ def _progress_callback(console: Console, live: bool) -> Any:
 
 @contextlib.contextmanager
 def quiet_lightning() -> Iterator[None]:
-    """Silence what is not ours: Lightning's start-up notes and tips, a pytree deprecation.
+    """Silence what is not ours: Lightning's start-up notes and tips, a pytree deprecation and
+    its "GPU available but not used" (the demo names the GPU itself).
 
     Lightning's warnings about real problems still show (only the info level is hidden).
     """
@@ -455,6 +456,8 @@ def quiet_lightning() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+            # --device cpu is a choice here: the demo says itself when a GPU is present
+            warnings.filterwarnings("ignore", message=r"GPU available but not used")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
@@ -685,6 +688,8 @@ def _run(
     if device == "cpu":
         threads, reason = choose_threads()
         console.print(f"torch threads: {threads} ({reason})")
+        if torch.cuda.is_available():
+            console.print("a CUDA GPU is present: --device cuda trains on it")
     data = SHDDataModule(
         source.root,
         dt_us=dt_us,
