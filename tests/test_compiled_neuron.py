@@ -155,3 +155,46 @@ def test_a_top_neuron_emitting_its_states_runs_compiled(
     assert len(got) == (4 if kind == "Alpha" else 3)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+
+
+def test_generated_triton_code_rounds_as_eager_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H100 and H200 runs kept the compiled neuron eager: Triton's code differed from the
+    eager kernels (Triton contracts ``a * b + c`` into one FMA, eager CUDA rounds each op).
+    Every compile of ours passes `eager_numerics`; under it inductor's Triton launches ask for
+    no FP fusion and a correctly rounded division (read from inductor's own code generator,
+    which needs no GPU). A key this torch's inductor lacks is left out, not passed."""
+    from torch._inductor import config
+    from torch._inductor.codegen.triton import TritonKernel
+
+    options = compiled.eager_numerics()
+    assert options == {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
+    assert TritonKernel.triton_meta_common()["enable_fp_fusion"] is True  # inductor's default
+    with config.patch(options):
+        assert TritonKernel.triton_meta_common()["enable_fp_fusion"] is False
+        assert config.eager_numerics.division_rounding is True
+    monkeypatch.setattr(compiled, "EAGER_NUMERICS", {"no_such.setting": True, "nor_this": 1})
+    compiled.eager_numerics.cache_clear()
+    try:
+        assert compiled.eager_numerics() == {}
+    finally:
+        compiled.eager_numerics.cache_clear()
+
+
+def test_the_fused_neuron_compiles_with_eager_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each compiled copy of a fused neuron's forward is made with `eager_numerics` (the real
+    ``torch.compile``, watched)."""
+    seen: list[dict[str, Any]] = []
+    real = torch.compile
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("options") or {})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiled.torch, "compile", watched)
+    monkeypatch.setattr(compiled, "compiled_is_faster", lambda *args: True)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), snn.Leaky(beta=0.9))
+    seq = sc.wrap(net, granularity="layer", chunk=3, compile=True)
+    seq((torch.rand(6, 2, 4) < 0.5).float()).sum().backward()
+    assert seen and all(options == compiled.eager_numerics() for options in seen)
+    assert seq.last_stats.blocks[0].neuron_chunks == {"compiled": 2}

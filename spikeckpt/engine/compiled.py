@@ -17,6 +17,10 @@ not pay where it was measured, so ``compile="auto"`` (the default) leaves it eag
   shapes (kept eager by the check below), and the chunk lengths and grad modes of one run
   reached dynamo's recompile limit (since then each key compiles its own copy, `own_code`,
   and the kernels trace without graph breaks: no host loop, no value read while compiling).
+  On an H100 (2026-11-27) the check kept it eager at 16 x 512. Triton contracts ``a * b + c``
+  into one FMA where eager CUDA rounds each op; every compile here now passes
+  `eager_numerics` (no FP fusion, eager's rounding of fp16 / bf16 and of division), not yet
+  run on a GPU.
 
 Compiling costs seconds once per shape (2-17 s measured on CPU); inductor caches the compiled
 code across processes (``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder),
@@ -57,6 +61,7 @@ __all__ = [
     "compiled_is_faster",
     "compiled_kernel",
     "compiler_missing",
+    "eager_numerics",
     "is_compiling",
     "note_eager",
     "own_code",
@@ -108,6 +113,36 @@ def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
         function.__closure__,
     )
     return types.MethodType(copy, owner)
+
+
+#: inductor settings that keep eager's rounding in generated Triton code: no contraction of
+#: a product and a sum into one FMA (``emulate_precision_casts`` turns Triton's
+#: ``enable_fp_fusion`` off; eager CUDA rounds every op), fp16 / bf16 rounded between fused
+#: ops as eager does, and ``x / y`` correctly rounded (Triton's default is an approximate
+#: division). The C++ backend already compiles without contraction (``-ffp-contract=off``).
+EAGER_NUMERICS = {
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+}
+
+
+@functools.cache
+def eager_numerics() -> dict[str, bool]:
+    """`EAGER_NUMERICS` as inductor options, those this torch's inductor has (2.14 has
+    both; an older one may lack the second, then its division stays Triton's)."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return {}
+    found = {}
+    for key, value in EAGER_NUMERICS.items():
+        owner: Any = config
+        *path, name = key.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, name):
+            found[key] = value
+    return found
 
 
 @functools.cache
@@ -216,7 +251,9 @@ class CompiledKernel:
         where equal and no slower. Remembers and returns the choice. ``flags``: ``(keep,
         want_mem, emit)``."""
         args = (leaves, z, *flags[:2], True, None, flags[2])  # forward's, positional
-        compiled = torch.compile(own_code(self.kernel.forward), dynamic=False)
+        compiled = torch.compile(
+            own_code(self.kernel.forward), dynamic=False, options=eager_numerics()
+        )
         self.compiled[key] = compiled
         got = compiled(*args)  # compiles
         want = self.kernel.forward(*args)

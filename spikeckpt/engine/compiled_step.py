@@ -40,7 +40,13 @@ from typing import Any
 
 import torch
 
-from spikeckpt.engine.compiled import compiler_missing, note_eager, own_code, under_dispatch_mode
+from spikeckpt.engine.compiled import (
+    compiler_missing,
+    eager_numerics,
+    note_eager,
+    own_code,
+    under_dispatch_mode,
+)
 
 __all__ = ["CompiledStep", "compiled_step", "exact_backend"]
 
@@ -86,7 +92,7 @@ def exact_backend() -> Callable[..., Any] | str:
             graph,
             inputs,
             inner_compile=inner,
-            config_patches={"fallback_random": True},
+            config_patches={"fallback_random": True, **eager_numerics()},
             decompositions=table,
         )
 
