@@ -34,16 +34,22 @@
 # 200 s at T = 4000 alone with REPEATS=1 (stopped); step 5 with REPEATS=2 and step 4 at
 # T = 1000 with REPEATS=1 94 s together; step 6's script about 20 s. A lease of 15 minutes (the
 # machine's start, 30-60 s, included) holds the whole suite only with STEP_TIMEOUT or fewer
-# STEPS. Next time, first (about 6 minutes): STEPS="1 3 6 7 2" PEERS_N="512 8192" REPEATS=1
-# STEP_TIMEOUT=200 (step 3 first after the tests: its stack rows read a packed index train,
-# which copied from the host at every step until 2026-11-26; step 1 has a Norse layer-wise
-# CUDA test that should now run fused; step 4's compiled row is left out unless
+# STEPS. Measured on an H100 (2026-11-27, torch 2.11): step 1 126 s, step 2 69 s + 32 s,
+# step 3 at n = 512 and 8192 171 s, step 6 27 s, step 7 62 s (STEPS="1 3 6 7 2"
+# PEERS_N="512 8192" REPEATS=1 STEP_TIMEOUT=200: 325 s, then 283 s for steps 1 and 2 again).
+# Next time, first (about 6 minutes): STEPS="3 5 4 1" PEERS_N="512 2048" REPEATS=1
+# TABLE_T=4000 STEP_TIMEOUT=150 (step 3's compile=True row: does the compiled fused neuron,
+# now compiled with eager rounding, equal the eager one and run faster? step 5 and step 4 at
+# T = 4000 have not run since 2026-11-26; step 4's compiled row is left out unless
 # TABLE_COMPILED=1).
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
 # H200 run did: for p in norse snntorch tonic nir nirtorch importRosbag checkpoint_schedules;
 # do cp -r $SITE/$p $SITE/$p-*.dist-info .devsite/; done; PYTHONPATH=$PWD/.devsite PYTHON=python3
+# (.devsite is ignored by git: name it in the device tool's carry). Carry only these
+# pure-Python packages: the machine has pytest, xdist and hypothesis (a hypothesis copied
+# from Python 3.11 did not import on its 3.12, 2026-11-27).
 # Exits 2 at once, writing nothing, when no CUDA device is present; else 1 when any step
 # failed, 0 when all passed. SUITE_DEVICE=cpu runs the same steps on the CPU (no CUDA check,
 # the benchmarks with --device cpu): only to check the suite itself on a machine without a GPU,

@@ -7,8 +7,9 @@ stack granularity's ``BPTT()`` (packed input: 1.5-1.6x the loop on the H200), on
 untimed forward + backward each, then one of each under ``torch.profiler`` (CPU activity, and
 CUDA's on a GPU). Printed per run: its wall time unprofiled (minimum of ``--repeats``), the
 profiler's top operations by self time on the device (CUDA: kernels; CPU: ops), and the host's
-waits for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy*``,
-``aten::item`` / ``_local_scalar_dense``: each one stalls the launch queue). Made for the
+waits for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy*``)
+and, apart, its value reads (``aten::item`` / ``_local_scalar_dense``: a wait when the tensor
+is on the device, none for a host tensor such as an index train's offsets). Made for the
 question the H200 left (layer-wise fused at n = 8192 took 1.70x the loop's time there).
 
     python benchmarks/profile_layerwise.py --device cuda --n 8192   # the GPU (suite step 7)
@@ -40,9 +41,10 @@ WAITS = (
     "cudaEventSynchronize",
     "cudaMemcpy",
     "cudaMemcpyAsync",
-    "aten::item",
-    "aten::_local_scalar_dense",
 )
+#: reads of a tensor's value: a device wait for a device tensor, none for a host one (the
+#: profiler does not say which; an index train's offsets live on the host)
+READS = ("aten::item", "aten::_local_scalar_dense")
 
 
 def runs(setup: Any, chunk: int, storage: str) -> dict[str, Callable[[], Any]]:
@@ -119,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n## {name}: {best[name]:.4g} s (min of {args.repeats}, unprofiled)\n")
         print(events.table(sort_by=key, row_limit=args.top, max_name_column_width=60))
         waits = {e.key: e.count for e in events if any(e.key.startswith(w) for w in WAITS)}
-        print("host waits for the device:", waits or "none")
+        reads = {e.key: e.count for e in events if e.key in READS}
+        print("device synchronizations and copies:", waits or "none")
+        print("value reads (of host or device tensors):", reads or "none")
     ratio = best[f"layer-wise fused, chunk {args.chunk}"] / best["snnTorch loop"]
     print(f"\nlayer-wise / loop: {ratio:.2f}")
     print(f"stack BPTT() / loop: {best['stack BPTT()'] / best['snnTorch loop']:.2f}")

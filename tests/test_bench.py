@@ -338,8 +338,8 @@ def test_bench_exact_prints_the_exact_run_bitwise(capsys: pytest.CaptureFixture[
 
 def test_profile_layerwise_prints_every_run(capsys: pytest.CaptureFixture[str]) -> None:
     """``profile_layerwise.py`` (step 7 of the GPU suite) at a small size: a profile of each
-    run (the loop, layer-wise, stack ``BPTT()``), the host's waits for the device, and the
-    ratios of the times to the loop's."""
+    run (the loop, layer-wise, stack ``BPTT()``), the host's waits for the device and its value
+    reads apart, and the ratios of the times to the loop's."""
     pytest.importorskip("snntorch")
     threads = torch.get_num_threads()
     try:
@@ -349,6 +349,10 @@ def test_profile_layerwise_prints_every_run(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "## snnTorch loop: " in out and "## layer-wise fused, chunk 25: " in out
     assert "## stack BPTT(): " in out
-    assert out.count("host waits for the device:") == 3
+    assert out.count("device synchronizations and copies:") == 3
+    assert out.count("value reads (of host or device tensors):") == 3
+    # layer-wise reads host values (the index train's offsets): listed, not called waits
+    layer = out.split("## layer-wise fused")[1].split("## stack")[0]
+    assert "value reads (of host or device tensors): {'aten::item'" in layer
     assert re.search(r"layer-wise / loop: \d+\.\d\d", out)
     assert re.search(r"stack BPTT\(\) / loop: \d+\.\d\d", out)
