@@ -579,8 +579,8 @@ def wrap(
             a Norse ``SequentialState``, a single neuron / cell / Norse sequence module, or any
             module with ``forward(x, state) -> (y, state)``.
         plan: a plan (``spikeckpt.plans.Revolve(8)``, ...), a ``Schedule`` or ``"auto"``
-            (``plans.choose`` for ``budget``; without a budget: 90% of the free CUDA memory,
-            or ``Uniform()`` on the CPU).
+            (``plans.choose`` for ``budget``; without a budget: 90% of the CUDA memory free
+            at the first call, or ``Uniform()`` on the CPU).
         storage: where remote checkpoints go: ``"host"``, ``"disk"`` or ``"device"``.
         readout: ``None`` (outputs ``(T, B, ...)``), ``"sum"``, ``"mean"``, ``"last"``,
             ``"max"``, ``"min"`` or ``fold(acc, y_t, t)``; reduces inside the loop.

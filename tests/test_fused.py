@@ -1021,7 +1021,11 @@ def test_stats_say_how_a_compiled_neuron_ran(
     replaced by a wrapper (exact, or one that moves the membrane) to decide the outcome."""
     from spikeckpt.engine import compiled as compiled_module
 
-    def fake_compile(fn: Callable[..., Any], dynamic: bool = False) -> Callable[..., Any]:
+    def fake_compile(
+        fn: Callable[..., Any], dynamic: bool = False, options: Any = None
+    ) -> Callable[..., Any]:
+        assert options == compiled_module.eager_numerics()
+
         def run(leaves: list[Tensor], *rest: Any) -> Any:
             final, y, mem, saved = fn(leaves, *rest)
             return [f + 1 if differs else f for f in final], y, mem, saved
@@ -1065,7 +1069,7 @@ def test_a_compiled_neuron_runs_eagerly_under_a_dispatch_mode(
 
     calls: list[int] = []
 
-    def counting_compile(fn: Callable[..., Any], dynamic: bool = False) -> Callable[..., Any]:
+    def counting_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
             calls.append(1)
             return fn(*args)
@@ -1105,7 +1109,7 @@ def test_a_compiled_neuron_does_not_outlive_its_model(monkeypatch: pytest.Monkey
     from spikeckpt.engine import compiled as compiled_module
 
     monkeypatch.setattr(
-        compiled_module.torch, "compile", lambda fn, dynamic=False: lambda *args: fn(*args)
+        compiled_module.torch, "compile", lambda fn, **kwargs: lambda *args: fn(*args)
     )
     monkeypatch.setattr(compiled_module, "compiler_missing", lambda device_type: None)
     monkeypatch.setattr(compiled_module, "compiled_is_faster", lambda *args: True)

@@ -304,3 +304,67 @@ def test_a_train_turning_graded_after_planning_is_planned_again_with_a_warning()
             _, peak = _metered(lambda seq=seq: seq(x), net, x)
         assert seq.last_decision.choice.packed_inputs == ()
         assert peak <= budget, (budget, peak)
+
+
+class _CountedPlanners:
+    """`spikeckpt.planning.decide.BudgetPlanner` counted: each one made plans (and probes)
+    afresh."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from spikeckpt.planning import decide
+
+        self.made = 0
+        real = decide.BudgetPlanner
+        counts = self
+
+        class Counted(real):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                counts.made += 1
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(decide, "BudgetPlanner", Counted)
+
+
+def test_auto_without_a_budget_reads_the_free_cuda_memory_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``plan="auto"`` without a budget plans to 90% of the CUDA memory free at the first
+    call, kept: on an H100 the free memory read at each call moved with the caching
+    allocator's pool, and each new value made a new planner that probed the model again
+    inside the step (2026-11-27). The free memory is given here (no GPU on this machine):
+    it shrinks at every read, as the pool grows."""
+    from spikeckpt.planning import decide
+
+    free = iter(range(8 << 30, 0, -(64 << 20)))
+    reads: list[int] = []
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        reads.append(next(free))
+        return reads[-1], 80 << 30
+
+    monkeypatch.setattr(decide, "compute_device", lambda model, x: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    planner = decide.Planner("auto", None, "auto", None)
+    budgets = [planner._budget_for(_net(), _x()) for _ in range(3)]
+    assert budgets == [int(0.9 * (8 << 30))] * 3 and len(reads) == 1
+    assert decide.Planner(Uniform(4), None, "auto", None)._budget_for(_net(), _x()) is None
+    assert decide.Planner("auto", "2MiB", "auto", None)._budget_for(_net(), _x()) == 2 << 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_cuda_plans_once_while_the_free_memory_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same on a GPU: three training steps of ``plan="auto"`` without a budget, with
+    64 MiB more held by someone else before each; one planner, one plan."""
+    counted = _CountedPlanners(monkeypatch)
+    net = _net().cuda()
+    seq = sc.wrap(net, plan="auto")
+    x = _x().cuda()
+    held = []
+    plans = []
+    for _ in range(3):
+        held.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+        seq(x).sum().backward()
+        plans.append(seq.last_stats.plan)
+    assert counted.made == 1 and plans[1:] == plans[:1] * 2

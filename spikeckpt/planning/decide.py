@@ -12,8 +12,8 @@ and returns a `Decision`; decisions are cached per input shape ``(T, B)``.
   does not fit). Without one, a given plan runs as given, except that a plan built without
   intervals (``Double()``, ``Uniform()``, ``TwoLevel(s)``) gets them from one probe
   (`probe_model`) through
-  `fill`; ``plan="auto"`` plans to 90% of the free CUDA
-  memory on a GPU and runs ``Uniform(ceil(sqrt(T)))`` on the CPU.
+  `fill`; ``plan="auto"`` plans to 90% of the CUDA memory free at its first call on a
+  GPU (read once) and runs ``Uniform(ceil(sqrt(T)))`` on the CPU.
 - `BudgetPlanner` (also what the Lightning callback installs) plans to a budget with
   the full probe, agrees across DDP ranks, and remembers its choices in a checkpoint.
 
@@ -78,8 +78,8 @@ class Planner:
         budget: the training step's device budget (bytes or a string like ``"2GiB"``; the
             one account of [`spikeckpt.plans.account`][spikeckpt.plans.account]): ``plan="auto"`` chooses within
             it, a plan given is checked against it (`BudgetPlanner` does both). None:
-            for ``"auto"``, 90% of the free CUDA memory on a GPU, ``Uniform(ceil(sqrt(T)))``
-            on the CPU; a plan given runs as given.
+            for ``"auto"``, 90% of the CUDA memory free at the first call on a GPU (kept),
+            ``Uniform(ceil(sqrt(T)))`` on the CPU; a plan given runs as given.
         granularity: ``"stack"``, ``"layer"`` or ``"auto"``.
         chunk: layer-wise steps per chunk (None: with a budget, the largest that fits it;
             without, the plan's interval, else ``ceil(sqrt(T))``).
@@ -100,19 +100,30 @@ class Planner:
         self.decisions: dict[ShapeKey, Decision] = {}
         self.filled: dict[tuple[Any, int, int], Plan] = {}
         self.budgeted: BudgetPlanner | None = None
+        #: CUDA device index -> the budget of ``plan="auto"`` without one (`_budget_for`)
+        self.free_budgets: dict[int, int] = {}
         #: `model_signature` of the model ``filled`` and ``decisions`` were measured on
         self.signature: tuple[Any, ...] | None = None
 
     def _budget_for(self, model: Planned, x: Any) -> int | None:
         """The budget to plan with: the one given; for ``"auto"`` without one, 90% of the
-        free CUDA memory on a GPU (None on the CPU)."""
+        CUDA memory free at the first call on that GPU, read once and kept (None on the CPU).
+
+        Read at every call, the budget moved whenever the caching allocator's pool or
+        another process's memory did (the pool grows over the first calls and holds what
+        this model's steps freed): each new value made a new `BudgetPlanner`, which probed
+        the model again (forward and backward passes at several chunk lengths) inside the
+        caller's step, and could shrink the budget the model's own cache had taken."""
         if self.budget is not None or not (isinstance(self.plan, str) and self.plan == "auto"):
             return self.budget
         device = compute_device(model, x)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * 0.9)
-        return None
+        if device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.free_budgets:
+            free, _ = torch.cuda.mem_get_info(index)
+            self.free_budgets[index] = int(free * 0.9)
+        return self.free_budgets[index]
 
     def _filled(self, model: Planned, x: Tensor, state: Any, plan: Plan) -> Plan:
         """``plan`` with the intervals it leaves open chosen from a probe of the model."""
