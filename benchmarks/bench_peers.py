@@ -148,6 +148,9 @@ def make_setup(n: int, args: argparse.Namespace) -> Setup:
     return setup
 
 
+#: seconds of planning in a timed call past which the row says so (a reused plan: microseconds)
+PLANNING_NOTED = 1e-3
+
 # ----------------------------------------------------------------------------- rows
 
 
@@ -167,6 +170,7 @@ class Row:
     plan: str = "-"
     grad: Tensor | None = None
     grad_rel: float | None = None
+    planning: float = 0.0  # the most seconds a timed call spent choosing its plan
 
     @property
     def time(self) -> float:
@@ -483,8 +487,13 @@ def bench(n: int, args: argparse.Namespace) -> tuple[list[Row], list[tuple[str, 
             _call(row, s.device)
     for _ in range(args.repeats):  # interleaved rounds; each row's time is its minimum
         for row in rows:
-            seconds, _ = _call(row, s.device)
+            seconds, result = _call(row, s.device)
             row.times.append(seconds)
+            stats = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+            row.planning = max(row.planning, getattr(stats, "planning_seconds", 0.0))
+    for row in rows:  # a timed call that planned again (probes) did not time the step alone
+        if row.planning > PLANNING_NOTED:
+            print(f"  n={n} {row.name}: a timed call planned again ({row.planning:.3g} s)")
     return rows, skipped
 
 

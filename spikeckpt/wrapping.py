@@ -40,7 +40,7 @@ from spikeckpt.errors import (
     UnlistedParamsError,
     UnsupportedLayerError,
 )
-from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner
+from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner, timed_decision
 from spikeckpt.storage.tiers import check_storage
 from spikeckpt.units import format_bytes, parse_bytes
 from spikeckpt.wrap_options import (
@@ -299,7 +299,7 @@ class CheckpointedSequence(Remade):
             state = self.adapter.coerce_state(state, x_0)
         del x_0
         planner = self.planner if self.planner is not None else self._own_planner()
-        decision = planner.decide(self, x, state)
+        decision, planning = timed_decision(planner, self, x, state)
         self.last_decision = decision
         try:
             if decision.granularity == "layer":
@@ -324,6 +324,7 @@ class CheckpointedSequence(Remade):
             raise self._unlisted(err, x, state) from None
         finally:
             self.adapter.cleanup()
+        self.last_stats.planning_seconds = planning
         if decision.choice is not None:  # planned for a budget: the step as planned
             self.last_stats.planned = decision.choice.step
             self.last_stats.note = decision.choice.note
@@ -609,9 +610,8 @@ def wrap(
             otherwise; decided once per ``(T, B)``). With layer-wise, ``seq.last_stats`` is a
             [`LayerwiseStats`][spikeckpt.engine.stats.LayerwiseStats] (spike density per block, bytes
             the codecs saved); ``storage="device"`` keeps the trains unpacked on the device.
-        chunk: layer-wise time steps per chunk (default: the plan's interval, e.g.
-            ``Uniform(k)`` -> ``k``, else ``ceil(sqrt(T))``); refused with
-            ``granularity="stack"``, which has no chunks.
+        chunk: layer-wise time steps per chunk (default: the plan's interval, e.g. ``Uniform(k)``
+            -> ``k``, else ``ceil(sqrt(T))``); refused with ``granularity="stack"``.
         directory: parent folder of the disk tier's files (``storage="disk"`` only).
         pack_tape: keep the binary tensors autograd saves in taped steps packed (see
             [`scan`][spikeckpt.engine.scan.scan]); the stack granularity's tape only: refused
@@ -627,10 +627,10 @@ def wrap(
             ``LSNNRecurrentCell``: docs/speed.md) over a chunk fused; False: per step.
             ``seq.last_stats.blocks[i].neuron`` says how each block's neuron ran.
         compile: layer-wise, fused neurons: True compiles their forward with
-            ``torch.compile`` (`spikeckpt.engine.compiled`; checked bitwise against the eager
-            forward on each shape's first chunk); ``"auto"`` (default) and False keep it
-            eager (measured no faster compiled, on the CPU and on an H200). Without a
-            compiler: eager, with one line.
+            ``torch.compile`` (`spikeckpt.engine.compiled`: eager's rounding asked of inductor,
+            checked bitwise against the eager forward on each shape's first chunk); ``"auto"``
+            (default) and False keep it eager (no faster where measured). Without a compiler:
+            eager, with one line.
             Stack granularity: True compiles the model's step (`spikeckpt.engine.compiled_step`:
             seconds once per shape; outputs bitwise, gradients inductor sums at round-off; 3 x 8
             neurons: 0.4x the eager time); "auto" and False keep it eager (`last_stats`).

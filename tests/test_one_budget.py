@@ -368,3 +368,16 @@ def test_auto_on_cuda_plans_once_while_the_free_memory_moves(
         seq(x).sum().backward()
         plans.append(seq.last_stats.plan)
     assert counted.made == 1 and plans[1:] == plans[:1] * 2
+
+
+def test_a_call_says_how_long_it_spent_choosing_its_plan() -> None:
+    """``last_stats.planning_seconds``: the first call with a budget probes the model inside
+    it; the next reuses the plan (no probe); a new length plans again. A benchmark times only
+    calls that did not plan (``bench_peers.py`` says when one did)."""
+    seq = sc.wrap(_net(), plan="auto", budget="8MiB")
+    seconds = []
+    for x in (_x(), _x(), _x()[:40]):
+        seq(x).sum().backward()
+        seconds.append(seq.last_stats.planning_seconds)
+    first, reused, new_length = seconds
+    assert first > 10 * reused and new_length > 10 * reused, seconds

@@ -113,6 +113,9 @@ class ScanStats:
             run's host tier), None otherwise.
         step_compiled: the stack granularity's step ran compiled (``compile=True``,
             `spikeckpt.engine.compiled_step`).
+        planning_seconds: a wrapped model's call: seconds it spent choosing its plan, probes
+            of the model included (the first call of a shape; near 0 when a plan is reused).
+            A benchmark times calls where it is near 0.
     """
 
     plan: str
@@ -135,6 +138,7 @@ class ScanStats:
     planned: StepBytes | None = None
     note: str | None = None
     step_compiled: bool = False
+    planning_seconds: float = 0.0
 
     @property
     def recompute_factor(self) -> float:

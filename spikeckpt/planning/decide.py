@@ -27,6 +27,7 @@ the stack plan's step as one (`BudgetPlanner.layer_within`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ __all__ = [
     "Planner",
     "StepBytes",
     "host_is_device",
+    "timed_decision",
 ]
 
 ShapeKey = tuple[int, int]
@@ -197,3 +199,14 @@ class Planner:
         if chunk is None:
             return Decision("stack", plan)
         return Decision("layer", plan, chunk)
+
+
+def timed_decision(
+    planner: Planner | BudgetPlanner, model: Planned, x: Any, state: Any
+) -> tuple[Decision, float]:
+    """``planner.decide(model, x, state)`` and the seconds it took: the probes of a first
+    call (or of a changed model, shape or budget) run inside it; a plan reused costs
+    microseconds."""
+    started = time.perf_counter()
+    decision = planner.decide(model, x, state)
+    return decision, time.perf_counter() - started
