@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         setup.snn_net.zero_grad(set_to_none=True)
         sync()
         with profile(activities=activities) as prof:
-            run()
+            result = run()
             sync()
         events = prof.key_averages()
         print(f"\n## {name}: {best[name]:.4g} s (min of {args.repeats}, unprofiled)\n")
@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         reads = {e.key: e.count for e in events if e.key in READS}
         print("device synchronizations and copies:", waits or "none")
         print("value reads (of host or device tensors):", reads or "none")
+        stats = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+        if stats is not None:  # probes inside the profiled call would be profiled too
+            print(f"planning inside the call: {stats.planning_seconds:.3g} s")
     ratio = best[f"layer-wise fused, chunk {args.chunk}"] / best["snnTorch loop"]
     print(f"\nlayer-wise / loop: {ratio:.2f}")
     print(f"stack BPTT() / loop: {best['stack BPTT()'] / best['snnTorch loop']:.2f}")

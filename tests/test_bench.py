@@ -351,6 +351,9 @@ def test_profile_layerwise_prints_every_run(capsys: pytest.CaptureFixture[str]) 
     assert "## stack BPTT(): " in out
     assert out.count("device synchronizations and copies:") == 3
     assert out.count("value reads (of host or device tensors):") == 3
+    # the wrapped runs reuse their plan in the profiled call (planned in the untimed first)
+    planning = re.findall(r"planning inside the call: (\S+) s", out)
+    assert len(planning) == 2 and all(float(p) < 1e-2 for p in planning), planning
     # layer-wise reads host values (the index train's offsets): listed, not called waits
     layer = out.split("## layer-wise fused")[1].split("## stack")[0]
     assert "value reads (of host or device tensors): {'aten::item'" in layer
