@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Literal, overload
 
 from spikeckpt.errors import ConfigError
 from spikeckpt.plans.schedule import Schedule
@@ -19,6 +19,14 @@ def check_length(T: Any) -> int:
     if T < 1:
         raise ConfigError(f"the sequence length T must be >= 1 step, got T={T}")
     return T
+
+
+@overload
+def check_count(name: str, value: Any, *, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def check_count(name: str, value: Any, *, allow_none: bool) -> int | None: ...
 
 
 def check_count(name: str, value: Any, *, allow_none: bool = False) -> int | None:
@@ -111,7 +119,7 @@ class Plan(ABC):
 @functools.cache
 def _defaults(cls: type) -> dict[str, Any]:
     """Constructor argument -> default value, for the arguments that have one."""
-    parameters = inspect.signature(cls.__init__).parameters.values()
+    parameters = inspect.signature(cls).parameters.values()
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 

@@ -228,6 +228,7 @@ class Schedule:
     T: int
     plan: str
     parts: tuple[Action | Block, ...]
+    _length: int | None
 
     def __init__(
         self, T: int, actions: Iterable[Action | Block] = (), plan: str = "custom"
@@ -252,7 +253,8 @@ class Schedule:
             for _ in self:
                 count += 1
             object.__setattr__(self, "_length", count)
-        return self._length  # type: ignore[return-value]
+            return count
+        return self._length
 
     def __getitem__(self, position: int) -> Action:
         return _at(self, position)
