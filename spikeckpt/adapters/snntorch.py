@@ -103,12 +103,12 @@ def _like_input(n: int) -> Init:
     return lambda m, x: tuple(torch.zeros_like(x) for _ in range(n))
 
 
-def _slstm_init(m: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
+def _slstm_init(m: Any, x: Tensor) -> tuple[Tensor, ...]:
     z = x.new_zeros(x.shape[0], m.hidden_size)
     return z, z.clone()
 
 
-def _sconv_init(m: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
+def _sconv_init(m: Any, x: Tensor) -> tuple[Tensor, ...]:
     z = x.new_zeros(x.shape[0], m.out_channels, x.shape[2], x.shape[3])
     return z, z.clone()
 
@@ -326,7 +326,7 @@ _HEAVISIDE_PROBE = (-2.0, -1e-30, -0.0, 0.0, 1e-30, 2.0)
 
 
 def snntorch_kernel(
-    m: nn.Module,
+    m: Any,
 ) -> Kernel | None:
     """The chunk kernel for the snnTorch neuron ``m`` (see
     `SnnTorchNeuronAdapter.chunk_kernel`), or None."""
@@ -399,12 +399,12 @@ def _fires_above_zero(spike: Callable[[Tensor], Tensor]) -> bool:
 
 
 def _recurrent_kernel(
-    m: nn.Module, spike: Any, reset: Reset, written: Callable[[Tensor, Tensor], Tensor] | None
+    m: Any, spike: Any, reset: Reset, written: Callable[[Tensor, Tensor], Tensor] | None
 ) -> RecurrentKernel | None:
     """``RLeaky``'s or ``RSynaptic``'s kernel where its recurrent map is torch's own
     ``Linear`` (``all_to_all=True`` with ``linear_features``) or snnTorch's one-to-one ``spk *
     V``, with no forward hook; None for a convolutional one (it steps per call)."""
-    rec = getattr(m, "recurrent", None)
+    rec: Any = getattr(m, "recurrent", None)
     synaptic = isinstance(m, snn.RSynaptic)
 
     def decays() -> tuple[Tensor, ...]:
@@ -471,7 +471,7 @@ _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_bas
 Step = Callable[[State, Tensor], tuple[State, Tensor]]
 
 
-def _fast_leaky_step(m: nn.Module, state_cls: type) -> Step | None:
+def _fast_leaky_step(m: Any, state_cls: type) -> Step | None:
     """A step running snnTorch ``Leaky.forward``'s tensor ops without its bookkeeping, or None
     when ``m`` is not a plain ``Leaky`` (exactly that class, ``reset_delay=True``, no
     ``state_quant``, ``inhibition``, instance ``forward`` or replaced state function).
