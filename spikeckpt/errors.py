@@ -8,6 +8,8 @@ built-in exception it stands for (a bad value is a ``ValueError``, a wrong type 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class SpikeckptError(Exception):
     """Base class of every error spikeckpt raises on purpose."""
@@ -74,6 +76,6 @@ class UnlistedParamsError(SpikeckptError, ValueError):
         tensors: the tensors found (leaves of the step's autograd graph).
     """
 
-    def __init__(self, message: str, tensors: list[object] | None = None) -> None:
+    def __init__(self, message: str, tensors: Sequence[object] | None = None) -> None:
         super().__init__(message)
         self.tensors = list(tensors or [])

@@ -127,14 +127,14 @@ EAGER_NUMERICS = {
 
 
 @functools.cache
-def eager_numerics() -> dict[str, bool]:
+def eager_numerics() -> dict[str, Any]:
     """`EAGER_NUMERICS` as inductor options, those this torch's inductor has (2.14 has
     both; an older one may lack the second, then its division stays Triton's)."""
     try:
         from torch._inductor import config
     except ImportError:  # pragma: no cover - a torch without inductor
         return {}
-    found = {}
+    found: dict[str, Any] = {}
     for key, value in EAGER_NUMERICS.items():
         owner: Any = config
         *path, name = key.split(".")
