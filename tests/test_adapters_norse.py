@@ -16,6 +16,7 @@ import torch
 from device_copies import HostToDeviceCopies
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from norse_cells import counted_gathers
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
@@ -660,7 +661,6 @@ def test_a_recurrent_cell_first_gathers_its_sparse_input(
     and ``W_in``'s gradient over them, unless ``exact=True`` (the cell's own product per
     step). Weights on a 1/4 grid, so every sum is exact in any order: spikes and outputs
     bitwise Norse's loop either way, gradients within round-off."""
-    from spikeckpt.adapters import recurrent_kernel
 
     torch.manual_seed(seed)
     n_in, hidden = 64, 48
@@ -678,22 +678,12 @@ def test_a_recurrent_cell_first_gathers_its_sparse_input(
     want = torch.stack(want_list)
     # (an LSNN's input reaches the membrane a step later: at T = 1, W_in is unused)
     want_grads = torch.autograd.grad(want.sum(), params, allow_unused=True)
-    gather = recurrent_kernel.gather
-    calls = []
-
-    def counted(*args: Any, **kwargs: Any) -> Tensor:
-        calls.append(1)
-        return gather(*args, **kwargs)
-
-    recurrent_kernel.gather = counted
-    try:
+    with counted_gathers() as calls:
         seq = sc.wrap(net, granularity="layer", chunk=chunk, exact=exact)
         got = seq(x)[0]
         got_grads = torch.autograd.grad(got.sum(), params, allow_unused=True)
         spikes = sc.wrap(nt.SequentialState(cell), granularity="layer", chunk=chunk, exact=exact)
         got_spikes = spikes(x)[0]
-    finally:
-        recurrent_kernel.gather = gather
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
     # the tests' gather rule (conftest): a chunk of at most 1/16 ones gathers
     sparse = any(bool(c.count_nonzero() <= c.numel() / 16) for c in x.split(chunk))

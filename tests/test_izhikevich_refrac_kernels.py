@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from norse_cells import close, norse_loop
+from norse_cells import check_learnable_field, close, norse_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -113,20 +113,9 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(
     with torch.no_grad():
         net[0].weight.mul_(gain)
     x = (torch.rand(10, 2, 4) < 0.5).float() * 2
-    wrt = [*net.parameters(), field]
     want = norse_loop(lambda x_t, s: net[1](net[0](x_t), s), x)
     assert want.sum() > 0
-    want_grads = torch.autograd.grad(want.sum(), wrt)
-    assert want_grads[-1].abs().sum() > 0
-    seq = sc.wrap(net, granularity="layer", chunk=4)
-    got = seq(x)
-    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
-    assert torch.equal(got, want)
-    for a, b in zip(want_grads, torch.autograd.grad(got.sum(), wrt), strict=True):
-        close(a, b)
-    field.requires_grad_(False)
-    seq(x)
-    assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+    check_learnable_field(net, x, field, want)
 
 
 @pytest.mark.parametrize("method", ["super", "triangle"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from norse_cells import close, norse_loop
+from norse_cells import check_learnable_field, close, counted_gathers, norse_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -287,20 +287,9 @@ def test_a_learnable_parameter_field_keeps_the_per_step_call(name: str) -> None:
     with torch.no_grad():
         net[0].weight.mul_(8.0)
     x = (torch.rand(10, 2, 4) < 0.5).float() * 2
-    wrt = [*net.parameters(), field]
     want = norse_loop(net, x)
     assert want.sum() > 0
-    want_grads = torch.autograd.grad(want.sum(), wrt)
-    assert want_grads[-1].abs().sum() > 0
-    seq = sc.wrap(net, granularity="layer", chunk=4)
-    got, _ = seq(x)
-    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step"]
-    assert torch.equal(got, want)
-    for a, b in zip(want_grads, torch.autograd.grad(got.sum(), wrt), strict=True):
-        close(a, b)
-    field.requires_grad_(False)
-    seq(x)
-    assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+    check_learnable_field(net, x, field, want)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -320,7 +309,6 @@ def test_a_recurrent_refractory_cell_first_gathers_its_sparse_input(
     chunk) and ``W_in``'s gradient over them, unless ``exact=True`` (the cell's own product
     per step). Weights on a 1/4 grid, so every sum is exact in any order: the cell's spikes
     bitwise Norse's loop either way, the output and gradients within round-off."""
-    from spikeckpt.adapters import recurrent_kernel
 
     torch.manual_seed(seed)
     n_in, hidden = 64, 48
@@ -334,21 +322,12 @@ def test_a_recurrent_refractory_cell_first_gathers_its_sparse_input(
     params = list(net.parameters())
     want = norse_loop(net, x)
     want_grads = torch.autograd.grad(want.sum(), params)
-    gather, calls = recurrent_kernel.gather, []
-
-    def counted(*args: Any, **kwargs: Any) -> Tensor:
-        calls.append(1)
-        return gather(*args, **kwargs)
-
-    recurrent_kernel.gather = counted
-    try:
+    with counted_gathers() as calls:
         seq = sc.wrap(net, granularity="layer", chunk=chunk, exact=exact)
         got = seq(x)[0]
         got_grads = torch.autograd.grad(got.sum(), params)
         alone = sc.wrap(SequentialState(cell), granularity="layer", chunk=chunk, exact=exact)
         got_spikes = alone(x)[0]
-    finally:
-        recurrent_kernel.gather = gather
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
     # the tests' gather rule (conftest): a chunk of at most 1/16 ones gathers
     sparse = any(bool(c.count_nonzero() <= c.numel() / 16) for c in x.split(chunk))
