@@ -3,7 +3,8 @@
 ``nn.Sequential(Linear(700, H), RLeaky | RSynaptic(linear_features=H, init_hidden=True),
 Linear(H, 20), Leaky(init_hidden=True, output=True))``, input spikes at 5%, loss on the output
 membrane (``spk, mem = net(x_t)``), batch 32; and Norse's ``SequentialState(LIFRecurrentCell(700,
-H) | LSNNRecurrentCell(700, H), Linear(H, 20), LICell())`` against Norse's loop. Rows: snnTorch's
+H) | LSNNRecurrentCell(700, H), Linear(H, 20), LICell())`` (``--readout lilinear``: Norse's usual
+readout ``LILinearCell(H, 20)`` in place of the last two) against Norse's loop. Rows: snnTorch's
 own loop; ``wrap`` layer-wise with the recurrent neuron fused
 (`spikeckpt.adapters.recurrent_kernel`, `spikeckpt.adapters.lsnn_kernel`) and per step
 (``fuse=False``: as before the kernel); the stack with ``wrap``'s defaults; ``BPTT()``; and
@@ -51,10 +52,13 @@ def snntorch_loop(net: nn.Module, x: Tensor) -> Tensor:
     return torch.stack([net(x_t)[1] for x_t in x])
 
 
-def norse_net(hidden: int, learn_p: bool = False, lsnn: bool = False) -> nn.Module | None:
+def norse_net(
+    hidden: int, learn_p: bool = False, lsnn: bool = False, lilinear: bool = False
+) -> nn.Module | None:
     """Norse's ``SequentialState(LIFRecurrentCell(700, hidden), Linear(hidden, 20),
-    LICell())`` (``lsnn``: ``LSNNRecurrentCell``; None without Norse); ``learn_p``: the LIF
-    cell's ``tau_mem_inv`` (per neuron) and ``v_th`` are parameters."""
+    LICell())`` (``lsnn``: ``LSNNRecurrentCell``; ``lilinear``: ``LILinearCell(hidden, 20)``
+    as the readout; None without Norse); ``learn_p``: the LIF cell's ``tau_mem_inv`` (per
+    neuron) and ``v_th`` are parameters."""
     try:
         import norse.torch as norse
     except ImportError:  # pragma: no cover - norse is an extra
@@ -69,6 +73,8 @@ def norse_net(hidden: int, learn_p: bool = False, lsnn: bool = False) -> nn.Modu
         cell = norse.LIFRecurrentCell(700, hidden, p=p)
     else:
         cell = norse.LIFRecurrentCell(700, hidden)
+    if lilinear:
+        return norse.SequentialState(cell, norse.LILinearCell(hidden, 20))
     return norse.SequentialState(cell, nn.Linear(hidden, 20), norse.LICell())
 
 
@@ -120,7 +126,7 @@ def rows(
         seq = wrapped.get(row)
         ran = "-"
         if seq is not None and seq.last_stats.granularity == "layer":
-            ran = seq.last_stats.blocks[0].neuron
+            ran = "; ".join(b.neuron for b in seq.last_stats.blocks)
         elif seq is not None:
             ran = f"stack, {seq.last_stats.plan}"
         rel = ((grads[row] - loop_grad).abs().max() / loop_grad.abs().max()).item()
@@ -147,6 +153,12 @@ def main() -> None:
     parser.add_argument(
         "--learn-p", action="store_true", help="Norse LIF: tau_mem_inv, v_th learnable"
     )
+    parser.add_argument(
+        "--readout",
+        choices=("linear-li", "lilinear"),
+        default="linear-li",
+        help="Norse's readout: Linear(H, 20) + LICell(), or LILinearCell(H, 20)",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -167,7 +179,7 @@ def main() -> None:
         if args.only and not any(part in name for part in args.only):
             continue
         torch.manual_seed(0)
-        net = norse_net(args.hidden, args.learn_p, lsnn)
+        net = norse_net(args.hidden, args.learn_p, lsnn, args.readout == "lilinear")
         if net is not None:
             rows(name, net, x, args.rounds, norse_loop, 0)
 

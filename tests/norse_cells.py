@@ -37,7 +37,7 @@ def norse_loop(model: Callable[..., Any], x: Tensor, state: Any = None) -> Tenso
 
 def close(a: Tensor, b: Tensor) -> None:
     """``b`` equals ``a`` at float32 round-off (relative to ``a``'s largest magnitude)."""
-    scale = max(1.0, float(a.abs().max())) if a.numel() else 1.0
+    scale = max(1.0, float(a.detach().abs().max())) if a.numel() else 1.0
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * scale)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import torch
 from norse.torch.module.leaky_integrator import LILinearCell
 from norse.torch.module.lift import Lift
 from norse.torch.module.sequential import SequentialState
@@ -48,7 +47,8 @@ from spikeckpt.adapters.generic import (
 from spikeckpt.adapters.izhikevich_kernel import NorseIzhikevichKernel
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
-from spikeckpt.adapters.memo import TensorMemo
+from spikeckpt.adapters.norse_li_linear import LILinearAdapter
+from spikeckpt.adapters.norse_params import is_namedtuple, move_params
 from spikeckpt.adapters.protocol import (
     AdapterFor,
     LayerAdapter,
@@ -104,41 +104,6 @@ _SEQUENCE = (SNN, SNNRecurrent)
 _RECURRENT = (SNNRecurrentCell, SNNRecurrent)
 
 
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
-#: copies of parameter tensors that need no gradient, per device
-_MOVED: TensorMemo[Tensor] = TensorMemo()
-
-
-def move_params(p: Any, device: torch.device) -> Any:
-    """``p`` with its tensors usable on ``device``, each in its own dtype; ``p`` itself if no
-    tensor needs to move.
-
-    The dtype is never changed: Norse's own loop uses ``p`` as it is, and a copy in the
-    input's dtype rounds otherwise (``dt * tau_mem_inv`` in bf16 is 0.1001, not 0.1: the
-    membrane 7e-4 off the loop's under bf16 autocast, 5e-9 in a float64 model). A 0-d CPU
-    tensor needing no gradient stays (torch takes it as a scalar beside tensors on any
-    device, as Norse's own loop does); another tensor that needs no gradient moves once per
-    device and version (a copy per step from pageable host memory would make the host wait
-    for the GPU's queue); one that needs a gradient moves at each call (the copy is part of
-    that call's graph)."""
-    if isinstance(p, Tensor):
-        scalar = p.dim() == 0 and p.device.type == "cpu" and not p.requires_grad
-        if p.device == device or scalar:
-            return p
-        if p.requires_grad:
-            return p.to(device=device)
-        return _MOVED.get(p, lambda t: t.to(device=device), (device,))
-    if _is_namedtuple(p) or type(p) is tuple:
-        fields = [move_params(f, device) for f in p]
-        if all(a is b for a, b in zip(fields, p, strict=True)):
-            return p
-        return type(p)(*fields) if _is_namedtuple(p) else tuple(fields)
-    return p
-
-
 def _tensors(p: Any) -> list[Tensor]:
     if isinstance(p, Tensor):
         return [p]
@@ -171,7 +136,7 @@ def _conform(init: Any, nxt: Any, module: nn.Module, path: str) -> Any:
 
 def _field(state: Any, name: str) -> Tensor | None:
     """The first field called ``name`` in a (nested) NamedTuple state."""
-    if _is_namedtuple(state):
+    if is_namedtuple(state):
         if name in state._fields:
             return getattr(state, name)
         for sub in state:
@@ -281,33 +246,6 @@ class NorseAdapter(LayerAdapter):
         if self.recurrent:
             return norse_recurrent_kernel(self.module)
         return norse_kernel(self.module)
-
-
-class LILinearAdapter(StatefulAdapter):
-    """Norse's ``LILinearCell`` (not an ``SNNCell``): ``z, state = cell(x_t, state)``. Its state
-    at t=0 is the one it builds from ``None`` (``v = v_leak``, ``i = 0``), made explicit with
-    full shapes: ``v_leak`` broadcast to ``(B, hidden)`` (the update is elementwise, so the
-    values are those of the 0-d start) and detached, as Norse detaches it."""
-
-    def __init__(self, module: nn.Module, path: str) -> None:
-        super().__init__(module, path, 1)
-        self._init = self._li_init
-
-    def _li_init(self, x_t: Tensor) -> State:
-        m = self.module
-        shape = (x_t.shape[0], m.hidden_size)
-        v = torch.as_tensor(m.p.v_leak).detach().to(x_t.device, x_t.dtype).expand(shape)
-        return type_of_li_state()(v=v.clone(), i=x_t.new_zeros(shape))
-
-    def membrane(self, state: State) -> Tensor | None:
-        return state.v
-
-
-def type_of_li_state() -> type:
-    """Norse's ``LIState`` NamedTuple."""
-    from norse.torch.functional.leaky_integrator import LIState
-
-    return LIState
 
 
 def stack_options(module: nn.Module, path: str = "") -> dict[str, Any] | None:

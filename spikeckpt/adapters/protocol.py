@@ -109,6 +109,13 @@ class LayerAdapter:
         once before using it."""
         return None
 
+    def split_synapse(self) -> tuple[LayerAdapter, LayerAdapter] | None:
+        """For a neuron holding its input's weights (Norse's ``LILinearCell``): the same step
+        as ``(a stateless synapse adapter, the neuron after it)``, each computing what the
+        layer's own call computes, so that the layer-wise granularity runs the synapse over a
+        chunk and fuses the neuron. None (the default): the layer is its block's neuron."""
+        return None
+
     def check(self) -> None:
         """Raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] if the layer cannot be stepped exactly *now*.
 

@@ -276,6 +276,12 @@ class Block:
         return self.neuron.path or "<root>"
 
 
+def _split(neuron: LayerAdapter) -> tuple[list[LayerAdapter], LayerAdapter]:
+    """``(synapses, neuron)`` of a neuron layer: its `split_synapse` where it offers one."""
+    parts = neuron.split_synapse()
+    return ([], neuron) if parts is None else ([parts[0]], parts[1])
+
+
 def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """Split a wrapped model into feed-forward blocks (stateless layers, then one stateful
     layer), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (also a ``TypeError``)
@@ -304,7 +310,7 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
         if not adapter.stateful:
             raise unsupported(adapter.module, adapter.path, why + "this layer has no state")
         _check_neuron(adapter, why)
-        return [Block([], adapter, None)]
+        return [Block(*_split(adapter), None)]
     blocks: list[Block] = []
     pending: list[LayerAdapter] = []
     for i, layer in enumerate(adapter.layers):
@@ -324,7 +330,8 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
                     "feed-forward; use granularity='stack'",
                 )
             _check_neuron(layer, why)
-            blocks.append(Block(pending, layer, i))
+            synapses, neuron = _split(layer)
+            blocks.append(Block([*pending, *synapses], neuron, i))
             pending = []
         else:
             _check_synapse(layer, why)
