@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from norse.torch.module.coba_lif import CobaLIFCell
 from norse.torch.module.leaky_integrator import LILinearCell
 from norse.torch.module.lift import Lift
 from norse.torch.module.sequential import SequentialState
@@ -47,6 +48,7 @@ from spikeckpt.adapters.generic import (
 from spikeckpt.adapters.izhikevich_kernel import NorseIzhikevichKernel
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
 from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNNKernel
+from spikeckpt.adapters.norse_coba import CobaLIFAdapter
 from spikeckpt.adapters.norse_li_linear import LILinearAdapter
 from spikeckpt.adapters.norse_params import is_namedtuple, move_params
 from spikeckpt.adapters.protocol import (
@@ -282,7 +284,7 @@ def _refuse_cells_in_sequence(module: nn.Module, path: str) -> None:
         if isinstance(c, (*_SEQUENCE, Lift))
     ]
     for name, child in module.named_children():
-        if not isinstance(child, (SNNCell, SNNRecurrentCell, LILinearCell)):
+        if not isinstance(child, (SNNCell, SNNRecurrentCell, LILinearCell, CobaLIFCell)):
             continue
         cell = type(child).__name__
         sequence = cell.removesuffix("Cell")
@@ -319,6 +321,8 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
         return NorseAdapter(module, path)
     if isinstance(module, LILinearCell):
         return LILinearAdapter(module, path)
+    if isinstance(module, CobaLIFCell):
+        return CobaLIFAdapter(module, path)
     if isinstance(module, Lift):
         sub = f"{path}.lifted_module" if path else "lifted_module"
         return adapter_for(module.lifted_module, sub)
@@ -327,7 +331,7 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
     step_encoder = _step_encoder(module)
     if step_encoder is not None:
         return step_encoder(module, path)
-    stateful = (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent, LILinearCell)
+    stateful = (SNNCell, SNNRecurrentCell, SNN, SNNRecurrent, LILinearCell, CobaLIFCell)
     inside = [n for n, m in module.named_modules() if n and isinstance(m, stateful)]
     if inside:  # a model of Norse's (norse.torch.models: ConvNet4, ...) with its own loop
         raise own_loop_error(
