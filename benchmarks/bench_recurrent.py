@@ -4,7 +4,8 @@
 Linear(H, 20), Leaky(init_hidden=True, output=True))``, input spikes at 5%, loss on the output
 membrane (``spk, mem = net(x_t)``), batch 32; and Norse's ``SequentialState(LIFRecurrentCell(700,
 H) | LSNNRecurrentCell(700, H), Linear(H, 20), LICell())`` (``--readout lilinear``: Norse's usual
-readout ``LILinearCell(H, 20)`` in place of the last two) against Norse's loop. Rows: snnTorch's
+readout ``LILinearCell(H, 20)`` in place of the last two), and the feed-forward
+``SequentialState(Linear(700, H), LIFCell(), ...)`` beside them, against Norse's loop. Rows: snnTorch's
 own loop; ``wrap`` layer-wise with the recurrent neuron fused
 (`spikeckpt.adapters.recurrent_kernel`, `spikeckpt.adapters.lsnn_kernel`) and per step
 (``fuse=False``: as before the kernel); the stack with ``wrap``'s defaults; ``BPTT()``; and
@@ -53,18 +54,22 @@ def snntorch_loop(net: nn.Module, x: Tensor) -> Tensor:
 
 
 def norse_net(
-    hidden: int, learn_p: bool = False, lsnn: bool = False, lilinear: bool = False
+    hidden: int, learn_p: bool = False, kind: str = "lif", lilinear: bool = False
 ) -> nn.Module | None:
     """Norse's ``SequentialState(LIFRecurrentCell(700, hidden), Linear(hidden, 20),
-    LICell())`` (``lsnn``: ``LSNNRecurrentCell``; ``lilinear``: ``LILinearCell(hidden, 20)``
-    as the readout; None without Norse); ``learn_p``: the LIF cell's ``tau_mem_inv`` (per
-    neuron) and ``v_th`` are parameters."""
+    LICell())`` (``kind="lsnn"``: ``LSNNRecurrentCell``; ``"feed-forward"``: ``Linear(700,
+    hidden), LIFCell()``; ``lilinear``: ``LILinearCell(hidden, 20)`` as the readout; None
+    without Norse); ``learn_p``: the LIF cell's ``tau_mem_inv`` (per neuron) and ``v_th`` are
+    parameters."""
     try:
         import norse.torch as norse
     except ImportError:  # pragma: no cover - norse is an extra
         return None
-    if lsnn:
+    first: list[nn.Module] = []
+    if kind == "lsnn":
         cell: nn.Module = norse.LSNNRecurrentCell(700, hidden)
+    elif kind == "feed-forward":
+        first, cell = [nn.Linear(700, hidden)], norse.LIFCell()
     elif learn_p:
         p = norse.LIFParameters(
             tau_mem_inv=nn.Parameter(torch.full((hidden,), 100.0)),
@@ -74,8 +79,8 @@ def norse_net(
     else:
         cell = norse.LIFRecurrentCell(700, hidden)
     if lilinear:
-        return norse.SequentialState(cell, norse.LILinearCell(hidden, 20))
-    return norse.SequentialState(cell, nn.Linear(hidden, 20), norse.LICell())
+        return norse.SequentialState(*first, cell, norse.LILinearCell(hidden, 20))
+    return norse.SequentialState(*first, cell, nn.Linear(hidden, 20), norse.LICell())
 
 
 def norse_loop(net: nn.Module, x: Tensor) -> Tensor:
@@ -175,11 +180,16 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         rows(name, shd_net(make(args.hidden), args.hidden), x, args.rounds)
-    for name, lsnn in (("Norse LIFRecurrentCell", False), ("Norse LSNNRecurrentCell", True)):
+    norse_nets = {
+        "Norse LIFRecurrentCell": "lif",
+        "Norse LSNNRecurrentCell": "lsnn",
+        "Norse LIFCell (feed-forward)": "feed-forward",
+    }
+    for name, kind in norse_nets.items():
         if args.only and not any(part in name for part in args.only):
             continue
         torch.manual_seed(0)
-        net = norse_net(args.hidden, args.learn_p, lsnn, args.readout == "lilinear")
+        net = norse_net(args.hidden, args.learn_p, kind, args.readout == "lilinear")
         if net is not None:
             rows(name, net, x, args.rounds, norse_loop, 0)
 

@@ -159,13 +159,13 @@ class NorseAdapter(LayerAdapter):
         self.recurrent = isinstance(module, _RECURRENT)
 
     def init_state(self, x_t: Tensor) -> State:
-        m = self.module
+        m: Any = self.module  # Norse's cell: untyped attributes
         init = m.state_fallback(x_t.unsqueeze(0) if self.sequence else x_t)
         after, _ = probe(self.step, init, x_t)
         return _conform(init, after, m, self.path)
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        m = self.module
+        m: Any = self.module  # Norse's cell: untyped attributes
         p = move_params(m.p, x_t.device)
         if self.sequence:
             sparse = m.activation_sparse is not None and x_t.is_sparse
@@ -267,7 +267,7 @@ def stack_options(module: nn.Module, path: str = "") -> dict[str, Any] | None:
         _refuse_cells_in_sequence(module, path)
     return {
         "sequence_mode": sequence_mode,
-        "stateful_flags": list(flags) if flags is not None else [True] * len(module),
+        "stateful_flags": list(flags) if flags is not None else [True] * len(module._modules),
         "return_hidden": bool(getattr(module, "return_hidden", False)),
     }
 
@@ -396,7 +396,7 @@ def is_sequence_stack(module: nn.Module) -> bool:
 _METHODS = ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc")
 
 
-def _norse_spike(m: nn.Module) -> Callable[[Tensor], Tensor]:
+def _norse_spike(m: Any) -> Callable[[Tensor], Tensor]:
     """``u -> threshold(u, method, alpha)`` with ``m.p`` read at each call."""
     from norse.torch.functional.threshold import threshold
 
@@ -528,6 +528,7 @@ def norse_kernel(m: nn.Module) -> FeedForwardKernel | None:
         return NorseAdExRefracKernel(
             lambda: m.p, dt, _norse_lif_spike(m, "lif_adex"), lambda: _kernel_key(m) == key
         )
+    assert mode in ("lif", "box", "li")  # the modes left: `NorseKernel`'s
     return _NorseChunkKernel(m, (mode, subtract, dt))
 
 
@@ -580,8 +581,10 @@ def norse_recurrent_kernel(
     if key is None:
         return None
 
+    cell: Any = m  # Norse's cell: untyped attributes
+
     def tensors() -> tuple[Any, Tensor, Tensor]:
-        return m.p, m.input_weights, m.recurrent_weights
+        return cell.p, cell.input_weights, cell.recurrent_weights
 
     def usable() -> bool:
         return _recurrent_key(m) == key and no_hooks(m)

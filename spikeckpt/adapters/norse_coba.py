@@ -30,7 +30,8 @@ class CobaLIFAdapter(StatefulAdapter):
 
     def _zeros(self, x_t: Tensor) -> State:
         """Norse's start for an input ``x_t (B, input_size)``: zeros ``(B, hidden_size)``."""
-        zeros = x_t.new_zeros(x_t.shape[0], self.module.hidden_size)
+        hidden: int = getattr(self.module, "hidden_size")  # noqa: B009 (Norse's, untyped)
+        zeros = x_t.new_zeros(x_t.shape[0], hidden)
         return CobaLIFState(z=zeros, v=zeros.clone(), g_e=zeros.clone(), g_i=zeros.clone())
 
     def membrane(self, state: State) -> Tensor | None:

@@ -16,6 +16,7 @@ This module imports Norse; import it only when a Norse layer was found.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from norse.torch.functional.leaky_integrator import LIState, li_feed_forward_step
@@ -41,7 +42,7 @@ class LILinearAdapter(StatefulAdapter):
         self._init = self._li_init
 
     def _li_init(self, x_t: Tensor) -> State:
-        m = self.module
+        m: Any = self.module  # Norse's cell: its attributes are not typed
         shape = (x_t.shape[0], m.hidden_size)
         v = torch.as_tensor(m.p.v_leak).detach().to(x_t.device, x_t.dtype).expand(shape)
         return LIState(v=v.clone(), i=x_t.new_zeros(shape))
@@ -53,7 +54,7 @@ class LILinearAdapter(StatefulAdapter):
         """``(the product with input_weights, the leaky integrator)`` for a cell that Norse's
         own ``forward`` runs and no hook watches (see the module docstring); None otherwise
         (the cell is then stepped through its call, per step)."""
-        m = self.module
+        m: Any = self.module
         weight = getattr(m, "input_weights", None)
         if not _own_call(m) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
             return None
@@ -62,7 +63,7 @@ class LILinearAdapter(StatefulAdapter):
         return StatelessAdapter(linear, self.path), LINeuronAdapter(m, self.path)
 
 
-def _own_call(m: nn.Module) -> bool:
+def _own_call(m: Any) -> bool:
     """Whether ``m`` is a ``LILinearCell`` run by Norse's own ``forward`` (``li_step``),
     ``dt`` a number, and no hook on it."""
     own = type(m) is LILinearCell and "forward" not in vars(m)
@@ -80,11 +81,12 @@ class LINeuronAdapter(LayerAdapter):
 
     def init_state(self, x_t: Tensor) -> State:
         """The cell's state at t=0 (`LILinearAdapter`'s) for a product ``x_t (B, hidden)``."""
-        v = torch.as_tensor(self.module.p.v_leak).detach().to(x_t.device, x_t.dtype)
+        m: Any = self.module
+        v = torch.as_tensor(m.p.v_leak).detach().to(x_t.device, x_t.dtype)
         return LIState(v=v.expand(x_t.shape).clone(), i=torch.zeros_like(x_t))
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        m = self.module
+        m: Any = self.module
         if not _own_call(m):
             raise unsupported(
                 m,
@@ -108,10 +110,10 @@ class LINeuronAdapter(LayerAdapter):
 class _LILinearKernel(NorseKernel):
     """`NorseKernel`'s ``"li"`` for an ``LILinearCell``'s integrator."""
 
-    def __init__(self, m: nn.Module) -> None:
+    def __init__(self, m: Any) -> None:
         super().__init__(lambda: m.p, m.dt, None, "li")
         self.module = m
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
-        m = self.module
-        return _own_call(m) and m.dt == self.dt and super().accepts(leaves, z)
+        m: Any = self.module
+        return _own_call(m) and bool(m.dt == self.dt) and super().accepts(leaves, z)
