@@ -375,11 +375,15 @@ def norse_backward_on_host(
     mode: str,
     subtract: bool,
     carries: tuple[Tensor | None, Tensor | None],
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor, Tensor] | None:
+    wanted: tuple[bool, bool, bool] = (True, True, True),
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor, Tensor] | None:
     """`NorseKernel.backward`'s loop through the compiled one: ``params`` = ``(v_th,
     v_reset, 1 - c_m, c_m, 1 + c_s)``, ``carries`` = the final states' gradients. Returns
     ``g_vd``, ``g_u`` (None for ``"li"``), ``g_in`` (None for ``"box"``), ``g_vn_all`` (each
-    ``(k, B, ...)``) and the carries into ``v`` and ``i``, or None where it does not run."""
+    ``(k, B, ...)``) and the carries into ``v`` and ``i``, or None where it does not run.
+    ``wanted``: whether ``g_vd``, ``g_u`` and ``g_vn_all`` are read afterwards; those that
+    are not share one scratch buffer (the loop only writes them) and come back None
+    (``g_vd`` is always kept for ``"box"``, where it is ``g_in``)."""
     k = v_d.shape[0]
     given = [t for t in (deriv, g_y, g_mem, *carries) if t is not None]
     if not (USE_JIT and k) or _host_arrays(v_d, y, *given) is None:
@@ -396,10 +400,14 @@ def norse_backward_on_host(
         (t if t is not None else v_d).detach().contiguous().numpy().reshape(k, -1)
         for t in (v_d, y, deriv, g_y, g_mem)
     ]
-    g_vd, g_vn_all = torch.empty_like(v_d), torch.empty_like(v_d)
+    keep_vd, keep_u, keep_vn = wanted[0] or mode == "box", wanted[1], wanted[2]
+    scratch = None if keep_vd and keep_u and keep_vn else torch.empty_like(v_d)
+    g_vd = torch.empty_like(v_d) if keep_vd else scratch
+    g_vn_all = torch.empty_like(v_d) if keep_vn else scratch
     # the loop writes g_u except for "li" and g_in except for "box": there it gets g_vd
-    g_u = g_vd if mode == "li" else torch.empty_like(v_d)
+    g_u = g_vd if mode == "li" else (torch.empty_like(v_d) if keep_u else scratch)
     g_in = g_vd if mode == "box" else torch.empty_like(v_d)
+    assert g_vd is not None and g_u is not None and g_vn_all is not None and g_in is not None
     out_v, out_i = v_d.new_zeros(shape), v_d.new_zeros(shape)
     for out, carry in zip((out_v, out_i), carries, strict=True):
         if carry is not None:
@@ -423,10 +431,10 @@ def norse_backward_on_host(
         *(t.numpy().reshape(k, -1) for t in (g_vd, g_u, g_in, g_vn_all)),
     )
     return (
-        g_vd,
-        None if mode == "li" else g_u,
+        g_vd if keep_vd else None,
+        None if mode == "li" or not keep_u else g_u,
         None if mode == "box" else g_in,
-        g_vn_all,
+        g_vn_all if keep_vn else None,
         out_v,
         out_i,
     )

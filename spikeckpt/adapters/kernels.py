@@ -1019,6 +1019,8 @@ class NorseKernel:
         c_m = dt * p.tau_mem_inv
         k = z.shape[0]
         box, li = self.mode == "box", self.mode == "li"
+        learning = [f for f in self.fields if _requires_grad(getattr(p, f))]
+        wanted = {f for f, n in zip(learning, need_params, strict=True) if n}
         # the forward's intermediates, every step at once (the same ops: bitwise the same)
         if box:
             i_new = None
@@ -1027,6 +1029,9 @@ class NorseKernel:
             i_new = is_[:-1] + z
             before = (p.v_leak - vs[:-1]) + i_new
         v_d = vs[:-1] + c_m * before  # (k, B, ...): v before the reset (li: the new v)
+        # kept only for the parameters' gradients that read them (a lower peak without)
+        before = before if "tau_mem_inv" in wanted else None
+        i_new = i_new if "tau_syn_inv" in wanted else None
         c_s = None if box else -dt * p.tau_syn_inv
         keep_i = None if box else 1 + c_s
         deriv = None
@@ -1050,6 +1055,11 @@ class NorseKernel:
             self.mode,
             self.subtract,
             (g_v, g_i),
+            (
+                bool(wanted & {"tau_mem_inv", "v_leak"}),
+                "v_th" in wanted,
+                "v_reset" in wanted or ("v_th" in wanted and self.subtract),
+            ),
         )
         if host is not None:
             g_vd, g_u, g_in, g_vn_all, g_v, carry_i = host
@@ -1065,7 +1075,7 @@ class NorseKernel:
                 g_vn = g_mem[t] if g_vn is None else g_vn + g_mem[t]
             if g_vn is None:
                 g_vn = torch.zeros_like(v_d[t])
-            g_vn_all[t] = g_vn
+            g_vn_all[t] = g_vn  # type: ignore[index]
             if li:
                 g_here = g_vn if g_y is None else g_vn + g_y[t]
             else:
@@ -1076,7 +1086,7 @@ class NorseKernel:
                 g_s = ds * deriv[t] if deriv is not None else torch.zeros_like(ds)
                 g_u[t] = g_s  # type: ignore[index]
                 g_here = (g_vn if self.subtract else g_vn * (1 - s)) + g_s
-            g_vd[t] = g_here
+            g_vd[t] = g_here  # type: ignore[index]
             g_v = g_here * one_minus_cm
             if not box:
                 g_ii = g_i * keep_i if g_i is not None else None
@@ -1090,21 +1100,27 @@ class NorseKernel:
         grads: list[tuple[Tensor, Callable[[], Tensor | None]]] = []
 
         def g_tau_mem() -> Tensor:
+            assert g_vd is not None and before is not None
             return dt * (g_vd * before)
 
         def g_leak() -> Tensor:
+            assert g_vd is not None
             return c_m * g_vd
 
         def g_th() -> Tensor:
             assert g_u is not None
             total = -g_u
             if self.subtract:
+                assert g_vn_all is not None
                 total = total - g_vn_all * y
             return total
 
         def g_reset() -> Tensor | None:
             # reset_subtract does not read v_reset: Norse gives it no gradient
-            return None if self.subtract else g_vn_all * y
+            if self.subtract:
+                return None
+            assert g_vn_all is not None
+            return g_vn_all * y
 
         def g_tau_syn() -> Tensor:
             assert g_in is not None and i_new is not None
@@ -1122,6 +1138,11 @@ class NorseKernel:
         }
         grads = [(getattr(p, f), makers[f]) for f in self.fields]
         return g_z, [g_v, *g_i_state], _grads_for(grads, need_params)
+
+
+def _requires_grad(t: Any) -> bool:
+    """Whether ``t`` is a tensor requiring grad (a parameter field the kernel differentiates)."""
+    return isinstance(t, Tensor) and t.requires_grad
 
 
 def _or_zeros(t: Tensor | None, like: Tensor) -> Tensor:
