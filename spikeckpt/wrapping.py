@@ -330,7 +330,7 @@ class CheckpointedSequence(Remade):
             self.last_stats.note = decision.choice.note
         if self.batch_first and self.readout is None:
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
-        return (ys, final) if return_state else ys
+        return (ys, self.adapter.user_state(final)) if return_state else ys
 
     def _stack_step(self, x: Any) -> Any:
         """`step`, compiled where ``compile=True`` (`spikeckpt.engine.compiled_step`)."""

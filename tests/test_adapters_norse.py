@@ -228,6 +228,53 @@ def test_sequential_state_with_sequence_modules() -> None:
     compare(model, list(model.parameters()), run, x, sub=lambda s: [s[2], s[3]])
 
 
+def _norse_loop(model: nn.Module, x: torch.Tensor, state: Any = None) -> Any:
+    out = []
+    for t in range(x.shape[0]):
+        z, state = model(x[t], state)
+        out.append(z)
+    return torch.stack(out), state
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+@settings(max_examples=4, deadline=None)
+@given(T=st.integers(2, 12), B=st.integers(1, 3), seed=st.integers(0, 2**16), data=st.data())
+def test_a_sequential_states_final_state_goes_back_into_norses_loop(
+    granularity: str, T: int, B: int, seed: int, data: st.DataObject
+) -> None:
+    """The final state is Norse's own list (None at stateless positions, a nested
+    SequentialState's list inside): Norse's loop assigns into it, so a tuple raised
+    ``TypeError: 'tuple' object does not support item assignment``; continued there, the
+    outputs are those of Norse's loop over the whole sequence."""
+    torch.manual_seed(seed)
+    split = data.draw(st.integers(1, T - 1), label="split")
+    if granularity == "layer":  # layer-wise runs flat stacks only
+        model = nt.SequentialState(nn.Linear(IN, N), nt.LIFCell(), nt.LILinearCell(N, 3))
+    else:
+        inner = nt.SequentialState(nn.Linear(N, N), nt.LIFCell())
+        model = nt.SequentialState(nn.Linear(IN, N), nt.LIFCell(), inner, nt.LILinearCell(N, 3))
+    x = torch.rand(T, B, IN) * 3
+    y_ref, s_ref = _norse_loop(model, x)
+    seq = sc.wrap(model, granularity=granularity, exact=granularity == "layer")
+    _, state = seq(x[:split])
+    assert type(state) is type(s_ref) is list
+    assert [type(s) for s in state] == [type(s) for s in s_ref]  # None, states, lists
+    y_wrapped, _ = seq(x[split:], state=state)  # back into the wrapped model: not mutated
+    assert torch.equal(y_wrapped, y_ref[split:])
+    y_rest, s_rest = _norse_loop(model, x[split:], state)  # Norse's loop assigns into it
+    assert torch.equal(y_rest, y_ref[split:])
+    for a, b in zip(_leaves(s_rest), _leaves(s_ref), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_nested_stack_is_refused_layer_wise_naming_its_own_container() -> None:
+    """Flattened into an nn.Sequential, a SequentialState of cells would return no state."""
+    for outer, kind in [(nt.SequentialState, "SequentialState"), (nn.Sequential, "nn.Sequential")]:
+        model = outer(nn.Linear(IN, N), nt.LIFCell(), outer(nn.Linear(N, 3), nt.LIFCell()))
+        with pytest.raises(sc.UnsupportedLayerError, match=f"flatten it into one {kind}$"):
+            sc.wrap(model, granularity="layer")(torch.rand(3, 2, IN))
+
+
 def test_parameters_follow_dtype() -> None:
     """``p`` is a plain NamedTuple that ``.double()`` does not convert; the adapter does."""
     torch.manual_seed(0)

@@ -129,6 +129,11 @@ class LayerAdapter:
         """Turn a user-given state into this adapter's state structure (default: unchanged)."""
         return state
 
+    def user_state(self, state: State) -> State:
+        """The final state as handed back to the user, in the framework's own format (default:
+        unchanged); `coerce_state` takes it back."""
+        return state
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.module).__name__} at {self.path or '<root>'!r})"
 

@@ -215,6 +215,18 @@ class StackAdapter(LayerAdapter):
         given = [s if self.slots[i] == i else None for i, s in enumerate(state)]
         return self.init_state(x_t, given=given)
 
+    def user_state(self, state: State) -> State:
+        """Norse's ``SequentialState`` (``returns_state``): its own call's state list, ``None``
+        at the positions it calls without a state, so that the final state goes back into
+        Norse's loop (``model(x_t, state)`` assigns into the list; nested ones too); else the tuple
+        as it is."""
+        if not self.returns_state:
+            return state
+        return [
+            layer.user_state(s) if layer.stateful else None
+            for layer, s in zip(self.layers, state, strict=True)
+        ]
+
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         new = list(state)
         hidden: list[Any] = []
@@ -318,7 +330,7 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
             raise unsupported(
                 layer.module,
                 layer.path,
-                why + "it is a nested stack; flatten it into one nn.Sequential",
+                why + f"it is a nested stack; flatten it into one {_container(adapter.module)}",
             )
         if layer.stateful:
             if adapter.slots[i] != i:
@@ -347,6 +359,13 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
             "end it with a neuron (apply the readout layers outside the wrapped model)",
         )
     return blocks
+
+
+def _container(module: nn.Module) -> str:
+    """How to name ``module``'s kind of stack in a message: ``nn.Sequential``, or its own class
+    (Norse's ``SequentialState``: an ``nn.Sequential`` of Norse cells returns no state)."""
+    kind = type(module)
+    return "nn.Sequential" if kind is nn.Sequential else kind.__name__
 
 
 def _check_neuron(layer: LayerAdapter, why: str) -> None:
