@@ -43,9 +43,7 @@ class LILinearAdapter(StatefulAdapter):
 
     def _li_init(self, x_t: Tensor) -> State:
         m: Any = self.module  # Norse's cell: its attributes are not typed
-        shape = (x_t.shape[0], m.hidden_size)
-        v = torch.as_tensor(m.p.v_leak).detach().to(x_t.device, x_t.dtype).expand(shape)
-        return LIState(v=v.clone(), i=x_t.new_zeros(shape))
+        return _li_start(m, x_t, (x_t.shape[0], m.hidden_size))
 
     def membrane(self, state: State) -> Tensor | None:
         return state.v
@@ -63,6 +61,13 @@ class LILinearAdapter(StatefulAdapter):
         return StatelessAdapter(linear, self.path), LINeuronAdapter(m, self.path)
 
 
+def _li_start(m: Any, like: Tensor, shape: Sequence[int]) -> State:
+    """The start Norse's ``LILinearCell`` builds from ``None``, ``shape`` ``(B, hidden)``:
+    ``v = v_leak`` broadcast and detached, ``i = 0``, in ``like``'s device and dtype."""
+    v = torch.as_tensor(m.p.v_leak).detach().to(like.device, like.dtype).expand(*shape)
+    return LIState(v=v.clone(), i=like.new_zeros(tuple(shape)))
+
+
 def _own_call(m: Any) -> bool:
     """Whether ``m`` is a ``LILinearCell`` run by Norse's own ``forward`` (``li_step``),
     ``dt`` a number, and no hook on it."""
@@ -76,14 +81,9 @@ class LINeuronAdapter(LayerAdapter):
     product. ``m.p`` and ``m.dt`` are read at each step. A hook registered on the cell after
     its blocks were made is refused: the blocks never call the cell."""
 
-    def __init__(self, module: nn.Module, path: str) -> None:
-        super().__init__(module, path)
-
     def init_state(self, x_t: Tensor) -> State:
         """The cell's state at t=0 (`LILinearAdapter`'s) for a product ``x_t (B, hidden)``."""
-        m: Any = self.module
-        v = torch.as_tensor(m.p.v_leak).detach().to(x_t.device, x_t.dtype)
-        return LIState(v=v.expand(x_t.shape).clone(), i=torch.zeros_like(x_t))
+        return _li_start(self.module, x_t, x_t.shape)
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         m: Any = self.module
