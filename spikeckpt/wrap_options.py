@@ -25,6 +25,7 @@ __all__ = [
     "check_options",
     "check_params",
     "check_plan",
+    "refuse_unbatched",
 ]
 
 GRANULARITIES = ("stack", "layer", "auto")
@@ -120,3 +121,30 @@ def check_compile(choice: Any) -> Compile:
     if choice not in COMPILE_CHOICES or not isinstance(choice, (bool, str)):
         raise ConfigError(f"compile must be True, False or 'auto', got {choice!r}")
     return choice  # type: ignore[no-any-return]
+
+
+def _first_layer(model: nn.Module) -> nn.Module:
+    """The layer an ``nn.Sequential`` (or a Norse ``SequentialState``) runs first."""
+    while isinstance(model, nn.Sequential) and len(model) > 0:
+        model = model[0]
+    return model
+
+
+def refuse_unbatched(model: nn.Module, x: Any, batch_first: bool) -> None:
+    """A 2-D input whose second axis is the first ``nn.Linear``'s features has no batch axis:
+    its steps ``x[t]`` would run unbatched, one sample per step, and the outputs would look
+    plausible. Most often it is a static input ``(B, features)`` meant for every step."""
+    first = _first_layer(model)
+    if len(x.shape) != 2 or not isinstance(first, nn.Linear):
+        return
+    if int(x.shape[1]) != first.in_features:
+        return
+    T, features = int(x.shape[0]), int(x.shape[1])
+    axes = "(B, T)" if batch_first else "(T, B)"
+    raise ConfigError(
+        f"x has shape {tuple(x.shape)}: read as {axes} it has no feature axis, and its "
+        f"{features} columns are the first Linear's in_features, so each step would run one "
+        f"unbatched sample. A static input (B, {features}) fed at every step (snnTorch "
+        f"tutorial 5): pass x.expand(num_steps, *x.shape) (a view, no copy); a sequence of "
+        f"one sample: x[:, None] (T={T}, B=1, {features})"
+    )

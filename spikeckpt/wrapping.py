@@ -30,6 +30,7 @@ from spikeckpt.engine.function import refuse_func_transforms
 from spikeckpt.engine.hook_guard import hook_guard
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.phase import refuse_power_iteration, uncached_parametrizations
 from spikeckpt.engine.scan import scan
 from spikeckpt.engine.stats import ScanStats
@@ -51,6 +52,7 @@ from spikeckpt.wrap_options import (
     check_options,
     check_params,
     check_plan,
+    refuse_unbatched,
 )
 from spikeckpt.wrapped.call_tensors import ForwardTensors, refuse_swapped, tensor_slots
 from spikeckpt.wrapped.state_keys import (
@@ -120,7 +122,7 @@ class CheckpointedSequence(Remade):
         super().__init__()
         self.fuse = fuse
         self.exact = exact
-        self.compile = check_compile(compile)
+        self.compile_mode = check_compile(compile)
         #: the stack granularity's compiled step (``compile=True``; made at the first run)
         self._compiled_step: CompiledStep | None = None
         self.module = module
@@ -237,6 +239,7 @@ class CheckpointedSequence(Remade):
         return self._own[1]
 
     # -- forward -----------------------------------------------------------------------------
+    @eager_under_compile
     def forward(
         self,
         x: Tensor,
@@ -266,7 +269,7 @@ class CheckpointedSequence(Remade):
         refuse_func_transforms()
         if legacy:
             state, return_state = _legacy_call(legacy, state, return_state)
-        with uncached_parametrizations(), hook_guard(self.module, self.compile is not True):
+        with uncached_parametrizations(), hook_guard(self.module, self.compile_mode is not True):
             return self._forward(x, state, return_state)
 
     def _forward(self, x: Any, state: State | None, return_state: bool) -> Any:
@@ -289,7 +292,7 @@ class CheckpointedSequence(Remade):
                 f"x holds T=0 time steps (shape {tuple(x.shape)}, time on the {axis} axis); "
                 "pass at least one step"
             )
-        _refuse_unbatched(self.module, x, self.batch_first)
+        refuse_unbatched(self.module, x, self.batch_first)
         self._refresh()
         self.adapter.check()
         x_0 = step_of(x, 0, self.device_for(x))
@@ -334,9 +337,11 @@ class CheckpointedSequence(Remade):
 
     def _stack_step(self, x: Any) -> Any:
         """`step`, compiled where ``compile=True`` (`spikeckpt.engine.compiled_step`)."""
-        if self.compile is True and self._compiled_step is None:
+        if self.compile_mode is not True:
+            return self.step
+        if self._compiled_step is None:
             self._compiled_step = compiled_step(self.step, self.device_for(x))  # None: eager
-        return self._compiled_step if self.compile is True and self._compiled_step else self.step
+        return self._compiled_step or self.step
 
     def _unlisted(self, err: UnlistedParamsError, x: Any, state: State) -> UnlistedParamsError:
         """``err`` (the stack granularity's: the whole step used tensors it was not given)
@@ -386,7 +391,7 @@ class CheckpointedSequence(Remade):
                 params=self.parameters_for_scan(),
                 directory=self._directory(),
                 fuse=self.fuse,
-                compile=self.compile,
+                compile=self.compile_mode,
             )
         (ys, finals), stats = out, out.stats
         if spec is not None:
@@ -526,33 +531,6 @@ def _tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
     from spikeckpt.engine.tree import tree_map
 
     return tree_map(fn, tree)
-
-
-def _first_layer(model: nn.Module) -> nn.Module:
-    """The layer an ``nn.Sequential`` (or a Norse ``SequentialState``) runs first."""
-    while isinstance(model, nn.Sequential) and len(model) > 0:
-        model = model[0]
-    return model
-
-
-def _refuse_unbatched(model: nn.Module, x: Any, batch_first: bool) -> None:
-    """A 2-D input whose second axis is the first ``nn.Linear``'s features has no batch axis:
-    its steps ``x[t]`` would run unbatched, one sample per step, and the outputs would look
-    plausible. Most often it is a static input ``(B, features)`` meant for every step."""
-    first = _first_layer(model)
-    if len(x.shape) != 2 or not isinstance(first, nn.Linear):
-        return
-    if int(x.shape[1]) != first.in_features:
-        return
-    T, features = int(x.shape[0]), int(x.shape[1])
-    axes = "(B, T)" if batch_first else "(T, B)"
-    raise ConfigError(
-        f"x has shape {tuple(x.shape)}: read as {axes} it has no feature axis, and its "
-        f"{features} columns are the first Linear's in_features, so each step would run one "
-        f"unbatched sample. A static input (B, {features}) fed at every step (snnTorch "
-        f"tutorial 5): pass x.expand(num_steps, *x.shape) (a view, no copy); a sequence of "
-        f"one sample: x[:, None] (T={T}, B=1, {features})"
-    )
 
 
 def wrap(

@@ -56,6 +56,7 @@ from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.function import run_job
 from spikeckpt.engine.inputs import as_input, is_packed
 from spikeckpt.engine.layerwise_job import GROUP_SHARE, LayerwiseJob, _nbytes, _split
+from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.readout import READOUTS
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats, ScanResult
@@ -84,6 +85,7 @@ def chunk_length(chunk: int | None, T: int) -> int:
     return min(chunk, T)
 
 
+@eager_under_compile
 def layerwise_scan(
     blocks: Sequence[LayerBlock],
     x: Tensor,

@@ -29,6 +29,7 @@ from spikeckpt.engine.first_step import changes_dtype, first_step
 from spikeckpt.engine.function import SECOND_BACKWARD, Job, refuse_func_transforms, run_job
 from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.measure import probe_step, work_bytes
+from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.phase import uncached_parametrizations
 from spikeckpt.engine.planned import (
     check_plan,
@@ -188,6 +189,7 @@ class _Options:
     apart: int = 0
 
 
+@eager_under_compile
 def scan(
     step: Callable[[Any, Any], tuple[Any, Any]],
     inputs: Tensor | Sequence[Any],
