@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 import spikeckpt as sc
 from spikeckpt.engine import compiled
-from spikeckpt.engine.outer_compile import OUTER_COMPILE
+from spikeckpt.engine.outer_compile import NOT_TRACED, OUTER_COMPILE
 
 pytestmark = [
     pytest.mark.slow,  # dynamo traces (and inductor compiles) the code around spikeckpt
@@ -148,3 +148,12 @@ def test_a_compiled_function_calling_scan() -> None:
     assert OUTER_COMPILE in messages
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1][0], want[1][0])
+
+
+def test_fullgraph_names_spikeckpt_and_the_way_forward() -> None:
+    """``fullgraph=True`` allows no graph break: dynamo's error gives spikeckpt's reason (it
+    was dynamo's ``_warnings.warn`` is not traceable, from inside spikeckpt)."""
+    seq = sc.wrap(_net())
+    with pytest.raises(Exception, match="spikeckpt's run is not traced") as caught:
+        torch.compile(seq, fullgraph=True)(_input())
+    assert NOT_TRACED in str(caught.value)

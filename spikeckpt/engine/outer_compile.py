@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-__all__ = ["OUTER_COMPILE", "eager_under_compile"]
+__all__ = ["NOT_TRACED", "OUTER_COMPILE", "eager_under_compile"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,16 +29,34 @@ OUTER_COMPILE = (
     "wrap(..., compile=True) compiles the stack's step and the layer-wise fused neuron."
 )
 
+#: dynamo's reason for the graph break (its error's, under ``fullgraph=True``)
+NOT_TRACED = (
+    "spikeckpt's run is not traced by torch.compile: it runs eagerly at a graph break "
+    "(fullgraph=True allows none: compile the code around the spikeckpt call without it). "
+    "wrap(..., compile=True) compiles spikeckpt's own step and fused neuron."
+)
+
 
 def eager_under_compile(fn: F) -> F:
-    """``fn`` with dynamo disabled inside it, warning (``UserWarning``) when an outer
-    ``torch.compile`` is tracing the caller."""
-    eager = torch.compiler.disable(fn)
+    """``fn``, run by an outer ``torch.compile`` as a call it does not trace (a graph break;
+    under ``fullgraph=True`` dynamo's error gives `NOT_TRACED` as the reason), warning
+    (``UserWarning``) that it ran eagerly."""
+
+    @functools.wraps(fn)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(OUTER_COMPILE, UserWarning, stacklevel=3)
+        return fn(*args, **kwargs)
+
+    try:
+        eager = torch.compiler.disable(noted, reason=NOT_TRACED)
+    except TypeError:  # torch < 2.8: no reason
+        eager = torch.compiler.disable(noted)
+    compiling = getattr(torch.compiler, "is_compiling", torch._dynamo.is_compiling)  # < 2.3
 
     @functools.wraps(fn)
     def entry(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            warnings.warn(OUTER_COMPILE, UserWarning, stacklevel=2)
-        return eager(*args, **kwargs)
+        if compiling():
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     return cast(F, entry)
