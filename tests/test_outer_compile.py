@@ -6,10 +6,12 @@ traced into the run and failed after a minute of recompiles with an internal gua
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import snntorch as snn
 import torch
@@ -157,3 +159,57 @@ def test_fullgraph_names_spikeckpt_and_the_way_forward() -> None:
     with pytest.raises(Exception, match="spikeckpt's run is not traced") as caught:
         torch.compile(seq, fullgraph=True)(_input())
     assert NOT_TRACED in str(caught.value)
+
+
+class _Classifier(pl.LightningModule):
+    """docs/lightning.md's small run, with a ``forward`` (what ``torch.compile`` compiles)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = sc.wrap(_net()[:2], readout="sum")  # Linear(12, 10) + Leaky: 10 classes
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_compiled_lightning_module_trains_as_the_eager_one_within_the_budget() -> None:
+    """``trainer.fit(torch.compile(module))`` with `MemoryBudget`: the callback finds the wrapped
+    model through the compiled module, plans, and the weights after three steps are the eager
+    fit's, bitwise."""
+    from torch.utils.data import DataLoader
+
+    from spikeckpt.lightning import MemoryBudget
+
+    torch.manual_seed(0)
+    batches = [((torch.rand(300, 4, F_IN) < 0.2).float(), torch.randint(0, 10, (4,)))] * 3
+    weights, plans = [], []
+    for compile_it in (False, True):
+        module = _Classifier()
+        callback = MemoryBudget("96KiB", margin=0.0, verbose=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        model = torch.compile(module) if compile_it else module
+        loader = DataLoader(batches, batch_size=None)
+        _, messages = _recorded(functools.partial(trainer.fit, model, loader))
+        assert (OUTER_COMPILE in messages) == compile_it
+        assert callback.measured_peak_bytes is not None
+        assert callback.measured_peak_bytes <= 96 * 1024
+        plans.append(str(callback.plans["net"].plan))
+        weights.append([p.detach().clone() for p in module.parameters()])
+    assert plans[0] == plans[1] and plans[0] != "BPTT()"
+    for eager, compiled_w in zip(*weights, strict=True):
+        assert torch.equal(eager, compiled_w)
