@@ -40,6 +40,7 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
 from spikeckpt.adapters.recurrent_kernel import RecurrentKernel
 from spikeckpt.engine.meter import unmetered
+from spikeckpt.errors import ConfigError
 
 __all__ = [
     "AlphaState",
@@ -157,9 +158,25 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         return self.state_cls(*self._init(self.module, x_t))
 
     def coerce_state(self, state: State, x_t: Tensor) -> State:
+        """A given state; one of another batch than ``x_t`` ``(B, ...)`` (a previous batch's
+        final state) is refused: snnTorch's own call silently starts it from zeros."""
         if isinstance(state, Tensor):
             state = (state,)
-        return self.state_cls(*state)
+        state = self.state_cls(*state)
+        for name, value in zip(self.fields, state, strict=True):
+            if (
+                isinstance(value, Tensor)
+                and value.dim() == x_t.dim() >= 2
+                and value.shape[0] != x_t.shape[0]
+            ):
+                raise ConfigError(
+                    f"state= for layer {self.path or '<root>'} ({type(self.module).__name__}): "
+                    f"its {name} {tuple(value.shape)} holds a batch of {value.shape[0]}, this "
+                    f"call's input a batch of {x_t.shape[0]}; snnTorch's own call would "
+                    f"silently start it from zeros. Pass None for this layer (zeros) or a "
+                    f"state of batch {x_t.shape[0]} (e.g. a previous batch's state sliced)"
+                )
+        return state
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         fast = self._fast
