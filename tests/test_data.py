@@ -239,15 +239,21 @@ def test_split_is_seeded_disjoint_and_complete(shd_root: Path) -> None:
 
 
 def test_two_workers_give_the_same_batches(shd_root: Path) -> None:
+    """Epoch after epoch, as Lightning iterates one loader: the second epoch's order depended
+    on ``num_workers`` (the shuffle shared its generator with the workers' base seed, which is
+    drawn at each epoch without workers but once with persistent workers)."""
+
     def batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         dm = SHDDataModule(
             shd_root, dt_us=10_000, batch_size=8, num_workers=workers, seed=5, download=False
         )
         dm.setup()
-        return list(dm.train_dataloader())
+        loader = dm.train_dataloader()
+        return [batch for _epoch in range(2) for batch in loader]
 
     serial, parallel = batches(0), batches(2)
-    assert len(serial) == len(parallel) == 5
+    assert len(serial) == len(parallel) == 10
+    assert not torch.equal(serial[0][1], serial[5][1])  # each epoch shuffled anew
     for (xa, ya), (xb, yb) in zip(serial, parallel, strict=True):
         assert torch.equal(ya, yb) and torch.equal(xa, xb)
 

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from tonic import DiskCachedDataset
 from tonic.transforms import Downsample
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
 
 from spikeckpt.data.datasets import DatasetName, files_present, location, open_dataset
 from spikeckpt.data.frames import (
@@ -202,10 +202,14 @@ class _EventDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise UsageError(f"{type(self).__name__}.setup() must run before asking for data")
+        # The shuffle draws from a generator of its own: the loader's generator also gives
+        # each iterator its workers' base seed, drawn at every epoch without workers but once
+        # with persistent workers, so a shared one made epoch 2's order depend on num_workers.
+        order = torch.Generator().manual_seed(self.seed)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=RandomSampler(dataset, generator=order) if shuffle else None,
             num_workers=self.num_workers,
             collate_fn=PackTimeFirst(self.packed) if self.packed else pad_time_first,
             worker_init_fn=seed_worker,
