@@ -530,3 +530,23 @@ def test_a_frozen_teacher_is_not_planned(tmp_path: Path) -> None:
     assert callback.measured_peak_bytes is not None
     net_step = callback.plans["net"].step.total  # the teacher plans nothing
     assert callback.modeled_step_bytes == callback.overhead_bytes + net_step
+
+
+def test_the_batch_size_finder_is_said_to_run_without_the_budget(tmp_path: Path) -> None:
+    """Lightning runs tuner callbacks first: the finder's trials ran before the callback
+    planned, without the budget, and it picked a batch size the fit then refused, with no word
+    about why the two disagreed."""
+    from lightning.pytorch.tuner import Tuner
+
+    class Tunable(SpikingClassifier):
+        batch_size = 2
+
+        def train_dataloader(self) -> DataLoader:
+            generator = torch.Generator().manual_seed(0)
+            x = (torch.rand(8, 20, FEATURES, generator=generator) < 0.2).float()
+            y = torch.randint(0, CLASSES, (8,), generator=generator)
+            return DataLoader(TensorDataset(x, y), batch_size=self.batch_size)
+
+    trainer = _trainer(MemoryBudget("10MiB", verbose=False), tmp_path)
+    with pytest.warns(UserWarning, match="batch size finder .* runs its trials before"):
+        Tuner(trainer).scale_batch_size(Tunable(), steps_per_trial=1, max_trials=2)

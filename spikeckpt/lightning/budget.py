@@ -35,7 +35,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -58,6 +58,16 @@ _HOW_TO_WRAP = (
     "wrap the spiking part of your LightningModule with spikeckpt.wrap, e.g.\n"
     "    self.net = spikeckpt.wrap(nn.Sequential(nn.Linear(700, 256), snn.Leaky(beta=0.9), ...))\n"
     "and call self.net(x) with x of shape (T, B, features) in training_step"
+)
+
+
+_FINDER_IGNORES_BUDGET = (
+    "MemoryBudget: Lightning's batch size finder (Tuner.scale_batch_size, BatchSizeFinder) "
+    "runs its trials before MemoryBudget plans (Lightning calls tuner callbacks first), so "
+    "they run without the budget and the batch size it picks is not bounded by it: a fit "
+    "with that batch size may be refused at its first step with BudgetTooSmall, which names "
+    "the smallest budget that batch needs. Choose the batch size for the budget yourself "
+    "(lower it until the first step is not refused), or give the budget that refusal names."
 )
 
 
@@ -196,6 +206,8 @@ class MemoryBudget(Callback):
                 # the model's own tier is put back in teardown, as the planner is taken away
                 self._restore.append(lambda m=module, kept=module.storage: m.set_storage(kept))
                 module.set_storage(self.storage)
+        if stage == "fit" and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
+            rank_zero_warn(_FINDER_IGNORES_BUDGET)
         if stage == "fit" and self.max_retries > 0:
             if not pl_module.automatic_optimization:
                 raise MemoryBudgetError(
