@@ -4,7 +4,7 @@ readout, the max over time, ``log_softmax`` and ``nll_loss``) trained through th
 with gradient accumulation and clipping equals the same training of Norse's own loop without
 spikeckpt; a fit resumed from a ``ModelCheckpoint`` equals the uninterrupted fit, restores the
 callback's plans without probing, and the checkpoint loads into an inference model without
-the callback."""
+the callback, and predicts with it attached (no fit) as without."""
 
 from __future__ import annotations
 
@@ -150,3 +150,11 @@ def test_a_resumed_fit_continues_as_the_uninterrupted_one(tmp_path: Path) -> Non
     predictor = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     (predicted,) = predictor.predict(inference, _loader(1, seed=3))
     assert torch.equal(predicted, expected)
+    # with the callback attached and no fit: nothing planned, the model's own tier put back
+    callback = MemoryBudget(budget, storage="disk", verbose=False)
+    predictor = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, callbacks=[callback]
+    )
+    (predicted,) = predictor.predict(inference, _loader(1, seed=3))
+    assert torch.equal(predicted, expected)
+    assert not callback.planners and inference.net.storage != "disk"
