@@ -206,7 +206,9 @@ class MemoryBudget(Callback):
                 # the model's own tier is put back in teardown, as the planner is taken away
                 self._restore.append(lambda m=module, kept=module.storage: m.set_storage(kept))
                 module.set_storage(self.storage)
-        if stage == "fit" and any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):
+        if stage == "fit" and any(
+            isinstance(c, BatchSizeFinder) for c in getattr(trainer, "callbacks", ())
+        ):
             rank_zero_warn(_FINDER_IGNORES_BUDGET)
         if stage == "fit" and self.max_retries > 0:
             if not pl_module.automatic_optimization:
