@@ -584,3 +584,36 @@ def test_the_optimizer_state_counted_before_the_first_step_is_the_state_after_it
         if isinstance(v, torch.Tensor) and v.numel() == 1
     )
     assert model_bytes(model, [opt]) - scalars == before
+
+
+def test_a_resumed_fit_keeps_what_measured_steps_took_off_the_plans(tmp_path: Path) -> None:
+    """A step holding more than the plans count (a tensor of the loss saved for backward)
+    came out over the budget: the callback re-planned down. A fit resumed from the checkpoint
+    started again from the uncut budget (the saved plans, chosen with less, were dropped for
+    the budget mismatch): re-probed, and its first steps over the budget again."""
+
+    class Holding(SpikingClassifier):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            spikes = self.net(x.transpose(0, 1))
+            held = torch.ones(14_000)  # 56,000 bytes saved for the backward of the product
+            loss = nn.functional.cross_entropy(spikes.sum(0), y)
+            return loss + 0 * (spikes.sum() * held).sum()
+
+    T = 60
+    model = Holding()
+    bptt, fixed = _needs(model, T)
+    budget = fixed + 3 * bptt // 10  # a checkpointing plan, counted without the held tensor
+    first = MemoryBudget(budget, margin=0.0, measure_batches=4, verbose=False)
+    trainer = _trainer(first, tmp_path, enable_checkpointing=True)
+    with pytest.warns(UserWarning, match="re-planning"):
+        trainer.fit(model, _loader(T, batches=4))
+    assert first.replans > 0
+    checkpoint = next((tmp_path / "checkpoints").glob("*.ckpt"))
+    again = MemoryBudget(budget, margin=0.0, measure_batches=4, verbose=False)
+    _trainer(again, tmp_path, max_epochs=2).fit(
+        Holding(), _loader(T, batches=4), ckpt_path=str(checkpoint)
+    )
+    assert again.planners["net"].budget_bytes == first.planners["net"].budget_bytes
+    assert again.replans == 0
+    assert again.measured_peak_bytes is not None and again.measured_peak_bytes <= budget

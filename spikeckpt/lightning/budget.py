@@ -71,6 +71,11 @@ _FINDER_IGNORES_BUDGET = (
 )
 
 
+#: ``state_dict`` key (no module's name) of the bytes measured steps took off each planner
+_CUT_KEY = "<measured cut bytes>"
+_MEASURED_OVER = "; measured steps came out over the plans"
+
+
 class MemoryBudget(Callback):
     """Pick checkpoint plans for every wrapped model so training fits a device memory budget.
 
@@ -263,12 +268,19 @@ class MemoryBudget(Callback):
         self.total_bytes = total
         self.overhead_bytes = overhead
         self.tier_note = _tier_note({m.storage for m in self.modules.values()}, device)
+        # what measured steps of the fit this one resumes took off each planner's budget: its
+        # saved plans were chosen with that much less, and its steps needed it
+        self._cut_bytes = int(self._pending.get(_CUT_KEY, 0))
         for name, module in self.modules.items():
             planner = self._planner(trainer, device)
+            if self._cut_bytes:
+                planner.replan(planner.budget_bytes - self._cut_bytes, context=_MEASURED_OVER)
             if name in self._pending:
                 planner.load_state_dict(self._pending[name])
             module.set_planner(planner)
             self.planners[name] = planner
+        if self._cut_bytes:
+            self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self._world_size = trainer.world_size
         if self.verbose:
             rank_zero_info(
@@ -399,7 +411,10 @@ class MemoryBudget(Callback):
 
     # -- resuming ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {name: planner.state_dict() for name, planner in self.planners.items()}
+        state: dict[str, Any] = {n: planner.state_dict() for n, planner in self.planners.items()}
+        if self._cut_bytes:
+            state[_CUT_KEY] = self._cut_bytes
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = dict(state_dict)
@@ -511,7 +526,7 @@ class MemoryBudget(Callback):
         cut = -(-over // len(self.planners))
         self._cut_bytes += cut
         for name, planner in self.planners.items():
-            context = "; measured steps came out over the plans"
+            context = _MEASURED_OVER
             runs = planner.runs - self._runs_at_start.get(name, planner.runs)
             if runs > 1:  # each run planned alone, their tapes held together
                 context += (
