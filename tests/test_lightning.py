@@ -617,3 +617,6 @@ def test_a_resumed_fit_keeps_what_measured_steps_took_off_the_plans(tmp_path: Pa
     assert again.planners["net"].budget_bytes == first.planners["net"].budget_bytes
     assert again.replans == 0
     assert again.measured_peak_bytes is not None and again.measured_peak_bytes <= budget
+    # the checkpoint resumed that fit; a new fit with the same callback starts afresh
+    _trainer(again, tmp_path, max_steps=1).fit(Holding(), _loader(T, batches=1))
+    assert again.planners["net"].probes == 1

@@ -279,6 +279,7 @@ class MemoryBudget(Callback):
                 planner.load_state_dict(self._pending[name])
             module.set_planner(planner)
             self.planners[name] = planner
+        self._pending = {}  # a checkpoint's state resumes one fit, not the fits after it
         if self._cut_bytes:
             self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self._world_size = trainer.world_size
