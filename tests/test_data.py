@@ -239,17 +239,64 @@ def test_split_is_seeded_disjoint_and_complete(shd_root: Path) -> None:
 
 
 def test_two_workers_give_the_same_batches(shd_root: Path) -> None:
+    """Epoch after epoch, as Lightning iterates one loader: the second epoch's order depended
+    on ``num_workers`` (the shuffle shared its generator with the workers' base seed, which is
+    drawn at each epoch without workers but once with persistent workers)."""
+
     def batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         dm = SHDDataModule(
             shd_root, dt_us=10_000, batch_size=8, num_workers=workers, seed=5, download=False
         )
         dm.setup()
-        return list(dm.train_dataloader())
+        loader = dm.train_dataloader()
+        return [batch for _epoch in range(2) for batch in loader]
 
     serial, parallel = batches(0), batches(2)
-    assert len(serial) == len(parallel) == 5
+    assert len(serial) == len(parallel) == 10
+    assert not torch.equal(serial[0][1], serial[5][1])  # each epoch shuffled anew
     for (xa, ya), (xb, yb) in zip(serial, parallel, strict=True):
         assert torch.equal(ya, yb) and torch.equal(xa, xb)
+
+
+def test_a_resumed_or_reloaded_fit_sees_the_batches_of_one_fit(
+    shd_root: Path, tmp_path: Path
+) -> None:
+    """The shuffle's order is a function of the seed and the epoch: a fit resumed from the
+    first epoch's checkpoint, or one reloading its loaders each epoch, trains as one fit (the
+    loader built anew restarted the seeded order: epoch 2 repeated epoch 1's batches)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = torch.nn.Linear(700, 20)
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.fc(x.mean(0)), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def fit(epochs: int, **kwargs: Any) -> Tiny:
+        model, ckpt_path = Tiny(), kwargs.pop("ckpt_path", None)
+        options: dict[str, Any] = dict(
+            accelerator="cpu", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        options.update(kwargs)
+        dm = SHDDataModule(shd_root, dt_us=50_000, batch_size=8, val_fraction=0, download=False)
+        L.Trainer(max_epochs=epochs, **options).fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return model
+
+    whole = fit(3).fc.weight
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    fit(1, callbacks=[saver], enable_checkpointing=True)
+    resumed = fit(3, ckpt_path=saver.best_model_path).fc.weight
+    reloaded = fit(3, reload_dataloaders_every_n_epochs=1).fc.weight
+    assert torch.equal(resumed, whole) and torch.equal(reloaded, whole)
 
 
 def test_disk_cache_keyed_by_settings(shd_root: Path, tmp_path: Path) -> None:

@@ -530,3 +530,93 @@ def test_a_frozen_teacher_is_not_planned(tmp_path: Path) -> None:
     assert callback.measured_peak_bytes is not None
     net_step = callback.plans["net"].step.total  # the teacher plans nothing
     assert callback.modeled_step_bytes == callback.overhead_bytes + net_step
+
+
+def test_the_batch_size_finder_is_said_to_run_without_the_budget(tmp_path: Path) -> None:
+    """Lightning runs tuner callbacks first: the finder's trials ran before the callback
+    planned, without the budget, and it picked a batch size the fit then refused, with no word
+    about why the two disagreed."""
+    from lightning.pytorch.tuner import Tuner
+
+    class Tunable(SpikingClassifier):
+        batch_size = 2
+
+        def train_dataloader(self) -> DataLoader:
+            generator = torch.Generator().manual_seed(0)
+            x = (torch.rand(8, 20, FEATURES, generator=generator) < 0.2).float()
+            y = torch.randint(0, CLASSES, (8,), generator=generator)
+            return DataLoader(TensorDataset(x, y), batch_size=self.batch_size)
+
+    trainer = _trainer(MemoryBudget("10MiB", verbose=False), tmp_path)
+    with pytest.warns(UserWarning, match="batch size finder .* runs its trials before"):
+        Tuner(trainer).scale_batch_size(Tunable(), steps_per_trial=1, max_trials=2)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options"),
+    [
+        (torch.optim.SGD, {}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+        (torch.optim.Adam, {}),
+        (torch.optim.Adam, {"amsgrad": True}),
+        (torch.optim.AdamW, {"amsgrad": True}),
+        (torch.optim.Adadelta, {}),
+        (torch.optim.Rprop, {}),
+        (torch.optim.RMSprop, {}),
+        (torch.optim.RMSprop, {"momentum": 0.9, "centered": True}),
+    ],
+)
+def test_the_optimizer_state_counted_before_the_first_step_is_the_state_after_it(
+    optimizer: type[torch.optim.Optimizer], options: dict[str, object]
+) -> None:
+    """``on_fit_start`` counts the optimizer state before it exists. ``amsgrad``, Adadelta,
+    Rprop, RMSprop with momentum or ``centered`` keep more copies than were counted (3, 2, 2,
+    3 where 2, 1, 1, 1 were): the budget left that much too much for the plans."""
+    model = nn.Linear(100, 50)
+    opt = optimizer(model.parameters(), lr=0.01, **options)  # type: ignore[call-arg]
+    before = model_bytes(model, [opt])
+    model(torch.randn(4, 100)).sum().backward()
+    opt.step()
+    scalars = sum(  # the per-parameter step counters Adam-like optimizers keep
+        v.untyped_storage().nbytes()
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.numel() == 1
+    )
+    assert model_bytes(model, [opt]) - scalars == before
+
+
+def test_a_resumed_fit_keeps_what_measured_steps_took_off_the_plans(tmp_path: Path) -> None:
+    """A step holding more than the plans count (a tensor of the loss saved for backward)
+    came out over the budget: the callback re-planned down. A fit resumed from the checkpoint
+    started again from the uncut budget (the saved plans, chosen with less, were dropped for
+    the budget mismatch): re-probed, and its first steps over the budget again."""
+
+    class Holding(SpikingClassifier):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            spikes = self.net(x.transpose(0, 1))
+            held = torch.ones(14_000)  # 56,000 bytes saved for the backward of the product
+            loss = nn.functional.cross_entropy(spikes.sum(0), y)
+            return loss + 0 * (spikes.sum() * held).sum()
+
+    T = 60
+    model = Holding()
+    bptt, fixed = _needs(model, T)
+    budget = fixed + 3 * bptt // 10  # a checkpointing plan, counted without the held tensor
+    first = MemoryBudget(budget, margin=0.0, measure_batches=4, verbose=False)
+    trainer = _trainer(first, tmp_path, enable_checkpointing=True)
+    with pytest.warns(UserWarning, match="re-planning"):
+        trainer.fit(model, _loader(T, batches=4))
+    assert first.replans > 0
+    checkpoint = next((tmp_path / "checkpoints").glob("*.ckpt"))
+    again = MemoryBudget(budget, margin=0.0, measure_batches=4, verbose=False)
+    _trainer(again, tmp_path, max_epochs=2).fit(
+        Holding(), _loader(T, batches=4), ckpt_path=str(checkpoint)
+    )
+    assert again.planners["net"].budget_bytes == first.planners["net"].budget_bytes
+    assert again.replans == 0
+    assert again.measured_peak_bytes is not None and again.measured_peak_bytes <= budget
+    # the checkpoint resumed that fit; a new fit with the same callback starts afresh
+    _trainer(again, tmp_path, max_steps=1).fit(Holding(), _loader(T, batches=1))
+    assert again.planners["net"].probes == 1

@@ -6,15 +6,16 @@ import hashlib
 import json
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import lightning as L
+import numpy as np
 import torch
 from tonic import DiskCachedDataset
 from tonic.transforms import Downsample
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
 
 from spikeckpt.data.datasets import DatasetName, files_present, location, open_dataset
 from spikeckpt.data.frames import (
@@ -39,6 +40,33 @@ from spikeckpt.storage.spiketrain import SPIKE_TRAIN_CODECS, SpikeTrain
 
 log = logging.getLogger("spikeckpt.data")
 _CACHE_FORMAT = 1
+
+
+class EpochShuffle(RandomSampler):
+    """A shuffle whose order is a function of ``(seed, epoch)`` alone, so that a fit's batches
+    do not depend on how it got to an epoch: resumed from a checkpoint, with its loaders
+    reloaded (``reload_dataloaders_every_n_epochs``), with 0 or several (persistent) workers.
+
+    Lightning calls ``set_epoch(epoch)`` at the start of each epoch, as it does for a
+    ``DistributedSampler``; in a plain loop each pass over the loader is the next epoch. A
+    ``RandomSampler``, so that Lightning shuffles under DDP too (its ``DistributedSampler``
+    replaces this one there).
+    """
+
+    def __init__(self, data_source: Sized, seed: int) -> None:
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Give the next pass the order of ``epoch`` (0-based)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        entropy = np.random.SeedSequence([self.seed, self.epoch]).generate_state(2, np.uint32)
+        generator = torch.Generator().manual_seed(int(entropy[0]) << 32 | int(entropy[1]))
+        self.epoch += 1
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
 
 class _EventDataModule(L.LightningDataModule):
@@ -205,7 +233,7 @@ class _EventDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=EpochShuffle(cast(Sized, dataset), self.seed) if shuffle else None,
             num_workers=self.num_workers,
             collate_fn=PackTimeFirst(self.packed) if self.packed else pad_time_first,
             worker_init_fn=seed_worker,

@@ -35,7 +35,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -59,6 +59,21 @@ _HOW_TO_WRAP = (
     "    self.net = spikeckpt.wrap(nn.Sequential(nn.Linear(700, 256), snn.Leaky(beta=0.9), ...))\n"
     "and call self.net(x) with x of shape (T, B, features) in training_step"
 )
+
+
+_FINDER_IGNORES_BUDGET = (
+    "MemoryBudget: Lightning's batch size finder (Tuner.scale_batch_size, BatchSizeFinder) "
+    "runs its trials before MemoryBudget plans (Lightning calls tuner callbacks first), so "
+    "they run without the budget and the batch size it picks is not bounded by it: a fit "
+    "with that batch size may be refused at its first step with BudgetTooSmall, which names "
+    "the smallest budget that batch needs. Choose the batch size for the budget yourself "
+    "(lower it until the first step is not refused), or give the budget that refusal names."
+)
+
+
+#: ``state_dict`` key (no module's name) of the bytes measured steps took off each planner
+_CUT_KEY = "<measured cut bytes>"
+_MEASURED_OVER = "; measured steps came out over the plans"
 
 
 class MemoryBudget(Callback):
@@ -196,6 +211,10 @@ class MemoryBudget(Callback):
                 # the model's own tier is put back in teardown, as the planner is taken away
                 self._restore.append(lambda m=module, kept=module.storage: m.set_storage(kept))
                 module.set_storage(self.storage)
+        if stage == "fit" and any(
+            isinstance(c, BatchSizeFinder) for c in getattr(trainer, "callbacks", ())
+        ):
+            rank_zero_warn(_FINDER_IGNORES_BUDGET)
         if stage == "fit" and self.max_retries > 0:
             if not pl_module.automatic_optimization:
                 raise MemoryBudgetError(
@@ -249,12 +268,20 @@ class MemoryBudget(Callback):
         self.total_bytes = total
         self.overhead_bytes = overhead
         self.tier_note = _tier_note({m.storage for m in self.modules.values()}, device)
+        # what measured steps of the fit this one resumes took off each planner's budget: its
+        # saved plans were chosen with that much less, and its steps needed it
+        self._cut_bytes = int(self._pending.get(_CUT_KEY, 0))
         for name, module in self.modules.items():
             planner = self._planner(trainer, device)
+            if self._cut_bytes:
+                planner.replan(planner.budget_bytes - self._cut_bytes, context=_MEASURED_OVER)
             if name in self._pending:
                 planner.load_state_dict(self._pending[name])
             module.set_planner(planner)
             self.planners[name] = planner
+        self._pending = {}  # a checkpoint's state resumes one fit, not the fits after it
+        if self._cut_bytes:
+            self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self._world_size = trainer.world_size
         if self.verbose:
             rank_zero_info(
@@ -385,7 +412,10 @@ class MemoryBudget(Callback):
 
     # -- resuming ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {name: planner.state_dict() for name, planner in self.planners.items()}
+        state: dict[str, Any] = {n: planner.state_dict() for n, planner in self.planners.items()}
+        if self._cut_bytes:
+            state[_CUT_KEY] = self._cut_bytes
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = dict(state_dict)
@@ -497,7 +527,7 @@ class MemoryBudget(Callback):
         cut = -(-over // len(self.planners))
         self._cut_bytes += cut
         for name, planner in self.planners.items():
-            context = "; measured steps came out over the plans"
+            context = _MEASURED_OVER
             runs = planner.runs - self._runs_at_start.get(name, planner.runs)
             if runs > 1:  # each run planned alone, their tapes held together
                 context += (

@@ -49,18 +49,25 @@ def model_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] =
         if state_tensors:
             total += _tensor_bytes(state_tensors)
         else:  # state is created lazily at the first step: estimate it
-            trainable = [p for group in optimizer.param_groups for p in group["params"]]
-            total += _expected_state_copies(optimizer) * _tensor_bytes(trainable)
+            for group in optimizer.param_groups:
+                copies = _expected_state_copies(optimizer, group)
+                total += copies * _tensor_bytes(group["params"])
     return total
 
 
-def _expected_state_copies(optimizer: torch.optim.Optimizer) -> int:
-    """Copies of the parameters an optimizer keeps (Adam-like 2, momentum SGD 1, else 1)."""
+def _expected_state_copies(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """Copies of a parameter group's parameters that ``optimizer`` keeps once it has stepped
+    (torch's optimizers: Adam-like 2, 3 with ``amsgrad``; Adadelta and Rprop 2; RMSprop 1, one
+    more with ``momentum`` and one more ``centered``; SGD 1 with momentum, else 0; others 1)."""
     name = type(optimizer).__name__.lower()
     if "adam" in name or "lamb" in name:
+        return 3 if group.get("amsgrad") else 2
+    if name in ("adadelta", "rprop"):
         return 2
-    if name == "sgd" and not any(group.get("momentum", 0) for group in optimizer.param_groups):
-        return 0
+    if name == "rmsprop":
+        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    if name == "sgd":
+        return 1 if group.get("momentum", 0) else 0
     return 1
 
 
