@@ -214,6 +214,21 @@ def test_out_of_memory_replans_and_retries(tmp_path: Path) -> None:
     usable = fixed + bptt // 3 - model_bytes(model, [model.configure_optimizers()])
     assert callback.planners["net"].budget_bytes == int(int(usable * 0.8) * 0.8)
 
+    # a fit resumed from its checkpoint plans with what the retries took off, from its start
+    # (it started from the whole budget, so its first steps would run out of memory again)
+    FlakyOnce.failures.update(step=1, backward=1)
+    first = MemoryBudget(fixed + bptt // 3, margin=0.0, max_retries=2, verbose=False)
+    trainer = _trainer(first, tmp_path / "saved", enable_checkpointing=True)
+    trainer.fit(FlakyOnce(), _loader(T))
+    assert first.retries == 2
+    checkpoint = next((tmp_path / "saved" / "checkpoints").glob("*.ckpt"))
+    resumed = MemoryBudget(fixed + bptt // 3, margin=0.0, verbose=False)
+    _trainer(resumed, tmp_path / "saved", max_epochs=2).fit(
+        SpikingClassifier(), _loader(T), ckpt_path=str(checkpoint)
+    )
+    assert resumed.planners["net"].budget_bytes == first.planners["net"].budget_bytes
+    assert resumed.planners["net"].probes == 0  # the saved plans, chosen within the cut
+
     class AlwaysOut(SpikingClassifier):
         def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
             raise torch.OutOfMemoryError("injected")

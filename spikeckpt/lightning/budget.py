@@ -74,6 +74,10 @@ _FINDER_IGNORES_BUDGET = (
 #: ``state_dict`` key (no module's name) of the bytes measured steps took off each planner
 _CUT_KEY = "<measured cut bytes>"
 _MEASURED_OVER = "; measured steps came out over the plans"
+_RESUMED_CUT = (
+    "; the fit this one resumes took that much off the plans (its measured steps came out "
+    "over them, or it ran out of memory and re-planned)"
+)
 
 
 class MemoryBudget(Callback):
@@ -164,7 +168,7 @@ class MemoryBudget(Callback):
         self.replans = 0
         self.tier_note: str | None = None
         self._probes_at_start = 0
-        self._cut_bytes = 0  # per planner: taken off after measured steps came out over
+        self._cut_bytes = 0  # per planner: taken off by measured steps over it and OOM retries
         self._pending: dict[str, Any] = {}
         self._to_measure = measure_batches
         self._meter: MemoryMeter | None = None
@@ -274,7 +278,7 @@ class MemoryBudget(Callback):
         for name, module in self.modules.items():
             planner = self._planner(trainer, device)
             if self._cut_bytes:
-                planner.replan(planner.budget_bytes - self._cut_bytes, context=_MEASURED_OVER)
+                planner.replan(planner.budget_bytes - self._cut_bytes, context=_RESUMED_CUT)
             if name in self._pending:
                 planner.load_state_dict(self._pending[name])
             module.set_planner(planner)
@@ -481,6 +485,10 @@ class MemoryBudget(Callback):
                 "inside the smallest device instead of relying on re-plans."
             ) from error
         self.retries += 1
+        cuts = [
+            p.budget_bytes - int(p.budget_bytes * self.retry_factor) for p in self.planners.values()
+        ]
+        self._cut_bytes += max(cuts, default=0)  # kept in the checkpoint, as measured cuts
         for planner in self.planners.values():
             planner.replan(int(planner.budget_bytes * self.retry_factor))
         self._runs_at_start = {name: p.runs for name, p in self.planners.items()}  # the retry's
