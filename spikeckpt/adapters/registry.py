@@ -118,7 +118,8 @@ def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
                 "it is the wrapper torch.compile(model) returns, whose forward is the compiled "
                 "whole model. Wrap the model itself: spikeckpt.wrap(model, compile=True) "
                 "compiles its step (or the fused neurons, layer-wise); torch.compile(seq) "
-                "after wrapping also runs",
+                "after wrapping runs spikeckpt's call as without it (the code around it "
+                "compiled)",
             )
         raise unsupported(module, path, "no adapter knows this layer type")
     except UnsupportedLayerError as err:
