@@ -38,6 +38,7 @@ snn = pytest.importorskip("snntorch")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from quiet_trainer import quiet_trainer  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -258,17 +259,8 @@ def _fit(
     recorder = StepPeaks(callback)
     model.recorder = recorder
     limits = {k: options.pop(k) for k in ("max_epochs", "max_steps") if k in options}
-    trainer = pl.Trainer(
-        accelerator="auto",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=[recorder, callback],
-        **limits,
-    )
+    limits.setdefault("max_epochs", None)  # Lightning's default
+    trainer = quiet_trainer([recorder, callback], root, accelerator="auto", **limits)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, **options)
@@ -361,16 +353,7 @@ def test_step_peaks_counts_what_the_step_holds_and_frees(tmp_path: Path) -> None
 
     model = Plain()
     loader = DataLoader([(torch.ones(4, 256),)] * 2, batch_size=None)
-    pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[model.recorder],
-    ).fit(model, loader)
+    quiet_trainer([model.recorder], tmp_path).fit(model, loader)
     first, second = model.recorder.records
     params = 256 * 257 * 4
     assert first.resident_bytes == params + 4 * 256 * 4  # parameters + input

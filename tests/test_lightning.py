@@ -16,6 +16,7 @@ snn = pytest.importorskip("snntorch")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+from quiet_trainer import quiet_trainer  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -68,18 +69,7 @@ def _loader(T: int | list[int], batches: int = 2, seed: int = 0) -> DataLoader:
 
 
 def _trainer(callback: MemoryBudget, tmp_path: Path, **kwargs: object) -> pl.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    options.update(kwargs)
-    return pl.Trainer(callbacks=[callback], **options)  # type: ignore[arg-type]
+    return quiet_trainer([callback], tmp_path, **kwargs)
 
 
 def _needs(model: SpikingClassifier, T: int) -> tuple[int, int]:

@@ -23,6 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from quiet_trainer import quiet_trainer  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -84,18 +85,8 @@ def _loader(batches: int = 4, seed: int = 0) -> DataLoader:
 
 
 def _fit(model: NorseTask, tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    options.update(kwargs)
-    ckpt_path = options.pop("ckpt_path", None)
-    trainer = pl.Trainer(callbacks=callbacks, **options)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = quiet_trainer(callbacks, tmp_path, **kwargs)
     trainer.fit(model, _loader(), ckpt_path=ckpt_path)
     return trainer
 
@@ -106,7 +97,7 @@ def _close(a: NorseTask, b: NorseTask) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("granularity", "budget"), [("stack", "60KiB"), ("auto", "80KiB")])
+@pytest.mark.parametrize(("granularity", "budget"), [("stack", "60KiB"), ("auto", "60KiB")])
 def test_norse_task_trains_as_its_own_loop(tmp_path: Path, granularity: str, budget: str) -> None:
     """Two epochs, two batches accumulated per optimizer step, gradients clipped: losses and
     weights equal Norse's loop trained the same way (float32 round-off)."""
@@ -117,7 +108,9 @@ def test_norse_task_trains_as_its_own_loop(tmp_path: Path, granularity: str, bud
     callback = MemoryBudget(budget, margin=0.0, verbose=False)
     trainer = _fit(model, tmp_path, [callback], **options)
     assert trainer.global_step == 4 and len(model.losses) == 8
-    assert not isinstance(callback.plans["net"].plan, BPTT)  # the budget made it checkpoint
+    # the budget made it checkpoint (plain BPTT needs more than 60KiB): a stack plan or
+    # layer-wise, whichever "auto" measured faster
+    assert callback.plans["net"].describe() != "BPTT()"
     assert callback.measured_peak_bytes is not None
     assert callback.measured_peak_bytes <= parse_bytes(budget)
     _close(loop, model)

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import snntorch as snn
 import torch
+from quiet_trainer import quiet_trainer
 from snntorch import utils as snn_utils
 from torch import Tensor, nn
 
@@ -193,15 +194,7 @@ def test_a_compiled_lightning_module_trains_as_the_eager_one_within_the_budget()
     for compile_it in (False, True):
         module = _Classifier()
         callback = MemoryBudget("96KiB", margin=0.0, verbose=False)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_epochs=1,
-            callbacks=[callback],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer([callback])
         model = torch.compile(module) if compile_it else module
         loader = DataLoader(batches, batch_size=None)
         _, messages = _recorded(functools.partial(trainer.fit, model, loader))
