@@ -71,7 +71,8 @@ _FINDER_IGNORES_BUDGET = (
 )
 
 
-#: ``state_dict`` key (no module's name) of the bytes measured steps took off each planner
+#: ``state_dict`` key (no module's name) of the bytes measured steps and out-of-memory
+#: re-plans took off each planner
 _CUT_KEY = "<measured cut bytes>"
 _MEASURED_OVER = "; measured steps came out over the plans"
 _RESUMED_CUT = (
@@ -272,8 +273,8 @@ class MemoryBudget(Callback):
         self.total_bytes = total
         self.overhead_bytes = overhead
         self.tier_note = _tier_note({m.storage for m in self.modules.values()}, device)
-        # what measured steps of the fit this one resumes took off each planner's budget: its
-        # saved plans were chosen with that much less, and its steps needed it
+        # what the fit this one resumes took off each planner's budget (measured steps over it,
+        # out-of-memory re-plans): its saved plans were chosen with that much less
         self._cut_bytes = int(self._pending.get(_CUT_KEY, 0))
         for name, module in self.modules.items():
             planner = self._planner(trainer, device)
