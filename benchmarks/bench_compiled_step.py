@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--breaks", action="store_true", help="print dynamo's reasons for each graph break"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     warnings.simplefilter("ignore")
@@ -127,6 +130,7 @@ def main() -> None:
             for c, run in runs.items():
                 best[c] = min(best[c], run())
         breaks = sum(counters["graph_break"].values())
+        reasons = dict(counters["graph_break"])
         rel = max(
             float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
             for a, b in zip(want[2], got[2], strict=True)
@@ -137,6 +141,9 @@ def main() -> None:
             f"| {name} | {best[False]:.3f} s | {best[True]:.3f} s{ran} | "
             f"{best[True] / best[False]:.2f} | {first:.1f} s | {breaks} | {same} | {rel:.1e} |"
         )
+        if args.breaks:
+            for reason, count in reasons.items():
+                print(f"  break x{count}: {reason}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ process; peak is `spikeckpt.MemoryMeter`'s (live tensors on the CPU, the allocat
 one training step; the gradient of the first ``Linear`` relative to the loop's.
 
     taskset -c 1 python benchmarks/bench_recurrent.py --T 500 --threads 1
+    python benchmarks/bench_recurrent.py --device cuda --rounds 1   # on a GPU
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def norse_loop(net: nn.Module, x: Tensor) -> Tensor:
     return torch.stack(out)
 
 
+#: seconds of planning in a timed call past which the row says so (a reused plan: microseconds)
+PLANNING_NOTED = 1e-3
+
+
 def rows(
     name: str,
     net: nn.Module,
@@ -115,30 +120,45 @@ def rows(
 
     def step(run: Callable[[], Tensor]) -> tuple[float, Tensor]:
         net.zero_grad(set_to_none=True)
+        _sync(x.device)
         start = time.perf_counter()
         run().sum().backward()
+        _sync(x.device)
         return time.perf_counter() - start, first_weight(net).grad.clone()
 
     grads = {row: step(run)[1] for row, run in runs.items()}  # warm-up: plans, checks
     best = dict.fromkeys(runs, float("inf"))
+    planned: dict[str, float] = {}  # the most seconds a timed call spent choosing its plan
     for _ in range(rounds):
         for row, run in runs.items():
             best[row] = min(best[row], step(run)[0])
+            if row in wrapped:
+                seconds = wrapped[row].last_stats.planning_seconds
+                planned[row] = max(planned.get(row, 0.0), seconds)
     loop_grad = grads["own loop"]
     for row, run in runs.items():
-        with sc.MemoryMeter() as meter:
+        with sc.MemoryMeter(x.device) as meter:
             step(run)
         seq = wrapped.get(row)
         ran = "-"
         if seq is not None and seq.last_stats.granularity == "layer":
-            ran = "; ".join(b.neuron for b in seq.last_stats.blocks)
+            blocks = "; ".join(b.neuron for b in seq.last_stats.blocks)
+            ran = f"{seq.last_stats.plan}: {blocks}"
         elif seq is not None:
             ran = f"stack, {seq.last_stats.plan}"
+        if planned.get(row, 0.0) > PLANNING_NOTED:
+            ran += f" (planned again in a timed call: {planned[row]:.3f} s)"
         rel = ((grads[row] - loop_grad).abs().max() / loop_grad.abs().max()).item()
         print(
             f"| {name} | {row} | {best[row]:.3f} s | {best[row] / best['own loop']:.2f} "
             f"| {meter.peak_bytes / 2**20:.2f} MiB | {ran} | {rel:.1e} |"
         )
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously: time what it ran)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def first_weight(net: nn.Module) -> Tensor:
@@ -154,6 +174,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--only", nargs="*", default=[], help="substrings of neuron names")
     parser.add_argument(
         "--learn-p", action="store_true", help="Norse LIF: tau_mem_inv, v_th learnable"
@@ -168,9 +189,11 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    x = (torch.rand(args.T, args.batch, 700) < 0.05).float()
+    device = torch.device(args.device)
+    x = (torch.rand(args.T, args.batch, 700) < 0.05).float().to(device)
     print(
-        f"700-{args.hidden}-20, batch {args.batch}, T = {args.T}, {args.threads} thread(s); "
+        f"700-{args.hidden}-20, batch {args.batch}, T = {args.T}, {device}, "
+        f"{args.threads} thread(s); "
         f"min of {args.rounds} interleaved rounds"
     )
     print("| neuron | row | time | x loop | peak | neuron ran | max rel dW |")
@@ -179,7 +202,7 @@ def main() -> None:
         if args.only and not any(part in name for part in args.only):
             continue
         torch.manual_seed(0)
-        rows(name, shd_net(make(args.hidden), args.hidden), x, args.rounds)
+        rows(name, shd_net(make(args.hidden), args.hidden).to(device), x, args.rounds)
     norse_nets = {
         "Norse LIFRecurrentCell": "lif",
         "Norse LSNNRecurrentCell": "lsnn",
@@ -191,7 +214,7 @@ def main() -> None:
         torch.manual_seed(0)
         net = norse_net(args.hidden, args.learn_p, kind, args.readout == "lilinear")
         if net is not None:
-            rows(name, net, x, args.rounds, norse_loop, 0)
+            rows(name, net.to(device), x, args.rounds, norse_loop, 0)
 
 
 if __name__ == "__main__":

@@ -37,11 +37,14 @@
 # STEPS. Measured on an H100 (2026-11-27, torch 2.11): step 1 126 s, step 2 69 s + 32 s,
 # step 3 at n = 512 and 8192 171 s, step 6 27 s, step 7 62 s (STEPS="1 3 6 7 2"
 # PEERS_N="512 8192" REPEATS=1 STEP_TIMEOUT=200: 325 s, then 283 s for steps 1 and 2 again).
-# Next time, first (about 6 minutes): STEPS="3 5 4 1" PEERS_N="512 2048" REPEATS=1
-# TABLE_T=4000 STEP_TIMEOUT=150 (step 3's compile=True row: does the compiled fused neuron,
-# now compiled with eager rounding, equal the eager one and run faster? step 5 and step 4 at
-# T = 4000 have not run since 2026-11-26; step 4's compiled row is left out unless
-# TABLE_COMPILED=1).
+# Measured on the H200 again (2026-11-27, torch 2.11): STEPS="3 5 1 4" PEERS_N="512 8192"
+# REPEATS=1 TABLE_T=4000 STEP_TIMEOUT=150: 355 s, every step passed (step 1 72 s, step 3
+# 119 s, step 4 at T = 4000 96 s, step 5 39 s); then STEPS="2 6" 126 s; step 7 42 s.
+# Next time, first (about 5 minutes): `python benchmarks/bench_recurrent.py --device cuda
+# --rounds 2 --only RLeaky RSynaptic` (why layer-wise under granularity="layer" ran 2.49x the
+# loop where "auto" ran 0.46x: it now prints each row's plan and any planning inside a timed
+# call) and `python benchmarks/bench_peers.py --device cuda --n 8192 --share 40 --repeats 1`
+# (n = 8192 at a budget that fits: 20% is refused, section 21 of docs/benchmarks.md).
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
