@@ -75,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--T", type=int, default=2000)
     parser.add_argument("--n", type=int, default=8, help="neurons per layer")
-    parser.add_argument("--share", type=float, default=5.0, help="budget, % of the loop's peak")
+    parser.add_argument("--share", type=float, default=5.0, help="budget, %% of the loop's peak")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -359,3 +360,30 @@ def test_profile_layerwise_prints_every_run(capsys: pytest.CaptureFixture[str]) 
     assert "value reads (of host or device tensors): {'aten::item'" in layer
     assert re.search(r"layer-wise / loop: \d+\.\d\d", out)
     assert re.search(r"stack BPTT\(\) / loop: \d+\.\d\d", out)
+
+
+# ------------------------------------------------------------------ every benchmark's --help
+
+BENCHMARK_SCRIPTS = sorted(
+    p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")
+)
+
+
+@pytest.mark.parametrize("name", BENCHMARK_SCRIPTS)
+def test_every_benchmark_script_prints_its_help(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python benchmarks/<name>.py --help`` exits 0 with a usage line (a bare ``%`` in an
+    option's help made argparse raise a TypeError there)."""
+    pytest.importorskip("snntorch")
+    pytest.importorskip("norse")
+    module = _benchmark(name)
+    monkeypatch.setattr("sys.argv", [f"{name}.py", "--help"])
+    takes_argv = bool(inspect.signature(module.main).parameters)
+    with pytest.raises(SystemExit) as exit_:
+        if takes_argv:
+            module.main(["--help"])
+        else:
+            module.main()
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage:")
