@@ -30,7 +30,8 @@ Rows (each library's model as its users write it; skipped rows are listed with t
   by hand (``pip install spikingjelly``); it is not a project dependency, since it pulls a
   torchaudio built for another torch release into the environment.
 - ``spikeckpt stack, BPTT()``: ``spikeckpt.wrap(<the snnTorch model>, plan=BPTT(),
-  readout="sum")``.
+  readout="sum")``; ``..., dense input``: the same given the dense ``x`` the loop rows get
+  (what the packed train's per-step unpack costs is the difference).
 - ``spikeckpt stack, plan=auto at S%``: ``wrap(..., plan="auto", budget=B)``, ``B`` = ``S``%
   of the snnTorch loop's measured peak plus the packed input's bytes (wrap's budget counts the
   input it is given; the rows' peaks do not). ``--share``: one percentage per ``--n`` (the last
@@ -294,11 +295,13 @@ def wrapped(
     name: str,
     needs: dict[str, Any],
     optional: dict[str, Any] | None = None,
+    dense: bool = False,
     **kwargs: Any,
 ) -> Row | Skip:
     """``spikeckpt.wrap(<the snnTorch model>, readout="sum", **kwargs)``: ``needs`` are
     keywords the row cannot run without, ``optional`` ones passed only where ``wrap`` has
-    them (so that this script runs before and after they exist)."""
+    them (so that this script runs before and after they exist); ``dense``: the dense input,
+    not the packed train."""
     if s.snn_net is None:
         return "snnTorch is not installed"
     missing = [key for key in needs if key not in WRAP_KEYWORDS]
@@ -307,9 +310,10 @@ def wrapped(
         return f"spikeckpt.wrap has no {words} keyword here (issue 24's fused/compiled neurons)"
     options = {**needs, **{k: v for k, v in (optional or {}).items() if k in WRAP_KEYWORDS}}
     seq = sc.wrap(s.snn_net, readout="sum", **kwargs, **options)
+    x = s.x if dense else s.packed
 
     def run() -> Any:
-        total = seq(s.packed)
+        total = seq(x)
         s.loss(total).backward()
         return total.detach(), seq.last_stats
 
@@ -330,6 +334,7 @@ def spikeckpt_rows(
     layer = {"granularity": "layer", "chunk": k, "storage": args.storage}
     specs: list[tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any]]] = [
         ("spikeckpt stack, BPTT()", {}, eager, {"plan": P.BPTT()}),
+        ("spikeckpt stack, BPTT(), dense input", {}, eager, {"plan": P.BPTT(), "dense": True}),
     ]
     if loop_peak is not None:
         budget = int(loop_peak * share / 100) + s.packed.nbytes
