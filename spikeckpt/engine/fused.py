@@ -55,11 +55,18 @@ class ChunkKernel(Protocol):
     """
 
     name: str
-    params: tuple[Tensor, ...]
     membrane: int | None
     emits_states: bool
-    binary_leaves: tuple[int, ...]
-    binary_output: bool
+
+    # read-only: kernels give these as plain attributes or as properties
+    @property
+    def params(self) -> tuple[Tensor, ...]: ...
+
+    @property
+    def binary_leaves(self) -> tuple[int, ...]: ...
+
+    @property
+    def binary_output(self) -> bool: ...
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         """Whether this chunk can run fused (shapes and dtypes the kernel handles)."""
