@@ -516,7 +516,7 @@ class LayerwiseJob(Job):
             opened.append((j, sink))
         return opened
 
-    def _search_params(self, b: int, roots: list[Tensor], own: list[Tensor]) -> None:
+    def _search_params(self, b: int, roots: list[Tensor], own: Sequence[Any]) -> None:
         """Find the leaf tensors requiring grad in block ``b``'s taped graph that are not in
         its ``params``: another block's params (or ones given to the run) join its list; any
         other raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the block."""
@@ -630,7 +630,12 @@ class LayerwiseJob(Job):
         emit = self.blocks[b].emits if mem_out else None
         # the output gradients, handed over: freed once the neuron's backward has read them
         mems = g_out[int(spikes_out) :] if mem_out else [None]
-        grads = [g_out[0] if spikes_out else None, tuple(mems) if emit else mems[-1], g_state]
+        # [dL/d spikes, dL/d membranes (a tuple with emit), dL/d final leaves]: untaped_backward's
+        grads: list[Any] = [
+            g_out[0] if spikes_out else None,
+            tuple(mems) if emit else mems[-1],
+            g_state,
+        ]
         del mems
         g_out.clear()
         # the running sums this job owns are added into in place
@@ -639,7 +644,7 @@ class LayerwiseJob(Job):
         with torch.no_grad():
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums, emit)
         if done is None:  # declined before reading them: the taped path gets them back
-            back = list(grads[1]) if emit else [grads[1]]  # type: ignore[arg-type]
+            back = list(grads[1]) if emit else [grads[1]]
             g_out.extend([grads[0]] * spikes_out + back * mem_out)
             return None
         self.stats.forward_steps += done.steps
