@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -161,7 +161,8 @@ def guard_hooks(tensor: Tensor) -> None:
     their weight gradient's diagonal: ``gradient.clone()``). Wrapped in place, under the same
     keys (their handles still remove them); a hook given a tensor runs as before.
     """
-    hooks = tensor._backward_hooks
+    # a dict here: the caller guards tensors that had hooks when the forward ran
+    hooks = cast("dict[int, Callable[[Tensor], Tensor | None]]", tensor._backward_hooks)
     for key, hook in list(hooks.items()):
         hooks[key] = _none_passing(hook)
 
