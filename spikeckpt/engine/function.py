@@ -196,7 +196,8 @@ class _RunFunction(torch.autograd.Function):
         return (None, *out)
 
 
-def run_job(job: Job, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Apply ``job`` as one autograd Function to ``tensors``; returns its outputs."""
+def run_job(job: Job, tensors: Sequence[Any]) -> list[Tensor]:
+    """Apply ``job`` as one autograd Function to ``tensors`` (a packed input train among them
+    passes as it is); returns its outputs."""
     refuse_func_transforms()
     return list(_RunFunction.apply(job, *tensors))
