@@ -1012,7 +1012,8 @@ class NorseKernel:
                 y,
             )
         final = [v] if self.mode == "box" else [v, cast(Tensor, i)]
-        return final, y, v_all[1:] if want_mem else None, saved  # type: ignore[index]
+        # want_mem implies the states were kept
+        return final, y, cast(Tensor, v_all)[1:] if want_mem else None, saved
 
     def backward(
         self,
