@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -630,12 +630,7 @@ class LayerwiseJob(Job):
         emit = self.blocks[b].emits if mem_out else None
         # the output gradients, handed over: freed once the neuron's backward has read them
         mems = g_out[int(spikes_out) :] if mem_out else [None]
-        # [dL/d spikes, dL/d membranes (a tuple with emit), dL/d final leaves]: untaped_backward's
-        grads: list[Any] = [
-            g_out[0] if spikes_out else None,
-            tuple(mems) if emit else mems[-1],
-            g_state,
-        ]
+        grads = [g_out[0] if spikes_out else None, tuple(mems) if emit else mems[-1], g_state]
         del mems
         g_out.clear()
         # the running sums this job owns are added into in place
@@ -644,8 +639,8 @@ class LayerwiseJob(Job):
         with torch.no_grad():
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums, emit)
         if done is None:  # declined before reading them: the taped path gets them back
-            back = list(grads[1]) if emit else [grads[1]]
-            g_out.extend([grads[0]] * spikes_out + back * mem_out)
+            back = list(grads[1]) if emit else [grads[1]]  # type: ignore[arg-type]
+            g_out.extend(cast(list[Tensor | None], [grads[0]] * spikes_out + back * mem_out))
             return None
         self.stats.forward_steps += done.steps
         self._accumulate(k_idx, done.kernel_grads, grad_p)  # type: ignore[arg-type]
