@@ -7,7 +7,7 @@ whose step is a pure function, the shape ``spikeckpt.scan`` expects.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -66,8 +66,9 @@ class LIFStack(nn.Module):
         self, batch: int, *, device: torch.device | None = None, dtype: torch.dtype | None = None
     ) -> tuple[tuple[Tensor, Tensor], ...]:
         """Zero membranes and spikes, ``(B, n)`` per layer."""
-        dtype = dtype or self.synapses[0].weight.dtype
-        device = device or self.synapses[0].weight.device
+        weight = cast(nn.Linear, self.synapses[0]).weight  # the synapses are Linear layers
+        dtype = dtype or weight.dtype
+        device = device or weight.device
         return tuple(
             (torch.zeros(batch, n, device=device, dtype=dtype),) * 2 for n in self.widths[1:]
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +32,7 @@ from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.phase import refuse_power_iteration, uncached_parametrizations
-from spikeckpt.engine.scan import scan
+from spikeckpt.engine.scan import Storage, scan
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.engine.step import no_own_draws
 from spikeckpt.errors import (
@@ -314,7 +314,7 @@ class CheckpointedSequence(Remade):
                     x,
                     state,
                     plan=decision.plan,
-                    storage=self.storage,
+                    storage=cast(Storage, self.storage),  # one of them: check_storage
                     readout=self.readout,
                     params=self.parameters_for_scan(),
                     budget=decision.budget,
@@ -400,7 +400,7 @@ class CheckpointedSequence(Remade):
             return ys, finals[0], stats
         final = list(state)  # a stack: put each block's state at its layer
         for b, s in zip(self._blocks, finals, strict=True):
-            final[b.index] = s
+            final[cast(int, b.index)] = s  # every block's index is set (the first's is)
         return ys, tuple(final), stats
 
     def _directory(self) -> str | os.PathLike[str] | None:

@@ -124,7 +124,8 @@ def weight_positions(
     if flat.numel() < 2**31:  # 32-bit positions: half the bytes (embedding_bag takes them)
         found = found.astype(np.int32)
     where = torch.from_numpy(found)
-    values: Tensor | None = flat.reshape(-1)[where]
+    values: Tensor | None
+    values = flat.reshape(-1)[where]
     if bool((values == 1).all()):  # spikes: a weight of 1 is the weight itself, bitwise
         values = None
     rows = where.div(shape[-1], rounding_mode="floor")

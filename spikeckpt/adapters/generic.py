@@ -32,7 +32,7 @@ import inspect
 import types
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -446,7 +446,7 @@ class RNNCellAdapter(LayerAdapter):
     """``nn.RNNCell`` / ``nn.GRUCell``: state ``h (B, H)``; ``nn.LSTMCell``: ``(h, c)``."""
 
     def init_state(self, x_t: Tensor) -> State:
-        m = self.module
+        m = cast(nn.RNNCellBase, self.module)  # RNNCell, GRUCell or LSTMCell
         h = torch.zeros(x_t.shape[0], m.hidden_size, dtype=x_t.dtype, device=x_t.device)
         return (h, h.clone()) if isinstance(m, nn.LSTMCell) else h
 

@@ -187,7 +187,7 @@ def _leaky_backward_compiled(
     carry or decay is wider than one step."""
     # NumPy's broadcast_shapes: torch's runs its symbolic-shape checks (14 against 1.3 us,
     # per chunk of every block)
-    shape = g.shape[1:]
+    shape: tuple[int, ...] = g.shape[1:]
     if carry is not None:
         shape = np.broadcast_shapes(shape, carry.shape)
     shape = np.broadcast_shapes(shape, decay.shape)

@@ -17,6 +17,7 @@ is read-only). Without Numba these functions are None and the NumPy loop runs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ __all__ = [
 #: in the L1 cache while the chunk's steps run over them
 BLOCK = 256
 
+numba: ModuleType | None
 try:  # pragma: no branch - numba is a dependency; a platform without its wheels runs NumPy
     import numba
 except ImportError:  # pragma: no cover

@@ -22,7 +22,7 @@ threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -310,7 +310,9 @@ class LeakyKernel:
             y = s if is_unit(graded) else s * graded
         # z only when an input scale's gradient needs it (a view of the chunk, alive anyway)
         saved = (mems, fires, z if self.input_scale else None) if keep else None
-        return [mem.clone() if mems is not None else mem], y, mems[1:] if want_mem else None, saved
+        # want_mem implies hold, so the membranes were kept
+        out_mem = cast(Tensor, mems)[1:] if want_mem else None
+        return [mem.clone() if mems is not None else mem], y, out_mem, saved
 
     def backward(
         self,
@@ -367,7 +369,7 @@ class LeakyKernel:
             part = reduce_product(g, fired[:-1], thr)
             thr_grad = -part if thr_grad is None else thr_grad - part
         if self.reset == "zero_after":
-            g.mul_(keep_old)  # dL/d base_t
+            g.mul_(cast(Tensor, keep_old))  # dL/d base_t (zero_after: keep_old is set)
         source_grad = None
         if want[0]:
             pre = mems[:-1] * keep_old if self.reset == "zero_before" else mems[:-1]
@@ -395,7 +397,11 @@ class SurrogateKernel:
 
     name = "fused"
     emits_states = False
-    binary_leaves: tuple[int, ...] = ()
+
+    @property
+    def binary_leaves(self) -> tuple[int, ...]:
+        """None of the state's leaves is a spike train (a subclass's may be)."""
+        return ()
 
     def __init__(
         self,
@@ -970,6 +976,8 @@ class NorseKernel:
         params = (c_m, p.v_leak, p.v_th if spiking else None, p.v_reset if spiking else None, c_s)
         hold = keep or want_mem
         host = norse_forward_on_host(v, i, z, params, self.mode, self.subtract, hold)
+        v_all: Tensor | None
+        saved: tuple[Tensor | None, ...] | None
         if host is not None:
             v_all, i_all, y = host
             k = z.shape[0]
@@ -980,10 +988,10 @@ class NorseKernel:
         for z_t in z.unbind(0):
             if self.mode == "box":
                 v = v + c_m * (z_t + p.v_leak - v)
-            else:
-                i = i + z_t
+            else:  # not "box": the current is a leaf and c_s a number
+                i = cast(Tensor, i) + z_t
                 v = v + c_m * ((p.v_leak - v) + i)
-                i = i + c_s * i
+                i = i + cast("Tensor | float", c_s) * i
             if self.mode == "li":
                 ys.append(v)
             else:
@@ -997,9 +1005,15 @@ class NorseKernel:
         v_all = torch.stack(vs) if keep or want_mem else None
         saved = None
         if keep:
-            saved = (v_all, None if self.mode == "box" else torch.stack(is_), z, y)
-        final = [v] if self.mode == "box" else [v, i]
-        return final, y, v_all[1:] if want_mem else None, saved  # type: ignore[index]
+            saved = (
+                v_all,
+                None if self.mode == "box" else torch.stack(cast(list[Tensor], is_)),
+                z,
+                y,
+            )
+        final = [v] if self.mode == "box" else [v, cast(Tensor, i)]
+        # want_mem implies the states were kept
+        return final, y, cast(Tensor, v_all)[1:] if want_mem else None, saved
 
     def backward(
         self,
@@ -1033,7 +1047,7 @@ class NorseKernel:
         before = before if "tau_mem_inv" in wanted else None
         i_new = i_new if "tau_syn_inv" in wanted else None
         c_s = None if box else -dt * p.tau_syn_inv
-        keep_i = None if box else 1 + c_s
+        keep_i = None if c_s is None else 1 + c_s  # None exactly when box
         deriv = None
         if not li and self.spike is not None:
             deriv = vjp(self.spike, v_d - p.v_th, torch.ones_like(v_d))
@@ -1089,7 +1103,7 @@ class NorseKernel:
             g_vd[t] = g_here  # type: ignore[index]
             g_v = g_here * one_minus_cm
             if not box:
-                g_ii = g_i * keep_i if g_i is not None else None
+                g_ii = g_i * cast("Tensor | float", keep_i) if g_i is not None else None
                 g_in[t] = c_m * g_here if g_ii is None else c_m * g_here + g_ii  # type: ignore[index]
                 g_i = g_in[t]  # type: ignore[index]
         g_z = None

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -122,8 +122,8 @@ def _pure(module: nn.Module) -> bool:
     random draws (Dropout in training mode)."""
     if not type(module).__module__.startswith("torch.nn.") or not no_hooks(module):
         return False
-    dropout = isinstance(module, nn.modules.dropout._DropoutNd)
-    return not (dropout and module.training and module.p > 0)
+    dropout = nn.modules.dropout._DropoutNd
+    return not (isinstance(module, dropout) and module.training and module.p > 0)
 
 
 Step = Callable[[Any, Tensor], tuple[Any, Tensor]]
@@ -229,7 +229,11 @@ def _kernel_matches_step(
                         steps.append((y, neuron.membrane(state)))
                     neuron.cleanup()
                     ys = torch.stack([y for y, _ in steps])
-                    mems = None if kernel.membrane is None else torch.stack([v for _, v in steps])
+                    mems = (
+                        None
+                        if kernel.membrane is None
+                        else torch.stack(cast(list[Tensor], [v for _, v in steps]))
+                    )
                 outs = [ys, *pytree.tree_leaves(state), *([] if mems is None else [mems])]
                 taped = [o for o in outs if o.requires_grad]
                 weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in taped]

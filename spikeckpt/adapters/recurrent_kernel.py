@@ -14,7 +14,7 @@ reset (spike of the membrane entering step ``t``, no gradient), ``s_t`` the spik
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,7 @@ class RecurrentKernel(SurrogateKernel):
 
     def _split(self) -> tuple[Tensor | None, Tensor, Tensor, Tensor, list[Tensor | None]]:
         """``(alpha or None, beta, threshold, graded, the recurrent map's tensors)``."""
-        tensors = self.tensors()
+        tensors: tuple[Any, ...] = self.tensors()  # the bias may be None
         if not self.synaptic:
             tensors = (None, *tensors)
         alpha, beta, thr, graded, *recurrent = tensors
@@ -182,7 +182,7 @@ class RecurrentKernel(SurrogateKernel):
         if mems is not None:
             mems[0] = mem
         if syns is not None:
-            syns[0] = syn
+            syns[0] = cast(Tensor, syn)  # syns only with a current
         # then (mem - thr > 0) == (mem > thr); compiled: snnTorch's own form (no host read)
         exact = not is_compiling() and _subtraction_is_exact(mem.device)
         torch.gt(mem - thr, 0, out=fires[0])
@@ -191,7 +191,9 @@ class RecurrentKernel(SurrogateKernel):
         for t, z_t in enumerate(z.unbind(0)):
             fired, out = fires[t], (mems[t + 1] if mems is not None else None)
             if syn is not None:  # RSynaptic: the current, then the membrane
-                syn = torch.add(a * syn + z_t, self._rec(spk, recurrent), out=_row(syns, t + 1))
+                syn = torch.add(
+                    cast(Tensor, a) * syn + z_t, self._rec(spk, recurrent), out=_row(syns, t + 1)
+                )
                 base = b * mem + syn
             else:
                 base = b * mem + z_t + self._rec(spk, recurrent)

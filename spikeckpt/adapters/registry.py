@@ -13,7 +13,7 @@ Norse's lazily, when one of their layers is found); those that adapt children re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -55,7 +55,7 @@ def register_adapter(
         register_adapter(lambda m: isinstance(m, MyCell), lambda m, path: MyCellAdapter(m, path))
     """
     entry = Registration(
-        predicate, factory, name or getattr(factory, "__name__", "adapter"), description
+        predicate, factory, name or cast(str, getattr(factory, "__name__", "adapter")), description
     )
     _USER.insert(0, entry)
     return entry

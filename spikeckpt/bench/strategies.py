@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from spikeckpt import plans
@@ -85,7 +85,7 @@ class Workload:
         model = LIFStack(self.widths)
         with torch.no_grad():  # strong enough weights that the layers spike
             for synapse in model.synapses:
-                synapse.weight.mul_(4.0)
+                cast(nn.Linear, synapse).weight.mul_(4.0)  # LIFStack's synapses: Linear
         return model
 
     def spikes(self, T: int) -> Tensor:
@@ -310,8 +310,8 @@ def _scan(ctx: Context, step: Callable[[Any, Tensor], Any], plan: Any, storage: 
     moved = sum(v for k, v in stats.bytes_written.items() if k in ("host", "disk"))
     modeled = None
     if isinstance(plan, plans.Plan):  # its modeled device peak for the measured S and A
-        modeled = plan.cost(ctx.T, state_bytes=ctx.state_bytes, step_bytes=ctx.step_bytes)
-        modeled = modeled.peak_bytes
+        cost = plan.cost(ctx.T, state_bytes=ctx.state_bytes, step_bytes=ctx.step_bytes)
+        modeled = cost.peak_bytes
     return Outcome(stats.plan, moved, stats.forward_steps, modeled)
 
 

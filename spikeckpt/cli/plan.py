@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+from typing import cast
 
 from spikeckpt.cli._args import budget, byte_size, positive_int
 from spikeckpt.errors import ConfigError
@@ -175,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"chosen: {chosen!r}")
     # a Double whose remote interval covers T keeps no remote checkpoint: it is a Uniform
-    plain = [c for c in ranked if type(c.plan.as_run(args.T)) is not type(c.plan)]
+    # (rank_steps ranks plans, never a Schedule)
+    plain = [
+        c for c in ranked if type(cast("plans.Plan", c.plan).as_run(args.T)) is not type(c.plan)
+    ]
     ranked = [c for c in ranked if c not in plain]
     names = [repr(candidate.plan) for candidate in ranked]
     width = max(len("plan"), *map(len, names))
@@ -192,6 +196,6 @@ def run(args: argparse.Namespace) -> int:
         family = type(candidate.plan).__name__
         print(
             f"{family}: the fastest that fits, {candidate.plan!r}, keeps no remote checkpoint "
-            f"at T={args.T}: it is {candidate.plan.as_run(args.T)!r}"
+            f"at T={args.T}: it is {cast('plans.Plan', candidate.plan).as_run(args.T)!r}"
         )
     return 0

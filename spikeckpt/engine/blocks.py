@@ -57,7 +57,7 @@ class LayerBlock:
     name: str
     synapse: Callable[[Tensor], Tensor]
     step: Callable[[State, Tensor], tuple[State, Tensor]]
-    membrane: Callable[[State], Tensor | None]
+    membrane: Callable[[State], Tensor | tuple[Tensor, ...] | None]
     draws_random: bool
     params: list[Tensor]
     cleanup: Callable[[], None]

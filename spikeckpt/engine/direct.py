@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import torch
 from torch import Tensor
@@ -103,6 +103,10 @@ class Untaped:
     affine_grads: list[Tensor | None]
 
 
+@overload
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor: ...
+@overload
+def _as_dtype(t: None, dtype: torch.dtype) -> None: ...
 def _as_dtype(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 

@@ -20,7 +20,7 @@ and are counted under ``"device"``. With a step that saves the same bytes every 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -179,7 +179,7 @@ class Executor:
 
     # -- running -----------------------------------------------------------------
 
-    def run(self, actions: Sequence[Action]) -> None:
+    def run(self, actions: Iterable[Action]) -> None:
         """Execute ``actions`` in order."""
         account = self._account
         for action in actions:

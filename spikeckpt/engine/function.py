@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -161,7 +161,8 @@ def guard_hooks(tensor: Tensor) -> None:
     their weight gradient's diagonal: ``gradient.clone()``). Wrapped in place, under the same
     keys (their handles still remove them); a hook given a tensor runs as before.
     """
-    hooks = tensor._backward_hooks
+    # a dict here: the caller guards tensors that had hooks when the forward ran
+    hooks = cast("dict[int, Callable[[Tensor], Tensor | None]]", tensor._backward_hooks)
     for key, hook in list(hooks.items()):
         hooks[key] = _none_passing(hook)
 
@@ -195,7 +196,8 @@ class _RunFunction(torch.autograd.Function):
         return (None, *out)
 
 
-def run_job(job: Job, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Apply ``job`` as one autograd Function to ``tensors``; returns its outputs."""
+def run_job(job: Job, tensors: Sequence[Any]) -> list[Tensor]:
+    """Apply ``job`` as one autograd Function to ``tensors`` (a packed input train among them
+    passes as it is); returns its outputs."""
     refuse_func_transforms()
     return list(_RunFunction.apply(job, *tensors))

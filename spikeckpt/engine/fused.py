@@ -16,7 +16,7 @@ they know (`spikeckpt.adapters.kernels`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -55,11 +55,18 @@ class ChunkKernel(Protocol):
     """
 
     name: str
-    params: tuple[Tensor, ...]
     membrane: int | None
     emits_states: bool
-    binary_leaves: tuple[int, ...]
-    binary_output: bool
+
+    # read-only: kernels give these as plain attributes or as properties
+    @property
+    def params(self) -> tuple[Tensor, ...]: ...
+
+    @property
+    def binary_leaves(self) -> tuple[int, ...]: ...
+
+    @property
+    def binary_output(self) -> bool: ...
 
     def accepts(self, leaves: Sequence[Tensor], z: Tensor) -> bool:
         """Whether this chunk can run fused (shapes and dtypes the kernel handles)."""
@@ -72,7 +79,7 @@ class ChunkKernel(Protocol):
         want_mem: bool,
         want_y: bool = True,
         into: Tensor | None = None,
-        emit: Sequence[int] | None = None,
+        emit: Emit = None,
     ) -> tuple[list[Tensor], Tensor | None, Emitted, Any]:
         """``(final leaves, y (k, B, ...), mem (k, B, ...) or None, saved)``; ``saved`` (with
         ``keep``): a tuple of tensors (or None) that `backward` gets back; ``mem`` the
@@ -91,7 +98,7 @@ class ChunkKernel(Protocol):
         need_z: bool,
         need_params: Sequence[bool],
         consume: bool = False,
-        emit: Sequence[int] | None = None,
+        emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         """``(dL/dz (k, B, ...), dL/d initial leaves, dL/d params)`` (None where not needed);
         ``g_mem``: dL/d ``mem``, or with ``emit`` a tuple of dL/d each emitted leaf (None
@@ -118,7 +125,7 @@ def run_fused(
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (z, *leaves, *params)):
         with torch.no_grad():
             final, ys, mems, _ = kernel.forward(list(leaves), z, False, want_mem, emit=emit)
-        return pytree.tree_unflatten(final, spec), ys, mems
+        return pytree.tree_unflatten(final, spec), cast(Tensor, ys), mems  # want_y: made
     outs = _FusedChunk.apply(kernel, want_mem, emit, len(leaves), z, *leaves, *params)
     m = len(leaves)
     final = list(outs[1 : 1 + m])
@@ -146,7 +153,7 @@ class _FusedChunk(torch.autograd.Function):
         ctx.present = [t is not None for t in saved]
         ctx.save_for_backward(*(t for t in saved if t is not None))
         ctx.set_materialize_grads(False)
-        outs = [ys, *final]
+        outs = [cast(Tensor, ys), *final]  # want_y: made
         if want_mem:
             assert mems is not None
             outs.extend(mems if isinstance(mems, tuple) else [mems])

@@ -8,13 +8,16 @@ gradients through `grad`, feeding earlier contributions with `FeedGrads`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.overrides import has_torch_function
 
 from spikeckpt.engine.rng import rejoin_backward_draws
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
 
 
 class GradSink:
@@ -93,7 +96,12 @@ def _engine_grad() -> Callable[..., tuple[Tensor | None, ...]] | None:
             unused = torch.ones(1, requires_grad=True)
             y = x * 3.0
             got = grad([y], [x, unused], [torch.full((2,), 2.0)])
-        if len(got) != 2 or got[1] is not None or not torch.equal(got[0], torch.full((2,), 6.0)):
+        if (
+            len(got) != 2
+            or got[1] is not None
+            or got[0] is None
+            or not torch.equal(got[0], torch.full((2,), 6.0))
+        ):
             return None  # pragma: no cover
     except Exception:  # noqa: BLE001 - any surprise: use the public API  # pragma: no cover
         return None
@@ -121,16 +129,16 @@ def grad(
     return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
-def unseen_leaves(
-    roots: Sequence[Any], known: Sequence[Tensor], limit: int = 20000
-) -> list[Tensor]:
+def unseen_leaves(roots: Sequence[Any], known: Sequence[Any], limit: int = 20000) -> list[Tensor]:
     """The leaf tensors requiring grad in the autograd graph of ``roots`` (tensors; others are
     skipped) that are not (by identity) in ``known``: tensors a step uses without the engine
     differentiating them. Walks at most ``limit`` graph nodes; stops at the nodes of known
     tensors that are not leaves (a weight ``w = log_w.exp()`` computed before the loop and
     passed as a parameter: the engine differentiates ``w``, autograd carries it on to
     ``log_w``)."""
-    stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+    stack: list[Node | None] = [
+        t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None
+    ]
     # Node wrappers may be transient: keep them alive so their ids are not reused.
     visited: list[Any] = [
         t.grad_fn for t in known if isinstance(t, Tensor) and t.grad_fn is not None

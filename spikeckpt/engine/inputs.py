@@ -10,7 +10,7 @@ gets no gradient (it holds spikes, not a differentiable tensor).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -47,13 +47,13 @@ class TrainWindow:
     ) -> None:
         if isinstance(train, TrainWindow):
             stop = train.start + (train.T if stop is None else stop)
-            train, start = train.train, train.start + start
+            start, train = train.start + start, train.train
         stop = train.T if stop is None else stop
         if not 0 <= start <= stop <= train.T:
             raise IndexError(f"a window of steps {start}..{stop} of a train of T={train.T} steps")
-        self.train = train
-        self.start = start
-        self.stop = stop
+        self.train: SpikeTrain = train  # a window of a window: of the same train
+        self.start: int = start
+        self.stop: int = stop
 
     @property
     def shape(self) -> torch.Size:
@@ -141,7 +141,7 @@ def as_fresh(x_t: Tensor) -> Tensor:
     return _placed(x_t[None], 0)[0]
 
 
-def one_step_repeated(x: Any) -> bool:
+def one_step_repeated(x: Any) -> TypeGuard[Tensor]:
     """Whether the dense chunk ``x (k, B, ...)`` is one step's tensor at every step (a time
     stride of 0: ``img.expand(T, *img.shape)``, a static input fed at each step), with more
     than one step: a layer that acts on each step alone gives every step the same output."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -54,13 +54,14 @@ from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.blocks import LayerBlock
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.function import run_job
-from spikeckpt.engine.inputs import as_input, is_packed
+from spikeckpt.engine.inputs import TrainWindow, as_input, is_packed
 from spikeckpt.engine.layerwise_job import GROUP_SHARE, LayerwiseJob, _nbytes, _split
 from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.readout import READOUTS
 from spikeckpt.engine.rng import cuda_devices
 from spikeckpt.engine.stats import BlockStats, LayerwiseStats, ScanResult
 from spikeckpt.errors import ConfigError, ConfigTypeError
+from spikeckpt.storage.spiketrain import SpikeTrain
 
 __all__ = ["GROUP_SHARE", "LayerBlock", "chunk_length", "layerwise_scan"]
 
@@ -88,7 +89,7 @@ def chunk_length(chunk: int | None, T: int) -> int:
 @eager_under_compile
 def layerwise_scan(
     blocks: Sequence[LayerBlock],
-    x: Tensor,
+    x: Tensor | SpikeTrain | TrainWindow,
     states: Sequence[Any],
     *,
     chunk: int | None = None,
@@ -168,7 +169,7 @@ def layerwise_scan(
         directory=directory,
         stats=st,
         device=next((t.device for t in (*leaves, *params)), x.device) if packed else x.device,
-        cuda=cuda_devices((*([] if packed else [x]), *leaves, *params)),
+        cuda=cuda_devices((*([] if packed else [cast(Tensor, x)]), *leaves, *params)),
         group=group,
         fuse=fuse,
         compile=compile,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -516,7 +516,7 @@ class LayerwiseJob(Job):
             opened.append((j, sink))
         return opened
 
-    def _search_params(self, b: int, roots: list[Tensor], own: list[Tensor]) -> None:
+    def _search_params(self, b: int, roots: list[Tensor], own: Sequence[Any]) -> None:
         """Find the leaf tensors requiring grad in block ``b``'s taped graph that are not in
         its ``params``: another block's params (or ones given to the run) join its list; any
         other raises [`UnlistedParamsError`][spikeckpt.errors.UnlistedParamsError] naming the block."""
@@ -640,7 +640,7 @@ class LayerwiseJob(Job):
             done = untaped_backward(kernel, affine, inp, start, sparse, want_in, grads, sums, emit)
         if done is None:  # declined before reading them: the taped path gets them back
             back = list(grads[1]) if emit else [grads[1]]  # type: ignore[arg-type]
-            g_out.extend([grads[0]] * spikes_out + back * mem_out)
+            g_out.extend(cast(list[Tensor | None], [grads[0]] * spikes_out + back * mem_out))
             return None
         self.stats.forward_steps += done.steps
         self._accumulate(k_idx, done.kernel_grads, grad_p)  # type: ignore[arg-type]

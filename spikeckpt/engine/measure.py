@@ -355,7 +355,7 @@ def work_bytes(
 def step_costs(
     step: Step,
     state: Any,
-    xs: Sequence[Any],
+    xs: Tensor | Sequence[Any],
     params: Sequence[Tensor],
     storage: str = "device",
     *,
@@ -417,7 +417,7 @@ def _device_of(leaves: Sequence[Any], x_t: Any) -> torch.device:
 def _taped_grad(
     step: Step,
     treedef: Any,
-    xs: Sequence[Any],
+    xs: Tensor | Sequence[Any],
     a: int,
     b: int,
     start: list[Tensor],
@@ -454,7 +454,7 @@ def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
 def segment_seconds(
     step: Step,
     state: Any,
-    xs: Sequence[Any],
+    xs: Tensor | Sequence[Any],
     params: Sequence[Tensor],
     repeats: int = REPEATS,
 ) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -77,8 +77,8 @@ def _set_aside(m: nn.Module) -> dict[str, Any] | None:
 
 def _put_back(m: nn.Module, kept: dict[str, Any] | None) -> None:
     """Undo `_set_aside`."""
-    if kept and "track_running_stats" in kept:
-        m.track_running_stats = True
+    if kept and "track_running_stats" in kept:  # set aside from a _BatchNorm
+        cast(nn.modules.batchnorm._BatchNorm, m).track_running_stats = True
     elif kept:
         m._buffers.update(kept)
 

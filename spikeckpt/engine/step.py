@@ -76,6 +76,7 @@ class StepFn:
             if self.y_def is None:
                 self.y_def = TreeDef("pytree", None, None, 0, [])
             return []
+        leaves: list[Any] | None
         if self.y_def is None:
             leaves, self.y_def = tree_flatten(y)
             for name, leaf in zip(self.y_def.names, leaves, strict=False):
@@ -148,6 +149,7 @@ class StepFn:
         assert self.fold is not None
         acc = None if t == 0 else self.acc_def.unflatten(acc_leaves)  # type: ignore[union-attr]
         acc = self.fold(acc, y, t)
+        new: list[Any] | None
         if self.acc_def is None:
             new, self.acc_def = tree_flatten(acc)
             if not all(isinstance(a, Tensor) for a in new):

@@ -115,7 +115,7 @@ class TreeDef:
 
     __slots__ = ("kind", "spec", "cls", "count", "names", "_flatten", "_unflatten")
 
-    def __init__(self, kind: str, spec: Any, cls: type | None, count: int, names: list[str]):
+    def __init__(self, kind: str, spec: Any, cls: type[Any] | None, count: int, names: list[str]):
         self.kind = kind  # "tensor" | "tuple" | "list" | "namedtuple" | "nested" | "pytree"
         self.spec = spec
         self.cls = cls

@@ -31,7 +31,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -214,7 +214,10 @@ class MemoryBudget(Callback):
         for module in self.modules.values():
             if self.storage is not None and module.storage != self.storage:
                 # the model's own tier is put back in teardown, as the planner is taken away
-                self._restore.append(lambda m=module, kept=module.storage: m.set_storage(kept))
+                def restore(m: CheckpointedSequence = module, kept: str = module.storage) -> None:
+                    m.set_storage(kept)
+
+                self._restore.append(restore)
                 module.set_storage(self.storage)
         if stage == "fit" and any(
             isinstance(c, BatchSizeFinder) for c in getattr(trainer, "callbacks", ())
@@ -457,9 +460,9 @@ class MemoryBudget(Callback):
                     attempt += 1
                     step_args, step_kwargs = self._last_step_args
                     output = step(*step_args, **step_kwargs)
-                    loss = _as_backward_loss(
-                        output["loss"] if isinstance(output, dict) else output, pl_module.trainer
-                    )
+                    # a tensor, as the first run's (Lightning called backward with it)
+                    rerun = output["loss"] if isinstance(output, dict) else output
+                    loss = _as_backward_loss(cast(torch.Tensor, rerun), pl_module.trainer)
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
         pl_module.backward = backward_with_retry  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
 from torch import Tensor
@@ -381,7 +381,14 @@ class BudgetPlanner:
             return None
         room = self.budget_bytes - replace(found.step, activations=0).total
         return PlanChoice(
-            found.plan, m.T, m.batch, room, m.probe, found.cost, step=found.step, note=m.note
+            cast(plans.Plan, found.plan),  # choose_step's, or the Plan given, filled
+            m.T,
+            m.batch,
+            room,
+            m.probe,
+            found.cost,
+            step=found.step,
+            note=m.note,
         )
 
     def _layer_best(self, m: _Measured, chunk: int | None) -> PlanChoice | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -172,7 +173,7 @@ def pack(tensor: Tensor, codec: str = "auto", *, found: object = _UNSCANNED) -> 
         if codec == "auto":
             return _dense(tensor)
         raise NotBinaryError(not_binary_message(tensor, "tensor", codec=codec))
-    mask, n_ones = found  # type: ignore[misc]
+    mask, n_ones = cast("tuple[Tensor, int]", found)  # scan_binary's or binary_mask's
     if codec == "auto":
         codec = (
             "index" if _index_nbytes(mask.numel(), n_ones) < _bitpack_nbytes(mask) else "bitpack"

@@ -570,11 +570,11 @@ def _raw_layout(payload: Sequence[Tensor]) -> Layout | None:
 def _raw_bytes(t: Tensor) -> memoryview:
     """The bytes of ``t``'s elements in row-major order (a view when ``t`` is contiguous)."""
     if t.dtype in NUMPY_DTYPES and t.dim() and t.is_contiguous() and not t.is_neg():
-        return memoryview(t.detach().numpy()).cast("B")
+        return memoryview(t.detach().numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stub: ndarray.__buffer__ only for Python >= 3.12
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stub: ndarray.__buffer__ only for Python >= 3.12
 
 
 def _saved(payload: list[Tensor]) -> memoryview:
