@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import spikeckpt  # noqa: E402
 from spikeckpt.engine.meter import MemoryMeter  # noqa: E402
-from spikeckpt.errors import BudgetTooSmall  # noqa: E402
+from spikeckpt.errors import BudgetTooSmall, UsageError  # noqa: E402
 from spikeckpt.lightning import MemoryBudget  # noqa: E402
 from spikeckpt.lightning.resources import model_bytes  # noqa: E402
 from spikeckpt.planning import probe_model  # noqa: E402
@@ -225,6 +225,31 @@ def test_out_of_memory_replans_and_retries(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="out of memory after 1 re-plan"):
         _trainer(MemoryBudget(fixed + bptt, max_retries=1), tmp_path).fit(AlwaysOut(), _loader(T))
+
+
+def test_a_retried_step_that_returns_no_loss_is_a_clear_error(tmp_path: Path) -> None:
+    """A batch whose backward ran out of memory is run again; a ``training_step`` that skips it
+    this time (returns None, as Lightning allows) cannot be retried: a `UsageError` saying so,
+    not a TypeError from the loss's division."""
+
+    class SkipsOnRerun(SpikingClassifier):
+        calls = 0
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            SkipsOnRerun.calls += 1
+            return None if SkipsOnRerun.calls == 2 else super().training_step(batch, batch_idx)
+
+        def backward(self, loss, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if SkipsOnRerun.calls == 1:
+                raise torch.OutOfMemoryError("injected: CUDA out of memory in backward")
+            return super().backward(loss, *args, **kwargs)
+
+    T = 120
+    model = SkipsOnRerun()
+    bptt, fixed = _needs(model, T)
+    callback = MemoryBudget(fixed + bptt, margin=0.0, max_retries=2, verbose=False)
+    with pytest.raises(UsageError, match="returned NoneType where its first run returned a loss"):
+        _trainer(callback, tmp_path).fit(model, _loader(T))
 
 
 def test_setup_without_wrapped_model_explains_how_to_wrap(tmp_path: Path) -> None:

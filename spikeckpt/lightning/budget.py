@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -460,9 +460,7 @@ class MemoryBudget(Callback):
                     attempt += 1
                     step_args, step_kwargs = self._last_step_args
                     output = step(*step_args, **step_kwargs)
-                    # a tensor, as the first run's (Lightning called backward with it)
-                    rerun = output["loss"] if isinstance(output, dict) else output
-                    loss = _as_backward_loss(cast(torch.Tensor, rerun), pl_module.trainer)
+                    loss = _as_backward_loss(_rerun_loss(output), pl_module.trainer)
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
         pl_module.backward = backward_with_retry  # type: ignore[method-assign]
@@ -569,6 +567,22 @@ class MemoryBudget(Callback):
 def _is_number(value: object) -> bool:
     """A real number (an int or a float, not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rerun_loss(output: Any) -> torch.Tensor:
+    """The loss of ``training_step`` run again for a batch whose backward ran out of memory:
+    a tensor, or a mapping's ``"loss"``, as Lightning reads the first run's (which gave one:
+    Lightning called backward with it)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(
+            "MemoryBudget: training_step, run again for the batch whose backward ran out of "
+            f"memory, returned {type(output).__name__} where its first run returned a loss; a "
+            "retry needs the same batch to give a loss again (a step that skips batches at "
+            "random cannot be retried: pass max_retries=0, or skip before computing a loss "
+            "only on the first run)"
+        )
+    return loss
 
 
 def _as_backward_loss(loss: torch.Tensor, trainer: pl.Trainer) -> torch.Tensor:
