@@ -100,6 +100,21 @@ def test_step_and_chunk_equal_dense_slices(
     assert_bitwise_equal(train.chunk(a, b), x[a:b])
 
 
+@pytest.mark.parametrize("width", [5, BLOCK + 5])
+def test_one_index_train_unpacks_every_run_length_in_any_order(width: int) -> None:
+    """An index train keeps each run length's block starts (a few at a time): one train asked
+    for every chunk length, longest first and then shortest first, and steps between them,
+    gives the dense slices each time."""
+    T = 12
+    x = spikes((T, 2, width), 0.01 if width > 5 else 0.3, torch.float32, seed=9)
+    train = SpikeTrain.from_dense(x, "index")
+    lengths = list(range(T, 0, -1)) + list(range(1, T + 1))
+    for i, k in enumerate(lengths):
+        a = i % (T - k + 1)
+        assert_bitwise_equal(train.chunk(a, a + k), x[a : a + k])
+        assert_bitwise_equal(train.step(i % T), x[i % T])
+
+
 @pytest.mark.parametrize("codec", ["bitpack", "index"])
 @pytest.mark.parametrize("density", [0.0, 0.01, 1.0])
 def test_steps_wider_than_an_index_block(codec: str, density: float) -> None:
