@@ -331,6 +331,8 @@ class SpikeTrain:
         if end <= start:
             return torch.zeros(0, dtype=torch.int64, device=target)
         local = _moved(self._data[start:end], target)
+        if k1 - k0 == 1:  # one block (a step of up to 65,536 elements): no counts to spread
+            return local.to(torch.int64).add_(_HALF)
         there = self._offsets_on(target)
         counts = there[k0 + 1 : k1 + 1] - there[k0:k1]
         starts = self._block_starts(k1 - k0, per_step, n, target)
