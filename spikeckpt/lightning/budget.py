@@ -491,8 +491,8 @@ class MemoryBudget(Callback):
             p.budget_bytes - int(p.budget_bytes * self.retry_factor) for p in self.planners.values()
         ]
         self._cut_bytes += max(cuts, default=0)  # kept in the checkpoint, as measured cuts
-        for planner in self.planners.values():
-            planner.replan(int(planner.budget_bytes * self.retry_factor))
+        for planner, cut in zip(self.planners.values(), cuts, strict=True):
+            planner.replan(planner.budget_bytes - cut)
         self._runs_at_start = {name: p.runs for name, p in self.planners.items()}  # the retry's
         self._to_measure = max(self._to_measure, self.measure_batches)
         gc.collect()

@@ -61,7 +61,7 @@ __all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train"]
 
 SPIKE_TRAIN_CODECS = ("auto", "bitpack", "index")
 _HALF = BLOCK // 2
-#: block-start tensors an index train keeps (`SpikeTrain._block_starts`), per run length
+#: block-start tensors an index train keeps (`SpikeTrain._kept_starts`), per run length
 _KEPT_STARTS = 8
 
 
@@ -97,8 +97,8 @@ class SpikeTrain:
         #: the offsets copied to each other device once (`_offsets_on`)
         self._offsets_copies: dict[torch.device, Tensor] = {}
         self._offsets_view: Any = None  # `_bounds`
-        #: a run of blocks' first positions plus the local offset's bias, per (blocks,
-        #: device), made once (`_block_starts`): a step's unpack is 4 ops fewer
+        #: a run of blocks' first positions plus the local offsets' bias, per (blocks,
+        #: device), made once (`_kept_starts`): a chunk's unpack does not recompute them
         self._starts: dict[tuple[int, torch.device], Tensor] = {}
         self.ones = int(ones)
 
@@ -335,7 +335,7 @@ class SpikeTrain:
             return local.to(torch.int64).add_(_HALF)
         there = self._offsets_on(target)
         counts = there[k0 + 1 : k1 + 1] - there[k0:k1]
-        starts = self._block_starts(k1 - k0, per_step, n, target)
+        starts = self._kept_starts(k1 - k0, per_step, n, target)
         positions = torch.repeat_interleave(starts, counts, output_size=end - start)
         return positions.add_(local)
 
@@ -347,19 +347,15 @@ class SpikeTrain:
             self._offsets_view = self._offsets.numpy()
         return self._offsets_view
 
-    def _block_starts(self, blocks: int, per_step: int, n: int, device: torch.device) -> Tensor:
-        """The flat position of each of ``blocks`` consecutive blocks' first element, from a
-        step's first block, plus the bias of the stored local offsets (``_HALF``), ``(blocks,)``
-        int64 on ``device``; kept for the few run lengths a run asks for (a step, a chunk and
-        the last, shorter chunk)."""
+    def _kept_starts(self, blocks: int, per_step: int, n: int, device: torch.device) -> Tensor:
+        """`_block_starts`, kept for the few run lengths a run asks for (a chunk and the last,
+        shorter chunk)."""
         key = (blocks, device)
         starts = self._starts.get(key)
         if starts is None:
             if len(self._starts) >= _KEPT_STARTS:
                 self._starts.clear()  # a run asks for a few lengths; a clear is thread-safe
-            block = torch.arange(blocks, device=device)
-            starts = (block // per_step) * n + (block % per_step) * BLOCK + _HALF
-            self._starts[key] = starts
+            starts = self._starts[key] = _block_starts(blocks, per_step, n, device)
         return starts
 
     def _offsets_on(self, device: torch.device) -> Tensor:
@@ -394,10 +390,9 @@ class SpikeTrain:
         blocks = offsets.numel() - 1
         there = self._offsets_on(self.device)
         counts = there[1:] - there[:-1]
-        block = torch.arange(blocks, device=self.device)
-        base = (block // max(per_step, 1)) * n + (block % max(per_step, 1)) * BLOCK
-        out = torch.repeat_interleave(base, counts, output_size=self.ones)
-        return out + self._data.long() + _HALF
+        starts = _block_starts(blocks, per_step, n, self.device)
+        out = torch.repeat_interleave(starts, counts, output_size=self.ones)
+        return out.add_(self._data)
 
     def to_sparse_coo(self) -> Tensor:
         """The train as a coalesced ``torch.sparse_coo`` tensor ``(T, B, ...)`` of ``dtype``,
@@ -496,6 +491,15 @@ def _check_codec(codec: str) -> None:
 def _check_shape(shape: torch.Size | tuple[int, ...]) -> None:
     if len(shape) == 0:
         raise ConfigError("a spike train needs a time axis: shape (T, B, ...), got a 0-d tensor")
+
+
+def _block_starts(blocks: int, per_step: int, n: int, device: torch.device) -> Tensor:
+    """The flat position of the first element of each of ``blocks`` consecutive index-list
+    blocks, from a step's first block, plus the bias of the stored local offsets (``_HALF``):
+    ``(blocks,)`` int64 on ``device`` (``n`` elements per step, ``per_step`` blocks each)."""
+    block = torch.arange(blocks, device=device)
+    per_step = max(per_step, 1)
+    return (block // per_step) * n + (block % per_step) * BLOCK + _HALF
 
 
 def _blocks_per_step(n: int) -> int:
