@@ -10,6 +10,7 @@ the budget, and the count of those at the end (exit status 1 when there are any)
 
     python benchmarks/budget_sweep.py            # about 10 minutes on one CPU core
     python benchmarks/budget_sweep.py --quick    # two models, three budgets
+    python benchmarks/budget_sweep.py --only wide --held   # one model, .grad held from before
 
 Peaks are `MemoryMeter` peaks with the input counted, as tests/test_wrap_budget.py measures.
 """
@@ -53,19 +54,30 @@ def _deep() -> nn.Module:
     )  # fmt: skip
 
 
+def _wide() -> nn.Module:
+    """One wide layer: the weight's gradient outweighs the activations (a weight-bound step)."""
+    return nn.Sequential(nn.Linear(1024, 1024), snn.Leaky(beta=0.9))
+
+
 #: name: (model, input shape (T, B, ...), whether a packed input applies)
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "fc": (_fc, (100, 8, 100), True),
     "conv": (_conv, (30, 4, 2, 12, 12), False),
     "fc-long": (_fc, (400, 16, 100), True),
     "deep": (_deep, (200, 8, 64), True),
+    "wide": (_wide, (60, 4, 1024), True),
 }
 FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 
 
-def _peak(net: nn.Module, x: Any, budget: int, granularity: str, storage: str) -> tuple[int, Any]:
+def _peak(
+    net: nn.Module, x: Any, budget: int, granularity: str, storage: str, held: bool
+) -> tuple[int, Any]:
     seq = spikeckpt.wrap(net, budget=budget, granularity=granularity, storage=storage)
-    net.zero_grad(set_to_none=True)
+    net.zero_grad(set_to_none=not held)  # held: zeros from before the step, as when accumulating
+    if held:
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
     with spikeckpt.MemoryMeter() as meter:
         meter.track(x.tensors() if isinstance(x, SpikeTrain) else [x])
         out = seq(x)
@@ -74,12 +86,17 @@ def _peak(net: nn.Module, x: Any, budget: int, granularity: str, storage: str) -
     return meter.peak_bytes, seq.last_decision
 
 
-def sweep(cases: dict[str, Any], factors: tuple[float, ...]) -> int:
+def sweep(
+    cases: dict[str, Any],
+    factors: tuple[float, ...],
+    granularities: tuple[str, ...] = ("layer", "auto"),
+    held: bool = False,
+) -> int:
     """Print one line per case; return the number of calls over their budget."""
     over = 0
     for name, (make, shape, packs) in cases.items():
         for form in ("dense", "packed") if packs else ("dense",):
-            for granularity in ("layer", "auto"):
+            for granularity in granularities:
                 for storage in ("disk", "host"):
                     torch.manual_seed(0)
                     net = make()
@@ -87,14 +104,14 @@ def sweep(cases: dict[str, Any], factors: tuple[float, ...]) -> int:
                     dense = (torch.rand(shape, generator=g) < 0.1).float()
                     x = dense if form == "dense" else SpikeTrain.from_dense(dense)
                     try:
-                        _peak(net, x, 4096, granularity, storage)
+                        _peak(net, x, 4096, granularity, storage, held)
                         raise AssertionError("a 4 KiB budget was accepted")
                     except spikeckpt.BudgetTooSmall as error:
                         smallest = error.minimum_bytes
                     cells = []
                     for factor in factors:
                         budget = int(smallest * factor)
-                        peak, decision = _peak(net, x, budget, granularity, storage)
+                        peak, decision = _peak(net, x, budget, granularity, storage, held)
                         over += peak > budget
                         picked = f"l{decision.chunk}" if decision.granularity == "layer" else "s"
                         mark = "!!" if peak > budget else ""
@@ -111,12 +128,20 @@ def sweep(cases: dict[str, Any], factors: tuple[float, ...]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two models, three budgets")
+    parser.add_argument("--only", nargs="+", choices=sorted(CASES), help="these models only")
+    parser.add_argument(
+        "--granularity", nargs="+", default=["layer", "auto"], choices=["layer", "auto", "stack"]
+    )
+    parser.add_argument(
+        "--held", action="store_true", help="each step starts with .grad held (zeros)"
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    cases = {k: CASES[k] for k in ("fc", "conv")} if args.quick else CASES
+    names = args.only or (("fc", "conv") if args.quick else tuple(CASES))
+    cases = {k: CASES[k] for k in names}
     factors = (1.0, 1.5, 3.0) if args.quick else FACTORS
-    return 1 if sweep(cases, factors) else 0
+    return 1 if sweep(cases, factors, tuple(args.granularity), args.held) else 0
 
 
 if __name__ == "__main__":

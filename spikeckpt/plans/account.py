@@ -7,11 +7,14 @@ benchmarks): the peak device memory of the training step the call runs. What a s
 
 - ``input``: the input train while it is on the device (a packed train's packed bytes);
 - ``outputs``: the stacked per-step outputs and their gradient (``readout=None``);
-- ``gradients``: the parameters' ``.grad`` (left to the model's account by ``MemoryBudget``,
-  which counts the model, ``.grad`` and the optimizer state once for all wrapped models), and
-  the gradient buffers the engine holds beyond it while it sums the parameters' gradients over
-  segments (a segment's own gradients beside the running sum, one parameter's new sum, and
-  the state's gradient carried from segment to segment);
+- ``gradients``: under a checkpointing plan the parameters' ``.grad`` (left to the model's
+  account by ``MemoryBudget``, which counts the model, ``.grad`` and the optimizer state once
+  for all wrapped models) and the gradient buffers the engine holds beyond it while it sums the
+  parameters' gradients over segments (a segment's own gradients beside the running sum, one
+  parameter's new sum, and the state's gradient carried from segment to segment); under
+  ``BPTT()`` autograd's sums over the steps, which become ``.grad``, beside one parameter's new
+  gradient and its sum (no ``.grad`` beside them: they become it); layer-wise the ``.grad``
+  beside its measured working set, which holds the running sums;
 - ``activations``: the plan's modeled peak (checkpoints kept on the device, or on the host when
   the host is the device as on a CPU-only run, tapes, states) and one step's working memory.
 
@@ -92,13 +95,24 @@ class StepSizes:
         return 2 * T * self.output if self.stacked else 0
 
     def beside(self, T: int, *, bptt: bool = False) -> StepBytes:
-        """The step without its activations: the input, the outputs, the gradients (one
-        backward call, BPTT's, keeps no running sum)."""
+        """The step without its activations: the input, the outputs, the gradients."""
+        if bptt:
+            # one backward call: autograd sums each parameter's gradient over the steps in its
+            # own buffer, which becomes ``.grad`` (taken over when ``.grad`` is None, added in
+            # place when held from before the step); beside the buffers, one parameter's new
+            # gradient and its sum made out of place (a Linear's weight gradient arrives
+            # transposed, which autograd never sums in place). Measured: 3.0x the weight of a
+            # Linear(2048, 2048) + Leaky net, where 2x were counted before (2026-11-27)
+            return StepBytes(
+                input=self.input,
+                outputs=self.outputs(T),
+                gradients=self.grads + 2 * self.largest,
+            )
         grad = self.grads if self.grad_in_step else 0
         # a checkpointed backward holds a segment's own gradients beside the running sum, one
         # parameter's new sum (made out of place) and the state's gradient carried between
         # segments (measured: one state over the rest with Revolve(1) on a conv net)
-        buffers = self.grads if bptt else self.grads + self.largest + self.state
+        buffers = self.grads + self.largest + self.state
         return StepBytes(input=self.input, outputs=self.outputs(T), gradients=grad + buffers)
 
 
