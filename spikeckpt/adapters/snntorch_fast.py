@@ -312,9 +312,14 @@ def same_results(slow: Step, fast: Step, adapter: Checked) -> bool:
                 ]
                 new, y = step(adapter.state_cls(*state), x)
                 outs = [y, *new]
-                weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in outs]
-                grads = torch.autograd.grad(outs, [x, *state, *params], weights, allow_unused=True)
-                results.append([*(o.detach() for o in outs), *grads])
+                # e.g. surrogate_disable=True: spikes without grad (which the slow step's match)
+                tracked = [o for o in outs if o.requires_grad]
+                weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in tracked]
+                grads = torch.autograd.grad(
+                    tracked, [x, *state, *params], weights, allow_unused=True
+                )
+                flags = torch.tensor([o.requires_grad for o in outs])
+                results.append([*(o.detach() for o in outs), flags, *grads])
                 adapter.cleanup()
     except Exception:  # noqa: BLE001 - anything unexpected: keep the module's own call
         return False
