@@ -253,3 +253,64 @@ def test_same_results_sees_a_wrong_field() -> None:
 
     assert not same_results(adapter.module_step, off, adapter)
     assert not same_results(adapter.module_step, ignores_spk, adapter)
+
+
+@pytest.mark.slow  # compiles for a few seconds
+def test_the_compiled_stack_step_traces_no_snntorch_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``compile=True``: after the first call (the checks) no snnTorch ``forward`` runs, the
+    step is one graph (torch 2.11's dynamo broke it at ``if not syn == None:``), the outputs
+    bitwise the eager run's."""
+    from torch._dynamo.utils import counters
+
+    from spikeckpt.engine import compiled
+
+    if compiled.compiler_missing("cpu") is not None:
+        pytest.skip("no C++ compiler for inductor")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(IN, N),
+        snn.Synaptic(alpha=0.7, beta=0.8),
+        nn.Linear(N, N),
+        snn.RLeaky(beta=0.8, linear_features=N, reset_mechanism="zero"),
+        nn.Linear(N, N),
+        snn.RSynaptic(alpha=0.7, beta=0.8, all_to_all=False, V=0.5),
+        nn.Linear(N, N),
+        snn.Alpha(alpha=0.8, beta=0.7),
+        nn.Linear(N, N),
+        snn.Lapicque(beta=0.85, reset_mechanism="zero"),
+    )
+    with torch.no_grad():
+        for layer in net[::2]:
+            layer.weight.mul_(3.0)
+    calls: list[str] = []
+    for cls in {type(m) for m in net[1::2]}:
+        own = cls.forward
+
+        def counted(self: nn.Module, *args: Any, _own: Any = own) -> Any:
+            calls.append(type(self).__name__)
+            return _own(self, *args)
+
+        monkeypatch.setattr(cls, "forward", counted)
+    x = _input()
+    runs = {}
+    for flag in (False, True):
+        seq = sc.wrap(net, granularity="stack", plan=sc.plans.BPTT(), compile=flag)
+        seq(x)  # the first call checks the fast steps against the modules' calls
+        assert all(n.fast_verified is True for n in _neuron_adapters(seq))
+        calls.clear()
+        counters.clear()
+        net.zero_grad(set_to_none=True)
+        y = seq(x)
+        (y * torch.linspace(-1, 1, N)).sum().backward()
+        assert calls == []
+        assert seq.last_stats.step_compiled is flag
+        runs[flag] = [y.detach(), *(p.grad.clone() for p in net.parameters())]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert torch.equal(runs[True][0], runs[False][0])
+    # gradients at float32 round-off: inductor sums some in its own order (RLeaky zero reset)
+    scale = max(float(g.abs().max()) for g in runs[False][1:])
+    for got, want in zip(runs[True][1:], runs[False][1:], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * scale)
