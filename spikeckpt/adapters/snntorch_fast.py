@@ -323,7 +323,9 @@ def same_results(slow: Step, fast: Step, adapter: Checked) -> bool:
                 adapter.cleanup()
     except Exception:  # noqa: BLE001 - anything unexpected: keep the module's own call
         return False
-    return all(
-        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-        for a, b in zip(*results, strict=True)
-    )
+    return all(_same(a, b) for a, b in zip(*results, strict=True))
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both None (no gradient) or equal tensors."""
+    return a is b is None or (a is not None and b is not None and torch.equal(a, b))
