@@ -229,6 +229,14 @@ def test_refused_neurons_keep_the_module_call(case: str) -> None:
     assert all(a.fast_verified is None for a in _neuron_adapters(seq))
 
 
+def test_no_fast_step_for_another_neurons_state_function() -> None:
+    """A state function bound to another neuron computes with that one's tensors."""
+    m = snn.RLeaky(beta=0.8, linear_features=N)
+    assert fast_step(m, tuple) is not None
+    m.state_function = snn.RLeaky(beta=0.5, linear_features=N)._base_sub
+    assert fast_step(m, tuple) is None
+
+
 def _counting(step: Any, calls: list[int]) -> Any:
     def counted(*args: Any) -> Any:
         calls.append(1)

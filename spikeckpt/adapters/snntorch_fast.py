@@ -73,10 +73,12 @@ def fast_step(m: Any, state_cls: type) -> Step | None:
     build = _BUILDERS.get(cls)
     if build is None or "forward" in vars(m):
         return None
-    function = getattr(getattr(m, "state_function", None), "__func__", None)
+    bound = getattr(m, "state_function", None)
+    function = getattr(bound, "__func__", None)
     kinds = {getattr(cls, name, None): name for name in _KINDS}
     if (
         function not in kinds
+        or getattr(bound, "__self__", None) is not m  # another neuron's state function
         or any(name in vars(m) for name in _METHODS)
         or getattr(m, "state_quant", True)
         or getattr(m, "inhibition", True)
