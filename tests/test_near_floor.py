@@ -79,7 +79,7 @@ def test_fast_leaky_steps_are_bitwise_the_adapters(leaky: dict[str, Any], granul
 
 
 def test_fast_leaky_falls_back_when_it_differs() -> None:
-    from spikeckpt.adapters.snntorch import _same_results
+    from spikeckpt.adapters.snntorch_fast import same_results as _same_results
 
     net = _snn_net()
     neuron = _neurons(sc.wrap(net))[0]

@@ -34,11 +34,11 @@ from spikeckpt.adapters.kernels import (
     Reset,
     SynapticKernel,
     clamp_grad,
-    is_unit,
     read_unit_again,
 )
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
 from spikeckpt.adapters.recurrent_kernel import RecurrentKernel
+from spikeckpt.adapters.snntorch_fast import fast_step, same_results
 from spikeckpt.engine.meter import unmetered
 from spikeckpt.errors import ConfigError
 
@@ -150,7 +150,7 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         self._spk_state = self.fields[0] == "spk"
         # in a plain nn.Sequential loop an init_hidden neuron keeps its state on itself
         self.state_on_module = bool(getattr(module, "init_hidden", False))
-        self._fast = _fast_leaky_step(module, state_cls)
+        self._fast = fast_step(module, state_cls)
         #: whether the fast step matched the module's own call (checked at first use)
         self.fast_verified: bool | None = None
 
@@ -183,7 +183,7 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         if fast is not None and no_hooks(self.module):
             if self.fast_verified is None:
                 with unmetered():  # once per neuron, not part of any step: no meter counts it
-                    self.fast_verified = _same_results(self.module_step, fast, self)
+                    self.fast_verified = same_results(self.module_step, fast, self)
             if self.fast_verified:
                 return fast(state, x_t)
         return self.module_step(state, x_t)
@@ -483,95 +483,3 @@ def _atan_grad(spike: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
 
 
 _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_base_int"}
-
-
-Step = Callable[[State, Tensor], tuple[State, Tensor]]
-
-
-def _fast_leaky_step(m: Any, state_cls: type) -> Step | None:
-    """A step running snnTorch ``Leaky.forward``'s tensor ops without its bookkeeping, or None
-    when ``m`` is not a plain ``Leaky`` (exactly that class, ``reset_delay=True``, no
-    ``state_quant``, ``inhibition``, instance ``forward`` or replaced state function).
-
-    ``Leaky.forward`` spends most of a call on module bookkeeping (it stores ``mem`` and
-    ``reset`` as buffers at every call, which the adapter then clears), not on its tensor ops.
-    The ops here are those of snnTorch 1.0.0's ``Leaky.forward``, in its order, on the
-    module's own tensors: ``reset = spike_grad(mem - threshold).detach()``, then ``_base_sub``
-    / ``_base_zero`` / ``_base_int``, then ``spike_grad(mem - threshold) *
-    graded_spikes_factor`` (the product skipped for a 0-d factor of 1 without grad: the same
-    values, one autograd node fewer). Bitwise the module's spikes, membranes and gradients,
-    about 2.5x cheaper per call; `_same_results` checks it once before it is used.
-    """
-    cls = type(m)
-    if cls is not snn.Leaky or "forward" in vars(m):
-        return None
-    function = getattr(getattr(m, "state_function", None), "__func__", None)
-    kinds = {getattr(cls, name, None): name for name in ("_base_sub", "_base_zero", "_base_int")}
-    if (
-        function not in kinds
-        or getattr(m, "state_quant", True)
-        or getattr(m, "inhibition", True)
-        or not getattr(m, "reset_delay", False)
-    ):
-        return None
-    kind = kinds[function]
-
-    def step(state: Any, x: Tensor) -> tuple[Any, Tensor]:
-        beta, threshold, spike = m.beta, m.threshold, m.spike_grad
-        graded = m.graded_spikes_factor
-        mem = state[0]
-        if mem.shape != x.shape:  # snnTorch's own rule (an empty initial state)
-            mem = torch.zeros_like(x, device=mem.device)
-        reset = spike(mem - threshold).detach()
-        if kind == "_base_sub":
-            mem = beta.clamp(0, 1) * mem + x - reset * threshold
-        elif kind == "_base_zero":
-            mem = (1 - reset) * mem
-            mem = beta.clamp(0, 1) * mem + x
-        else:
-            mem = beta.clamp(0, 1) * mem + x
-        spk = spike(mem - threshold)
-        # compiled, is_unit says no: the factor is applied (times 1.0: the same values and
-        # gradients) rather than read, which would break the compiled graph
-        if not is_unit(graded):
-            spk = spk * graded
-        return state_cls(mem), spk
-
-    return step
-
-
-def _param_shape(m: nn.Module) -> tuple[int, ...]:
-    """A sample shape every per-neuron tensor of ``m`` broadcasts with (``(5,)`` for
-    scalars)."""
-    shapes = [t.shape for t in (m.beta, m.threshold, m.graded_spikes_factor)]
-    shape = tuple(torch.broadcast_shapes(*shapes))
-    return shape if shape and shape[-1] > 1 else (*shape[:-1], 5)
-
-
-def _same_results(slow: Step, fast: Step, adapter: SnnTorchNeuronAdapter) -> bool:
-    """Both steps on random data from a random state: outputs, new state and the gradients
-    of a weighted sum of both with respect to input, state and parameters, bitwise."""
-    m = adapter.module
-    try:
-        floats = [t for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()]
-        like = floats[0] if floats else torch.zeros(())
-        params = [p for p in m.parameters() if p.requires_grad]
-        results = []
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            for step in (slow, fast):
-                torch.manual_seed(0)  # the same data for both (and the same SSO draws)
-                shape = (3, *_param_shape(m))
-                x = (torch.randn(shape) * 2).to(like).requires_grad_()
-                mem = (torch.randn(shape) * 2).to(like).requires_grad_()
-                new, y = step(adapter.state_cls(mem), x)
-                outs = [y, new[0]]
-                weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in outs]
-                grads = torch.autograd.grad(outs, [x, mem, *params], weights, allow_unused=True)
-                results.append([*(o.detach() for o in outs), *grads])
-                adapter.cleanup()
-    except Exception:  # noqa: BLE001 - anything unexpected: keep the module's own call
-        return False
-    return all(
-        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-        for a, b in zip(*results, strict=True)
-    )
