@@ -44,7 +44,10 @@
 # --rounds 2 --only RLeaky RSynaptic` (why layer-wise under granularity="layer" ran 2.49x the
 # loop where "auto" ran 0.46x: it now prints each row's plan and any planning inside a timed
 # call) and `python benchmarks/bench_peers.py --device cuda --n 8192 --share 40 --repeats 1`
-# (n = 8192 at a budget that fits: 20% is refused, section 21 of docs/benchmarks.md).
+# (n = 8192 at a budget that fits: 20% is refused, section 21 of docs/benchmarks.md), then
+# `python benchmarks/bench_compiled_step.py --device cuda --rounds 1 --breaks` (snnTorch's
+# Synaptic and RLeaky broke the compiled stack step 4 times on torch 2.11; since their fast
+# steps, section 22, the step traces no snnTorch forward: 0 breaks expected).
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
