@@ -74,8 +74,8 @@ def _peak(
     net: nn.Module, x: Any, budget: int, granularity: str, storage: str, held: bool
 ) -> tuple[int, Any]:
     seq = spikeckpt.wrap(net, budget=budget, granularity=granularity, storage=storage)
-    net.zero_grad(set_to_none=not held)  # held: zeros from before the step, as when accumulating
-    if held:
+    net.zero_grad(set_to_none=True)
+    if held:  # zeros from before the step, as when gradients accumulate
         for p in net.parameters():
             p.grad = torch.zeros_like(p)
     with spikeckpt.MemoryMeter() as meter:

@@ -507,3 +507,28 @@ def test_layerwise_counts_a_replay_state_per_chunk_of_a_drawing_block() -> None:
     assert found is not None and found >= 40
     assert layerwise_cost(T, found, drawing).peak_bytes <= budget
     assert fitting_chunk(T, drawing, 1000, T) is None
+
+
+@pytest.mark.parametrize("grad_in_step", [True, False], ids=["wrap", "MemoryBudget"])
+def test_a_chosen_plan_s_step_fits_the_budget_bptt_s_gradients_included(
+    grad_in_step: bool,
+) -> None:
+    """``BPTT()`` counts its gradients apart (autograd's sums, one new gradient and its sum):
+    with ``.grad`` in the model's account and one weight-bound parameter, its step is more than
+    the room the checkpointing plans leave. Before, ``MemoryBudget``'s account chose it anyway
+    (an 8.5 MiB budget, a 12.1 MiB step modeled)."""
+    sizes = plans.StepSizes(
+        state=1024, tape=1024, grads=4 << 20, largest=4 << 20, grad_in_step=grad_in_step
+    )
+    chosen = 0
+    for budget in range(5 << 20, 16 << 20, 1 << 19):
+        try:
+            choice = plans.choose_step(100, sizes, budget, remote=False)
+        except BudgetTooSmall:
+            continue
+        chosen += 1
+        assert choice.step.total <= budget, (budget, choice.plan, choice.step)
+        ranked = plans.rank_steps(100, sizes, budget, remote=False)
+        assert ranked[0].plan == choice.plan
+        assert all(c.step.total <= budget for c in ranked)
+    assert chosen >= 5

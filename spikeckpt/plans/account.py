@@ -69,7 +69,7 @@ class StepSizes:
         grads: bytes of the parameters that require grad (one ``.grad`` each).
         largest: the largest such parameter (its new sum is made out of place).
         grad_in_step: ``.grad`` is counted in the step (``scan``, ``wrap``), or with the
-            model (``MemoryBudget``).
+            model (``MemoryBudget``); ``BPTT()``'s gradients are counted alike either way.
     """
 
     state: int
@@ -265,14 +265,22 @@ def choose_step(
     beside = sizes.beside(T)
     room = total - beside.total - sizes.work
     S, A = sizes.state, sizes.tape
+    smallest = minimum_budget(T, S, A) + sizes.work
     try:
         plan = choose(T, S, A, max(room, 0), remote=remote, costs=costs)
     except BudgetTooSmall:
-        smallest = minimum_budget(T, S, A) + sizes.work
         raise refusal(total, beside, smallest, what=_steps(T, apart), note=note) from None
     plan = plan.for_length(T)
     cost = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
-    return StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
+    found = StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
+    if found.step.total <= total:
+        return found
+    # BPTT, whose gradients are counted apart (`StepSizes.beside`), fits the room of the
+    # checkpointing plans but not its own step: the fastest of the others
+    others = rank_steps(T, sizes, total, remote=remote, costs=costs)
+    if not others:  # pragma: no cover - the fewest-slot Revolve needs less than BPTT's tape
+        raise refusal(total, beside, smallest, what=_steps(T, apart), note=note)
+    return others[0]
 
 
 def rank_steps(
@@ -293,9 +301,9 @@ def rank_steps(
     for candidate in rank(T, sizes.state, sizes.tape, room, remote=remote, costs=costs):
         plan = candidate.plan.for_length(T)
         cost = plan.cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
-        found.append(
-            StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
-        )
+        step = step_bytes(T, sizes, plan, cost, remote_on_device=False)
+        if step.total <= total:  # BPTT's own gradients may not fit where the others' do
+            found.append(StepChoice(plan, cost, step))
     return found
 
 
