@@ -59,6 +59,15 @@ def _wide() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 1024), snn.Leaky(beta=0.9))
 
 
+def _pooled() -> nn.Module:
+    """A convolution pooled down to a small readout: a large membrane, little weight."""
+    return nn.Sequential(
+        nn.Conv2d(2, 32, 3, padding=1), snn.Leaky(beta=0.9),
+        nn.AvgPool2d(4), nn.Flatten(),
+        nn.Linear(32 * 3 * 3, 4), snn.Leaky(beta=0.9),
+    )  # fmt: skip
+
+
 #: name: (model, input shape (T, B, ...), whether a packed input applies)
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "fc": (_fc, (100, 8, 100), True),
@@ -66,6 +75,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "fc-long": (_fc, (400, 16, 100), True),
     "deep": (_deep, (200, 8, 64), True),
     "wide": (_wide, (60, 4, 1024), True),
+    "pooled": (_pooled, (30, 4, 2, 12, 12), False),
 }
 FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 
@@ -80,6 +90,7 @@ def _peak(
             p.grad = torch.zeros_like(p)
     with spikeckpt.MemoryMeter() as meter:
         meter.track(x.tensors() if isinstance(x, SpikeTrain) else [x])
+        meter.track([p.grad for p in net.parameters() if p.grad is not None])  # in the step
         out = seq(x)
         (out * torch.arange(1, out.shape[-1] + 1)).sum().backward()
         del out

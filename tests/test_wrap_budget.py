@@ -325,3 +325,69 @@ def test_layerwise_under_cpu_autocast_with_per_neuron_beta_keeps_a_fitting_budge
     assert 256 < smallest < 4096
     used, stats = peak(smallest)
     assert stats.plan.startswith("layer-wise") and used <= smallest
+
+
+@pytest.mark.parametrize("granularity", ["layer", "auto"])
+def test_the_named_smallest_budget_holds_the_first_call_s_probes(granularity: str) -> None:
+    """A convolution pooled down to a small readout (little weight, a large membrane): at the
+    smallest budget its refusal named, layer-wise on the disk tier, the first call held
+    933,972 bytes under 783,460 (the run itself 778,220): the planner's probes counted
+    neither the state the call holds while it plans nor their own chunk of one step. The
+    refusal now names a budget whose first call keeps it, probes included."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(2, 32, 3, padding=1),
+        snn.Leaky(beta=0.9),
+        nn.AvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(32 * 3 * 3, 4),
+        snn.Leaky(beta=0.9),
+    )
+    x = _input((30, 4, 2, 12, 12))
+    with pytest.raises(spikeckpt.BudgetTooSmall, match="smallest budget that fits") as info:
+        _peak(net, x, 4096, granularity)
+    smallest = info.value.minimum_bytes
+    for budget in (smallest, smallest * 11 // 10):
+        peak = _peak(net, x, budget, granularity)
+        assert peak <= budget, (budget, peak)
+
+
+def test_gradients_accumulated_from_an_earlier_call_are_counted_and_none_are_not() -> None:
+    """Layer-wise, the running sums of the parameters' gradients are the working set's: with
+    ``.grad`` None at the call autograd takes them as ``.grad`` (a small weight's sum, kept
+    transposed, is put in the weight's layout first); with ``.grad`` held (gradients
+    accumulating) they are added into it, and both are held. Before, ``.grad`` was counted
+    beside the sums always, and the held call was still over its budget (its first call
+    2,732,178 bytes under 2,451,866): a copy of the transposed sum after the run was counted
+    nowhere."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 512), snn.Leaky(0.9), nn.Linear(512, 10), snn.Leaky(0.9))
+    x = _input((30, 4, 512))
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+
+    def peak(seq: nn.Module, held: bool) -> int:
+        net.zero_grad(set_to_none=True)
+        if held:  # gradients accumulating: .grad from an earlier call, counted in the step
+            for p in net.parameters():
+                p.grad = torch.zeros_like(p)
+        with MemoryMeter() as meter:
+            meter.track([x, *(p.grad for p in net.parameters() if p.grad is not None)])
+            seq(x).sum().backward()
+        return meter.peak_bytes
+
+    def wrapped(budget: int) -> nn.Module:
+        return spikeckpt.wrap(net, budget=budget, granularity="layer", storage="disk")
+
+    smallest = {}
+    for held in (False, True):
+        with pytest.raises(spikeckpt.BudgetTooSmall, match="smallest budget") as info:
+            peak(wrapped(4096), held)
+        smallest[held] = info.value.minimum_bytes
+        for budget in (smallest[held], smallest[held] * 11 // 10):
+            assert peak(wrapped(budget), held) <= budget, (held, budget)
+    assert smallest[True] - smallest[False] >= 0.9 * grad_bytes
+    # planned lean, then called with .grad held: planned again, and refused where it cannot
+    seq = wrapped(smallest[False])
+    assert peak(seq, False) <= smallest[False]
+    with pytest.raises(spikeckpt.BudgetTooSmall, match="smallest budget"):
+        peak(seq, True)

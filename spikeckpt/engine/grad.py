@@ -158,3 +158,12 @@ def unseen_leaves(roots: Sequence[Any], known: Sequence[Any], limit: int = 20000
             found.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def in_layout(grad: Tensor | None, param: Tensor) -> Tensor | None:
+    """``grad`` in ``param``'s layout (a copy where its strides differ: a small weight's sum
+    kept transposed), so that autograd takes it as ``.grad`` (a ``.grad`` None) instead of
+    copying it after the run: the copy is made here, where the working-set probe sees it."""
+    if grad is None or grad.stride() == param.stride():
+        return grad
+    return torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)

@@ -18,7 +18,7 @@ from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
 from spikeckpt.engine.function import SECOND_BACKWARD, Job
 from spikeckpt.engine.fused import ChunkKernel, Emit, run_fused
-from spikeckpt.engine.grad import GradSink, grad, unseen_leaves
+from spikeckpt.engine.grad import GradSink, grad, in_layout, unseen_leaves
 from spikeckpt.engine.inputs import SparseChunk, chunk_of, is_packed, sparse_chunk_of
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import Reducer
@@ -497,7 +497,7 @@ class LayerwiseJob(Job):
             self.close()
         need_state = self.need_state
         g_state = [g if need else None for g, need in zip(sum(carry, []), need_state, strict=True)]
-        return [grad_x, *g_state, *grad_p]
+        return [grad_x, *g_state, *map(in_layout, grad_p, self.params)]
 
     def _open_sinks(self, b: int, grad_p: list[Tensor | None]) -> list[tuple[int, GradSink]]:
         """Point block ``b``'s gradient sinks at this job's running sums (None before the

@@ -21,6 +21,7 @@ from torch import Tensor
 from spikeckpt import plans
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.inputs import input_nbytes
+from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import BudgetTooSmall
 from spikeckpt.planning.choice import (
     Decision,
@@ -39,6 +40,7 @@ from spikeckpt.planning.granularity import (
 from spikeckpt.planning.probe import (
     Probe,
     compute_device,
+    device_bytes,
     probe_model,
     scaled_sizes,
     step_work_bytes,
@@ -56,11 +58,15 @@ from spikeckpt.plans.account import (
 from spikeckpt.plans.choose import minimum_budget
 from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
-from spikeckpt.units import parse_bytes
+from spikeckpt.units import format_bytes, parse_bytes
 
 __all__ = ["BudgetPlanner"]
 
 ShapeKey = tuple[int, int]
+
+#: rounds of `BudgetPlanner._planning_bytes` (its probes measure more lengths as the budget
+#: grows; each round runs them once)
+PLANNING_ROUNDS = 3
 
 
 class _Measured(NamedTuple):
@@ -76,6 +82,11 @@ class _Measured(NamedTuple):
     costs: CostModel
     sizes: StepSizes
     note: str | None
+    #: device bytes the call holds while it plans (its input and state): the probes' room
+    #: is the budget less these
+    held: int = 0
+    #: the parameters' ``.grad`` was held when the call began (accumulating gradients)
+    grads_held: bool = False
 
     @property
     def remote_here(self) -> bool:
@@ -86,10 +97,12 @@ class _Measured(NamedTuple):
 
     @property
     def layer_base(self) -> StepBytes:
-        """The layer-wise step beside its working set: input, outputs and ``.grad`` when the
-        step counts it (the working set holds the running sums)."""
+        """The layer-wise step beside its working set: input and outputs, and ``.grad`` when
+        the step counts it and it is held from before the call. The working set holds the
+        running sums of the gradients, which become ``.grad`` when it is None (autograd
+        takes them as they are) and are added into a ``.grad`` held: both are held then."""
         s = self.sizes
-        grad = s.grads if s.grad_in_step else 0
+        grad = s.grads if s.grad_in_step and self.grads_held else 0
         return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=grad)
 
 
@@ -166,6 +179,8 @@ class BudgetPlanner:
         self.probes = 0
         self.runs = 0
         self.last: PlanChoice | None = None
+        #: whether the call being planned began with the parameters' ``.grad`` held
+        self.grads_held = False
         #: blocks (by name) whose input train a run stored dense where a plan counted it
         #: bit-packed (a graded neuron below, found only once it fired): counted dense since
         self.graded: set[str] = set()
@@ -209,6 +224,13 @@ class BudgetPlanner:
             if missing:
                 self.budget_bytes = -self.reduce_max(-self.budget_bytes)
         choice = self.choices.get(key)
+        held = self.grad_in_step and any(
+            p.grad is not None for p in model.parameters_for_scan() if p.requires_grad
+        )
+        if choice is not None and held and choice.granularity == "layer":
+            # planned with .grad None (the running sums become it): held now, both count
+            missing = missing or choice.step.gradients == 0
+        self.grads_held = held
         if missing or choice is None:
             choice = self._plan(model, x, state, T, batch)
             self.choices[key] = choice
@@ -255,7 +277,7 @@ class BudgetPlanner:
         if stack is None or m.blocks is None:
             return None
         self.budget_bytes = stack.step.total
-        layer = self._layer_best(m, chunk)
+        layer = self._layer_best(m, chunk, probed=False)  # no budget held the probes
         if layer is None or layer.modeled.time > stack.modeled.time * (
             1 + LAYERWISE_TIME_TOLERANCE
         ):
@@ -283,7 +305,9 @@ class BudgetPlanner:
         on_device = host_is_device(model.storage, device.type)
         x_bytes = input_nbytes(x) if x.device == device else 0
         params = [p for p in model.parameters_for_scan() if p.requires_grad]
-        room = max(self.budget_bytes - x_bytes, 0)  # what the probes may hold at once
+        # what the probes may hold at once: the call holds its input and state meanwhile
+        held = self._held_bytes(model, x, state, device)
+        room = max(self.budget_bytes - held, 0)
         probe = probe_model(model, x, state, model.storage, max_bytes=room)
 
         def measured(probe: Probe, blocks: Any, working: Any, seconds: Any) -> _Measured:
@@ -309,6 +333,8 @@ class BudgetPlanner:
                 costs=self.costs or probe.costs(),
                 sizes=sizes,
                 note=tier_note(model.storage, device.type),
+                held=held,
+                grads_held=self.grads_held,
             )
 
         layered = None
@@ -391,11 +417,17 @@ class BudgetPlanner:
             note=m.note,
         )
 
-    def _layer_best(self, m: _Measured, chunk: int | None) -> PlanChoice | None:
+    def _layer_best(
+        self, m: _Measured, chunk: int | None, *, probed: bool = True
+    ) -> PlanChoice | None:
         """Layer-wise with the largest chunk (up to ``chunk``) whose modeled (calibrated) peak
-        fits, or None; a chunk given must fit itself."""
+        fits, or None; a chunk given must fit itself. ``probed``: the budget held the
+        probes, and the working-set probe's first run must have fit it too."""
         if m.blocks is None:
             return None
+        room = self.budget_bytes - m.held
+        if probed and m.working is not None and m.working.probe_bytes > room:
+            return None  # the probe's first run has no room under this budget
         base = m.layer_base
         budget = self.budget_bytes - base.total
         remote = not m.on_device
@@ -471,13 +503,25 @@ class BudgetPlanner:
                 full.working.scaled(batch, local),
                 remote=not m.on_device,
                 beside=base.total,
-                unprobed=base.input,
+                unprobed=m.held,
                 chunk=model.chunk,
             )
             needs.append((base, smallest, None))
         step, smallest, given = min(needs, key=lambda need: need[0].total + need[1])
         what = f"{'layer-wise, ' if model.granularity == 'layer' else ''}T={T}, B={batch}"
         need = step.total + smallest
+        planning = self._planning_bytes(model, x, state, need)
+        note = m.note
+        layer = m.blocks is not None and step is needs[-1][0]
+        if layer and self.grad_in_step and not m.grads_held and m.sizes.grads:
+            grads = format_bytes(m.sizes.grads)
+            grads = f"a call that begins with `.grad` held (accumulating) needs {grads} more"
+            note = f"{note}; {grads}" if note else grads
+        if planning > need:  # the first call's probes hold more than its step
+            smallest += planning - need
+            need = planning
+            held = f"the probes of a call's planning hold {format_bytes(planning)} at once"
+            note = f"{note}; {held}" if note else held
         raise refusal(
             self.budget_bytes,
             step,
@@ -485,10 +529,39 @@ class BudgetPlanner:
             what=what,
             asked=self.asked_bytes,
             minimum=self.total_for(need) if self.total_for is not None else need,
-            note=m.note,
+            note=note,
             context=self.context,
             plan=given,
         )
+
+    def _held_bytes(self, model: Planned, x: Any, state: Any, device: torch.device) -> int:
+        """Device bytes the call holds while it plans: its input and state, and ``.grad``
+        where it is held and counted in the step."""
+        held = (input_nbytes(x) if x.device == device else 0) + device_bytes(state, device)
+        if self.grad_in_step and self.grads_held:
+            held += device_bytes([p.grad for p in model.parameters_for_scan()], device)
+        return held
+
+    def _planning_bytes(self, model: Planned, x: Any, state: Any, budget: int) -> int:
+        """Device bytes a call planning under ``budget`` holds at once, its input and state
+        included, raised until its probes (held under ``budget``, so they measure more as it
+        grows) fit it (at most `PLANNING_ROUNDS` rounds): the smallest budget a refusal
+        names is one whose first call keeps it, probes and all."""
+        device = compute_device(model, x)
+        held = self._held_bytes(model, x, state, device)
+        T, batch = int(x.shape[0]), int(x.shape[1])
+        saved = self.budget_bytes, self.broadcast, self.probes
+        try:
+            for _ in range(PLANNING_ROUNDS):
+                self.budget_bytes, self.broadcast = budget, None  # this rank's probes alone
+                with MemoryMeter(device) as meter:
+                    self._measure(model, x, state, T, batch)
+                if held + meter.peak_bytes <= budget:
+                    break
+                budget = held + meter.peak_bytes
+        finally:
+            self.budget_bytes, self.broadcast, self.probes = saved
+        return budget
 
     def state_dict(self) -> dict[str, Any]:
         """Budget and chosen plans per shape, as plain dicts, lists and numbers (loadable with

@@ -125,12 +125,15 @@ def layerwise_candidate(
         sizes,
         device=device,
         storage=model.storage,
+        directory=getattr(model, "directory", None),
         readout=model.readout,
         output=model.output,
         stored_on_device=host_is_device(model.storage, device.type),
         fuse=fuse,
         max_bytes=max_bytes,
     )
+    if max_bytes is not None and working.probe_bytes > max_bytes:
+        return Layered(blocks, sizes, working, None)  # not run: the planner refuses it
     allowed = layerwise_probe_chunks(int(x.shape[0]), sizes, max_bytes)  # held like the probe
     seconds = layerwise_seconds(
         blocks,
@@ -138,10 +141,12 @@ def layerwise_candidate(
         lambda x_t: model.block_states(model.initial_state(x_t)),
         device=device,
         storage=model.storage,
+        directory=getattr(model, "directory", None),
         readout=model.readout,
         output=model.output,
         fuse=fuse,
-        chunks=(allowed[0], allowed[-1]),
+        # the lengths the working-set probe ran (held under ``max_bytes``), no longer
+        chunks=(allowed[0], max(allowed[0], min(allowed[-1], working.points[-1][0]))),
     )
     return Layered(blocks, sizes, working, seconds)
 
@@ -213,21 +218,23 @@ def smallest_probed_layerwise(
 
     ``working`` was measured at every chunk length; a probe held under a budget measures the
     shorter ones only (`layerwise_probe_chunks`), and fewer
-    lengths can model more at some chunks. ``beside``: the step's other bytes (input,
-    outputs); ``unprobed``: what the probe may not use (the input on the device). Raised
-    until the lengths that fit the named budget model no more than it (the lengths only
-    grow, so this ends)."""
+    lengths can model more at some chunks; its first run needs ``working.probe_bytes``
+    of room. ``beside``: the step's other bytes (input, outputs); ``unprobed``: what the
+    probe may not use (what the call holds while it plans: its input on the device and its
+    state). Raised until the lengths that fit the named budget model no more than it (the
+    lengths only grow, so this ends)."""
 
     def least(w: MeasuredWorking) -> int:
         if chunk is not None:
             return layerwise_cost(T, chunk, sizes, remote=remote, working=w).peak_bytes
         return _smallest_layerwise(T, sizes, remote=remote, working=w)
 
-    need = least(working)
+    first = working.probe_bytes + unprobed - beside  # the probe's first run fits
+    need = max(least(working), first)
     while True:
         room = max(beside + need - unprobed, 0)
         probed = working.prefix(len(layerwise_probe_chunks(T, sizes, room)))
-        again = least(probed)
+        again = max(least(probed), first)
         if again <= need:
             return need
         need = again

@@ -15,6 +15,7 @@ state is cleaned up.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -265,6 +266,10 @@ UNTAPED_PROBE_CHUNKS = (8, 16, 32)
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
 
+#: the per-sample bytes of the working-set probe's first run, predicted from one and two
+#: samples, are raised by this ratio (spike trains stored as index lists vary per sample)
+FIRST_RUN_MARGIN = (17, 16)
+
 
 class _ProbeLimit:
     """Which chunk lengths a probe may still run under ``max_bytes``: each one's peak
@@ -278,6 +283,8 @@ class _ProbeLimit:
         self.max_bytes = max_bytes
         self.work = work
         self.peaks: list[tuple[int, int]] = []
+        #: the dense input each recorded run made for itself (bytes)
+        self.inputs: list[int] = []
 
     def allows(self, chunk: int, input_bytes: int) -> bool:
         """Whether a run at ``chunk`` (longer than any measured) with ``input_bytes`` of
@@ -289,9 +296,11 @@ class _ProbeLimit:
         slope = -(-steepest_chord(self.peaks, self.work) * numerator // denominator)
         return last + slope * (chunk - last_chunk) + input_bytes <= self.max_bytes
 
-    def record(self, chunk: int, peak: int) -> None:
-        """A run at ``chunk`` measured ``peak`` bytes (its input not included)."""
+    def record(self, chunk: int, peak: int, input_bytes: int = 0) -> None:
+        """A run at ``chunk`` measured ``peak`` bytes (its initial states included, its
+        ``input_bytes`` of dense input not)."""
         self.peaks.append((chunk, peak))
+        self.inputs.append(input_bytes)
 
 
 def layerwise_chunk_step_bytes(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
@@ -336,6 +345,7 @@ def layerwise_working_bytes(
     stored_on_device: bool,
     max_bytes: int | None = None,
     fuse: bool = True,
+    directory: str | os.PathLike[str] | None = None,
 ) -> MeasuredWorking:
     """Measure a layer-wise training step's working set, for the batch of ``x``, as a
     function of the chunk length ([`MeasuredWorking`][spikeckpt.plans.layerwise.MeasuredWorking]).
@@ -386,10 +396,18 @@ def layerwise_working_bytes(
         output=output,
         remote=not stored_on_device,
         fuse=fuse,
+        directory=directory,
     )
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
+    # the first run's room, from a few samples: a probe held under less runs nothing more
+    probe_bytes, small = _first_run_bytes(run, sizes, batch)
+    if small is not None and max_bytes is not None and probe_bytes > max_bytes:
+        # the whole batch's first run does not fit: what a few samples measured, scaled (an
+        # over-estimate; the planner refuses layer-wise under this room anyway)
+        few = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
+        return MeasuredWorking((few,), layerwise_chunk_step_bytes(sizes), probe_bytes)
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes))
     step, untaped = run(
@@ -399,6 +417,8 @@ def layerwise_working_bytes(
         training=True,
         limit=limit,
     )
+    # what the first run held, when more than predicted (small batches: no prediction)
+    probe_bytes = max(probe_bytes, limit.peaks[0][1] + limit.inputs[0])
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
@@ -415,7 +435,7 @@ def layerwise_working_bytes(
         entries = 0
         if not stored_on_device:
             entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
-        return MeasuredWorking(tuple(points), steepest_chord(points, 0) + entries)
+        return MeasuredWorking(tuple(points), steepest_chord(points, 0) + entries, probe_bytes)
     # taped blocks: the tape's growth, the steepest line of a run on two samples without the
     # parameters' gradients and with an input gradient (every block taped alike: more than it
     # holds); a packed input never takes a gradient: its run tapes as the training step does
@@ -431,7 +451,37 @@ def layerwise_working_bytes(
     return MeasuredWorking(
         tuple(points),
         max(layerwise_chunk_step_bytes(sizes, sparse_first), -(-slope * batch // few)),
+        probe_bytes,
     )
+
+
+def _first_run_bytes(
+    run: Callable[..., tuple[list[tuple[int, int]], bool]],
+    sizes: Sequence[BlockSizes],
+    batch: int,
+) -> tuple[int, MeasuredWorking | None]:
+    """The device bytes the working-set probe's first run (chunk 1, the whole batch) holds,
+    its states and input included, predicted from runs on `PROBE_SAMPLES` and twice as many
+    samples (memory is affine in the batch; the per-sample bytes raised by
+    `FIRST_RUN_MARGIN`), and the larger run's working set. Batches up to twice
+    `PROBE_SAMPLES` are run, not predicted: ``(0, None)``."""
+    if batch <= 2 * PROBE_SAMPLES:
+        return 0, None
+    found: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+    for samples in (PROBE_SAMPLES, 2 * PROBE_SAMPLES):
+        limit = _ProbeLimit(None, 0)
+        points, _ = run(
+            [scaled_sizes(b, samples, batch) for b in sizes],
+            [1],
+            samples=samples,
+            training=True,
+            limit=limit,
+        )
+        found[samples] = (limit.peaks[0][1] + limit.inputs[0], points)
+    (few, _), (more, points) = found[PROBE_SAMPLES], found[2 * PROBE_SAMPLES]
+    numerator, denominator = FIRST_RUN_MARGIN
+    per_sample = -(-max(more - few, 0) * numerator // (denominator * PROBE_SAMPLES))
+    return few + per_sample * (batch - PROBE_SAMPLES), MeasuredWorking(tuple(points), 0)
 
 
 def _longer(
@@ -470,6 +520,7 @@ def layerwise_seconds(
     output: str,
     fuse: bool = True,
     chunks: tuple[int, int] = (4, 16),
+    directory: str | os.PathLike[str] | None = None,
 ) -> tuple[float, float]:
     """Time the training step's layer-wise run: ``(seconds per step, seconds per chunk)``.
 
@@ -491,7 +542,7 @@ def layerwise_seconds(
         states = states_for(chunk_of(x, 0, 1, device)[0].detach())
         start = time.perf_counter()
         ys, _ = layerwise_scan(
-            blocks, inputs, states, chunk=chunk, storage="host" if storage == "disk" else storage,
+            blocks, inputs, states, chunk=chunk, storage=storage, directory=directory,
             readout=readout, output=output, params=params, fuse=fuse,
         )  # fmt: skip
         outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
@@ -521,6 +572,16 @@ def layerwise_seconds(
     return per_step, per_chunk
 
 
+def device_bytes(tree: Any, device: torch.device) -> int:
+    """Bytes of the tensors of ``tree`` on ``device`` (each storage once)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tree_flatten(tree)[0]
+        if isinstance(t, Tensor) and t.device == device
+    }
+    return sum(storages.values())
+
+
 def _first_steps(x: Any, n: int, *, samples: int, device: torch.device) -> Tensor:
     """The first ``n`` steps of the first ``samples`` samples of ``x``, dense ``(n, samples,
     ...)`` on ``device``, a tensor of their own."""
@@ -545,6 +606,7 @@ def _probe_residuals(
     remote: bool,
     limit: _ProbeLimit,
     fuse: bool = True,
+    directory: str | os.PathLike[str] | None = None,
 ) -> tuple[list[tuple[int, int]], bool]:
     """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
     the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks`` that
@@ -579,20 +641,23 @@ def _probe_residuals(
                 if not limit.allows(k, n * step_bytes):
                     break
                 xs = dense(n).requires_grad_(input_grad)
+                states = states_for(xs[0].detach())
                 run = partial(
                     layerwise_scan,
                     blocks,
                     chunk=k,
-                    storage="host" if storage == "disk" else storage,
+                    storage=storage,
+                    directory=directory,
                     readout=readout,
                     output=output,
                     params=params if training else [],
                     fuse=fuse,
                 )
                 wrt = (params if training else []) + ([xs] if input_grad else [])
-                peak, untaped = _run_peak(run, xs, states_for(xs[0].detach()), wrt, device)
-                del xs
-                limit.record(k, peak)
+                held = device_bytes(states, device)  # made outside the run's meter
+                peak, untaped = _run_peak(run, xs, states, wrt, device)
+                del xs, states
+                limit.record(k, peak + held, n * step_bytes)
                 all_untaped = all_untaped and untaped
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
                 residuals.append((k, peak + k * unpacked - (modeled - k * work)))

@@ -134,10 +134,14 @@ class MeasuredWorking:
         base_slope: the least bytes per chunk step past the longest measured length (the
             cost model's ``max_b (A_b + 2 I_b + O_b)`` where blocks are taped, the growth
             measured on longer chunks where they run untaped).
+        probe_bytes: the room the probe's first run (chunk 1, whole batch) needs beside
+            what the call holds (its input and state): predicted from runs on one and two
+            samples, with `EXTRAPOLATION_MARGIN`; a probe held under less measures nothing.
     """
 
     points: tuple[tuple[int, int], ...]
     base_slope: int
+    probe_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -162,7 +166,7 @@ class MeasuredWorking:
 
     def prefix(self, n: int) -> MeasuredWorking:
         """What a probe that measured only the first ``n`` lengths would have found."""
-        return MeasuredWorking(self.points[: max(1, n)], self.base_slope)
+        return MeasuredWorking(self.points[: max(1, n)], self.base_slope, self.probe_bytes)
 
     def __call__(self, chunk: int) -> int:
         first, last = self.points[0], self.points[-1]
@@ -187,7 +191,7 @@ class MeasuredWorking:
             return -(-n * batch // probed)
 
         points = tuple((k, scale(w)) for k, w in self.points)
-        return MeasuredWorking(points, scale(self.base_slope))
+        return MeasuredWorking(points, scale(self.base_slope), scale(self.probe_bytes))
 
 
 @dataclass(frozen=True)
