@@ -406,8 +406,8 @@ def layerwise_working_bytes(
     if small is not None and max_bytes is not None and probe_bytes > max_bytes:
         # the whole batch's first run does not fit: what a few samples measured, scaled (an
         # over-estimate; the planner refuses layer-wise under this room anyway)
-        few = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
-        return MeasuredWorking((few,), layerwise_chunk_step_bytes(sizes), probe_bytes)
+        first = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
+        return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes)
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes))
     step, untaped = run(
