@@ -327,13 +327,17 @@ def test_layerwise_under_cpu_autocast_with_per_neuron_beta_keeps_a_fitting_budge
     assert stats.plan.startswith("layer-wise") and used <= smallest
 
 
-@pytest.mark.parametrize("granularity", ["layer", "auto"])
-def test_the_named_smallest_budget_holds_the_first_call_s_probes(granularity: str) -> None:
+@pytest.mark.parametrize(("granularity", "batch"), [("layer", 4), ("auto", 4), ("layer", 8)])
+def test_the_named_smallest_budget_holds_the_first_call_s_probes(
+    granularity: str, batch: int
+) -> None:
     """A convolution pooled down to a small readout (little weight, a large membrane): at the
     smallest budget its refusal named, layer-wise on the disk tier, the first call held
-    933,972 bytes under 783,460 (the run itself 778,220): the planner's probes counted
-    neither the state the call holds while it plans nor their own chunk of one step. The
-    refusal now names a budget whose first call keeps it, probes included."""
+    933,972 bytes under 783,460 (the run itself 778,220; batch 8: 1,860,964 under
+    1,552,884): the planner's probes counted neither the state the call holds while it
+    plans nor their own chunk of one step. The refusal now names a budget whose first call
+    keeps it, probes included (batch 8: the probe's first run predicted from 2 and 4
+    samples)."""
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(2, 32, 3, padding=1),
@@ -343,7 +347,7 @@ def test_the_named_smallest_budget_holds_the_first_call_s_probes(granularity: st
         nn.Linear(32 * 3 * 3, 4),
         snn.Leaky(beta=0.9),
     )
-    x = _input((30, 4, 2, 12, 12))
+    x = _input((30, batch, 2, 12, 12))
     with pytest.raises(spikeckpt.BudgetTooSmall, match="smallest budget that fits") as info:
         _peak(net, x, 4096, granularity)
     smallest = info.value.minimum_bytes
@@ -352,14 +356,19 @@ def test_the_named_smallest_budget_holds_the_first_call_s_probes(granularity: st
         assert peak <= budget, (budget, peak)
 
 
-def test_gradients_accumulated_from_an_earlier_call_are_counted_and_none_are_not() -> None:
+@pytest.mark.parametrize("granularity", ["layer", "stack"])
+def test_gradients_accumulated_from_an_earlier_call_are_counted_and_none_are_not(
+    granularity: str,
+) -> None:
     """Layer-wise, the running sums of the parameters' gradients are the working set's: with
     ``.grad`` None at the call autograd takes them as ``.grad`` (a small weight's sum, kept
     transposed, is put in the weight's layout first); with ``.grad`` held (gradients
     accumulating) they are added into it, and both are held. Before, ``.grad`` was counted
     beside the sums always, and the held call was still over its budget (its first call
     2,732,178 bytes under 2,451,866): a copy of the transposed sum after the run was counted
-    nowhere."""
+    nowhere. A stack plan's step, too, holds its ``.grad`` beside the rest when it is held
+    (``Revolve(1)`` on a 100-256-10 net: 113,704 bytes more, its ``.grad``; counted once,
+    for both, before: 1.06x its budget)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(512, 512), snn.Leaky(0.9), nn.Linear(512, 10), snn.Leaky(0.9))
     x = _input((30, 4, 512))
@@ -376,7 +385,7 @@ def test_gradients_accumulated_from_an_earlier_call_are_counted_and_none_are_not
         return meter.peak_bytes
 
     def wrapped(budget: int) -> nn.Module:
-        return spikeckpt.wrap(net, budget=budget, granularity="layer", storage="disk")
+        return spikeckpt.wrap(net, budget=budget, granularity=granularity, storage="disk")
 
     smallest = {}
     for held in (False, True):

@@ -82,8 +82,8 @@ class _Measured(NamedTuple):
     costs: CostModel
     sizes: StepSizes
     note: str | None
-    #: device bytes the call holds while it plans (its input and state): the probes' room
-    #: is the budget less these
+    #: device bytes the call holds while it plans (its input and state, ``.grad`` where it
+    #: is held): the probes' room is the budget less these
     held: int = 0
     #: the parameters' ``.grad`` was held when the call began (accumulating gradients)
     grads_held: bool = False
@@ -102,8 +102,7 @@ class _Measured(NamedTuple):
         running sums of the gradients, which become ``.grad`` when it is None (autograd
         takes them as they are) and are added into a ``.grad`` held: both are held then."""
         s = self.sizes
-        grad = s.grads if s.grad_in_step and self.grads_held else 0
-        return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=grad)
+        return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=s.held_grads)
 
 
 class BudgetPlanner:
@@ -227,9 +226,9 @@ class BudgetPlanner:
         held = self.grad_in_step and any(
             p.grad is not None for p in model.parameters_for_scan() if p.requires_grad
         )
-        if choice is not None and held and choice.granularity == "layer":
+        if choice is not None and held and not choice.grads_held:
             # planned with .grad None (the running sums become it): held now, both count
-            missing = missing or choice.step.gradients == 0
+            missing = True
         self.grads_held = held
         if missing or choice is None:
             choice = self._plan(model, x, state, T, batch)
@@ -322,6 +321,7 @@ class BudgetPlanner:
                 stacked=model.readout is None,
                 grad_in_step=self.grad_in_step,
             )
+            sizes = replace(sizes, grads_held=self.grads_held)
             return _Measured(
                 T=T,
                 batch=batch,
@@ -415,6 +415,7 @@ class BudgetPlanner:
             found.cost,
             step=found.step,
             note=m.note,
+            grads_held=m.grads_held,
         )
 
     def _layer_best(
@@ -462,6 +463,7 @@ class BudgetPlanner:
             replace(base, activations=modeled.peak_bytes),
             note=m.note,
             packed_inputs=packed,
+            grads_held=m.grads_held,
         )
 
     def _stack_need(
@@ -512,8 +514,7 @@ class BudgetPlanner:
         need = step.total + smallest
         planning = self._planning_bytes(model, x, state, need)
         note = m.note
-        layer = m.blocks is not None and step is needs[-1][0]
-        if layer and self.grad_in_step and not m.grads_held and m.sizes.grads:
+        if self.grad_in_step and not m.grads_held and m.sizes.grads:
             grads = format_bytes(m.sizes.grads)
             grads = f"a call that begins with `.grad` held (accumulating) needs {grads} more"
             note = f"{note}; {grads}" if note else grads

@@ -77,6 +77,8 @@ class PlanChoice:
         packed_inputs: layer-wise: the blocks (by position) whose input spike train was
             counted bit-packed (its neuron's output was exactly 0/1 when measured); a run
             that stores one of them dense makes the planner plan again.
+        grads_held: planned for a call that began with ``.grad`` held (counted beside the
+            step's own sums); a plan made without it is made again for such a call.
     """
 
     plan: Plan
@@ -90,6 +92,7 @@ class PlanChoice:
     step: StepBytes = StepBytes()
     note: str | None = None
     packed_inputs: tuple[int, ...] = ()
+    grads_held: bool = False
 
     @property
     def modeled_peak_bytes(self) -> int:
@@ -174,6 +177,7 @@ def choice_to_dict(choice: PlanChoice) -> dict[str, Any]:
         "step": asdict(choice.step),
         "note": choice.note,
         "packed_inputs": list(choice.packed_inputs),
+        "grads_held": choice.grads_held,
     }
 
 
@@ -193,4 +197,5 @@ def choice_from_dict(item: dict[str, Any]) -> PlanChoice:
         step=StepBytes(**item.get("step", {})),
         note=item.get("note"),
         packed_inputs=tuple(item.get("packed_inputs", ())),
+        grads_held=bool(item.get("grads_held", False)),
     )

@@ -266,8 +266,9 @@ UNTAPED_PROBE_CHUNKS = (8, 16, 32)
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
 
-#: the per-sample bytes of the working-set probe's first run, predicted from one and two
-#: samples, are raised by this ratio (spike trains stored as index lists vary per sample)
+#: the per-sample bytes of the working-set probe's first run, predicted from runs on
+#: `PROBE_SAMPLES` and twice as many samples, are raised by this ratio (spike trains stored
+#: as index lists vary per sample)
 FIRST_RUN_MARGIN = (17, 16)
 
 
@@ -377,12 +378,16 @@ def layerwise_working_bytes(
         states_for: ``x_t (B, ...) -> one initial state per block`` at ``x_t``'s batch.
         sizes: [`block_sizes`][spikeckpt.planning.probe.block_sizes] at the batch of ``x``.
         device: the compute device (``MemoryMeter`` measures it).
-        storage: the tier the run stores its trains in (``"disk"`` is probed as ``"host"``).
+        storage: the tier the run stores its trains in (``"disk"`` writes its files in
+            ``directory``, as the run does).
         readout, output: the run's readout and output.
         stored_on_device: whether the stored trains are device memory (the device tier, or
             the host tier on a CPU run).
-        max_bytes: device bytes the probe may hold (None: no limit).
+        max_bytes: device bytes the probe may hold (None: no limit); its first run (chunk
+            1, the whole batch) is predicted (`MeasuredWorking.probe_bytes`) and, where it
+            does not fit, not made: the result then holds that one prediction.
         fuse: whether the run fuses the neurons that have a chunk kernel (as the probe does).
+        directory: folder for the disk tier's temporary folder.
     """
     T, batch = int(x.shape[0]), int(x.shape[1])
     run = partial(
