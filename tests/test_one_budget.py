@@ -137,13 +137,13 @@ def _wide_x() -> torch.Tensor:
 
 def _metered_held(seq: sc.CheckpointedSequence, x: torch.Tensor, held: bool) -> int:
     """One step's peak; ``held``: every ``.grad`` held (zeros) from before the step, as when
-    gradients accumulate (the meter counts what the step allocates)."""
+    gradients accumulate (counted: the budget covers it)."""
     if not held:
         return _metered(lambda: seq(x), seq.module, x)[1]
     for p in seq.module.parameters():
         p.grad = torch.zeros_like(p)
     with MemoryMeter() as meter:
-        meter.track([x])
+        meter.track([x, *(p.grad for p in seq.module.parameters())])
         (seq(x) * torch.arange(1, 513)).sum().backward()
     return meter.peak_bytes
 
@@ -153,8 +153,11 @@ def test_bptt_given_with_a_budget_keeps_it_on_a_weight_bound_step(held: bool) ->
     """One backward call sums each parameter's gradient over the steps in autograd's own
     buffer beside one new gradient and its out-of-place sum (a Linear's weight gradient
     arrives transposed): three weights at once, where the account counted two (before: 2.28
-    MiB named and accepted, the step took 3.25 MiB)."""
+    MiB named and accepted, the step took 3.25 MiB). With ``.grad`` held it is counted too:
+    the budget named for it is the larger."""
     net, x = _wide(), _wide_x()
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p) if held else None
     with pytest.raises(sc.BudgetTooSmall, match=r"BPTT\(\) cannot keep") as info:
         sc.wrap(net, plan=sc.plans.BPTT(), budget="1KiB")(x)
     keeps = info.value.minimum_bytes
@@ -417,6 +420,7 @@ def test_a_call_says_how_long_it_spent_choosing_its_plan() -> None:
     seq = sc.wrap(_net(), plan="auto", budget="8MiB")
     seconds = []
     for x in (_x(), _x(), _x()[:40]):
+        seq.zero_grad()  # a `.grad` held from before would be planned for again, once
         seq(x).sum().backward()
         seconds.append(seq.last_stats.planning_seconds)
     first, reused, new_length = seconds

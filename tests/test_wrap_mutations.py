@@ -201,6 +201,7 @@ def norse_stack() -> nn.Sequential:
 
 
 def _plan_of(seq: sc.CheckpointedSequence, x: Tensor) -> str:
+    seq.zero_grad()  # a training step's: a `.grad` held from before counts in the step
     seq(x).sum().backward()
     assert seq.last_stats is not None
     return str(seq.last_stats.plan)

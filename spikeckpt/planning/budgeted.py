@@ -514,9 +514,14 @@ class BudgetPlanner:
         need = step.total + smallest
         planning = self._planning_bytes(model, x, state, need)
         note = m.note
-        if self.grad_in_step and not m.grads_held and m.sizes.grads:
+        if self.grad_in_step and m.sizes.grads:
             grads = format_bytes(m.sizes.grads)
-            grads = f"a call that begins with `.grad` held (accumulating) needs {grads} more"
+            grads = (
+                f"`.grad` is held from an earlier call (gradients accumulating; "
+                f"`optimizer.zero_grad()` frees it): its {grads} count beside the step's own"
+                if m.grads_held
+                else f"a call that begins with `.grad` held (accumulating) needs {grads} more"
+            )
             note = f"{note}; {grads}" if note else grads
         if planning > need:  # the first call's probes hold more than its step
             smallest += planning - need
