@@ -180,6 +180,8 @@ class BudgetPlanner:
         self.last: PlanChoice | None = None
         #: whether the call being planned began with the parameters' ``.grad`` held
         self.grads_held = False
+        #: `_planning_bytes` runs one rank's probes alone, as a distributed call runs them
+        self._ranked = False
         #: blocks (by name) whose input train a run stored dense where a plan counted it
         #: bit-packed (a graded neuron below, found only once it fired): counted dense since
         self.graded: set[str] = set()
@@ -348,6 +350,7 @@ class BudgetPlanner:
             stack_fits = (
                 model.granularity == "auto"
                 and self.broadcast is None  # ranks would decide apart
+                and not self._ranked
                 and self._stack_choice(measured(probe, None, None, None)) is not None
             )
             layered = layerwise_candidate(
@@ -557,6 +560,7 @@ class BudgetPlanner:
         held = self._held_bytes(model, x, state, device)
         T, batch = int(x.shape[0]), int(x.shape[1])
         saved = self.budget_bytes, self.broadcast, self.probes
+        self._ranked = self.broadcast is not None
         try:
             for _ in range(PLANNING_ROUNDS):
                 self.budget_bytes, self.broadcast = budget, None  # this rank's probes alone
@@ -567,6 +571,7 @@ class BudgetPlanner:
                 budget = held + meter.peak_bytes
         finally:
             self.budget_bytes, self.broadcast, self.probes = saved
+            self._ranked = False
         return budget
 
     def state_dict(self) -> dict[str, Any]:
