@@ -180,8 +180,6 @@ class BudgetPlanner:
         self.last: PlanChoice | None = None
         #: whether the call being planned began with the parameters' ``.grad`` held
         self.grads_held = False
-        #: `_planning_bytes` runs one rank's probes alone, as a distributed call runs them
-        self._ranked = False
         #: blocks (by name) whose input train a run stored dense where a plan counted it
         #: bit-packed (a graded neuron below, found only once it fired): counted dense since
         self.graded: set[str] = set()
@@ -299,9 +297,12 @@ class BudgetPlanner:
             return stack
         self._refuse_all(model, x, state, m)
 
-    def _measure(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> _Measured:
+    def _measure(
+        self, model: Planned, x: Any, state: Any, T: int, batch: int, *, share: bool = True
+    ) -> _Measured:
         """Probe the model (and its layer-wise blocks when they may run), held under the
-        budget, agreed across ranks, scaled to ``batch``."""
+        budget, agreed across ranks (``share``; else this rank's alone, measured as a
+        distributed call measures them), scaled to ``batch``."""
         device = compute_device(model, x)
         on_device = host_is_device(model.storage, device.type)
         x_bytes = input_nbytes(x) if x.device == device else 0
@@ -350,7 +351,6 @@ class BudgetPlanner:
             stack_fits = (
                 model.granularity == "auto"
                 and self.broadcast is None  # ranks would decide apart
-                and not self._ranked
                 and self._stack_choice(measured(probe, None, None, None)) is not None
             )
             layered = layerwise_candidate(
@@ -367,7 +367,7 @@ class BudgetPlanner:
         # layer-wise: the measured working set holds the running sums of the gradients
         working = layered.working if layered is not None else None
         seconds = layered.seconds if layered is not None else None
-        if self.broadcast is not None:
+        if share and self.broadcast is not None:
             probe, blocks, working = self.broadcast((probe, blocks, working))
         return measured(probe, blocks, working, seconds)
 
@@ -559,19 +559,17 @@ class BudgetPlanner:
         device = compute_device(model, x)
         held = self._held_bytes(model, x, state, device)
         T, batch = int(x.shape[0]), int(x.shape[1])
-        saved = self.budget_bytes, self.broadcast, self.probes
-        self._ranked = self.broadcast is not None
+        saved = self.budget_bytes, self.probes
         try:
             for _ in range(PLANNING_ROUNDS):
-                self.budget_bytes, self.broadcast = budget, None  # this rank's probes alone
+                self.budget_bytes = budget
                 with MemoryMeter(device) as meter:
-                    self._measure(model, x, state, T, batch)
+                    self._measure(model, x, state, T, batch, share=False)  # no collective
                 if held + meter.peak_bytes <= budget:
                     break
                 budget = held + meter.peak_bytes
         finally:
-            self.budget_bytes, self.broadcast, self.probes = saved
-            self._ranked = False
+            self.budget_bytes, self.probes = saved
         return budget
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,8 +13,10 @@ benchmarks): the peak device memory of the training step the call runs. What a s
   parameters' gradients over segments (a segment's own gradients beside the running sum, one
   parameter's new sum, and the state's gradient carried from segment to segment); under
   ``BPTT()`` autograd's sums over the steps, which become ``.grad``, beside one parameter's new
-  gradient and its sum (no ``.grad`` beside them: they become it); layer-wise the ``.grad``
-  beside its measured working set, which holds the running sums;
+  gradient and its sum (no ``.grad`` beside them: they become it); layer-wise no more than
+  its measured working set, which holds the running sums that become ``.grad``; and, in
+  every case, a ``.grad`` held from before the step (gradients accumulating), beside the
+  step's own sums;
 - ``activations``: the plan's modeled peak (checkpoints kept on the device, or on the host when
   the host is the device as on a CPU-only run, tapes, states) and one step's working memory.
 

@@ -135,8 +135,9 @@ class MeasuredWorking:
             cost model's ``max_b (A_b + 2 I_b + O_b)`` where blocks are taped, the growth
             measured on longer chunks where they run untaped).
         probe_bytes: the room the probe's first run (chunk 1, whole batch) needs beside
-            what the call holds (its input and state): predicted from runs on one and two
-            samples, with `EXTRAPOLATION_MARGIN`; a probe held under less measures nothing.
+            what the call holds (its input, its state, a held ``.grad``): predicted from
+            runs on fewer samples (with a margin), or the run's own bytes, whichever is
+            more; a probe held under less runs nothing more (0: not known).
     """
 
     points: tuple[tuple[int, int], ...]
