@@ -51,7 +51,9 @@ from spikeckpt.plans.account import (
     StepSizes,
     check_step,
     choose_step,
+    grads_note,
     host_is_device,
+    join_notes,
     tier_note,
 )
 from spikeckpt.plans.intervals import fill, needs_intervals
@@ -468,6 +470,7 @@ def _schedule(
         options.pack_tape,
         options.apart,
         plan_key(step, tree_flatten(state)[0], in_leaves, param_list),
+        _grads_held(param_list),  # a held .grad counts beside the step's own sums
     )
     found, account = planned(
         key, lambda: _measured_plan(step, state, timed, param_list, options, device)
@@ -490,6 +493,9 @@ def _measured_plan(
     storage, plan = options.storage, options.plan
     total = parse_bytes(options.budget) if options.budget is not None else None
     x_bytes = sum(input_nbytes(leaf) for leaf in in_leaves if leaf.device == device)
+    held = _grads_held(param_list)
+    # what the call holds while the probe runs: its input on the device and a held .grad
+    held_bytes = x_bytes + leaf_bytes([p.grad for p in param_list])
     probe = probe_step(
         step,
         state,
@@ -500,11 +506,12 @@ def _measured_plan(
         device=device,
         directory=options.directory,
         pack=options.pack_tape,
-        max_bytes=max(total - x_bytes, 0) if total is not None else None,
+        max_bytes=max(total - held_bytes, 0) if total is not None else None,
         # input slices on the device are views of the inputs: no memory of the tape's
         exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
     )
     sizes = probe.sizes(param_list, input_bytes=x_bytes, stacked=options.readout is None)
+    sizes = replace(sizes, grads_held=held)
     on_device = host_is_device(storage, device.type)
     costs = probe.costs()
     if isinstance(plan, str) or needs_intervals(plan):
@@ -514,7 +521,9 @@ def _measured_plan(
         if total is None:
             return plan, None
     assert total is not None
-    note = tier_note(storage, device.type)
+    note = join_notes(
+        tier_note(storage, device.type), grads_note(sizes.grads, held) if sizes.grads else None
+    )
 
     def account(sizes: StepSizes) -> StepChoice:
         if isinstance(plan, str):
@@ -534,6 +543,12 @@ def _measured_plan(
         work = work_bytes(step, state, x0, param_list, sizes.tape, device)
         choice = account(replace(sizes, work=max(work, sizes.work)))
     return choice.plan, choice.step
+
+
+def _grads_held(params: Sequence[Tensor]) -> bool:
+    """Whether the call begins with a ``.grad`` held on one of ``params`` (gradients
+    accumulating over calls): the step's own sums are added into it, and both are held."""
+    return any(p.grad is not None for p in params if p.requires_grad)
 
 
 def _after_first_step(

@@ -51,7 +51,9 @@ from spikeckpt.plans.account import (
     StepSizes,
     check_step,
     choose_step,
+    grads_note,
     host_is_device,
+    join_notes,
     refusal,
     tier_note,
 )
@@ -518,14 +520,7 @@ class BudgetPlanner:
         planning = self._planning_bytes(model, x, state, need)
         note = m.note
         if self.grad_in_step and m.sizes.grads:
-            grads = format_bytes(m.sizes.grads)
-            grads = (
-                f"`.grad` is held from an earlier call (gradients accumulating; "
-                f"`optimizer.zero_grad()` frees it): its {grads} count beside the step's own"
-                if m.grads_held
-                else f"a call that begins with `.grad` held (accumulating) needs {grads} more"
-            )
-            note = f"{note}; {grads}" if note else grads
+            note = join_notes(note, grads_note(m.sizes.grads, m.grads_held))
         if planning > need:  # the first call's probes hold more than its step
             smallest += planning - need
             need = planning

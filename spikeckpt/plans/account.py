@@ -173,6 +173,24 @@ def host_is_device(storage: str, device_type: str) -> bool:
     return storage == "device" or (storage == "host" and device_type == "cpu")
 
 
+def grads_note(grads: int, held: bool) -> str:
+    """A refusal's words on ``.grad`` (``grads`` bytes) where the step counts it: held from an
+    earlier call (counted beside the step's own sums), or what holding it would add."""
+    size = format_bytes(grads)
+    if held:
+        return (
+            "`.grad` is held from an earlier call (gradients accumulating; "
+            f"`optimizer.zero_grad()` frees it): its {size} count beside the step's own"
+        )
+    return f"a call that begins with `.grad` held (accumulating) needs {size} more"
+
+
+def join_notes(*notes: str | None) -> str | None:
+    """The notes given, joined with ``"; "`` (None when there are none)."""
+    given = [note for note in notes if note]
+    return "; ".join(given) if given else None
+
+
 def tier_note(storage: str, device_type: str) -> str | None:
     """On a CPU run, which memory the ``storage`` tier is, in words (None on a GPU)."""
     if device_type != "cpu":
