@@ -103,6 +103,42 @@ def test_generic_uses_initial_state_method() -> None:
     torch.testing.assert_close(adapter.init_state(torch.zeros(2, 3)), torch.ones(2, 3))
 
 
+def test_several_states_defaulting_to_none_are_refused_with_the_way_to_write_them() -> None:
+    """``forward(x, mem1=None, mem2=None) -> (spk, mem1, mem2)`` (arguments defaulting to None
+    count as one state): the refusal said it takes 1 state, and nothing more; it names the
+    required form, which wraps."""
+
+    class TwoStates(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+
+        def forward(self, x: Tensor, mem1: Any = None, mem2: Any = None) -> Any:
+            mem1 = torch.zeros(x.shape[0], 4) if mem1 is None else mem1
+            mem2 = torch.zeros(x.shape[0], 4) if mem2 is None else mem2
+            mem1 = 0.9 * mem1 + self.fc(x)
+            mem2 = 0.8 * mem2 + mem1
+            return torch.tanh(mem2), mem1, mem2
+
+    x = torch.randn(5, 2, 3)
+    with pytest.raises(
+        sc.UnsupportedLayerError, match=r"make them required: forward\(x, mem1, mem2\)"
+    ):
+        sc.wrap(TwoStates())(x)
+
+    class Required(TwoStates):
+        def forward(self, x: Tensor, mem1: Tensor, mem2: Tensor) -> Any:  # type: ignore[override]
+            return super().forward(x, mem1, mem2)
+
+    model = Required()
+    mem1 = mem2 = torch.zeros(2, 4)
+    ys = []
+    for x_t in x:
+        y, mem1, mem2 = model(x_t, mem1, mem2)
+        ys.append(y)
+    torch.testing.assert_close(sc.wrap(model)(x)[0], torch.stack(ys))
+
+
 def test_stateless_layers() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(

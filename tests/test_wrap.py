@@ -179,7 +179,8 @@ def test_measuring_steps_leave_batchnorm_running_statistics_alone(granularity: s
     for t in range(12):  # the plain loop: one running-statistics update per step
         h = loop[1](loop[0](x[t]))
         _, mems[0] = loop[2](h, loop[2].init_leaky() if mems[0] is None else mems[0])
-    seq = sc.wrap(net, plan="auto", budget="64KiB", granularity=granularity)
+    # exact: layer-wise, the Linear step by step, as the loop runs it (bitwise statistics)
+    seq = sc.wrap(net, plan="auto", budget="64KiB", granularity=granularity, exact=True)
     seq(x).sum().backward()
     assert int(net[1].num_batches_tracked) == int(loop[1].num_batches_tracked) == 12
     torch.testing.assert_close(net[1].running_mean, loop[1].running_mean, rtol=0, atol=0)
@@ -205,3 +206,15 @@ def test_a_static_input_without_time_is_refused_with_the_expand_fix() -> None:
         loop = loop + spk2
     assert torch.equal(counts, loop)
     assert seq(img[:, None]).shape == (1, 3)  # a sequence of one sample, as the message says
+
+
+def test_a_spike_input_that_requires_grad_plans_without_torch_warnings() -> None:
+    """The planner reads a binary input's density: from a detached view (it warned
+    "Converting a tensor with requires_grad=True to a scalar" at every first call)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(10, 16), snn.Leaky(beta=0.9), nn.Linear(16, 4), snn.Leaky(0.9))
+    x = (torch.rand(12, 3, 10) < 0.3).float().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sc.wrap(net, granularity="auto")(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

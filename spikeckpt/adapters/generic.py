@@ -317,6 +317,25 @@ def state_arity(module: nn.Module) -> int:
     return 0
 
 
+def _optional_states_hint(module: nn.Module, out: Any) -> str:
+    """For a forward whose states all default to None (``forward(x, mem1=None, mem2=None)``,
+    counted as one state, ``forward(x, state=None)``) returning more: how to say it takes
+    several."""
+    found = _positional(module.forward)
+    if found is None or not isinstance(out, tuple) or len(out) < 3:
+        return ""
+    optional = [p.name for p in found[0][1:] if p.default is None]
+    if len(optional) < len(out) - 1:
+        return ""
+    names = optional[: len(out) - 1]
+    return (
+        f". Arguments after the input that default to None count as one state (forward(x, "
+        f"state=None)); for {len(names)} states make them required: forward(x, "
+        f"{', '.join(names)}): each starts at zeros (shapes learnt from one call), or as "
+        "an initial_state(x_t) method returns them"
+    )
+
+
 def _zeros_like_tree(tree: Any) -> Any:
     return tree_map(lambda t: torch.zeros_like(t) if isinstance(t, Tensor) else t, tree)
 
@@ -366,7 +385,7 @@ class StatefulAdapter(LayerAdapter):
                 self.path,
                 f"its forward takes {self.n_state} state argument(s) after the input, so it "
                 f"must return (y, {args}); it returned {got}. A stateless layer takes the input "
-                "alone: forward(x)",
+                f"alone: forward(x){_optional_states_hint(m, out)}",
             )
         if self.n_state == 1:
             return out[1], out[0]

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from spikeckpt.adapters.affine import LinearChunk, SparseLimit, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
-from spikeckpt.adapters.protocol import LayerAdapter, no_hooks
+from spikeckpt.adapters.protocol import LayerAdapter, backward_hooked, no_hooks
 from spikeckpt.adapters.recurrent_kernel import NorseCellKernel
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
@@ -60,9 +60,14 @@ __all__ = ["layer_blocks", "with_current_modes"]
 
 
 def _batched_inner(layer: LayerAdapter) -> LayerAdapter | None:
-    """The stateless adapter to apply to a whole ``(k * B, ...)`` chunk, or None (per step)."""
+    """The stateless adapter to apply to a whole ``(k * B, ...)`` chunk, or None (per step:
+    a module with a backward hook sees each step's gradients, as the loop's call hands them)."""
     inner = layer.inner if isinstance(layer, TimeLiftedAdapter) else layer
-    if type(inner) is StatelessAdapter and isinstance(inner.module, PER_SAMPLE_TYPES):
+    if (
+        type(inner) is StatelessAdapter
+        and isinstance(inner.module, PER_SAMPLE_TYPES)
+        and not backward_hooked(inner.module)
+    ):
         return inner
     return None
 

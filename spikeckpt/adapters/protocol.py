@@ -31,6 +31,7 @@ __all__ = [
     "Registration",
     "State",
     "attribute_tensors",
+    "backward_hooked",
     "describe",
     "no_hooks",
     "plain_container",
@@ -194,8 +195,8 @@ def unsupported(module: nn.Module, path: str, reason: str) -> UnsupportedLayerEr
 
 
 def no_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs its ``forward`` and nothing else (no forward hook of
-    its own or a global one)."""
+    """Whether calling ``module`` runs its ``forward`` and nothing else: no forward hook and
+    no backward hook (`backward_hooked`) of its own or a global one."""
     from torch.nn.modules import module as torch_module
 
     return not (
@@ -203,6 +204,25 @@ def no_hooks(module: nn.Module) -> bool:
         or module._forward_pre_hooks
         or getattr(torch_module, "_global_forward_hooks", None)
         or getattr(torch_module, "_global_forward_pre_hooks", None)
+        or backward_hooked(module)
+    )
+
+
+def backward_hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has a backward hook (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``, the old ``register_backward_hook``) of its own or a
+    global one (``nn.modules.module.register_module_full_backward_hook``, ...). Such a hook
+    sees each call's gradients as autograd hands them through the module's call, so a module
+    with one is called step by step and taped, as the plain loop calls it: a chunk's batched
+    call would hand it another shape (a hook normalising ``grad_output`` would scale
+    otherwise), and a fused or untaped backward would skip it."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        module._backward_hooks
+        or module._backward_pre_hooks
+        or getattr(torch_module, "_global_backward_hooks", None)
+        or getattr(torch_module, "_global_backward_pre_hooks", None)
     )
 
 

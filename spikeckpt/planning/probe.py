@@ -133,7 +133,7 @@ def probe_model(
         seq.cleanup()
     density = None
     if x_t.is_floating_point() and x_t.numel() and (is_packed(x) or is_binary(x_t)):
-        density = float(x_t.mean())
+        density = float(x_t.detach().mean())
     return replace(probe, input_density=density)
 
 
