@@ -198,3 +198,17 @@ def test_a_hooked_synapse_runs_step_by_step_and_the_rest_stays_fused() -> None:
     blocks = seq.last_stats.blocks
     assert blocks[0].untaped_chunks > 0 and blocks[1].untaped_chunks == 0, blocks
     assert len(calls) == T
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer", "auto"])
+def test_the_planner_s_probes_leave_tensor_hooks_alone(granularity: str) -> None:
+    """``plan="auto"`` with a budget probes (and times) short runs on each new input shape,
+    again when ``.grad`` is held: their gradients are not the user's, and a hook logging
+    gradient norms ran on each (74 calls in a call of this net's stack plan, 11 layer-wise)."""
+    net, calls = _net(), []
+    net[0].weight.register_hook(lambda g: calls.append(tuple(g.shape)))
+    seq = sc.wrap(net, plan="auto", budget="64KiB", storage="disk", granularity=granularity)
+    x = (torch.rand(40, 3, 12, generator=torch.Generator().manual_seed(1)) < 0.3).float()
+    for held in (False, True):  # planned with .grad None, then again with it held
+        seq(x).sum().backward()
+        assert calls == [(16, 12)] * (1 + held)

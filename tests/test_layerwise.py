@@ -21,7 +21,7 @@ from spikeckpt.adapters.sequential import split_blocks
 from spikeckpt.engine.layerwise import layerwise_scan
 from spikeckpt.engine.stats import LayerwiseStats
 from spikeckpt.errors import BudgetTooSmall, UnsupportedLayerError
-from spikeckpt.planning import block_sizes
+from spikeckpt.planning import block_sizes, budgeted
 from spikeckpt.planning.granularity import chunk_for
 from spikeckpt.plans import BPTT, Double, Revolve, Uniform
 from spikeckpt.plans.layerwise import layerwise_cost
@@ -289,10 +289,15 @@ def _three_blocks() -> nn.Sequential:
     return net
 
 
-def test_auto_picks_layer_wise_within_the_stack_plans_memory_for_spikes_and_currents() -> None:
+def test_auto_picks_layer_wise_within_the_stack_plans_memory_for_spikes_and_currents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Without a budget the stack plan is the CPU default, Uniform(ceil(sqrt(T))) = Uniform(15);
     # layer-wise runs when its modeled step fits that plan's and its measured time is not
-    # slower: the largest such chunk, in about the stack plan's memory
+    # slower: the largest such chunk, in about the stack plan's memory. The memory is what is
+    # tested: the times are let through (on a loaded machine the two measured times crossed
+    # in 5 of 16 runs, and the stack ran)
+    monkeypatch.setattr(budgeted, "LAYERWISE_TIME_TOLERANCE", 1e9)
     net = _three_blocks()
     x = spikes(200, 8, 100, 0.1)
     seq, stack = sc.wrap(net, granularity="auto"), sc.wrap(net, plan=Uniform(15))

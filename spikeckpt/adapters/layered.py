@@ -51,7 +51,7 @@ from spikeckpt.adapters.protocol import LayerAdapter, backward_hooked, no_hooks
 from spikeckpt.adapters.recurrent_kernel import NorseCellKernel
 from spikeckpt.adapters.sequential import Block
 from spikeckpt.engine.fused import ChunkKernel, run_fused
-from spikeckpt.engine.grad import GradSink
+from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
@@ -242,7 +242,10 @@ def _kernel_matches_step(
                 outs = [ys, *pytree.tree_leaves(state), *([] if mems is None else [mems])]
                 taped = [o for o in outs if o.requires_grad]
                 weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in taped]
-                grads = torch.autograd.grad(taped, [x, *start, *params], weights, allow_unused=True)
+                with tensor_hooks_held(params):  # a check's gradients, not yours
+                    grads = torch.autograd.grad(
+                        taped, [x, *start, *params], weights, allow_unused=True
+                    )
                 results.append(([o.detach() for o in outs], grads))
     except Exception:  # noqa: BLE001 - anything unexpected: keep the per-step call
         return False

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.kernels import is_unit
 from spikeckpt.adapters.protocol import State, no_hooks
+from spikeckpt.engine.grad import tensor_hooks_held
 
 __all__ = ["Step", "fast_step", "same_results"]
 
@@ -317,9 +318,10 @@ def same_results(slow: Step, fast: Step, adapter: Checked) -> bool:
                 # e.g. surrogate_disable=True: spikes without grad (which the slow step's match)
                 tracked = [o for o in outs if o.requires_grad]
                 weights = [torch.linspace(-1, 1, o.numel()).to(o).reshape(o.shape) for o in tracked]
-                grads = torch.autograd.grad(
-                    tracked, [x, *state, *params], weights, allow_unused=True
-                )
+                with tensor_hooks_held(params):  # a check's gradients, not yours
+                    grads = torch.autograd.grad(
+                        tracked, [x, *state, *params], weights, allow_unused=True
+                    )
                 flags = torch.tensor([o.requires_grad for o in outs])
                 results.append([*(o.detach() for o in outs), flags, *grads])
                 adapter.cleanup()

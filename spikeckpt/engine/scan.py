@@ -27,6 +27,7 @@ from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import changes_dtype, first_step
 from spikeckpt.engine.function import SECOND_BACKWARD, Job, refuse_func_transforms, run_job
+from spikeckpt.engine.grad import tensor_hooks_held
 from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.measure import probe_step, work_bytes
 from spikeckpt.engine.outer_compile import eager_under_compile
@@ -496,20 +497,21 @@ def _measured_plan(
     held = _grads_held(param_list)
     # what the call holds while the probe runs: its input on the device and a held .grad
     held_bytes = x_bytes + leaf_bytes([p.grad for p in param_list])
-    probe = probe_step(
-        step,
-        state,
-        lambda t: in_def.unflatten([step_of(leaf, t, device) for leaf in in_leaves]),
-        T,
-        param_list,
-        storage=storage,
-        device=device,
-        directory=options.directory,
-        pack=options.pack_tape,
-        max_bytes=max(total - held_bytes, 0) if total is not None else None,
-        # input slices on the device are views of the inputs: no memory of the tape's
-        exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
-    )
+    with tensor_hooks_held(param_list):  # the probe's gradients are not yours
+        probe = probe_step(
+            step,
+            state,
+            lambda t: in_def.unflatten([step_of(leaf, t, device) for leaf in in_leaves]),
+            T,
+            param_list,
+            storage=storage,
+            device=device,
+            directory=options.directory,
+            pack=options.pack_tape,
+            max_bytes=max(total - held_bytes, 0) if total is not None else None,
+            # input slices on the device are views of the inputs: no memory of the tape's
+            exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
+        )
     sizes = probe.sizes(param_list, input_bytes=x_bytes, stacked=options.readout is None)
     sizes = replace(sizes, grads_held=held)
     on_device = host_is_device(storage, device.type)
@@ -540,7 +542,8 @@ def _measured_plan(
         # the probe, held under this budget, measured the step's work without the parameters'
         # gradients: measure it with them, so the budget the refusal names works
         x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
-        work = work_bytes(step, state, x0, param_list, sizes.tape, device)
+        with tensor_hooks_held(param_list):
+            work = work_bytes(step, state, x0, param_list, sizes.tape, device)
         choice = account(replace(sizes, work=max(work, sizes.work)))
     return choice.plan, choice.step
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from spikeckpt import plans
 from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.grad import tensor_hooks_held
 from spikeckpt.engine.inputs import input_nbytes
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import BudgetTooSmall
@@ -233,7 +234,8 @@ class BudgetPlanner:
             missing = True
         self.grads_held = held
         if missing or choice is None:
-            choice = self._plan(model, x, state, T, batch)
+            with tensor_hooks_held(model.parameters_for_scan()):  # the probes' are not yours
+                choice = self._plan(model, x, state, T, batch)
             self.choices[key] = choice
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
@@ -273,7 +275,8 @@ class BudgetPlanner:
         is at most `LAYERWISE_TIME_TOLERANCE` above the plan's (calibrated by the measured
         step); None: the stack plan runs."""
         T, batch = int(x.shape[0]), int(x.shape[1])
-        m = self._measure(model, x, state, T, batch)
+        with tensor_hooks_held(model.parameters_for_scan()):  # the probes' are not yours
+            m = self._measure(model, x, state, T, batch)
         stack = self._stack_choice(m)
         if stack is None or m.blocks is None:
             return None
