@@ -212,3 +212,32 @@ def test_the_planner_s_probes_leave_tensor_hooks_alone(granularity: str) -> None
     for held in (False, True):  # planned with .grad None, then again with it held
         seq(x).sum().backward()
         assert calls == [(16, 12)] * (1 + held)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("option", ["Uniform(4)", "layer", "layer-taped"])
+def test_norse_cells_see_the_loop_s_backward_hooks(option: str) -> None:
+    """Norse's ``SequentialState(Linear, LIFCell, Linear, LICell)`` with a tensor hook on the
+    first weight and a full backward hook normalising the second ``Linear``'s input gradient:
+    the gradients and calls of Norse's own loop."""
+    norse = pytest.importorskip("norse.torch")
+    from norse_cells import norse_loop
+
+    x = _x()
+
+    def run(wrapped: bool) -> tuple[list[Tensor], list[Any]]:
+        torch.manual_seed(0)
+        net = norse.SequentialState(
+            nn.Linear(12, 16), norse.LIFCell(), nn.Linear(16, 4), norse.LICell()
+        )
+        calls: list[Any] = []
+        net[0].weight.register_hook(lambda g: (calls.append(tuple(g.shape)), g * 0.1)[1])
+        with _full_hook(net, calls, where=2):
+            out = sc.wrap(net, **OPTIONS[option])(x)[0] if wrapped else norse_loop(net, x)
+            (out.pow(2) * torch.arange(1, 5)).sum().backward()
+        return [p.grad for p in net.parameters()], calls
+
+    (want, want_calls), (got, calls) = run(False), run(True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=1e-6)
+    assert sorted(calls) == sorted(want_calls) and len(calls) == T + 1
