@@ -363,14 +363,30 @@ def _settle(
 def _cleanup(
     worker: ThreadPoolExecutor, fds: list[int], directory: str, thread_prefix: str
 ) -> None:
-    """Stop ``worker`` (cancel what has not started), close the file, delete ``directory``."""
+    """Stop ``worker`` (cancel what has not started), close the file, delete ``directory``.
+
+    A Ctrl-C (``KeyboardInterrupt``) arriving meanwhile (while it waits for a write in
+    progress, or inside ``rmtree``) does not stop it half-way: the finalizer runs once, so an
+    interrupted cleanup would leave the folder behind. It finishes, then re-raises it."""
+    interrupt: KeyboardInterrupt | None = None
     in_worker = threading.current_thread().name.startswith(thread_prefix)
-    worker.shutdown(wait=not in_worker, cancel_futures=True)
+    try:
+        worker.shutdown(wait=not in_worker, cancel_futures=True)
+    except KeyboardInterrupt as exc:  # the write in progress ends on the closed file
+        interrupt = exc
+        worker.shutdown(wait=False, cancel_futures=True)
     while fds:
         with contextlib.suppress(OSError):
             os.close(fds.pop())
-    shutil.rmtree(directory, ignore_errors=True)
+    for _ in range(3):
+        try:
+            shutil.rmtree(directory, ignore_errors=True)
+            break
+        except KeyboardInterrupt as exc:
+            interrupt = interrupt or exc
     _unregister_live(thread_prefix)
+    if interrupt is not None:
+        raise interrupt
 
 
 # -------------------------------------------------------------------------------- SIGTERM
