@@ -211,10 +211,10 @@ class NorseAdapter(LayerAdapter):
             raise unsupported(
                 m,
                 self.path,
-                "it has forward hooks (its own or global ones), and a sequence module is stepped "
-                "through its activation, never called on the whole sequence: the hooks would "
-                "not run; remove them, or use the cell (norse.LIFCell for norse.LIF, ...), "
-                "whose call runs at each step, with its hooks",
+                "it has forward hooks or backward hooks (its own or global ones), and a sequence "
+                "module is stepped through its activation, never called on the whole sequence: "
+                "the hooks would not run; remove them, or use the cell (norse.LIFCell for "
+                "norse.LIF, ...), whose call runs at each step, with its hooks",
             )
         if getattr(m, "record_states", False):
             raise unsupported(

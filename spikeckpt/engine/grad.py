@@ -132,6 +132,12 @@ def grad(
         return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
+def grads_held(params: Sequence[Tensor]) -> bool:
+    """Whether a ``.grad`` is held on one of ``params`` that require grad (gradients
+    accumulating over calls): a step's own sums are added into it, and both are held."""
+    return any(p.grad is not None for p in params if p.requires_grad)
+
+
 @contextlib.contextmanager
 def tensor_hooks_held(tensors: Sequence[Tensor]) -> Iterator[None]:
     """Hold back the hooks registered on ``tensors`` (``p.register_hook(fn)``: a per-layer

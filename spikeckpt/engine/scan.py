@@ -27,7 +27,7 @@ from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import changes_dtype, first_step
 from spikeckpt.engine.function import SECOND_BACKWARD, Job, refuse_func_transforms, run_job
-from spikeckpt.engine.grad import tensor_hooks_held
+from spikeckpt.engine.grad import grads_held, tensor_hooks_held
 from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
 from spikeckpt.engine.measure import probe_step, work_bytes
 from spikeckpt.engine.outer_compile import eager_under_compile
@@ -471,11 +471,12 @@ def _schedule(
         options.pack_tape,
         options.apart,
         plan_key(step, tree_flatten(state)[0], in_leaves, param_list),
-        _grads_held(param_list),  # a held .grad counts beside the step's own sums
+        grads_held(param_list),  # a held .grad counts beside the step's own sums
     )
-    found, account = planned(
-        key, lambda: _measured_plan(step, state, timed, param_list, options, device)
-    )
+    with tensor_hooks_held(param_list):  # the probes' gradients are not yours
+        found, account = planned(
+            key, lambda: _measured_plan(step, state, timed, param_list, options, device)
+        )
     return schedule_of(found, T), account
 
 
@@ -494,24 +495,23 @@ def _measured_plan(
     storage, plan = options.storage, options.plan
     total = parse_bytes(options.budget) if options.budget is not None else None
     x_bytes = sum(input_nbytes(leaf) for leaf in in_leaves if leaf.device == device)
-    held = _grads_held(param_list)
+    held = grads_held(param_list)
     # what the call holds while the probe runs: its input on the device and a held .grad
     held_bytes = x_bytes + leaf_bytes([p.grad for p in param_list])
-    with tensor_hooks_held(param_list):  # the probe's gradients are not yours
-        probe = probe_step(
-            step,
-            state,
-            lambda t: in_def.unflatten([step_of(leaf, t, device) for leaf in in_leaves]),
-            T,
-            param_list,
-            storage=storage,
-            device=device,
-            directory=options.directory,
-            pack=options.pack_tape,
-            max_bytes=max(total - held_bytes, 0) if total is not None else None,
-            # input slices on the device are views of the inputs: no memory of the tape's
-            exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
-        )
+    probe = probe_step(
+        step,
+        state,
+        lambda t: in_def.unflatten([step_of(leaf, t, device) for leaf in in_leaves]),
+        T,
+        param_list,
+        storage=storage,
+        device=device,
+        directory=options.directory,
+        pack=options.pack_tape,
+        max_bytes=max(total - held_bytes, 0) if total is not None else None,
+        # input slices on the device are views of the inputs: no memory of the tape's
+        exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
+    )
     sizes = probe.sizes(param_list, input_bytes=x_bytes, stacked=options.readout is None)
     sizes = replace(sizes, grads_held=held)
     on_device = host_is_device(storage, device.type)
@@ -542,16 +542,9 @@ def _measured_plan(
         # the probe, held under this budget, measured the step's work without the parameters'
         # gradients: measure it with them, so the budget the refusal names works
         x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
-        with tensor_hooks_held(param_list):
-            work = work_bytes(step, state, x0, param_list, sizes.tape, device)
+        work = work_bytes(step, state, x0, param_list, sizes.tape, device)
         choice = account(replace(sizes, work=max(work, sizes.work)))
     return choice.plan, choice.step
-
-
-def _grads_held(params: Sequence[Tensor]) -> bool:
-    """Whether the call begins with a ``.grad`` held on one of ``params`` (gradients
-    accumulating over calls): the step's own sums are added into it, and both are held."""
-    return any(p.grad is not None for p in params if p.requires_grad)
 
 
 def _after_first_step(

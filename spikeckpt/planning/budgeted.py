@@ -20,7 +20,7 @@ from torch import Tensor
 
 from spikeckpt import plans
 from spikeckpt.engine import tree as pytree
-from spikeckpt.engine.grad import tensor_hooks_held
+from spikeckpt.engine.grad import grads_held, tensor_hooks_held
 from spikeckpt.engine.inputs import input_nbytes
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import BudgetTooSmall
@@ -226,15 +226,14 @@ class BudgetPlanner:
             if missing:
                 self.budget_bytes = -self.reduce_max(-self.budget_bytes)
         choice = self.choices.get(key)
-        held = self.grad_in_step and any(
-            p.grad is not None for p in model.parameters_for_scan() if p.requires_grad
-        )
+        params = model.parameters_for_scan()
+        held = self.grad_in_step and grads_held(params)
         if choice is not None and held and not choice.grads_held:
             # planned with .grad None (the running sums become it): held now, both count
             missing = True
         self.grads_held = held
         if missing or choice is None:
-            with tensor_hooks_held(model.parameters_for_scan()):  # the probes' are not yours
+            with tensor_hooks_held(params):  # the probes' gradients are not yours
                 choice = self._plan(model, x, state, T, batch)
             self.choices[key] = choice
         self.last = choice
