@@ -141,8 +141,11 @@ def model_key(model: nn.Module) -> tuple[Any, ...]:
     """What the adapters of ``model`` are made from, comparable with ``==``: each module at
     each position (identity and type) and its non-tensor attributes (plain values by value,
     objects such as a snnTorch ``spike_grad``, a bound ``state_function`` or Norse's ``p`` by
-    identity), the names of its parameters and of its buffers that require grad. Equal keys:
-    the adapter made for ``model`` before still steps it. Tensor objects are not part of it:
+    identity), the names of its parameters and of its leaf buffers that require grad (a
+    learnable ``beta``; not a hidden state that the model's own loop left holding its graph,
+    snnTorch's ``init_hidden`` ``mem``: that is no change, and counting it remade the adapter
+    and planned again at each wrapped call after a plain one). Equal keys: the adapter made
+    for ``model`` before still steps it. Tensor objects are not part of it:
     the adapters read them at each call (changed in place by an optimizer's step or
     ``.double()``), and a parameter swapped in for one call (``torch.func.functional_call``)
     is the wrapper's to refuse, not to adapt to."""
@@ -158,7 +161,9 @@ def model_key(model: nn.Module) -> tuple[Any, ...]:
         # names only: which tensors are parameters or buffers requiring grad (``lif.beta =
         # nn.Parameter(...)``, ``lif.beta.requires_grad_()``), not which tensor objects
         params = tuple(m._parameters)
-        grads = tuple(k for k, t in m._buffers.items() if t is not None and t.requires_grad)
+        grads = tuple(
+            k for k, t in m._buffers.items() if t is not None and t.requires_grad and t.is_leaf
+        )
         key.append((name, id(m), type(m), attrs, params, grads))
     return tuple(key)
 
