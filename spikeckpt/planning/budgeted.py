@@ -38,12 +38,14 @@ from spikeckpt.planning.granularity import (
     layerwise_may_pay,
     smallest_probed_layerwise,
 )
+from spikeckpt.planning.layer_working import (
+    device_bytes,
+    scaled_sizes,
+)
 from spikeckpt.planning.probe import (
     Probe,
     compute_device,
-    device_bytes,
     probe_model,
-    scaled_sizes,
     step_work_bytes,
 )
 from spikeckpt.plans import CostModel

@@ -17,13 +17,15 @@ from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
 from spikeckpt.errors import ConfigTypeError, UnsupportedLayerError
 from spikeckpt.planning.choice import Planned
+from spikeckpt.planning.layer_working import (
+    layerwise_chunk_step_bytes,
+    layerwise_probe_chunks,
+    layerwise_working_bytes,
+)
 from spikeckpt.planning.probe import (
     block_sizes,
     compute_device,
-    layerwise_chunk_step_bytes,
-    layerwise_probe_chunks,
     layerwise_seconds,
-    layerwise_working_bytes,
 )
 from spikeckpt.planning.quiet_trains import judge_quiet_trains
 from spikeckpt.plans.account import host_is_device

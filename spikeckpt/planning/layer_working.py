@@ -1,0 +1,454 @@
+"""The layer-wise working-set probe: what a layer-wise training step holds besides its block
+states and stored trains, measured as a function of the chunk length.
+
+[`layerwise_working_bytes`][spikeckpt.planning.layer_working.layerwise_working_bytes] runs the
+engine's own layer-wise forward and backward on the first steps of the input at a few chunk
+lengths, held under the probe's room (`_ProbeLimit`), and returns a
+[`MeasuredWorking`][spikeckpt.plans.layerwise.MeasuredWorking]; `spikeckpt.planning.probe`
+re-exports it beside the model's and the blocks' other probes. Changes nothing: RNG forked,
+no ``.grad`` touched, layers skip their side effects.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from spikeckpt.engine.inputs import chunk_of, is_packed
+from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
+from spikeckpt.engine.layerwise_job import GROUP_SHARE
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.engine.phase import recompute_phase
+from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.tree import tree_flatten
+from spikeckpt.plans.layerwise import (
+    EXTRAPOLATION_MARGIN,
+    BlockSizes,
+    MeasuredWorking,
+    layerwise_cost,
+    steepest_chord,
+)
+from spikeckpt.storage.base import tensor_nbytes
+
+__all__ = [
+    "LAYERWISE_PROBE_CHUNKS",
+    "PROBE_SAMPLES",
+    "device_bytes",
+    "layerwise_chunk_step_bytes",
+    "layerwise_probe_chunks",
+    "layerwise_working_bytes",
+    "scaled_sizes",
+]
+
+
+def scaled_sizes(sizes: BlockSizes, batch: int, probed: int) -> BlockSizes:
+    """Block sizes measured at batch ``probed``, for ``batch`` (bytes scale with the batch)."""
+    if batch == probed:
+        return sizes
+
+    def scale(n: int) -> int:
+        return -(-n * batch // probed)
+
+    return replace(
+        sizes,
+        state_bytes=scale(sizes.state_bytes),
+        step_bytes=scale(sizes.step_bytes),
+        input_bytes=scale(sizes.input_bytes),
+        output_bytes=scale(sizes.output_bytes),
+        stored_state_bytes=None
+        if sizes.stored_state_bytes is None
+        else scale(sizes.stored_state_bytes),
+    )
+
+
+#: Chunk lengths `layerwise_working_bytes` runs (each over two chunks).
+LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8, 16)
+#: Every block untaped: the whole batch is measured at doubling chunk lengths until the
+#: working set is this many times a chunk of one step's (`_longer`).
+LONG_CHUNK_GROWTH = 3
+#: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
+#: has more than one value per channel; one when the batch is 1).
+PROBE_SAMPLES = 2
+
+#: the per-sample bytes of the working-set probe's first run, predicted from runs on
+#: `PROBE_SAMPLES` and twice as many samples, are raised by this ratio (spike trains stored
+#: as index lists vary per sample)
+FIRST_RUN_MARGIN = (17, 16)
+
+
+class _ProbeLimit:
+    """Which chunk lengths a probe may still run under ``max_bytes``: each one's peak
+    predicted from those measured so far (the last one plus the steepest chord per step, by
+    `EXTRAPOLATION_MARGIN`, at least ``work`` bytes per step), its dense input beside it.
+    A guess from the cost model's bytes per step alone missed what does not grow with the
+    chunk (the gradient sums: 18 KB of a 24-32-10 ``RLeaky`` net's 20 KB at chunk 1), and
+    its chunk 16 probe held 49.6 KB under a 47.2 KB limit."""
+
+    def __init__(self, max_bytes: int | None, work: int) -> None:
+        self.max_bytes = max_bytes
+        self.work = work
+        self.peaks: list[tuple[int, int]] = []
+        #: the dense input each recorded run made for itself (bytes)
+        self.inputs: list[int] = []
+
+    def allows(self, chunk: int, input_bytes: int) -> bool:
+        """Whether a run at ``chunk`` (longer than any measured) with ``input_bytes`` of
+        dense input made for it fits."""
+        if self.max_bytes is None or not self.peaks:
+            return True
+        last_chunk, last = self.peaks[-1]
+        numerator, denominator = EXTRAPOLATION_MARGIN
+        slope = -(-steepest_chord(self.peaks, self.work) * numerator // denominator)
+        return last + slope * (chunk - last_chunk) + input_bytes <= self.max_bytes
+
+    def record(self, chunk: int, peak: int, input_bytes: int = 0) -> None:
+        """A run at ``chunk`` measured ``peak`` bytes (its initial states included, its
+        ``input_bytes`` of dense input not)."""
+        self.peaks.append((chunk, peak))
+        self.inputs.append(input_bytes)
+
+
+def layerwise_chunk_step_bytes(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
+    """The cost model's bytes per chunk step of a layer-wise run, ``max_b (A_b + 2 I_b +
+    O_b)`` (a chunk of one step holds at least about this much besides the block states and
+    stored trains); with ``sparse_first`` (a packed input its synapse reads as positions,
+    never dense, never differentiated) the first block's input counts nothing."""
+    return max(
+        b.step_bytes + (0 if sparse_first and i == 0 else 2 * b.input_bytes) + b.output_bytes
+        for i, b in enumerate(sizes)
+    )
+
+
+def layerwise_probe_chunks(
+    T: int,
+    sizes: Sequence[BlockSizes],
+    max_bytes: int | None = None,
+    lengths: Sequence[int] = LAYERWISE_PROBE_CHUNKS,
+    headroom: int = 3,
+) -> list[int]:
+    """The chunk lengths `layerwise_working_bytes` measures for ``T`` steps under
+    ``max_bytes`` (those of ``lengths`` up to ``T / 2`` and, with a limit, up to where
+    ``headroom`` times the cost model's working set fits it; at least 1)."""
+    longest = max(1, T // 2)
+    if max_bytes is not None:
+        longest = max(
+            1, min(longest, max_bytes // (headroom * max(layerwise_chunk_step_bytes(sizes), 1)))
+        )
+    return sorted({k for k in lengths if k <= longest} or {1})
+
+
+def layerwise_working_bytes(
+    blocks: Sequence[LayerBlock],
+    x: Any,
+    states_for: Callable[[Tensor], list[Any]],
+    sizes: Sequence[BlockSizes],
+    *,
+    device: torch.device,
+    storage: str,
+    readout: Any,
+    output: str,
+    stored_on_device: bool,
+    max_bytes: int | None = None,
+    fuse: bool = True,
+    directory: str | os.PathLike[str] | None = None,
+) -> MeasuredWorking:
+    """Measure a layer-wise training step's working set, for the batch of ``x``, as a
+    function of the chunk length ([`MeasuredWorking`][spikeckpt.plans.layerwise.MeasuredWorking]).
+
+    The working set is what a step holds besides its block states and stored trains: one
+    block's recomputed chunk, its tape, the gradients handed between blocks, and the running
+    sums of the parameters' gradients. The cost model of
+    [`layerwise_cost`][spikeckpt.plans.layerwise.layerwise_cost] counts ``chunk * max_b (A_b + 2 I_b +
+    O_b)`` from one step's saved tensors; what the engine really allocates differs (the
+    chunk's synaptic input, the stacked spikes and their gradients are more; the first
+    block's tape without an input gradient, and the gradient sums, which peak while the other
+    blocks' tapes are gone, are less than counted apart). This runs the engine's own
+    layer-wise forward and backward, as the training step does (the whole batch, the
+    parameters' gradients, an input gradient only when ``x`` requires grad), on the first
+    steps of ``x`` at the chunk lengths of `LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
+    longer ones only while ``max_bytes`` allows them at three times the cost model's bytes per
+    step), two chunks each (the second chunk's gradients are summed out of place, as in a
+    long run), under [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], and subtracts the modeled states and
+    stored trains. The peak is piecewise linear in the chunk (short chunks peak while the
+    gradient sums are held, long ones while a long tape is), so the result is the measured
+    bytes at the measured lengths (never falling as the chunk grows), the chords between
+    them, and past the longest the steepest measured line (at least the cost model's slope).
+    Changes nothing: RNG forked, no ``.grad`` touched (the gradients are returned, not
+    accumulated), layers skip their side effects (BatchNorm's running statistics).
+
+    Args:
+        blocks: the model's layer-wise blocks.
+        x: the input ``(T, B, ...)`` (dense or packed).
+        states_for: ``x_t (B, ...) -> one initial state per block`` at ``x_t``'s batch.
+        sizes: [`block_sizes`][spikeckpt.planning.probe.block_sizes] at the batch of ``x``.
+        device: the compute device (``MemoryMeter`` measures it).
+        storage: the tier the run stores its trains in (``"disk"`` writes its files in
+            ``directory``, as the run does).
+        readout, output: the run's readout and output.
+        stored_on_device: whether the stored trains are device memory (the device tier, or
+            the host tier on a CPU run).
+        max_bytes: device bytes the probe may hold (None: no limit); its first run (chunk
+            1, the whole batch) is predicted (`MeasuredWorking.probe_bytes`) and, where it
+            does not fit, not made: the result then holds that one prediction.
+        fuse: whether the run fuses the neurons that have a chunk kernel (as the probe does).
+        directory: folder for the disk tier's temporary folder.
+    """
+    T, batch = int(x.shape[0]), int(x.shape[1])
+    run = partial(
+        _probe_residuals,
+        blocks,
+        x,
+        states_for,
+        device=device,
+        storage=storage,
+        readout=readout,
+        output=output,
+        remote=not stored_on_device,
+        fuse=fuse,
+        directory=directory,
+    )
+    few = min(batch, PROBE_SAMPLES)
+    one = [scaled_sizes(b, few, batch) for b in sizes]
+    sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
+    # the first run's room, from a few samples: a probe held under less runs nothing more
+    probe_bytes, small = _first_run_bytes(run, sizes, batch)
+    if small is not None and max_bytes is not None and probe_bytes > max_bytes:
+        # the whole batch's first run does not fit: what a few samples measured, scaled (an
+        # over-estimate; the planner refuses layer-wise under this room anyway)
+        first = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
+        return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes)
+    # the step itself at the shortest lengths: the whole batch, as the training step runs
+    limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes))
+    step, untaped = run(
+        sizes,
+        layerwise_probe_chunks(T, sizes, max_bytes),
+        samples=batch,
+        training=True,
+        limit=limit,
+    )
+    # what the first run held, when more than predicted (small batches: no prediction)
+    probe_bytes = max(probe_bytes, limit.peaks[0][1] + limit.inputs[0])
+    points, held = [], 0
+    for k, r in step:  # the measured bytes never fall as the chunk grows
+        held = max(held, r, 0)
+        points.append((k, held))
+    if untaped:
+        # every block untaped: a few buffers per step, far below the cost model's taped bytes;
+        # but a step's peak moves as the chunk grows: short chunks peak while the gradient
+        # sums are held, long ones while the chunk's buffers are (on 700-256-256-20 at batch
+        # 32 it grows by 87 KB per step up to chunk 4, by 107 from 16 to 32; on Linear(512,
+        # 512) + Leaky at batch 16 by 35 KB per step up to chunk 16 and 98 KB past 32: a
+        # chunk of 190 chosen from the short chords held 2.04x its budget), and a small batch
+        # shows another block's line: the whole batch is measured at longer chunks, and
+        # where the probe's limit stops it short of their line, the cost model's taped bytes
+        # per step count past the longest. A probe stores two chunks; a run groups its
+        # stored trains into entries of up to `GROUP_SHARE` of a chunk's dense trains, two of
+        # them held at once, which a remote tier adds per step (measured 137-147 KB per step
+        # in all on that model)
+        points, reached = _longer(points, partial(run, limit=limit), sizes, T, batch)
+        floor = 0 if reached else layerwise_chunk_step_bytes(sizes, sparse_first)
+        entries = 0
+        if not stored_on_device:
+            entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
+        slope = steepest_chord(points, floor) + entries
+        return MeasuredWorking(tuple(points), slope, probe_bytes)
+    # taped blocks: the tape's growth, the steepest line of a run on two samples without the
+    # parameters' gradients and with an input gradient (every block taped alike: more than it
+    # holds); a packed input never takes a gradient: its run tapes as the training step does
+    # (the parameters' gradient sums, constant in the chunk, are in every point alike)
+    tape, _ = run(
+        one,
+        layerwise_probe_chunks(T, one, max_bytes),
+        samples=few,
+        training=is_packed(x),
+        limit=_ProbeLimit(max_bytes, layerwise_chunk_step_bytes(one)),
+    )
+    slope = steepest_chord(tape, layerwise_chunk_step_bytes(one, sparse_first))
+    return MeasuredWorking(
+        tuple(points),
+        max(layerwise_chunk_step_bytes(sizes, sparse_first), -(-slope * batch // few)),
+        probe_bytes,
+    )
+
+
+def _first_run_bytes(
+    run: Callable[..., tuple[list[tuple[int, int]], bool]],
+    sizes: Sequence[BlockSizes],
+    batch: int,
+) -> tuple[int, MeasuredWorking | None]:
+    """The device bytes the working-set probe's first run (chunk 1, the whole batch) holds,
+    its states and input included, predicted from runs on `PROBE_SAMPLES` and twice as many
+    samples (memory is affine in the batch; the per-sample bytes raised by
+    `FIRST_RUN_MARGIN`), and the larger run's working set. Batches up to twice
+    `PROBE_SAMPLES` are run, not predicted: ``(0, None)``."""
+    if batch <= 2 * PROBE_SAMPLES:
+        return 0, None
+    found: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+    for samples in (PROBE_SAMPLES, 2 * PROBE_SAMPLES):
+        limit = _ProbeLimit(None, 0)
+        points, _ = run(
+            [scaled_sizes(b, samples, batch) for b in sizes],
+            [1],
+            samples=samples,
+            training=True,
+            limit=limit,
+        )
+        found[samples] = (limit.peaks[0][1] + limit.inputs[0], points)
+    (few, _), (more, points) = found[PROBE_SAMPLES], found[2 * PROBE_SAMPLES]
+    numerator, denominator = FIRST_RUN_MARGIN
+    per_sample = -(-max(more - few, 0) * numerator // (denominator * PROBE_SAMPLES))
+    return few + per_sample * (batch - PROBE_SAMPLES), MeasuredWorking(tuple(points), 0)
+
+
+def _longer(
+    points: list[tuple[int, int]],
+    run: Callable[..., tuple[list[tuple[int, int]], bool]],
+    sizes: Sequence[BlockSizes],
+    T: int,
+    batch: int,
+) -> tuple[list[tuple[int, int]], bool]:
+    """``points`` extended by runs of the whole batch at twice the longest measured length,
+    again and again, until the working set has grown to `LONG_CHUNK_GROWTH` times what a
+    chunk of one step holds (past there its line is the chunk's, no longer the gradient
+    sums') or the length reaches ``T / 2``; and whether it got there (False: the probe's
+    limit stopped it, which predicts each run at no less than the cost model's taped bytes
+    per step). The bytes never fall as the chunk grows."""
+    points = list(points)
+    longest = max(1, T // 2)
+    while points[-1][0] < longest and points[-1][1] < LONG_CHUNK_GROWTH * max(points[0][1], 1):
+        last_k, last = points[-1]
+        more, _ = run(sizes, [min(2 * last_k, longest)], samples=batch, training=True)
+        if not more:  # the probe's limit stops it
+            return points, False
+        points.append((more[0][0], max(last, more[0][1])))
+    return points, True
+
+
+def device_bytes(tree: Any, device: torch.device) -> int:
+    """Bytes of the tensors of ``tree`` on ``device`` (each storage once)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tree_flatten(tree)[0]
+        if isinstance(t, Tensor) and t.device == device
+    }
+    return sum(storages.values())
+
+
+def _first_steps(x: Any, n: int, *, samples: int, device: torch.device) -> Tensor:
+    """The first ``n`` steps of the first ``samples`` samples of ``x``, dense ``(n, samples,
+    ...)`` on ``device``, a tensor of their own."""
+    if is_packed(x):  # one step at a time: never the whole chunk dense
+        return torch.stack([x.step(t, device)[:samples] for t in range(n)])
+    return chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+
+
+def _probe_residuals(
+    blocks: Sequence[LayerBlock],
+    x: Any,
+    states_for: Callable[[Tensor], list[Any]],
+    sizes: Sequence[BlockSizes],
+    chunks: Sequence[int],
+    *,
+    samples: int,
+    training: bool,
+    device: torch.device,
+    storage: str,
+    readout: Any,
+    output: str,
+    remote: bool,
+    limit: _ProbeLimit,
+    fuse: bool = True,
+    directory: str | os.PathLike[str] | None = None,
+) -> tuple[list[tuple[int, int]], bool]:
+    """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
+    the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks`` that
+    ``limit`` allows (the lengths increasing; it stops at the first it does not), and
+    whether every block's backward ran untaped in all of them.
+
+    ``training``: the parameters' gradients are computed (returned, not accumulated) and the
+    input's only when ``x`` requires grad, as in a training step; else no parameter gradient
+    and an input gradient (each block's tape alike, the gradient sums left out)."""
+    T = int(x.shape[0])
+    work = layerwise_chunk_step_bytes(sizes)
+
+    dense = partial(_first_steps, x, samples=samples, device=device)
+    first = dense(1)
+    step_bytes = tensor_nbytes(first[0])
+    # a packed train is unpacked a chunk at a time during the step; the probe's input is
+    # dense already (made outside the run's meter): count one dense chunk per chunk step
+    unpacked = step_bytes if is_packed(x) else 0
+    floating = first.is_floating_point()
+    input_grad = floating and (bool(getattr(x, "requires_grad", False)) or not training)
+    params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
+    residuals: list[tuple[int, int]] = []
+    all_untaped = True
+    try:
+        if not training:
+            for p in params:
+                p.requires_grad_(False)
+        # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
+        with torch.random.fork_rng(devices=cuda_devices([first])), recompute_phase():
+            for k in chunks:
+                n = min(T, 2 * k)
+                if not limit.allows(k, n * step_bytes):
+                    break
+                xs = dense(n).requires_grad_(input_grad)
+                states = states_for(xs[0].detach())
+                run = partial(
+                    layerwise_scan,
+                    blocks,
+                    chunk=k,
+                    storage=storage,
+                    directory=directory,
+                    readout=readout,
+                    output=output,
+                    params=params if training else [],
+                    fuse=fuse,
+                )
+                wrt = (params if training else []) + ([xs] if input_grad else [])
+                held = device_bytes(states, device)  # made outside the run's meter
+                peak, untaped = _run_peak(run, xs, states, wrt, device)
+                del xs, states
+                limit.record(k, peak + held, n * step_bytes)
+                all_untaped = all_untaped and untaped
+                modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
+                residuals.append((k, peak + k * unpacked - (modeled - k * work)))
+    finally:
+        if not training:
+            for p in params:
+                p.requires_grad_(True)
+        for block in blocks:
+            block.cleanup()
+    return residuals, all_untaped
+
+
+def _run_peak(
+    run: Callable[[Tensor, list[Any]], Any],
+    xs: Tensor,
+    states: list[Any],
+    wrt: list[Tensor],
+    device: torch.device,
+) -> tuple[int, bool]:
+    """Measured device peak of ``run(xs, states)`` and the gradients of its outputs (ones)
+    w.r.t. ``wrt`` (returned, not accumulated), and whether every block's backward ran
+    untaped (`spikeckpt.engine.direct`) on every chunk."""
+    with MemoryMeter(device) as meter:
+        result = run(xs, states)
+        (ys, _), stats = result, result.stats  # the final states held, as a step holds them
+        del result
+        outs = [y for y in tree_flatten(ys)[0] if y.requires_grad]
+        if outs and wrt:
+            found = torch.autograd.grad(
+                outs, wrt, [torch.ones_like(y) for y in outs], allow_unused=True
+            )
+            del found
+        del ys, outs
+    untaped = sum(b.untaped_chunks for b in stats.blocks)
+    return meter.peak_bytes, stats.backward_chunks > 0 and untaped == stats.backward_chunks
