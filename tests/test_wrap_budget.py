@@ -428,3 +428,32 @@ def test_a_wide_layer_keeps_its_budget_past_the_gradient_sums(factor: float) -> 
     used, chunk = peak(budget)
     assert chunk is not None and chunk > 16  # past the probe's first lengths
     assert used <= budget, (factor, budget, used, chunk)
+
+
+def test_the_named_smallest_budget_of_a_deep_untaped_net_is_accepted_and_kept() -> None:
+    """Three fused blocks, host storage: a probe held under the named smallest budget
+    measures fewer chunk lengths than the refusal's own probe and counts the cost model's
+    bytes per step past them; the named budget says so (was refused when passed back, once
+    the probe measured past the gradient sums: 996,906 B named, 973.54 KiB "needed")."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(64, 128), snn.Leaky(beta=0.9),
+        nn.Linear(128, 128), snn.Leaky(beta=0.9),
+        nn.Linear(128, 5), snn.Leaky(beta=0.9),
+    )  # fmt: skip
+    x = _input((200, 8, 64))
+
+    def peak(budget: int) -> int:
+        seq = spikeckpt.wrap(net, budget=budget, granularity="layer", storage="host")
+        net.zero_grad(set_to_none=True)
+        with MemoryMeter() as meter:
+            meter.track([x])
+            out = seq(x)
+            (out * torch.arange(1, out.shape[-1] + 1)).sum().backward()
+            del out
+        return meter.peak_bytes
+
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        peak(4096)
+    smallest = info.value.minimum_bytes
+    assert peak(smallest) <= smallest

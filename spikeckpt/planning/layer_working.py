@@ -253,12 +253,12 @@ def layerwise_working_bytes(
         # them held at once, which a remote tier adds per step (measured 137-147 KB per step
         # in all on that model)
         points, reached = _longer(points, partial(run, limit=limit), sizes, T, batch)
-        floor = 0 if reached else layerwise_chunk_step_bytes(sizes, sparse_first)
+        short = layerwise_chunk_step_bytes(sizes, sparse_first)
         entries = 0
         if not stored_on_device:
             entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
-        slope = steepest_chord(points, floor) + entries
-        return MeasuredWorking(tuple(points), slope, probe_bytes)
+        slope = steepest_chord(points, 0 if reached else short) + entries
+        return MeasuredWorking(tuple(points), slope, probe_bytes, short + entries)
     # taped blocks: the tape's growth, the steepest line of a run on two samples without the
     # parameters' gradients and with an input gradient (every block taped alike: more than it
     # holds); a packed input never takes a gradient: its run tapes as the training step does

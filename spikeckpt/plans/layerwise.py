@@ -138,11 +138,16 @@ class MeasuredWorking:
             what the call holds (its input, its state, a held ``.grad``): predicted from
             runs on fewer samples (with a margin), or the run's own bytes, whichever is
             more; a probe held under less runs nothing more (0: not known).
+        short_slope: the least bytes per chunk step past the longest length of a probe
+            that stopped short of these lengths (held under less room: `prefix`), where
+            the longer ones show a line the shorter do not (an untaped step's buffers
+            overtaking the gradient sums: the cost model's taped bytes); 0: none.
     """
 
     points: tuple[tuple[int, int], ...]
     base_slope: int
     probe_bytes: int = 0
+    short_slope: int = 0
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -167,7 +172,9 @@ class MeasuredWorking:
 
     def prefix(self, n: int) -> MeasuredWorking:
         """What a probe that measured only the first ``n`` lengths would have found."""
-        return MeasuredWorking(self.points[: max(1, n)], self.base_slope, self.probe_bytes)
+        n = max(1, n)
+        slope = self.base_slope if n >= len(self.points) else max(self.base_slope, self.short_slope)
+        return MeasuredWorking(self.points[:n], slope, self.probe_bytes, self.short_slope)
 
     def __call__(self, chunk: int) -> int:
         first, last = self.points[0], self.points[-1]
@@ -192,7 +199,9 @@ class MeasuredWorking:
             return -(-n * batch // probed)
 
         points = tuple((k, scale(w)) for k, w in self.points)
-        return MeasuredWorking(points, scale(self.base_slope), scale(self.probe_bytes))
+        return MeasuredWorking(
+            points, scale(self.base_slope), scale(self.probe_bytes), scale(self.short_slope)
+        )
 
 
 @dataclass(frozen=True)
