@@ -63,7 +63,9 @@ compiled while measured and gradients accumulate as in a plain run; bytes above 
 entry, parameters and input excluded, ``.grad`` included), **out rate** (output spikes per
 neuron and step) and **max rel dW**: ``max|dW - dW_loop| / max|dW_loop|`` on the ``Linear``
 weight, against the snnTorch loop (``n/a``: another neuron model, Norse's or SpikingJelly's own
-LIF, whose gradient is not the loop's).
+LIF, whose gradient is not the loop's). A budget row whose peak is over its budget (less the
+packed input, which the peak leaves out) says so in its plan column, and the script then
+exits 1.
 
     python benchmarks/bench_peers.py --threads 1                 # n = 512 and 2048, CPU
     python benchmarks/bench_peers.py --n 8192 --device cuda --out peers-cuda.md
@@ -80,6 +82,7 @@ import inspect
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,6 +175,13 @@ class Row:
     grad: Tensor | None = None
     grad_rel: float | None = None
     planning: float = 0.0  # the most seconds a timed call spent choosing its plan
+    #: what the peak must stay within: ``wrap``'s budget less the packed input, which the
+    #: peak does not count (None: no budget)
+    budget: int | None = None
+
+    @property
+    def over_budget(self) -> bool:
+        return self.budget is not None and self.peak > self.budget
 
     @property
     def time(self) -> float:
@@ -318,7 +328,10 @@ def wrapped(
         return total.detach(), seq.last_stats
 
     fc = s.snn_net[0]
-    return Row(name, run, list(s.snn_net.parameters()), fc.weight)
+    row = Row(name, run, list(s.snn_net.parameters()), fc.weight)
+    if kwargs.get("budget") is not None:
+        row.budget = int(kwargs["budget"]) - (0 if dense else s.packed.nbytes)
+    return row
 
 
 Builder = Callable[[], "Row | Skip"]
@@ -471,6 +484,13 @@ def bench(n: int, args: argparse.Namespace) -> tuple[list[Row], list[tuple[str, 
             f"{row.peak / 2**20:.2f} MiB, {row.plan}",
             flush=True,
         )
+        if row.over_budget:
+            assert row.budget is not None
+            print(
+                f"  n={n} {row.name}: OVER ITS BUDGET: {row.peak / 2**20:.2f} MiB held where "
+                f"{row.budget / 2**20:.2f} MiB were given (the input aside)",
+                flush=True,
+            )
 
     peers: list[tuple[str, Callable[[Setup], Row | Skip]]] = [
         (LOOP, snntorch_loop),
@@ -528,8 +548,12 @@ def table(n: int, rows: list[Row]) -> list[str]:
             dw = f"{r.grad_rel:.1e}"
         else:
             dw = "-" if r.name == LOOP else ("n/a (own LIF)" if not r.same_model else "-")
+        plan = r.plan
+        if r.over_budget:
+            assert r.budget is not None
+            plan += f", **{r.peak / r.budget:.2f}x its budget**"
         lines.append(
-            f"| {n} | {r.name} | {r.plan} | {_seconds(r.first)} | {_seconds(r.time)} | {ratio} | "
+            f"| {n} | {r.name} | {plan} | {_seconds(r.first)} | {_seconds(r.time)} | {ratio} | "
             f"{r.peak / 2**20:.2f} MiB | {peak_ratio} | {r.rate:.3f} | {dw} |"
         )
     return lines
@@ -603,8 +627,10 @@ def _main(args: argparse.Namespace) -> int:
     lines = [HEADER]
     notes: list[str] = []
     out: list[dict[str, Any]] = []
+    over = 0
     for n in args.n:
         rows, skipped = bench(n, args)
+        over += sum(r.over_budget for r in rows)
         lines += table(n, rows)
         notes += [f"- n = {n}, {name}: skipped: {reason}" for name, reason in skipped]
         out += [
@@ -618,6 +644,7 @@ def _main(args: argparse.Namespace) -> int:
                 "out_rate": r.rate,
                 "grad_rel": r.grad_rel,
                 "same_model": r.same_model,
+                "budget_bytes": r.budget,
             }
             for r in rows
         ]
@@ -635,7 +662,9 @@ def _main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         print(f"wrote {args.json}")
-    return 0
+    if over:
+        print(f"{over} row(s) held more than their budget", file=sys.stderr)
+    return 1 if over else 0
 
 
 if __name__ == "__main__":

@@ -40,14 +40,15 @@
 # Measured on the H200 again (2026-11-27, torch 2.11): STEPS="3 5 1 4" PEERS_N="512 8192"
 # REPEATS=1 TABLE_T=4000 STEP_TIMEOUT=150: 355 s, every step passed (step 1 72 s, step 3
 # 119 s, step 4 at T = 4000 96 s, step 5 39 s); then STEPS="2 6" 126 s; step 7 42 s.
-# Next time, first (about 5 minutes): `python benchmarks/bench_recurrent.py --device cuda
-# --rounds 2 --only RLeaky RSynaptic` (why layer-wise under granularity="layer" ran 2.49x the
-# loop where "auto" ran 0.46x: it now prints each row's plan and any planning inside a timed
-# call) and `python benchmarks/bench_peers.py --device cuda --n 8192 --share 40 --repeats 1`
-# (n = 8192 at a budget that fits: 20% is refused, section 21 of docs/benchmarks.md), then
-# `python benchmarks/bench_compiled_step.py --device cuda --rounds 1 --breaks` (snnTorch's
-# Synaptic and RLeaky broke the compiled stack step 4 times on torch 2.11; since their fast
-# steps, section 22, the step traces no snnTorch forward: 0 breaks expected).
+# Measured on the H200 again (2026-11-27 19:04, torch 2.11): STEPS="6 7 2" REPEATS=1
+# STEP_TIMEOUT=140: 152 s, every step passed (step 2 53 s + 24 s, step 6 22 s, step 7 37 s);
+# the CUDA tests alone (pytest -n 8) 73 s; bench_recurrent.py --rounds 2 --only RLeaky
+# RSynaptic about 45 s, bench_peers.py --n 8192 --share 40 --repeats 1 111 s,
+# bench_compiled_step.py --rounds 1 --breaks 36 s (docs/benchmarks.md section 25).
+# Next time, first (about 4 minutes): `python benchmarks/bench_peers.py --device cuda --n 8192
+# --share 40 --repeats 1 --only "auto at"`, then the same with --share 20 (section 25: the
+# auto row at 40% held 656.71 MiB under 613.77 MiB before the working-set probe measured past
+# the gradient sums; expected now: within, at a shorter chunk), then the whole suite.
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
