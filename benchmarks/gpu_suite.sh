@@ -19,6 +19,9 @@
 #      profiler's top kernels and the host's waits for the device, layer-wise, stack BPTT()
 #      and the loop:
 #      benchmarks/profile_layerwise.py --device cuda --n 8192;
+#   8. recurrent snnTorch and Norse neurons against their own loop, and whether a timed call
+#      planned again (it exits 1 then: section 25 of docs/benchmarks.md):
+#      benchmarks/bench_recurrent.py --device cuda;
 # and write one Markdown report: every step's command, exit status, time and output.
 #
 #   bash benchmarks/gpu_suite.sh [REPORT]          # default REPORT: gpu_report.md
@@ -27,7 +30,7 @@
 # "1000 4000"), TABLE_COMPILED (1: step 4 with its compiled row), REPEATS (timed rounds of the
 # benchmarks, default 3), THREADS (torch CPU threads of the benchmarks, default 1),
 # PYTEST_ARGS (added to both pytest runs, e.g. "-k cuda"),
-# STEPS (the steps to run, default "1 2 3 4 5 6 7"), STEP_TIMEOUT (seconds per step, default
+# STEPS (the steps to run, default "1 2 3 4 5 6 7 8"), STEP_TIMEOUT (seconds per step, default
 # none: a step past it is stopped, its output so far kept and the step reported failed).
 # Measured on an H200 (2026-11-26, torch 2.11, 16 cores): step 1 71-92 s, step 2 157 s (91 s
 # the second time), step 3 186 s, step 4 over 100 s at T = 1000 and 4000 (stopped) and over
@@ -71,7 +74,7 @@ TABLE_T=${TABLE_T:-1000 4000}
 REPEATS=${REPEATS:-3}
 THREADS=${THREADS:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
-STEPS=" ${STEPS:-1 2 3 4 5 6 7} "
+STEPS=" ${STEPS:-1 2 3 4 5 6 7 8} "
 STEP_TIMEOUT=${STEP_TIMEOUT:-0}
 eval "EXTRA=(${PYTEST_ARGS:-})"  # shell words: PYTEST_ARGS="-k 'cuda or gpu'" works
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -227,6 +230,11 @@ PROFILE_N=8192
 wants 7 && step "layer-wise profile against the loop (Linear + LIF, n = $PROFILE_N), $DEVICE" \
     "$PYTHON" benchmarks/profile_layerwise.py --device "$DEVICE" --n "$PROFILE_N" \
     --threads "$THREADS" --repeats "$REPEATS"
+
+# 8. recurrent neurons against their own loop (exits 1 when a timed call planned again)
+wants 8 && step "recurrent neurons against their loop (700-256-20, batch 32, T = 500), $DEVICE" \
+    "$PYTHON" benchmarks/bench_recurrent.py --device "$DEVICE" --threads "$THREADS" \
+    --rounds "$REPEATS"
 
 {
     echo "## Summary"

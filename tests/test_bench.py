@@ -333,6 +333,24 @@ def test_bench_peers_compiled_rows_run_compiled(tmp_path: Path) -> None:
     assert {"snnTorch loop", "Norse LIFCell, torch.compile, stepped"} <= names, names
 
 
+def test_bench_recurrent_rows_do_not_plan_in_timed_calls(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench_recurrent.py`` with a budget (the path a GPU takes: ``plan="auto"`` plans to the
+    free memory there): no row plans again in a timed call (the fused row after the model's
+    own loop did, 0.115 s of probes in a 0.121 s call here, 1.0 s on an H200), so it exits 0."""
+    pytest.importorskip("snntorch")
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--T", "20", "--hidden", "16", "--batch", "2", "--rounds", "1"]
+        code = _benchmark("bench_recurrent").main([*argv, "--only", "RLeaky", "--budget", "1GiB"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| RLeaky | layer-wise, fused |" in out and "planned again" not in out
+    assert code == 0
+
+
 def test_bench_exact_prints_the_exact_run_bitwise(capsys: pytest.CaptureFixture[str]) -> None:
     """``bench_exact.py`` (step 6 of the GPU suite) at a small T: its table has every run, and
     ``exact=True`` and the stack plan match the loop's spikes exactly."""
