@@ -36,6 +36,7 @@ from spikeckpt.planning.granularity import (
     fitting_layer_chunk,
     layerwise_candidate,
     layerwise_may_pay,
+    least_layerwise,
     smallest_probed_layerwise,
 )
 from spikeckpt.planning.layer_working import (
@@ -68,6 +69,9 @@ from spikeckpt.units import format_bytes, parse_bytes
 __all__ = ["BudgetPlanner"]
 
 ShapeKey = tuple[int, int]
+
+#: probes of a call at the budget a refusal names, to check it (`BudgetPlanner._held_under`)
+VERIFY_ROUNDS = 4
 
 #: rounds of `BudgetPlanner._planning_bytes` (its probes measure more lengths as the budget
 #: grows; each round runs them once)
@@ -517,6 +521,7 @@ class BudgetPlanner:
                 unprobed=m.held,
                 chunk=model.chunk,
             )
+            smallest = self._held_under(model, x, state, m, base.total, smallest)
             needs.append((base, smallest, None))
         step, smallest, given = min(needs, key=lambda need: need[0].total + need[1])
         what = f"{'layer-wise, ' if model.granularity == 'layer' else ''}T={T}, B={batch}"
@@ -541,6 +546,36 @@ class BudgetPlanner:
             context=self.context,
             plan=given,
         )
+
+    def _held_under(
+        self, model: Planned, x: Any, state: Any, m: _Measured, beside: int, smallest: int
+    ) -> int:
+        """The layer-wise ``smallest`` (bytes beside ``beside``) that a call given ``beside +
+        smallest`` plans with: its probes, held under that budget, may stop at fewer chunk
+        lengths than `smallest_probed_layerwise` counts (the probe's limit predicts a longer
+        one over the room) and model more; raised to what they model, at most
+        `VERIFY_ROUNDS` times (a named 618,628 B was refused when passed back: 16 KB more
+        modeled at the shortest chunk that fit)."""
+        for _ in range(VERIFY_ROUNDS):
+            trial = BudgetPlanner(
+                beside + smallest,
+                remote=self.remote,
+                costs=self.costs,
+                plan=self.plan,
+                grad_in_step=self.grad_in_step,
+            )
+            trial.graded, trial.grads_held = set(self.graded), self.grads_held
+            got = trial._measure(model, x, state, m.T, m.batch, share=False)
+            if got.blocks is None or got.working is None:
+                return smallest
+            if trial._layer_best(got, model.chunk) is not None:
+                return smallest
+            least = least_layerwise(
+                m.T, got.blocks, got.working, remote=not got.on_device, chunk=model.chunk
+            )
+            first = got.working.probe_bytes + got.held - beside
+            smallest = max(smallest + 1, least, first)
+        return smallest
 
     def _held_bytes(self, model: Planned, x: Any, state: Any, device: torch.device) -> int:
         """Device bytes the call holds while it plans: its input and state, and ``.grad``

@@ -205,6 +205,21 @@ def _smallest_layerwise(
     )
 
 
+def least_layerwise(
+    T: int,
+    sizes: Sequence[BlockSizes],
+    working: MeasuredWorking,
+    *,
+    remote: bool,
+    chunk: int | None = None,
+) -> int:
+    """The least modeled layer-wise peak with ``working``: at ``chunk`` when one is given,
+    else at the best chunk."""
+    if chunk is not None:
+        return layerwise_cost(T, chunk, sizes, remote=remote, working=working).peak_bytes
+    return _smallest_layerwise(T, sizes, remote=remote, working=working)
+
+
 def smallest_probed_layerwise(
     T: int,
     sizes: Sequence[BlockSizes],
@@ -227,9 +242,7 @@ def smallest_probed_layerwise(
     lengths only grow, so this ends)."""
 
     def least(w: MeasuredWorking) -> int:
-        if chunk is not None:
-            return layerwise_cost(T, chunk, sizes, remote=remote, working=w).peak_bytes
-        return _smallest_layerwise(T, sizes, remote=remote, working=w)
+        return least_layerwise(T, sizes, w, remote=remote, chunk=chunk)
 
     first = working.probe_bytes + unprobed - beside  # the probe's first run fits
     need = max(least(working), first)
