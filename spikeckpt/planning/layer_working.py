@@ -174,7 +174,8 @@ def layerwise_working_bytes(
     parameters' gradients, an input gradient only when ``x`` requires grad), on the first
     steps of ``x`` at the chunk lengths of `LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
     longer ones only while ``max_bytes`` allows them at three times the cost model's bytes per
-    step), two chunks each (the second chunk's gradients are summed out of place, as in a
+    step; where every block runs untaped, then at doubling lengths until the working set's
+    line is the chunk's: `_longer`), two chunks each (the second chunk's gradients are summed out of place, as in a
     long run), under [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], and subtracts the modeled states and
     stored trains. The peak is piecewise linear in the chunk (short chunks peak while the
     gradient sums are held, long ones while a long tape is), so the result is the measured
