@@ -8,9 +8,10 @@ the measured call. It prints the measured peak as a share of the budget and the 
 and chunk picked (``s``: stack, ``l12``: layer-wise, chunk 12), ``!!`` where the peak is over
 the budget, and the count of those at the end (exit status 1 when there are any).
 
-    python benchmarks/budget_sweep.py            # about 10 minutes on one CPU core
+    python benchmarks/budget_sweep.py            # about 15 minutes on one CPU core
     python benchmarks/budget_sweep.py --quick    # two models, three budgets
     python benchmarks/budget_sweep.py --only wide --held   # one model, .grad held from before
+    python benchmarks/budget_sweep.py --only narrow conv-b1 --no-fuse   # every neuron taped
 
 Peaks are `MemoryMeter` peaks with the input counted, as tests/test_wrap_budget.py measures.
 """
@@ -68,6 +69,20 @@ def _pooled() -> nn.Module:
     )  # fmt: skip
 
 
+def _conv16() -> nn.Module:
+    """A convolution into a wide readout at batch 1: the gradient sums outweigh a short
+    chunk's tape, whose line takes over past the lengths a tight probe measures."""
+    return nn.Sequential(
+        nn.Conv2d(2, 8, 3, padding=1), snn.Leaky(beta=0.9), nn.Flatten(),
+        nn.Linear(8 * 16 * 16, 10), snn.Leaky(beta=0.9),
+    )  # fmt: skip
+
+
+def _narrow() -> nn.Module:
+    """A wide input into a few neurons: the input's steps outweigh the layer."""
+    return nn.Sequential(nn.Linear(512, 32), snn.Leaky(beta=0.9))
+
+
 #: name: (model, input shape (T, B, ...), whether a packed input applies)
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "fc": (_fc, (100, 8, 100), True),
@@ -76,14 +91,16 @@ CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "deep": (_deep, (200, 8, 64), True),
     "wide": (_wide, (60, 4, 1024), True),
     "pooled": (_pooled, (30, 4, 2, 12, 12), False),
+    "conv-b1": (_conv16, (400, 1, 2, 16, 16), True),
+    "narrow": (_narrow, (80, 16, 512), True),
 }
 FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 
 
 def _peak(
-    net: nn.Module, x: Any, budget: int, granularity: str, storage: str, held: bool
+    net: nn.Module, x: Any, budget: int, granularity: str, storage: str, held: bool, fuse: bool
 ) -> tuple[int, Any]:
-    seq = spikeckpt.wrap(net, budget=budget, granularity=granularity, storage=storage)
+    seq = spikeckpt.wrap(net, budget=budget, granularity=granularity, storage=storage, fuse=fuse)
     net.zero_grad(set_to_none=True)
     if held:  # zeros from before the step, as when gradients accumulate
         for p in net.parameters():
@@ -102,6 +119,7 @@ def sweep(
     factors: tuple[float, ...],
     granularities: tuple[str, ...] = ("layer", "auto"),
     held: bool = False,
+    fuse: bool = True,
 ) -> int:
     """Print one line per case; return the number of calls over their budget."""
     over = 0
@@ -115,14 +133,14 @@ def sweep(
                     dense = (torch.rand(shape, generator=g) < 0.1).float()
                     x = dense if form == "dense" else SpikeTrain.from_dense(dense)
                     try:
-                        _peak(net, x, 4096, granularity, storage, held)
+                        _peak(net, x, 4096, granularity, storage, held, fuse)
                         raise AssertionError("a 4 KiB budget was accepted")
                     except spikeckpt.BudgetTooSmall as error:
                         smallest = error.minimum_bytes
                     cells = []
                     for factor in factors:
                         budget = int(smallest * factor)
-                        peak, decision = _peak(net, x, budget, granularity, storage, held)
+                        peak, decision = _peak(net, x, budget, granularity, storage, held, fuse)
                         over += peak > budget
                         picked = f"l{decision.chunk}" if decision.granularity == "layer" else "s"
                         mark = "!!" if peak > budget else ""
@@ -146,13 +164,17 @@ def main() -> int:
     parser.add_argument(
         "--held", action="store_true", help="each step starts with .grad held (zeros)"
     )
+    parser.add_argument(
+        "--no-fuse", action="store_true", help="fuse=False: every neuron per step, taped"
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     names = args.only or (("fc", "conv") if args.quick else tuple(CASES))
     cases = {k: CASES[k] for k in names}
     factors = (1.0, 1.5, 3.0) if args.quick else FACTORS
-    return 1 if sweep(cases, factors, tuple(args.granularity), args.held) else 0
+    over = sweep(cases, factors, tuple(args.granularity), args.held, not args.no_fuse)
+    return 1 if over else 0
 
 
 if __name__ == "__main__":

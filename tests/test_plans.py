@@ -429,14 +429,15 @@ def test_measured_working_interpolates_and_extends_by_its_slope() -> None:
     assert working(16) == 1000 + 8 * 100
     steep = plans.MeasuredWorking(((1, 100), (2, 300)), base_slope=80)
     assert steep.slope == 200 and steep(5) == 300 + 3 * 250
-    # what a probe of the first lengths alone would have found
-    assert working.prefix(2) == plans.MeasuredWorking(((1, 700), (2, 730)), 80)
-    assert working.prefix(2)(8) == 730 + 6 * 100 > working(8)
+    # what a probe of the first lengths alone would have found: stopped short, it counts at
+    # most what its longest length holds per step past it (730 / 2)
+    assert working.prefix(2) == plans.MeasuredWorking(((1, 700), (2, 730)), 365)
+    assert working.prefix(2)(8) == 730 + 6 * 457 > working(8)
     # lengths measured past a turn the shorter ones do not show: a probe stopped short of
-    # them counts ``short_slope`` (the cost model's) past its longest
-    turning = plans.MeasuredWorking(((1, 700), (2, 730), (4, 800)), 35, short_slope=120)
+    # them counts ``short_slope`` (the cost model's) past its longest where it is more
+    turning = plans.MeasuredWorking(((10, 700), (20, 730), (40, 800)), 35, short_slope=120)
     assert turning.prefix(3) == turning and turning.prefix(9) == turning
-    assert turning.prefix(2).base_slope == 120 and turning.prefix(2)(4) == 730 + 2 * 150
+    assert turning.prefix(2).base_slope == 120 and turning.prefix(2)(40) == 730 + 20 * 150
     assert turning.scaled(32, 16).short_slope == 240
     assert working.scaled(32, 16)(8) == 2000 and working.scaled(8, 16) is working
     blocks = [plans.BlockSizes(16, 100, 40, 20, 0.1)]

@@ -100,6 +100,41 @@ def test_step_and_chunk_equal_dense_slices(
     assert_bitwise_equal(train.chunk(a, b), x[a:b])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=4).map(tuple),
+    density=densities,
+    codec=codecs,
+    seed=st.integers(0, 2**31 - 1),
+    slab=st.sampled_from([1, 3, 1 << 20]),
+)
+def test_step_ones_counts_each_step_s_ones(
+    shape: tuple[int, ...], density: float, codec: str, seed: int, slab: int
+) -> None:
+    """Steps of any width (bit-packed steps start inside a byte), counted in slabs of any
+    payload size, and a window of the train."""
+    import spikeckpt.storage.spiketrain as module
+    from spikeckpt.engine.inputs import TrainWindow
+
+    x = spikes(shape, density, torch.float32, seed)
+    train = SpikeTrain.from_dense(x, codec)
+    expected = x.reshape(shape[0], -1).sum(dim=1).long()
+    saved = module.ONES_SLAB_BYTES
+    module.ONES_SLAB_BYTES = slab
+    try:
+        assert torch.equal(train.step_ones(), expected)
+        assert torch.equal(TrainWindow(train, shape[0] // 2).step_ones(), expected[shape[0] // 2 :])
+    finally:
+        module.ONES_SLAB_BYTES = saved
+
+
+@pytest.mark.parametrize("codec", ["bitpack", "index"])
+def test_step_ones_of_steps_wider_than_an_index_block(codec: str) -> None:
+    x = spikes((3, 1, BLOCK + 5), 0.3, torch.float32, 0)
+    expected = x.reshape(3, -1).sum(dim=1).long()
+    assert torch.equal(SpikeTrain.from_dense(x, codec).step_ones(), expected)
+
+
 @pytest.mark.parametrize("width", [5, BLOCK + 5])
 def test_one_index_train_unpacks_every_run_length_in_any_order(width: int) -> None:
     """An index train keeps each run length's block starts (a few at a time): one train asked

@@ -59,6 +59,29 @@ def _peak(net: nn.Module, x: Any, budget: int, granularity: str) -> int:
     return meter.peak_bytes
 
 
+def _first_call(
+    net: nn.Module, x: Any, budget: int, *, weighted: bool = True, **options: Any
+) -> tuple[int, int | None]:
+    """Peak bytes of a new wrapper's first training step (its probes included, the input
+    counted) at ``budget``, and the layer-wise chunk it ran; the loss weighs the outputs'
+    last dimension (``weighted``) or sums them."""
+    seq = spikeckpt.wrap(net, budget=budget, **options)
+    net.zero_grad(set_to_none=True)
+    with MemoryMeter() as meter:
+        meter.track(x.tensors() if isinstance(x, SpikeTrain) else [x])
+        out = seq(x)
+        (out * torch.arange(1, out.shape[-1] + 1) if weighted else out).sum().backward()
+        del out
+    return meter.peak_bytes, seq.last_decision.chunk
+
+
+def _named(net: nn.Module, x: Any, **options: Any) -> int:
+    """The smallest budget a refusal at 4 KiB names."""
+    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+        _first_call(net, x, 4096, **options)
+    return info.value.minimum_bytes
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("granularity", ["stack", "layer", "auto"])
 def test_wrap_budget_is_kept_from_the_smallest_to_ample(name: str, granularity: str) -> None:
@@ -414,19 +437,10 @@ def test_a_wide_layer_keeps_its_budget_past_the_gradient_sums(factor: float) -> 
     generator = torch.Generator().manual_seed(0)
     x = SpikeTrain.from_dense((torch.rand(300, 16, 512, generator=generator) < 0.05).float())
 
-    def peak(budget: int) -> tuple[int, int | None]:
-        seq = spikeckpt.wrap(net, budget=budget, granularity="layer", readout="sum")
-        net.zero_grad(set_to_none=True)
-        with MemoryMeter() as meter:
-            meter.track(x.tensors())
-            seq(x).sum().backward()
-        return meter.peak_bytes, seq.last_decision.chunk
-
-    with pytest.raises(spikeckpt.BudgetTooSmall) as info:
-        peak(4096)
-    budget = int(info.value.minimum_bytes * factor)
-    used, chunk = peak(budget)
-    assert chunk is not None and chunk > 16  # past the probe's first lengths
+    options: dict[str, Any] = dict(granularity="layer", readout="sum", weighted=False)
+    budget = int(_named(net, x, **options) * factor)
+    used, chunk = _first_call(net, x, budget, **options)
+    assert chunk is not None and chunk > 8  # past the gradient sums' line
     assert used <= budget, (factor, budget, used, chunk)
 
 
@@ -489,3 +503,58 @@ def test_the_named_smallest_budget_is_checked_by_the_probes_a_call_under_it_runs
         assert peak(smallest) <= smallest
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_packed_input_s_first_call_keeps_the_budget_its_probes_run_under(fuse: bool) -> None:
+    """The working-set probe runs a few samples of a packed input's first steps: each step
+    was unpacked for the whole batch and sliced, the views holding every whole step (32
+    steps of 32 KiB at batch 16): the first call held 1.80x a budget of 1.05x the named
+    smallest (`Linear(512, 32)` + `Leaky`, ``fuse=False``; found by a randomized sweep)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 32), snn.Leaky(beta=0.9))
+    generator = torch.Generator().manual_seed(1)
+    x = SpikeTrain.from_dense((torch.rand(80, 16, 512, generator=generator) < 0.05).float())
+    options: dict[str, Any] = dict(
+        granularity="layer", storage="host", readout="sum", fuse=fuse, weighted=False
+    )
+    smallest = _named(net, x, **options)
+    for factor in (1, 1.05, 1.5):
+        budget = int(smallest * factor)
+        assert _first_call(net, x, budget, **options)[0] <= budget, factor
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+def test_a_taped_step_keeps_its_budget_past_the_turn_to_the_tape_s_line(factor: float) -> None:
+    """Taped blocks (``fuse=False``), a packed input on disk: the whole batch's peak grows by
+    36 KB per step up to chunk 4 (the gradient sums' line), 53 KB from 8 to 16 (the tape's),
+    and two samples grow by 4.5 KB per step throughout (36 KB scaled): chunks chosen from
+    those held 1.08x and 1.19x budgets of 2 and 3 times the named smallest (128-128-10,
+    T = 50, batch 16; found by a randomized sweep). The whole batch is now measured at
+    longer chunks, as for untaped blocks."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(128, 128), snn.Leaky(beta=0.9), nn.Linear(128, 10), snn.Leaky(beta=0.95)
+    )
+    generator = torch.Generator().manual_seed(1)
+    x = SpikeTrain.from_dense((torch.rand(50, 16, 128, generator=generator) < 0.2).float())
+    options: dict[str, Any] = dict(granularity="layer", storage="disk", readout="sum", fuse=False)
+    budget = int(_named(net, x, **options) * factor)
+    used, chunk = _first_call(net, x, budget, **options)
+    assert chunk is not None and chunk > 4  # past the gradient sums' line
+    assert used <= budget, (factor, budget, used, chunk)
+
+
+def test_a_packed_input_s_named_smallest_counts_its_densest_chunk() -> None:
+    """A chunk of one step reads the positions of its ones: the probe ran the input's first
+    steps, and a denser step of the 80 held 448 B more than the named smallest budget
+    (`Linear(512, 32)` + `Leaky`, 10% packed, disk, ``fuse=False``; the budget sweep's
+    "narrow" case). The probes now run each length's densest chunk."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 32), snn.Leaky(beta=0.9))
+    generator = torch.Generator().manual_seed(0)
+    x = SpikeTrain.from_dense((torch.rand(80, 16, 512, generator=generator) < 0.1).float())
+
+    options: dict[str, Any] = dict(granularity="layer", storage="disk", fuse=False)
+    smallest = _named(net, x, **options)
+    assert _first_call(net, x, smallest, **options)[0] <= smallest

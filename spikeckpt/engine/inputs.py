@@ -38,8 +38,8 @@ class TrainWindow:
     of ``stop - start`` steps (no copy).
 
     Has the part of [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]'s contract the engine uses:
-    ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step``, ``chunk`` and
-    ``chunk_positions``.
+    ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step``, ``chunk``,
+    ``chunk_positions`` and ``step_ones``.
     """
 
     def __init__(
@@ -70,6 +70,10 @@ class TrainWindow:
     @property
     def device(self) -> torch.device:
         return self.train.device
+
+    def step_ones(self) -> Tensor:
+        """Ones of each of its steps, ``(T,)`` int64 on the CPU."""
+        return self.train.step_ones()[self.start : self.stop]
 
     @property
     def nbytes(self) -> int:

@@ -36,6 +36,7 @@ from spikeckpt.plans.layerwise import (
     steepest_chord,
 )
 from spikeckpt.storage.base import tensor_nbytes
+from spikeckpt.storage.spiketrain import SpikeTrain
 
 __all__ = [
     "LAYERWISE_PROBE_CHUNKS",
@@ -73,6 +74,11 @@ LAYERWISE_PROBE_CHUNKS = (1, 2, 4, 8, 16)
 #: Every block untaped: the whole batch is measured at doubling chunk lengths until the
 #: working set is this many times a chunk of one step's (`_longer`).
 LONG_CHUNK_GROWTH = 3
+#: `_longer`'s next length, as a ratio to the longest measured, the first the probe's limit
+#: allows: a chord that ends shortly past a turn from the gradient sums' line to the chunk's
+#: averages the two (Norse 512-512-32 at batch 1: flat up to chunk 32, 12.5 KB per step from
+#: 32 to 64 and 22.3 KB per step past 64; its chunk 103 held 1.01x its budget)
+LONGER_STEPS = ((2, 1), (3, 2), (5, 4))
 #: Samples of the batch the tape's growth is measured on (two, so BatchNorm in training mode
 #: has more than one value per channel; one when the batch is 1).
 PROBE_SAMPLES = 2
@@ -89,14 +95,29 @@ class _ProbeLimit:
     `EXTRAPOLATION_MARGIN`, at least ``work`` bytes per step), its dense input beside it.
     A guess from the cost model's bytes per step alone missed what does not grow with the
     chunk (the gradient sums: 18 KB of a 24-32-10 ``RLeaky`` net's 20 KB at chunk 1), and
-    its chunk 16 probe held 49.6 KB under a 47.2 KB limit."""
+    its chunk 16 probe held 49.6 KB under a 47.2 KB limit. With one length measured (no
+    chord), ``fewer`` (``(peak, samples, batch)``: the first run's own peak on fewer
+    samples, its states and input left out as in ``runs``) gives the part of a chunk of one
+    step that grows with the batch, scaled to the whole batch, which bounds what grows with
+    the chunk (a Norse 64-512-10 net at batch 16 grew by 361 KB from chunk 1 to 2, the cost
+    model by 176 KB, and its chunk 2 probe held 1.013x the budget; this bound: 561 KB); the
+    whole peak per step would stop a net whose gradient sums are most of it (a 1024-wide
+    ``RLeaky``: 13.9 of 14.2 MB) at chunk 1."""
 
-    def __init__(self, max_bytes: int | None, work: int) -> None:
+    def __init__(
+        self, max_bytes: int | None, work: int, fewer: tuple[int, int, int] | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.work = work
+        self.fewer = fewer
+        #: predict at no less than the last run's bytes per step (`_longer`'s runs, which
+        #: look for the turn to a steeper line: a chord before it says too little)
+        self.bounded = False
         self.peaks: list[tuple[int, int]] = []
         #: the dense input each recorded run made for itself (bytes)
         self.inputs: list[int] = []
+        #: each run's own peak, less the ``held`` states it was given
+        self.runs: list[int] = []
 
     def allows(self, chunk: int, input_bytes: int) -> bool:
         """Whether a run at ``chunk`` (longer than any measured) with ``input_bytes`` of
@@ -104,24 +125,35 @@ class _ProbeLimit:
         if self.max_bytes is None or not self.peaks:
             return True
         last_chunk, last = self.peaks[-1]
+        slope = steepest_chord(self.peaks, self.work)
+        if self.bounded:
+            slope = max(slope, -(-last // last_chunk))
+        if len(self.peaks) == 1 and self.fewer is not None:  # no chord: the batch's part
+            run, samples, batch = self.fewer
+            grown = max(self.runs[0] - run, 0)
+            slope = max(slope, -(-grown * batch // (batch - samples)))
         numerator, denominator = EXTRAPOLATION_MARGIN
-        slope = -(-steepest_chord(self.peaks, self.work) * numerator // denominator)
+        slope = -(-slope * numerator // denominator)
         return last + slope * (chunk - last_chunk) + input_bytes <= self.max_bytes
 
-    def record(self, chunk: int, peak: int, input_bytes: int = 0) -> None:
+    def record(self, chunk: int, peak: int, input_bytes: int = 0, held: int = 0) -> None:
         """A run at ``chunk`` measured ``peak`` bytes (its initial states included, its
         ``input_bytes`` of dense input not)."""
         self.peaks.append((chunk, peak))
         self.inputs.append(input_bytes)
+        self.runs.append(peak - held)
 
 
 def layerwise_chunk_step_bytes(sizes: Sequence[BlockSizes], sparse_first: bool = False) -> int:
     """The cost model's bytes per chunk step of a layer-wise run, ``max_b (A_b + 2 I_b +
     O_b)`` (a chunk of one step holds at least about this much besides the block states and
-    stored trains); with ``sparse_first`` (a packed input its synapse reads as positions,
-    never dense, never differentiated) the first block's input counts nothing."""
+    stored trains); with ``sparse_first`` (a packed input its synapse may read as positions,
+    never differentiated) the first block's input counts once: a chunk too dense to gather
+    over (and every chunk on a GPU) is made dense and saved for the weight's gradient, and
+    a gather's positions hold about as much at the densest share it gathers at (three
+    int64 indices per one: 24 bytes at a sixth of the elements against 4 per element)."""
     return max(
-        b.step_bytes + (0 if sparse_first and i == 0 else 2 * b.input_bytes) + b.output_bytes
+        b.step_bytes + (1 if sparse_first and i == 0 else 2) * b.input_bytes + b.output_bytes
         for i, b in enumerate(sizes)
     )
 
@@ -174,9 +206,9 @@ def layerwise_working_bytes(
     parameters' gradients, an input gradient only when ``x`` requires grad), on the first
     steps of ``x`` at the chunk lengths of `LAYERWISE_PROBE_CHUNKS` (up to ``T / 2``;
     longer ones only while ``max_bytes`` allows them at three times the cost model's bytes per
-    step; where every block runs untaped, then at doubling lengths until the working set's
-    line is the chunk's: `_longer`), two chunks each (the second chunk's gradients are summed out of place, as in a
-    long run), under [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], and subtracts the modeled states and
+    step; then at doubling lengths until the working set's line is the chunk's: `_longer`),
+    two chunks each (the second chunk's gradients are summed out of place, as in a long
+    run; a packed input stays packed, as the run reads it), under [`MemoryMeter`][spikeckpt.engine.meter.MemoryMeter], and subtracts the modeled states and
     stored trains. The peak is piecewise linear in the chunk (short chunks peak while the
     gradient sums are held, long ones while a long tape is), so the result is the measured
     bytes at the measured lengths (never falling as the chunk grows), the chords between
@@ -214,19 +246,21 @@ def layerwise_working_bytes(
         remote=not stored_on_device,
         fuse=fuse,
         directory=directory,
+        # a packed input's ones per step: each probe runs its length's densest chunk
+        ones=x.step_ones() if is_packed(x) and hasattr(x, "step_ones") else None,
     )
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
     sparse_first = is_packed(x) and blocks[0].sparse_synapse is not None
     # the first run's room, from a few samples: a probe held under less runs nothing more
-    probe_bytes, small = _first_run_bytes(run, sizes, batch)
+    probe_bytes, small, fewer = _first_run_bytes(run, sizes, batch)
     if small is not None and max_bytes is not None and probe_bytes > max_bytes:
         # the whole batch's first run does not fit: what a few samples measured, scaled (an
         # over-estimate; the planner refuses layer-wise under this room anyway)
         first = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
         return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes)
     # the step itself at the shortest lengths: the whole batch, as the training step runs
-    limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes))
+    limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes), fewer)
     step, untaped = run(
         sizes,
         layerwise_probe_chunks(T, sizes, max_bytes),
@@ -240,27 +274,41 @@ def layerwise_working_bytes(
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
         points.append((k, held))
-    if untaped:
-        # every block untaped: a few buffers per step, far below the cost model's taped bytes;
-        # but a step's peak moves as the chunk grows: short chunks peak while the gradient
-        # sums are held, long ones while the chunk's buffers are (on 700-256-256-20 at batch
-        # 32 it grows by 87 KB per step up to chunk 4, by 107 from 16 to 32; on Linear(512,
-        # 512) + Leaky at batch 16 by 35 KB per step up to chunk 16 and 98 KB past 32: a
-        # chunk of 190 chosen from the short chords held 2.04x its budget), and a small batch
-        # shows another block's line: the whole batch is measured at longer chunks, and
-        # where the probe's limit stops it short of their line, the cost model's taped bytes
-        # per step count past the longest. A probe stores two chunks; a run groups its
-        # stored trains into entries of up to `GROUP_SHARE` of a chunk's dense trains, two of
-        # them held at once, which a remote tier adds per step (measured 137-147 KB per step
-        # in all on that model)
-        points, reached = _longer(points, partial(run, limit=limit), sizes, T, batch)
-        short = layerwise_chunk_step_bytes(sizes, sparse_first)
-        entries = 0
-        if not stored_on_device:
-            entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
-        slope = steepest_chord(points, 0 if reached else short) + entries
-        return MeasuredWorking(tuple(points), slope, probe_bytes, short + entries)
-    # taped blocks: the tape's growth, the steepest line of a run on two samples without the
+    # the whole batch at longer chunks too: a step's peak moves as the chunk grows (short
+    # chunks peak while the gradient sums are held, long ones while the chunk's tape or
+    # buffers are), and a small batch shows another block's line. Untaped blocks: on
+    # 700-256-256-20 at batch 32 it grows by 87 KB per step up to chunk 4, by 107 from 16 to
+    # 32; on Linear(512, 512) + Leaky at batch 16 by 35 KB per step up to chunk 16 and 98 KB
+    # past 32 (a chunk of 190 chosen from the short chords held 2.04x its budget). Taped: on
+    # 128-128-10 with a packed input at batch 16 by 36 KB per step up to chunk 4 and 53 KB
+    # from 8 to 16, where two samples grow by 4.5 KB per step throughout, 36 KB scaled (a
+    # chunk chosen from them held 1.19x its budget)
+    limit.bounded = True  # a conv net at batch 1: 21 KB per step up to chunk 8, 39 KB past it
+    points, reached = _longer(points, partial(run, limit=limit), sizes, T, batch)
+    # a probe stores two chunks; a run groups its stored trains into entries of up to
+    # `GROUP_SHARE` of a chunk's dense trains, two of them held at once, which a remote tier
+    # adds per step (137-147 KB per step in all on that Linear(512, 512); 2.1 KB per step on
+    # a conv net at batch 1, whose chunk of 38 held 1.003x its budget without them)
+    entries = 0
+    if not stored_on_device:
+        entries = math.ceil(2 * GROUP_SHARE * sum(b.input_bytes for b in sizes[1:]))
+    points = [(k, w + k * entries) for k, w in points]
+    floor = layerwise_chunk_step_bytes(sizes, sparse_first) + entries
+    # stopped short of the chunk's line by the probe's limit: past the longest length the
+    # working set grows by about what it holds per step there, at most (the line it turns to
+    # holds the gradient sums too), or by the cost model's bytes per step, whichever is more.
+    # Taped, on a conv net at batch 1 the chords up to chunk 8 grow by 21 KB per step, the
+    # run by 39.5 KB past it, and the cost model counts 24.7 (a chunk of 14 held 1.05x its
+    # budget); untaped, Norse 512-512-32 at batch 1 is flat up to chunk 32 and grows by 22.3
+    # KB per step past 64, the cost model's taped bytes 16.4 (a chunk of 103 held 1.01x its
+    # budget), where Linear(512, 512) + Leaky at batch 16 holds 107 KB per step at chunk 30
+    # and grows by about 140 past it, the cost model's 139 (with the former alone, a chunk
+    # of 56 held 1.03x its budget)
+    bound = 0 if reached else -(-points[-1][1] // points[-1][0])
+    if untaped:  # a few buffers per step, mostly below the cost model's taped bytes
+        slope = steepest_chord(points, 0 if reached else max(floor, bound))
+        return MeasuredWorking(tuple(points), slope, probe_bytes, floor)
+    # and the tape's growth, the steepest line of a run on two samples without the
     # parameters' gradients and with an input gradient (every block taped alike: more than it
     # holds); a packed input never takes a gradient: its run tapes as the training step does
     # (the parameters' gradient sums, constant in the chunk, are in every point alike)
@@ -273,9 +321,7 @@ def layerwise_working_bytes(
     )
     slope = steepest_chord(tape, layerwise_chunk_step_bytes(one, sparse_first))
     return MeasuredWorking(
-        tuple(points),
-        max(layerwise_chunk_step_bytes(sizes, sparse_first), -(-slope * batch // few)),
-        probe_bytes,
+        tuple(points), max(floor, -(-slope * batch // few) + entries, bound), probe_bytes
     )
 
 
@@ -283,14 +329,15 @@ def _first_run_bytes(
     run: Callable[..., tuple[list[tuple[int, int]], bool]],
     sizes: Sequence[BlockSizes],
     batch: int,
-) -> tuple[int, MeasuredWorking | None]:
+) -> tuple[int, MeasuredWorking | None, tuple[int, int, int] | None]:
     """The device bytes the working-set probe's first run (chunk 1, the whole batch) holds,
     its states and input included, predicted from runs on `PROBE_SAMPLES` and twice as many
     samples (memory is affine in the batch; the per-sample bytes raised by
-    `FIRST_RUN_MARGIN`), and the larger run's working set. Batches up to twice
-    `PROBE_SAMPLES` are run, not predicted: ``(0, None)``."""
+    `FIRST_RUN_MARGIN`), the larger run's working set, and ``(the smaller run's own peak,
+    PROBE_SAMPLES, batch)`` (`_ProbeLimit`'s ``fewer``). Batches up to twice
+    `PROBE_SAMPLES` are run, not predicted: ``(0, None, None)``."""
     if batch <= 2 * PROBE_SAMPLES:
-        return 0, None
+        return 0, None, None
     found: dict[int, tuple[int, list[tuple[int, int]]]] = {}
     for samples in (PROBE_SAMPLES, 2 * PROBE_SAMPLES):
         limit = _ProbeLimit(None, 0)
@@ -302,10 +349,13 @@ def _first_run_bytes(
             limit=limit,
         )
         found[samples] = (limit.peaks[0][1] + limit.inputs[0], points)
+        if samples == PROBE_SAMPLES:
+            fewer = (limit.runs[0], PROBE_SAMPLES, batch)
     (few, _), (more, points) = found[PROBE_SAMPLES], found[2 * PROBE_SAMPLES]
     numerator, denominator = FIRST_RUN_MARGIN
     per_sample = -(-max(more - few, 0) * numerator // (denominator * PROBE_SAMPLES))
-    return few + per_sample * (batch - PROBE_SAMPLES), MeasuredWorking(tuple(points), 0)
+    predicted = few + per_sample * (batch - PROBE_SAMPLES)
+    return predicted, MeasuredWorking(tuple(points), 0), fewer
 
 
 def _longer(
@@ -315,18 +365,22 @@ def _longer(
     T: int,
     batch: int,
 ) -> tuple[list[tuple[int, int]], bool]:
-    """``points`` extended by runs of the whole batch at twice the longest measured length,
-    again and again, until the working set has grown to `LONG_CHUNK_GROWTH` times what a
-    chunk of one step holds (past there its line is the chunk's, no longer the gradient
-    sums') or the length reaches ``T / 2``; and whether it got there (False: the probe's
-    limit stopped it, which predicts each run at no less than the cost model's taped bytes
-    per step). The bytes never fall as the chunk grows."""
+    """``points`` extended by runs of the whole batch at twice the longest measured length
+    (or, where the probe's limit does not allow it, the longest of `LONGER_STEPS` it
+    allows), again and again, until the working set has grown to `LONG_CHUNK_GROWTH` times
+    what a chunk of one step holds (past there its line is the chunk's, no longer the
+    gradient sums') or the length reaches ``T / 2``; and whether it got there (False: the
+    probe's limit stopped it). The bytes never fall as the chunk grows."""
     points = list(points)
     longest = max(1, T // 2)
     while points[-1][0] < longest and points[-1][1] < LONG_CHUNK_GROWTH * max(points[0][1], 1):
         last_k, last = points[-1]
-        more, _ = run(sizes, [min(2 * last_k, longest)], samples=batch, training=True)
-        if not more:  # the probe's limit stops it
+        for grown in LONGER_STEPS:  # the longest the probe's limit allows
+            k = min(longest, max(last_k + 1, last_k * grown[0] // grown[1]))
+            more, _ = run(sizes, [k], samples=batch, training=True)
+            if more:
+                break
+        else:  # the probe's limit stops it
             return points, False
         points.append((more[0][0], max(last, more[0][1])))
     return points, True
@@ -342,12 +396,38 @@ def device_bytes(tree: Any, device: torch.device) -> int:
     return sum(storages.values())
 
 
-def _first_steps(x: Any, n: int, *, samples: int, device: torch.device) -> Tensor:
-    """The first ``n`` steps of the first ``samples`` samples of ``x``, dense ``(n, samples,
-    ...)`` on ``device``, a tensor of their own."""
-    if is_packed(x):  # one step at a time: never the whole chunk dense
-        return torch.stack([x.step(t, device)[:samples] for t in range(n)])
-    return chunk_of(x, 0, n, device)[:, :samples].detach().clone()
+def _first_steps(x: Any, n: int, *, samples: int, device: torch.device, start: int = 0) -> Tensor:
+    """Steps ``start <= t < start + n`` of the first ``samples`` samples of ``x``, dense
+    ``(n, samples, ...)`` on ``device``, a tensor of their own."""
+    if is_packed(x):  # one step at a time: never the whole chunk, nor a whole batch, dense
+        first = x.step(start, device)[:samples]
+        out = first.new_empty((n, *first.shape))
+        out[0] = first
+        del first  # a view holds the whole batch's step: one at a time only
+        for t in range(1, n):
+            out[t] = x.step(start + t, device)[:samples]
+        return out
+    return chunk_of(x, start, start + n, device)[:, :samples].detach().clone()
+
+
+def _densest_start(ones: Tensor | None, chunk: int, n: int) -> int:
+    """Where a probe of ``n`` steps at ``chunk`` starts: at the chunk of the run (chunks from
+    step 0) with the most ones, or the one before it where the train ends first, given the
+    ones of each step; 0 without them. A packed input's synapse reads the positions of its
+    ones: a chunk denser than the first holds more (448 B over a named smallest budget at
+    chunk 1, a 10% train of 80 steps)."""
+    T = 0 if ones is None else int(ones.numel())
+    if ones is None or n >= T:
+        return 0
+    chunks = -(-T // chunk)
+    padded = torch.zeros(chunks * chunk, dtype=ones.dtype)
+    padded[:T] = ones
+    start = int(padded.reshape(chunks, chunk).sum(dim=1).argmax()) * chunk
+    if start + n <= T:
+        return start
+    if start + chunk <= T and start >= n - chunk:  # the probe's second chunk
+        return start - (n - chunk)
+    return max(0, T - n)  # the last, shorter chunk: the probe's last steps
 
 
 def _probe_residuals(
@@ -367,11 +447,13 @@ def _probe_residuals(
     limit: _ProbeLimit,
     fuse: bool = True,
     directory: str | os.PathLike[str] | None = None,
+    ones: Tensor | None = None,
 ) -> tuple[list[tuple[int, int]], bool]:
     """``(chunk, measured peak less the modeled states and trains)`` of layer-wise runs over
     the first ``2 * chunk`` steps of ``samples`` samples of ``x``, for each of ``chunks`` that
     ``limit`` allows (the lengths increasing; it stops at the first it does not), and
-    whether every block's backward ran untaped in all of them.
+    whether every block's backward ran untaped in all of them. With ``ones`` (a packed
+    input's ones per step) each run's steps start at its chunk length's densest chunk.
 
     ``training``: the parameters' gradients are computed (returned, not accumulated) and the
     input's only when ``x`` requires grad, as in a training step; else no parameter gradient
@@ -382,11 +464,15 @@ def _probe_residuals(
     dense = partial(_first_steps, x, samples=samples, device=device)
     first = dense(1)
     step_bytes = tensor_nbytes(first[0])
-    # a packed train is unpacked a chunk at a time during the step; the probe's input is
-    # dense already (made outside the run's meter): count one dense chunk per chunk step
-    unpacked = step_bytes if is_packed(x) else 0
     floating = first.is_floating_point()
-    input_grad = floating and (bool(getattr(x, "requires_grad", False)) or not training)
+    devices = cuda_devices([first])
+    del first  # a step of the samples, not held beside the runs (their inputs count steps)
+    # a packed train is run packed, as the step runs it (its first block reads the positions
+    # of its ones, or unpacks a chunk at a time, inside the run's meter)
+    packed = is_packed(x)
+    input_grad = (
+        floating and not packed and (bool(getattr(x, "requires_grad", False)) or not training)
+    )
     params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
     residuals: list[tuple[int, int]] = []
     all_untaped = True
@@ -395,13 +481,15 @@ def _probe_residuals(
             for p in params:
                 p.requires_grad_(False)
         # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
-        with torch.random.fork_rng(devices=cuda_devices([first])), recompute_phase():
+        with torch.random.fork_rng(devices=devices), recompute_phase():
             for k in chunks:
                 n = min(T, 2 * k)
                 if not limit.allows(k, n * step_bytes):
                     break
-                xs = dense(n).requires_grad_(input_grad)
+                xs: Any = dense(n, start=_densest_start(ones, k, n)).requires_grad_(input_grad)
                 states = states_for(xs[0].detach())
+                if packed:  # never differentiated
+                    xs = SpikeTrain.from_dense(xs, codec=getattr(x, "codec", "auto"))
                 run = partial(
                     layerwise_scan,
                     blocks,
@@ -417,10 +505,10 @@ def _probe_residuals(
                 held = device_bytes(states, device)  # made outside the run's meter
                 peak, untaped = _run_peak(run, xs, states, wrt, device)
                 del xs, states
-                limit.record(k, peak + held, n * step_bytes)
+                limit.record(k, peak + held, n * step_bytes, held)
                 all_untaped = all_untaped and untaped
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
-                residuals.append((k, peak + k * unpacked - (modeled - k * work)))
+                residuals.append((k, peak - (modeled - k * work)))
     finally:
         if not training:
             for p in params:

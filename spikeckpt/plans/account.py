@@ -6,7 +6,9 @@ benchmarks): the peak device memory of the training step the call runs. What a s
 ([`StepBytes`][spikeckpt.plans.account.StepBytes]):
 
 - ``input``: the input train while it is on the device (a packed train's packed bytes);
-- ``outputs``: the stacked per-step outputs and their gradient (``readout=None``);
+- ``outputs``: the stacked per-step outputs and their gradient (``readout=None``), or a
+  tensor of the readout's size that the loss makes of it, and the loss and its gradient (two
+  scalars);
 - ``gradients``: under a checkpointing plan the parameters' ``.grad`` (left to the model's
   account by ``MemoryBudget``, which counts the model, ``.grad`` and the optimizer state once
   for all wrapped models) and the gradient buffers the engine holds beyond it while it sums the
@@ -56,6 +58,13 @@ __all__ = [
 ]
 
 
+#: the loss a training step reduces its outputs to, and the loss's gradient: two scalars of
+#: up to 8 bytes (a sweep's first calls at the named smallest budget held 8 bytes over it,
+#: their float32 loss and its gradient; with a readout of ``(16, 32)``, 1,848 bytes over:
+#: the loss's own product of the readout's size, now counted in `StepSizes.outputs`)
+LOSS_BYTES = 16
+
+
 @dataclass(frozen=True)
 class StepSizes:
     """What one step of a model measures, for the account (bytes, at one batch size).
@@ -97,8 +106,13 @@ class StepSizes:
             object.__setattr__(self, "tape", 1)
 
     def outputs(self, T: int) -> int:
-        """The stacked outputs and their gradient over ``T`` steps (0 unless stacked)."""
-        return 2 * T * self.output if self.stacked else 0
+        """The stacked outputs and their gradient over ``T`` steps; with a readout, one
+        tensor of the output's size that the loss makes of it (cross-entropy's log-softmax of
+        ``(B, classes)`` counts); and the scalar loss and its gradient (`LOSS_BYTES`). A
+        step of no measured output (a plan on paper: ``spikeckpt plan``) counts none."""
+        if not self.output:
+            return 0
+        return (2 * T * self.output if self.stacked else self.output) + LOSS_BYTES
 
     @property
     def held_grads(self) -> int:

@@ -173,7 +173,11 @@ class MeasuredWorking:
     def prefix(self, n: int) -> MeasuredWorking:
         """What a probe that measured only the first ``n`` lengths would have found."""
         n = max(1, n)
-        slope = self.base_slope if n >= len(self.points) else max(self.base_slope, self.short_slope)
+        if n >= len(self.points):
+            return self
+        # stopped short: past its longest length, at most what it holds per step there
+        k, w = self.points[n - 1]
+        slope = max(self.base_slope, self.short_slope, -(-w // k))
         return MeasuredWorking(self.points[:n], slope, self.probe_bytes, self.short_slope)
 
     def __call__(self, chunk: int) -> int:

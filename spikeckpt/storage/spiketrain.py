@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -61,6 +62,10 @@ __all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train"]
 
 SPIKE_TRAIN_CODECS = ("auto", "bitpack", "index")
 _HALF = BLOCK // 2
+#: payload bytes `SpikeTrain.step_ones` counts at a time on a bit-packed train (or one step's)
+ONES_SLAB_BYTES = 1 << 20
+#: ones in each byte value
+_POP8 = np.array([bin(v).count("1") for v in range(256)], dtype=np.uint8)
 #: block-start tensors an index train keeps (`SpikeTrain._kept_starts`), per run length
 _KEPT_STARTS = 8
 
@@ -302,6 +307,29 @@ class SpikeTrain:
         if positions.numel():
             out.index_fill_(0, positions, 1)
         return out.reshape(out_shape)
+
+    def step_ones(self) -> Tensor:
+        """Ones of each step, ``(T,)`` int64 on the CPU. The index codec reads them off its
+        offsets; a bit-packed train counts its bits on the host (NumPy), `ONES_SLAB_BYTES`
+        of payload at a time (never a dense step)."""
+        n = shape_numel(self.shape[1:])
+        if self.codec == "index":
+            counts = self._offsets_on(torch.device("cpu")).diff()
+            return counts.reshape(self.T, _blocks_per_step(n)).sum(dim=1)
+        out = np.zeros(self.T, dtype=np.int64)
+        per = max(1, ONES_SLAB_BYTES * 8 // max(n, 1))  # steps per slab
+        for a in range(0, self.T, per):
+            b = min(self.T, a + per)
+            first = a * n // 8  # the slab's bytes: its bits lie in them
+            raw = self._data[first : -(-b * n // 8)].cpu().numpy()
+            # ones before each step boundary (bit positions from the slab's first byte):
+            # the whole bytes before it, and the bits of its byte below it
+            bits = np.arange(a, b + 1, dtype=np.int64) * n - first * 8
+            whole = np.concatenate(([0], np.cumsum(_POP8[raw], dtype=np.int64)))
+            below = raw[np.minimum(bits // 8, raw.size - 1)] & ((1 << (bits % 8)) - 1)
+            before = whole[bits // 8] + np.where(bits % 8 > 0, _POP8[below], 0)
+            out[a:b] = np.diff(before)
+        return torch.from_numpy(out)
 
     def chunk_positions(self, a: int, b: int, device: torch.device | str | None = None) -> Tensor:
         """Where the ones of steps ``a <= t < b`` are: flat row-major positions in the dense
