@@ -247,7 +247,7 @@ def layerwise_working_bytes(
         fuse=fuse,
         directory=directory,
         # a packed input's ones per step: each probe runs its length's densest chunk
-        ones=x.step_ones() if is_packed(x) and hasattr(x, "step_ones") else None,
+        ones=x.step_ones() if is_packed(x) else None,
     )
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
@@ -338,24 +338,23 @@ def _first_run_bytes(
     `PROBE_SAMPLES` are run, not predicted: ``(0, None, None)``."""
     if batch <= 2 * PROBE_SAMPLES:
         return 0, None, None
-    found: dict[int, tuple[int, list[tuple[int, int]]]] = {}
-    for samples in (PROBE_SAMPLES, 2 * PROBE_SAMPLES):
-        limit = _ProbeLimit(None, 0)
-        points, _ = run(
+    limits = {samples: _ProbeLimit(None, 0) for samples in (PROBE_SAMPLES, 2 * PROBE_SAMPLES)}
+    points: dict[int, list[tuple[int, int]]] = {}
+    for samples, limit in limits.items():
+        points[samples], _ = run(
             [scaled_sizes(b, samples, batch) for b in sizes],
             [1],
             samples=samples,
             training=True,
             limit=limit,
         )
-        found[samples] = (limit.peaks[0][1] + limit.inputs[0], points)
-        if samples == PROBE_SAMPLES:
-            fewer = (limit.runs[0], PROBE_SAMPLES, batch)
-    (few, _), (more, points) = found[PROBE_SAMPLES], found[2 * PROBE_SAMPLES]
+    small, large = limits[PROBE_SAMPLES], limits[2 * PROBE_SAMPLES]
+    few, more = (lim.peaks[0][1] + lim.inputs[0] for lim in (small, large))
     numerator, denominator = FIRST_RUN_MARGIN
     per_sample = -(-max(more - few, 0) * numerator // (denominator * PROBE_SAMPLES))
     predicted = few + per_sample * (batch - PROBE_SAMPLES)
-    return predicted, MeasuredWorking(tuple(points), 0), fewer
+    working = MeasuredWorking(tuple(points[2 * PROBE_SAMPLES]), 0)
+    return predicted, working, (small.runs[0], PROBE_SAMPLES, batch)
 
 
 def _longer(
