@@ -50,6 +50,13 @@ class BudgetTooSmall(SpikeckptError, ValueError):
         self.minimum_bytes = minimum_bytes
 
 
+class SlowPlanWarning(UserWarning):
+    """The budget leaves room only for a stack plan that recomputes its steps many times over
+    (modeled more than 3x BPTT's time, `SLOW_FACTOR`); the message names a budget that
+    runs within it. Silence it with ``warnings.filterwarnings("ignore",
+    category=spikeckpt.SlowPlanWarning)``."""
+
+
 class UnsupportedLayerError(SpikeckptError, TypeError):
     """A model contains a layer that cannot be stepped one time step at a time."""
 

@@ -135,6 +135,9 @@ def refuse_unbatched(model: nn.Module, x: Any, batch_first: bool) -> None:
     its steps ``x[t]`` would run unbatched, one sample per step, and the outputs would look
     plausible. Most often it is a static input ``(B, features)`` meant for every step."""
     first = _first_layer(model)
+    if isinstance(first, nn.modules.conv._ConvNd):
+        _refuse_unbatched_image(first, x, batch_first)
+        return
     if len(x.shape) != 2 or not isinstance(first, nn.Linear):
         return
     if int(x.shape[1]) != first.in_features:
@@ -147,4 +150,23 @@ def refuse_unbatched(model: nn.Module, x: Any, batch_first: bool) -> None:
         f"unbatched sample. A static input (B, {features}) fed at every step (snnTorch "
         f"tutorial 5): pass x.expand(num_steps, *x.shape) (a view, no copy); a sequence of "
         f"one sample: x[:, None] (T={T}, B=1, {features})"
+    )
+
+
+def _refuse_unbatched_image(first: nn.modules.conv._ConvNd, x: Any, batch_first: bool) -> None:
+    """An input with one axis too few for the first convolution, whose second axis is its
+    ``in_channels``: a static image ``(B, C, H, W)`` (snnTorch tutorial 6) read as ``(T, B,
+    ...)`` runs each sample unbatched as one step (torch's convolutions accept ``(C, H, W)``),
+    and fails later with a shape error that names neither."""
+    spatial = len(first.kernel_size)
+    if len(x.shape) != spatial + 2 or int(x.shape[1]) != first.in_channels:
+        return
+    axes = "(B, T, C, ...)" if batch_first else "(T, B, C, ...)"
+    shape = tuple(x.shape)
+    raise ConfigError(
+        f"x has shape {shape}: read as {axes} each step would be one unbatched sample of "
+        f"{tuple(shape[1:])} for the first {type(first).__name__} (in_channels="
+        f"{first.in_channels}). A static input {shape} fed at every step (snnTorch tutorial "
+        f"6): pass x.expand(num_steps, *x.shape) (a view, no copy); a sequence of one "
+        f"sample: x[:, None]"
     )

@@ -170,6 +170,13 @@ class CheckpointedSequence(Remade):
         mem = self.adapter.membrane(state)
         return state, (mem if self.output == "mem" else (y, mem))
 
+    def probe_signature(self) -> tuple[Any, ...]:
+        """What this model's step holds depends on beside its code and tensor shapes: the
+        layers and their options (`model_key`) and what each step returns. The probe and
+        plan caches key on it (a spikes-only model's cached probe was used for a same-shaped
+        model returning ``(spk, mem)``: one output and its gradient uncounted)."""
+        return (self._key, self.output, self.as_call)
+
     def initial_state(self, x_t: Tensor) -> State:
         """The state at t=0 for one step's input ``x_t (B, ...)`` (zeros, or Norse's own)."""
         return self.adapter.init_state(x_t)
@@ -327,7 +334,7 @@ class CheckpointedSequence(Remade):
             raise self._unlisted(err, x, state) from None
         finally:
             self.adapter.cleanup()
-        self.last_stats.planning_seconds = planning
+        self.last_stats.planning_seconds += planning  # beside what scan spent planning
         if decision.choice is not None:  # planned for a budget: the step as planned
             self.last_stats.planned = decision.choice.step
             self.last_stats.note = decision.choice.note
@@ -431,8 +438,10 @@ class CheckpointedSequence(Remade):
         if stats is not None:
             text += f", last run: {stats.plan}"
             peak = stats.peak_bytes.get("device")
-            if peak is not None:
-                text += f" (measured peak {format_bytes(peak)})"
+            if peak is not None and stats.granularity != "layer":
+                text += f" (its checkpoints and tapes peaked at {format_bytes(peak)})"
+            if stats.planned is not None:
+                text += f", planned step {format_bytes(stats.planned.total)}"
         return text
 
 

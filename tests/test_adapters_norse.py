@@ -16,7 +16,7 @@ import torch
 from device_copies import HostToDeviceCopies
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from norse_cells import counted_gathers
+from norse_cells import counted_gathers, norse_loop
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
@@ -831,3 +831,28 @@ def test_a_recurrent_cells_autapse_hook_never_gets_none_from_the_stack(T: int) -
     assert (weights.grad is None) == (T == 1)
     if T == 8:
         assert weights.grad.abs().sum() > 0 and not weights.grad.diagonal().any()
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_gradients_that_reach_nothing_stay_none_as_in_norses_loop(granularity: str) -> None:
+    """A ``heaviside`` spike has no gradient, so Norse's loop leaves ``.grad`` of the layers
+    below None (an optimizer skips them); layer-wise gave zeros (the fused kernel's backward),
+    and AdamW's weight decay moved a layer the loop leaves alone. A ``CobaLIFCell``'s input
+    gets no gradient in the loop: layer-wise returned a zero ``x.grad``."""
+
+    def build(cell: nn.Module) -> nn.Module:
+        torch.manual_seed(0)
+        return nt.SequentialState(nn.Linear(8, 6), cell, nn.Linear(6, 5), nt.LICell())
+
+    torch.manual_seed(5)
+    x = torch.rand(20, 3, 8) * 3
+    heaviside = nt.LIFParameters(method="heaviside")
+    for cell in (nt.LIFCell(p=heaviside), nt.CobaLIFCell(6, 6)):
+        loop, net = build(copy.deepcopy(cell)), build(copy.deepcopy(cell))
+        x_loop, x_net = x.clone().requires_grad_(), x.clone().requires_grad_()
+        norse_loop(loop, x_loop).sum().backward()
+        sc.wrap(net, plan=Uniform(4), granularity=granularity)(x_net)[0].sum().backward()
+        assert x_loop.grad is None and x_net.grad is None
+        for (name, p), q in zip(loop.named_parameters(), net.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+        assert net[0].weight.grad is None

@@ -230,3 +230,117 @@ def test_a_schedule_for_all_steps_names_the_step_that_widens_the_state() -> None
     message = str(info.value)
     assert "step 0 returns this state in torch.float32 from a torch.float16 one" in message
     assert "build it for T-1, or pass an initial state in torch.float32" in message
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+@pytest.mark.parametrize("kind", ["SLSTM", "SConv2dLSTM"])
+def test_snntorch_lstm_states_start_in_the_default_dtype_under_autocast(
+    kind: str, granularity: str
+) -> None:
+    """snnTorch starts an ``SLSTM`` / ``SConv2dLSTM`` state with ``torch.zeros`` (float32);
+    the adapter took the input's dtype (bf16 under autocast): membranes 1.6e-3 and synaptic
+    currents 3.7e-3 off the loop's, in bf16 where the loop's are float32. Bitwise now."""
+    from snntorch import utils
+
+    def build() -> nn.Module:
+        torch.manual_seed(1)
+        if kind == "SLSTM":
+            return nn.Sequential(
+                nn.Linear(8, 6),
+                snn.SLSTM(6, 6, init_hidden=True),
+                nn.Linear(6, 5),
+                snn.SLSTM(5, 5, init_hidden=True, output=True),
+            )
+        return nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1),
+            snn.SConv2dLSTM(3, 4, 3, init_hidden=True, output=True),
+        )
+
+    torch.manual_seed(0)
+    x = torch.rand(20, 2, 8) * 1.5 if kind == "SLSTM" else torch.rand(20, 2, 2, 6, 6) * 1.5
+    loop, net = build(), build()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        utils.reset(loop)
+        outs = [loop(x_t) for x_t in x]
+        want = [torch.stack([o[k] for o in outs]) for k in range(3)]
+        got = sc.wrap(net, plan=sc.plans.Uniform(4), granularity=granularity)(x)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    (want[2].float().sum() + want[0].sum()).backward()
+    (got[2].float().sum() + got[0].sum()).backward()
+    for p, q in zip(loop.parameters(), net.parameters(), strict=True):
+        scale = float(p.grad.abs().max()) or 1.0
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=RTOL[torch.bfloat16] * scale)
+
+
+@pytest.mark.parametrize("plan", [sc.plans.BPTT(), sc.plans.Uniform(4)])
+def test_a_state_whose_dtype_settles_a_step_later_runs_as_the_loop(plan: Any) -> None:
+    """snnTorch's ``DeltaLeaky`` keeps the previous membrane: under bf16 autocast its
+    ``mem_prev`` is float32 zeros until step 1 has made it bf16. Only step 0 ran apart, and
+    the stack refused the run with a message about a Schedule the user never built. The steps
+    whose state still changes dtype now run apart (up to three)."""
+    T, B = 30, 3
+    torch.manual_seed(0)
+    x = torch.rand(T, B, 8) * 1.5
+
+    def build() -> nn.Module:
+        torch.manual_seed(1)
+        beta = torch.full((6,), 0.9)
+        return nn.Sequential(nn.Linear(8, 6), snn.DeltaLeaky(beta=beta, delta_threshold=0.3))
+
+    neurons = list(snn.SpikingNeuron.instances)  # snnTorch keeps every neuron built, and
+    loop, net = build(), build()  # a DeltaLeaky never called (mem None) breaks utils.reset
+    try:
+        _check_delta_leaky(loop, net, x, plan)
+    finally:
+        snn.SpikingNeuron.instances[:] = neurons
+
+
+def _check_delta_leaky(loop: nn.Module, net: nn.Module, x: Tensor, plan: Any) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state, outs = (None, None), []
+        for x_t in x:
+            spk, state = loop[1](loop[0](x_t), state)
+            outs.append(spk)
+        got = sc.wrap(net, plan=plan)(x)
+    want = torch.stack(outs)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    (want * torch.arange(1.0, 7.0)).sum().backward()
+    (got * torch.arange(1.0, 7.0)).sum().backward()
+    for p, q in zip(loop.parameters(), net.parameters(), strict=True):
+        scale = float(p.grad.abs().max()) or 1.0
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=RTOL[torch.bfloat16] * scale)
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_an_fp16_input_that_requires_grad_under_bf16_autocast_backpropagates(
+    granularity: str,
+) -> None:
+    """The engine took each segment's gradients under the forward's autocast (it re-enters
+    it to recompute): the backward of an fp16 input that requires grad under bf16 autocast
+    failed in the stack ("Unexpected floating ScalarType in at::autocast::prioritize") where
+    the loop's backward, outside autocast, runs. The gradients now run as the loop's."""
+    from snntorch import utils
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(8, 6),
+            snn.Leaky(0.9, init_hidden=True),
+            nn.Linear(6, 5),
+            snn.Leaky(0.8, init_hidden=True, output=True),
+        )
+
+    torch.manual_seed(5)
+    x0 = (torch.rand(20, 3, 8) * 2).half()
+    loop, net = build(), build()
+    x_loop, x_net = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        utils.reset(loop)
+        mem = torch.stack([loop(x_t)[1] for x_t in x_loop])
+        _, got = sc.wrap(net, plan=sc.plans.Uniform(4), granularity=granularity)(x_net)
+    assert torch.equal(got, mem)
+    mem.sum().backward()
+    got.sum().backward()
+    assert x_net.grad is not None and x_net.grad.dtype == torch.float16
+    torch.testing.assert_close(x_net.grad, x_loop.grad, rtol=0, atol=0)

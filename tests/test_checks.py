@@ -98,6 +98,10 @@ def test_disk_directory_must_exist_be_a_folder_and_be_writable(tmp_path: Path) -
     a_file.write_text("x")
     with pytest.raises(StorageError, match="is a file, not a folder"):
         check_storage("disk", a_file)
+    # below a file: the message names the file (os.makedirs, the other fix, would fail)
+    with pytest.raises(StorageError, match=r"a-file'? above it is a file") as below:
+        check_storage("disk", a_file / "checkpoints" / "run")
+    assert "os.makedirs" not in str(below.value)
     with pytest.raises(ValueError, match="must be a path"):
         check_storage("disk", 42)  # type: ignore[arg-type]
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import spikeckpt as sc
 import spikeckpt.engine.planned as planned_module
-import spikeckpt.engine.scan as scan_module
+import spikeckpt.engine.scan_budget as scan_budget
 from spikeckpt import plans as P
 from spikeckpt.engine.saved import measure_step
 from spikeckpt.engine.tree import tree_flatten
@@ -229,13 +229,13 @@ def test_scan_fills_intervals_once_per_step_and_shape(monkeypatch: pytest.Monkey
     net = LIFStack((12, 16, 4))
     x = spike_train(60, 2, 12, 0.3)
     calls = []
-    real = scan_module.probe_step
+    real = scan_budget.probe_step
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scan_module, "probe_step", counting)
+    monkeypatch.setattr(scan_budget, "probe_step", counting)
     planned_module._PLANNED.clear()
     grads = []
     for _ in range(2):

@@ -454,13 +454,57 @@ def test_auto_on_cuda_plans_once_while_the_free_memory_moves(
 
 def test_a_call_says_how_long_it_spent_choosing_its_plan() -> None:
     """``last_stats.planning_seconds``: the first call with a budget probes the model inside
-    it; the next reuses the plan (no probe); a new length plans again. A benchmark times only
-    calls that did not plan (``bench_peers.py`` says when one did)."""
+    it; the next reuses the plan (no probe); a length more than `REUSE_SPAN` shorter plans
+    again. A benchmark times only calls that did not plan (``bench_peers.py`` says when one
+    did). ``scan`` says it too (it said 0.0 on a call that probed the model)."""
     seq = sc.wrap(_net(), plan="auto", budget="8MiB")
     seconds = []
-    for x in (_x(), _x(), _x()[:40]):
+    for x in (_x(), _x(), _x()[:30]):
         seq.zero_grad()  # a `.grad` held from before would be planned for again, once
         seq(x).sum().backward()
         seconds.append(seq.last_stats.planning_seconds)
     first, reused, new_length = seconds
     assert first > 10 * reused and new_length > 10 * reused, seconds
+    net = _net()
+
+    def step(mems: Any, x_t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        s1, m1 = net[1](net[0](x_t), mems[0])
+        s2, m2 = net[3](net[2](s1), mems[1])
+        return (m1, m2), s2
+
+    scanned = []
+    for _ in range(2):
+        net.zero_grad()
+        state = (torch.zeros(B, 32), torch.zeros(B, 10))
+        out = sc.scan(step, _x(), state, plan="auto", budget="8MiB")
+        out.ys.sum().backward()
+        scanned.append(out.stats.planning_seconds)
+    assert scanned[0] > 10 * scanned[1] and scanned[1] >= 0, scanned
+
+
+def test_a_refusal_says_to_pack_a_dense_spike_input_that_is_most_of_the_step() -> None:
+    """An N-MNIST batch of 0/1 spikes was 7 of a refused step's 9 MiB and the refusal named
+    only the budget: it now says to pass the input packed (wrap and scan alike), and ``scan``
+    raises it once (not chained to a first refusal)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(300, 8), snn.Leaky(beta=0.9), nn.Linear(8, 3), snn.Leaky(0.9))
+    x = (torch.rand(60, 4, 300) < 0.05).float()
+    packing = r"is most of it and holds only 0 and 1: pass it packed, spikeckpt\.SpikeTrain"
+    for granularity in ("stack", "layer"):
+        with pytest.raises(sc.BudgetTooSmall, match=packing):
+            sc.wrap(net, plan="auto", budget="16KiB", granularity=granularity)(x)
+    with pytest.raises(sc.BudgetTooSmall) as packed:
+        sc.wrap(net, plan="auto", budget="16KiB")(sc.SpikeTrain.from_dense(x))
+    assert "pass it packed" not in str(packed.value)
+    with pytest.raises(sc.BudgetTooSmall) as graded:  # not spikes: nothing to pack
+        sc.wrap(net, plan="auto", budget="16KiB")(x * 0.5)
+    assert "pass it packed" not in str(graded.value)
+
+    def step(mems: Any, x_t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        s1, m1 = net[1](net[0](x_t), mems[0])
+        s2, m2 = net[3](net[2](s1), mems[1])
+        return (m1, m2), s2
+
+    with pytest.raises(sc.BudgetTooSmall, match=packing) as scanned:
+        sc.scan(step, x, (torch.zeros(4, 8), torch.zeros(4, 3)), plan="auto", budget="16KiB")
+    assert scanned.value.__suppress_context__  # one refusal in the traceback

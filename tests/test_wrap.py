@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -136,10 +137,13 @@ def test_the_plan_that_ran_is_shown_after_auto() -> None:
     assert seq.last_stats is not None and seq.last_stats.plan == "Uniform(interval=8)"
     assert seq.last_stats.completed
     text = repr(seq)
-    assert "last run: Uniform(interval=8) (measured peak " in text
+    assert "last run: Uniform(interval=8) (its checkpoints and tapes peaked at " in text
     layer = sc.wrap(snn_net(), plan=Uniform(5), granularity="layer")
     layer((torch.rand(12, 3, 6) < 0.3).float())
     assert "last run: layer-wise(chunk=5)" in repr(layer)
+    budgeted = sc.wrap(snn_net(), plan="auto", granularity="layer", budget="1MiB")
+    budgeted((torch.rand(12, 3, 6) < 0.3).float())
+    assert re.search(r"last run: layer-wise\(chunk=\d+\), planned step [\d.]+ KiB", repr(budgeted))
 
 
 def test_bad_arguments_fail_at_wrap_time_and_t0_says_so() -> None:
@@ -206,6 +210,23 @@ def test_a_static_input_without_time_is_refused_with_the_expand_fix() -> None:
         loop = loop + spk2
     assert torch.equal(counts, loop)
     assert seq(img[:, None]).shape == (1, 3)  # a sequence of one sample, as the message says
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_static_image_without_time_is_refused_with_the_expand_fix(dims: int) -> None:
+    """snnTorch tutorial 6 feeds one image ``(B, 1, 28, 28)`` at every step: passed as it
+    is, its batch was read as time and the first convolution (which accepts an unbatched
+    ``(C, H, W)``) ran each sample alone, failing later with torch's "mat1 and mat2 shapes
+    cannot be multiplied". Refused with the fix, which runs."""
+    torch.manual_seed(0)
+    conv = nn.Conv1d(2, 4, 3) if dims == 1 else nn.Conv2d(2, 4, 3)
+    net = nn.Sequential(conv, snn.Leaky(0.9), nn.Flatten(), nn.LazyLinear(3), snn.Leaky(0.9))
+    img = torch.rand(5, 2, *([6] * dims))
+    seq = sc.wrap(net, readout="sum")
+    with pytest.raises(sc.ConfigError, match=r"tutorial 6\): pass x\.expand\(num_steps"):
+        seq(img)
+    assert seq(img.expand(4, *img.shape)).shape == (5, 3)
+    assert seq(img[:, None]).shape == (1, 3)  # a sequence of one sample
 
 
 def test_a_spike_input_that_requires_grad_plans_without_torch_warnings() -> None:

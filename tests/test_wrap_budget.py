@@ -558,3 +558,35 @@ def test_a_packed_input_s_named_smallest_counts_its_densest_chunk() -> None:
     options: dict[str, Any] = dict(granularity="layer", storage="disk", fuse=False)
     smallest = _named(net, x, **options)
     assert _first_call(net, x, smallest, **options)[0] <= smallest
+
+
+def test_the_probe_cache_keeps_apart_models_that_return_more() -> None:
+    """The probe and plan caches are the process's: keyed by the step's code and shapes, a
+    spikes-only model's probe was used for a same-shaped model returning ``(spk, mem)`` (and
+    for the same net wrapped with ``output="both"``): a refusal named 37,748 B where a fresh
+    process names 49,364 (one ``(T, B, n)`` output and its gradient uncounted)."""
+    from spikeckpt.engine import measure, planned
+
+    def net(output: bool) -> nn.Module:
+        torch.manual_seed(0)
+        hidden = {"init_hidden": output}  # snnTorch's output=True needs init_hidden
+        return nn.Sequential(
+            nn.Linear(13, 11),
+            snn.Leaky(0.9, **hidden),
+            nn.Linear(11, 7),
+            snn.Leaky(0.9, output=output, **hidden),
+        )
+
+    x = (torch.rand(60, 4, 13, generator=torch.Generator().manual_seed(0)) < 0.2).float()
+
+    def smallest(model: nn.Module, **options: Any) -> int:
+        with pytest.raises(spikeckpt.BudgetTooSmall) as info:
+            spikeckpt.wrap(model, plan="auto", budget=4096, granularity="stack", **options)(x)
+        return info.value.minimum_bytes
+
+    spikes = smallest(net(False))
+    after = [smallest(net(True), output=None), smallest(net(False), output="both")]
+    measure._PROBES.clear()
+    planned._SCHEDULES.clear()
+    fresh = [smallest(net(True), output=None), smallest(net(False), output="both")]
+    assert after == fresh and fresh[0] > spikes

@@ -27,10 +27,11 @@ raises [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] showing
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
 
@@ -62,6 +63,8 @@ __all__ = [
     "frozen_running_stats",
     "own_loop_error",
     "probe",
+    "refuse_kept_state",
+    "users_subclass",
     "probing",
     "registrations",
     "state_arity",
@@ -166,17 +169,39 @@ def probing() -> bool:
     return _PROBING.get()
 
 
-def probe(fn: Any, *args: Any) -> Any:
-    """Call ``fn(*args)`` without autograd, without consuming random numbers and without
-    updating running statistics (a shape probe)."""
+def probe(fn: Any, *args: Any, module: nn.Module | None = None) -> Any:
+    """Call ``fn(*args)`` without autograd, without consuming random numbers (the default
+    generators', and those held by the layers of ``module``, default ``fn``'s adapter's) and
+    without updating running statistics (a shape probe)."""
     x = next((a for a in args if isinstance(a, Tensor)), None)
     devices = [x.device.index or 0] if x is not None and x.is_cuda else []
+    # a layer drawing from a generator of its own (noise made reproducible): kept too
+    if module is None:
+        module = getattr(getattr(fn, "__self__", None), "module", None)
+    own = _own_generators(module)
+    states = [g.get_state() for g in own]
     token = _PROBING.set(True)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             return fn(*args)
     finally:
         _PROBING.reset(token)
+        for g, state in zip(own, states, strict=True):
+            g.set_state(state)
+
+
+def _own_generators(module: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``module``'s layers hold as attributes (none when it
+    is not a module)."""
+    if not isinstance(module, nn.Module):
+        return []
+    found = {
+        id(v): v
+        for m in module.modules()
+        for v in vars(m).values()
+        if isinstance(v, torch.Generator)
+    }
+    return list(found.values())
 
 
 def _side_effects_off() -> bool:
@@ -249,40 +274,63 @@ class CustomLayerAdapter(StatelessAdapter):
     BatchNorm's running statistics are not state (see `StatelessAdapter`).
     """
 
-    def _snapshot(self) -> dict[tuple[int, str], Any]:
-        seen: dict[tuple[int, str], Any] = {}
-        for m in self.module.modules():
-            skip_buffers = isinstance(m, RUNNING_STATS_TYPES)
-            for k, v in m.__dict__.items():
-                if not k.startswith("_") and k != "training":
-                    seen[(id(m), k)] = _value_key(v)
-            if not skip_buffers:
-                for k, v in m._buffers.items():
-                    seen[(id(m), "buffer " + k)] = _value_key(v)
-        return seen
-
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        before = self._snapshot()
-        out = super().step(state, x_t)
-        after = self._snapshot()
-        if after != before:
-            names = {id(m): n for n, m in self.module.named_modules()}
-            changed = sorted(
-                (names.get(key[0], "?"), key[1])
-                for key in after.keys() | before.keys()
-                if after.get(key, _NO_VALUE) != before.get(key, _NO_VALUE)
-            )
-            where = ", ".join(f"self.{(n + '.') if n else ''}{k}" for n, k in changed[:5])
-            raise unsupported(
-                self.module,
-                self.path,
-                f"it keeps state on itself between calls: its forward changed {where}. A "
-                "checkpointed run calls each step again during backward, so state kept on the "
-                "module would be replayed out of order. Return the state instead: "
-                "forward(x, state) -> (y, state), with state=None at t=0 (or an "
-                "initial_state(x) method)",
-            )
-        return out
+        with refuse_kept_state(self.module, self.path):
+            return super().step(state, x_t)
+
+
+def _attributes(
+    module: nn.Module, allowed: frozenset[str], buffers: bool
+) -> dict[tuple[int, str], Any]:
+    """What identifies each attribute (and, with ``buffers``, each buffer but BatchNorm's
+    running statistics) of ``module`` and its submodules, but ``allowed`` names."""
+    seen: dict[tuple[int, str], Any] = {}
+    for m in module.modules():
+        for k, v in m.__dict__.items():
+            if not k.startswith("_") and k != "training" and k not in allowed:
+                seen[(id(m), k)] = _value_key(v)
+        if buffers and not isinstance(m, RUNNING_STATS_TYPES):
+            for k, v in m._buffers.items():
+                seen[(id(m), "buffer " + k)] = _value_key(v)
+    return seen
+
+
+def users_subclass(module: nn.Module, library: str) -> bool:
+    """Whether ``module``'s class is a subclass of yours of ``library``'s (``"snntorch"``,
+    ``"norse"``), defined outside it."""
+    return (type(module).__module__ or "").split(".")[0] != library
+
+
+@contextlib.contextmanager
+def refuse_kept_state(
+    module: nn.Module, path: str, allowed: frozenset[str] = frozenset(), *, buffers: bool = True
+) -> Iterator[None]:
+    """Raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] naming the
+    attribute where the call inside left ``module`` (or a submodule) otherwise than it found
+    it: an attribute assigned (``self.count = self.count + z.sum()``, but ``allowed`` names,
+    the state its adapter manages) or, with ``buffers``, a buffer changed in place. That is
+    state kept between calls, which a checkpointed run would replay out of order."""
+    before = _attributes(module, allowed, buffers)
+    yield
+    after = _attributes(module, allowed, buffers)
+    if after == before:
+        return
+    names = {id(m): n for n, m in module.named_modules()}
+    changed = sorted(
+        (names.get(key[0], "?"), key[1])
+        for key in after.keys() | before.keys()
+        if after.get(key, _NO_VALUE) != before.get(key, _NO_VALUE)
+    )
+    where = ", ".join(f"self.{(n + '.') if n else ''}{k}" for n, k in changed[:5])
+    raise unsupported(
+        module,
+        path,
+        f"it keeps state on itself between calls: its forward changed {where}. A "
+        "checkpointed run calls each step again during backward, so state kept on the "
+        "module would be replayed out of order. Return the state instead: "
+        "forward(x, state) -> (y, state), with state=None at t=0 (or an "
+        "initial_state(x) method)",
+    )
 
 
 def _positional(fn: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool] | None:
@@ -653,6 +701,13 @@ class HiddenStateAdapter(LayerAdapter):
             self.cleanup()
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
+        # what the neurons' adapters manage is theirs; anything else assigned on the block
+        # (a spike count kept for a rate regulariser) is state kept on it: refused
+        allowed = frozenset(a for n in self.neurons for a in getattr(n, "managed", ()))
+        with refuse_kept_state(self.module, self.path, allowed, buffers=False):
+            return self._step(state, x_t)
+
+    def _step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         try:
             for neuron, s in zip(self.neurons, state, strict=True):
                 neuron.put_state(s)  # type: ignore[attr-defined]

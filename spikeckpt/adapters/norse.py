@@ -43,7 +43,9 @@ from spikeckpt.adapters.generic import (
     StatelessAdapter,
     own_loop_error,
     probe,
+    refuse_kept_state,
     state_arity,
+    users_subclass,
 )
 from spikeckpt.adapters.izhikevich_kernel import NorseIzhikevichKernel
 from spikeckpt.adapters.kernels import NorseKernel, NorseMode
@@ -165,6 +167,12 @@ class NorseAdapter(LayerAdapter):
         return _conform(init, after, m, self.path)
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+        if users_subclass(self.module, "norse"):  # one keeping more on itself is refused
+            with refuse_kept_state(self.module, self.path, buffers=False):
+                return self._step(state, x_t)
+        return self._step(state, x_t)
+
+    def _step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         m: Any = self.module  # Norse's cell: untyped attributes
         p = move_params(m.p, x_t.device)
         if self.sequence:
@@ -392,8 +400,11 @@ def is_sequence_stack(module: nn.Module) -> bool:
     return any(isinstance(c, (*_SEQUENCE, Lift)) for c in module.children())
 
 
-#: ``p.method`` values whose spike the fused kernel takes from Norse's ``threshold``
-_METHODS = ("super", "heaviside", "tanh", "triangle", "circ", "heavi_erfc")
+#: ``p.method`` values whose spike the fused kernel takes from Norse's ``threshold``.
+#: Not ``"heaviside"``: its spike has no gradient, so in Norse's loop nothing below it gets
+#: one (``.grad`` stays None and an optimizer skips the layer); the kernel's backward computed
+#: zeros there, which AdamW's weight decay then applied. Such a cell runs per step.
+_METHODS = ("super", "tanh", "triangle", "circ", "heavi_erfc")
 
 
 def _norse_spike(m: Any) -> Callable[[Tensor], Tensor]:

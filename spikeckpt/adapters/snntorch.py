@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.alpha_kernel import AlphaKernel
-from spikeckpt.adapters.generic import StatelessAdapter
+from spikeckpt.adapters.generic import StatelessAdapter, refuse_kept_state, users_subclass
 from spikeckpt.adapters.kernels import (
     ImmediateLeakyKernel,
     LeakyKernel,
@@ -105,14 +105,19 @@ def _like_input(n: int) -> Init:
 
 
 def _slstm_init(m: Any, x: Tensor) -> tuple[Tensor, ...]:
-    z = x.new_zeros(x.shape[0], m.hidden_size)
+    # snnTorch's init_slstm: torch.zeros, the default dtype, not the input's (an input in
+    # bfloat16 under autocast gave bfloat16 states where its loop keeps float32)
+    z = torch.zeros(x.shape[0], m.hidden_size, device=x.device)
     return z, z.clone()
 
 
 def _sconv_init(m: Any, x: Tensor) -> tuple[Tensor, ...]:
-    z = x.new_zeros(x.shape[0], m.out_channels, x.shape[2], x.shape[3])
-    return z, z.clone()
+    z = torch.zeros(x.shape[0], m.out_channels, x.shape[2], x.shape[3], device=x.device)
+    return z, z.clone()  # the default dtype, as snnTorch's init_sconv2dlstm
 
+
+#: the attributes snnTorch's own neurons assign in a step, beside their state fields
+_STEP_WRITES = ("reset", "spk", "mem_prev")
 
 # Most specific classes first (DeltaLeaky subclasses Leaky).
 _SPECS: list[tuple[type, type, Init]] = [
@@ -189,7 +194,20 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         return self.module_step(state, x_t)
 
     def module_step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        """One step through the module's own call (its bookkeeping included)."""
+        """One step through the module's own call (its bookkeeping included); a subclass of
+        yours that keeps more on itself (``self.count = ...``) is refused, naming it."""
+        if users_subclass(self.module, "snntorch"):
+            with refuse_kept_state(self.module, self.path, self.managed, buffers=False):
+                return self._module_step(state, x_t)
+        return self._module_step(state, x_t)
+
+    @property
+    def managed(self) -> frozenset[str]:
+        """The attributes a step of this neuron assigns: its state fields and snnTorch's own
+        bookkeeping (``reset``, ``spk``, ``mem_prev``)."""
+        return frozenset((*self.fields, *_STEP_WRITES))
+
+    def _module_step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         m = self.module
         try:
             if m.init_hidden:
@@ -405,14 +423,19 @@ def snntorch_kernel(
 
 def _fires_above_zero(spike: Callable[[Tensor], Tensor]) -> bool:
     """Whether ``spike``'s forward is snnTorch's heaviside ``(u > 0).float()`` on
-    `_HEAVISIDE_PROBE` (every snnTorch surrogate's is; a user's may fire at ``u >= 0``)."""
+    `_HEAVISIDE_PROBE` (every snnTorch surrogate's is; a user's may fire at ``u >= 0``) and
+    its output has no gradient but through ``u``: a surrogate with a learnable slope of its
+    own (``sigmoid(k * u) - sigmoid(k * u).detach()``) gave ``k`` no gradient in the kernel,
+    which takes the surrogate's gradient with respect to ``u`` only."""
     u = torch.tensor(_HEAVISIDE_PROBE)
     try:  # (random numbers it may draw are not taken from the run's stream)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), unmetered():
-            out = spike(u)
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), unmetered():
+            out = spike(u)  # u requires no grad: an output that does depends on more
     except Exception:  # noqa: BLE001 - a spike function that fails here steps per call
         return False
-    return isinstance(out, Tensor) and out.dtype == u.dtype and torch.equal(out, (u > 0).float())
+    if not isinstance(out, Tensor) or out.requires_grad:
+        return False
+    return out.dtype == u.dtype and torch.equal(out, (u > 0).float())
 
 
 def _recurrent_kernel(

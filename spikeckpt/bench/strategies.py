@@ -36,6 +36,7 @@ from spikeckpt import plans
 from spikeckpt.bench import STRATEGY_NAMES
 from spikeckpt.errors import ConfigError
 from spikeckpt.models import LIFStack, spike_train
+from spikeckpt.plans.account import step_bytes
 
 __all__ = [
     "STRATEGIES",
@@ -256,11 +257,13 @@ def pick_plan(family: str, ctx: Context, storage: str | None) -> plans.Plan | No
     family fits.
     """
     T, S, A = ctx.T, ctx.state_bytes, max(ctx.step_bytes, 1)
+    sizes = plans.StepSizes(state=S, tape=A)
     budget = ctx.plan_budget
-    if budget is None:
-        budget = (
-            plans.Uniform(math.isqrt(T - 1) + 1).cost(T, state_bytes=S, step_bytes=A).peak_bytes
-        )
+    if budget is None:  # the step Uniform(sqrt(T)) makes (its gradient buffers included: its
+        # activations alone left the uniform row "no fit", every Uniform's step being larger)
+        sqrt = plans.Uniform(math.isqrt(T - 1) + 1)
+        cost = sqrt.cost(T, state_bytes=S, step_bytes=A)
+        budget = step_bytes(T, sizes, sqrt, cost, remote_on_device=False).total
     kinds = {
         "uniform": plans.Uniform,
         "revolve": plans.Revolve,
@@ -282,9 +285,7 @@ def pick_plan(family: str, ctx: Context, storage: str | None) -> plans.Plan | No
                 best = (cost.time, plan)
         return best[1] if best else None
     # the one account: the plan budget is the step's (what ``fits`` leaves of the budget)
-    candidates = plans.rank_steps(
-        T, plans.StepSizes(state=S, tape=A), budget, remote=remote, costs=costs
-    )
+    candidates = plans.rank_steps(T, sizes, budget, remote=remote, costs=costs)
     for candidate in candidates:
         if type(candidate.plan) is kinds[family]:
             return candidate.plan

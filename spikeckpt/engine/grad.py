@@ -116,12 +116,15 @@ def grad(
     outputs: list[Tensor], inputs: list[Tensor], grads: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
     """``torch.autograd.grad(outputs, inputs, grads, allow_unused=True)``, without retain,
-    the inputs' tensor hooks held back (`tensor_hooks_held`)."""
+    the inputs' tensor hooks held back (`tensor_hooks_held`), autocast off as in a plain
+    loop's backward (the recomputation inside a backward runs under the forward's autocast;
+    the backward formulas under it failed on an fp16 input under bf16 autocast, "Unexpected
+    floating ScalarType in at::autocast::prioritize", where the loop's backward runs)."""
     if not _ENGINE_GRAD:
         _ENGINE_GRAD.append(_engine_grad())
     engine = _ENGINE_GRAD[0]
     rejoin_backward_draws()  # a backward function that draws continues the backward's stream
-    with tensor_hooks_held(inputs):
+    with tensor_hooks_held(inputs), _autocast_off():
         if (
             engine is not None
             and not has_torch_function(outputs)
@@ -130,6 +133,16 @@ def grad(
         ):
             return engine(outputs, inputs, grads)
         return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Autocast off for each device type where it is on (no change elsewhere)."""
+    with contextlib.ExitStack() as stack:
+        for kind in ("cpu", "cuda"):
+            if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+        yield
 
 
 def grads_held(params: Sequence[Tensor]) -> bool:

@@ -10,13 +10,17 @@ gets no gradient (it holds spikes, not a differentiable tensor).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
 
+from spikeckpt.errors import BudgetTooSmall
 from spikeckpt.storage.base import tensor_nbytes
+from spikeckpt.storage.codecs import scan_binary
 from spikeckpt.storage.spiketrain import SpikeTrain, as_spike_train
+from spikeckpt.units import format_bytes
 
 __all__ = [
     "SparseChunk",
@@ -228,3 +232,30 @@ def input_nbytes(x: Any) -> int:
 def drop_first(x: Any) -> Any:
     """``x`` without its first step: ``x[1:]``, or a `TrainWindow` of a packed train."""
     return TrainWindow(x, 1) if is_packed(x) else x[1:]
+
+
+def packing_hint(leaves: Sequence[Any], need: int) -> str | None:
+    """For a refusal whose step needs ``need`` bytes: where a dense input holding only 0
+    and 1 is half of it or more, how to pass it packed (None otherwise)."""
+    dense = [x for x in leaves if isinstance(x, Tensor) and not is_packed(x)]
+    if not dense:
+        return None
+    largest = max(dense, key=input_nbytes)
+    held = input_nbytes(largest)
+    if 2 * held < need or scan_binary(largest.detach()) is None:
+        return None
+    return (
+        f"the input ({format_bytes(held)}) is most of it and holds only 0 and 1: pass it "
+        "packed, spikeckpt.SpikeTrain.from_dense(x) (1 bit per element or less, unpacked a "
+        "step or a chunk at a time; the data modules: packed=True)"
+    )
+
+
+def with_packing_hint(error: BudgetTooSmall, leaves: Sequence[Any]) -> BudgetTooSmall:
+    """``error``, its message ending with `packing_hint` where that applies."""
+    hint = packing_hint(leaves, error.minimum_bytes)
+    if hint is None:
+        return error
+    return BudgetTooSmall(
+        f"{error}; {hint}", budget_bytes=error.budget_bytes, minimum_bytes=error.minimum_bytes
+    )

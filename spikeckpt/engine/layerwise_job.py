@@ -470,13 +470,11 @@ class LayerwiseJob(Job):
                 "spikeckpt layer-wise scan: backward can run only once per forward (its stored "
                 "spike trains are freed as it goes)" + SECOND_BACKWARD
             )
-        x = self.x
-        assert x is not None
         n = self.n_outputs
         reducer = self.reducer if self.reducer is not None else Reducer(self.readout, self.T)
         out_grads = list(grads[:n])
         carry = _split(grads[n:], self.n_leaves)
-        grad_x = torch.zeros_like(x) if self.need_x else None
+        grad_x: Tensor | None = None  # made at the first gradient to reach x (None, as the loop's)
         grad_p: list[Tensor | None] = [None] * len(self.params)
         try:
             with self.backward_context():
@@ -487,7 +485,8 @@ class LayerwiseJob(Job):
                     g_out = reducer.chunk_grad(out_grads, t0, t1)
                     for b in range(len(self.blocks) - 1, -1, -1):
                         g_out, carry[b] = self._backward_block(c, b, g_out, carry[b], grad_p)
-                        if b == 0 and grad_x is not None and g_out[0] is not None:
+                        if b == 0 and self.need_x and g_out[0] is not None:
+                            grad_x = torch.zeros_like(self.x) if grad_x is None else grad_x
                             grad_x[t0:t1] = g_out[0]
                         self.stats.backward_chunks += 1
                     self._release(c)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.phase import recompute_phase
+from spikeckpt.engine.planned import owner_signature
 from spikeckpt.engine.rng import CPU_STATE_BYTES, cuda_devices
 from spikeckpt.engine.saved import measure_step
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
@@ -190,9 +191,9 @@ _PROBES: OrderedDict[Any, Probe] = OrderedDict()
 
 
 def _key(step: Step, state: Any, x0: Any, params: Sequence[Tensor], *extra: Any) -> Any:
-    """What a probe depends on: the step's code (and its owner's type), the shapes, dtypes and
-    devices of the state, one step's input and the parameters, the owner's modules' training
-    modes, and ``extra``."""
+    """What a probe depends on: the step's code (and its owner: `owner_signature`), the
+    shapes, dtypes and devices of the state, one step's input and the parameters, the owner's
+    modules' training modes, and ``extra``."""
     step = getattr(step, "__wrapped__", step)  # scan(..., steps=n) wraps the user's step
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
@@ -204,7 +205,7 @@ def _key(step: Step, state: Any, x0: Any, params: Sequence[Tensor], *extra: Any)
         if isinstance(t, Tensor)
     )
     modes = tuple(m.training for m in owner.modules()) if isinstance(owner, nn.Module) else ()
-    return (code, type(owner) if owner is not None else None, shapes, modes, *extra)
+    return (code, owner_signature(owner), shapes, modes, *extra)
 
 
 def probe_step(

@@ -87,6 +87,16 @@ def schedule_of(plan: Any, T: int) -> Schedule:
     return schedule
 
 
+def owner_signature(owner: Any) -> Any:
+    """A step's owner as the caches key it: its type and, where it has one, its
+    ``probe_signature()`` (what its step holds depends on beyond code and shapes: a wrapped
+    model's layers, options and outputs)."""
+    if owner is None:
+        return None
+    signature = getattr(owner, "probe_signature", None)
+    return (type(owner), signature() if callable(signature) else None)
+
+
 def plan_key(
     step: Any, leaves: Sequence[Tensor], inputs: Sequence[Tensor], params: Sequence[Tensor]
 ) -> Any:
@@ -97,7 +107,7 @@ def plan_key(
     owner = getattr(step, "__self__", None)
     func = getattr(step, "__func__", step)
     code = getattr(func, "__code__", None) or type(step)
-    where = type(owner) if owner is not None else None
+    where = owner_signature(owner)
     shapes = tuple((tuple(t.shape), t.dtype, t.device.type) for t in (*leaves, *params)) + tuple(
         (tuple(leaf.shape[1:]), leaf.dtype, leaf.device.type) for leaf in inputs
     )

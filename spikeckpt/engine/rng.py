@@ -34,8 +34,9 @@ CPU_STATE_BYTES = torch.get_rng_state().nbytes
 
 
 def cuda_devices(tensors: Iterable[Tensor]) -> list[int]:
-    """The sorted CUDA device indices of ``tensors`` (empty on the CPU)."""
-    return sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    """The sorted CUDA device indices of ``tensors`` (empty on the CPU; other leaves, such as
+    the ``None`` of a state step 0 builds, are skipped)."""
+    return sorted({t.device.index or 0 for t in tensors if isinstance(t, Tensor) and t.is_cuda})
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,10 @@ def measure_step(
     """
     leaves, treedef = tree_flatten(state)
     state_bytes = leaf_bytes(leaves)
-    leaves = [t.detach().requires_grad_(is_float(t)) for t in leaves]
+    # (a None leaf, a state step 0 builds: the step builds it here too)
+    leaves = [
+        t.detach().requires_grad_(is_float(t)) if isinstance(t, Tensor) else t for t in leaves
+    ]
     with (
         torch.random.fork_rng(devices=cuda_devices(leaves), enabled=fork_rng),
         torch.enable_grad(),

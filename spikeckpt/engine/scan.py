@@ -16,8 +16,9 @@ them.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -28,8 +29,12 @@ from spikeckpt.engine.executor import Executor
 from spikeckpt.engine.first_step import changes_dtype, first_step
 from spikeckpt.engine.function import SECOND_BACKWARD, Job, refuse_func_transforms, run_job
 from spikeckpt.engine.grad import grads_held, tensor_hooks_held
-from spikeckpt.engine.inputs import as_input, drop_first, input_nbytes, is_packed, step_of
-from spikeckpt.engine.measure import probe_step, work_bytes
+from spikeckpt.engine.inputs import (
+    as_input,
+    drop_first,
+    is_packed,
+    step_of,
+)
 from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.phase import uncached_parametrizations
 from spikeckpt.engine.planned import (
@@ -42,22 +47,20 @@ from spikeckpt.engine.planned import (
 )
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
 from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.scan_budget import measured_plan
+from spikeckpt.engine.scan_options import ScanOptions, Timed
 from spikeckpt.engine.stats import ScanResult, ScanStats
 from spikeckpt.engine.step import StepFn, default_params, no_own_draws, time_leaves, unshaped
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten, tree_leaves, tree_map
-from spikeckpt.errors import BudgetTooSmall, ConfigError, ConfigTypeError, UsageError
+from spikeckpt.errors import (
+    ConfigError,
+    ConfigTypeError,
+    UsageError,
+)
 from spikeckpt.plans.account import (
     StepBytes,
-    StepChoice,
-    StepSizes,
-    check_step,
-    choose_step,
-    grads_note,
-    host_is_device,
-    join_notes,
     tier_note,
 )
-from spikeckpt.plans.intervals import fill, needs_intervals
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.storage.codecs import require_binary
 from spikeckpt.storage.tiers import check_storage, make_store
@@ -66,7 +69,8 @@ from spikeckpt.units import parse_bytes
 __all__ = ["ScanResult", "ScanStats", "scan"]
 
 Storage = Literal["device", "host", "disk"]
-Timed = tuple[list[Tensor], TreeDef, int]
+#: steps run apart before the checkpointed run, at most, while each changes a state's dtype
+MAX_APART = 3
 
 
 # ----------------------------------------------------------------------------- the Function
@@ -175,21 +179,6 @@ class _Job(Job):
 
 
 # ----------------------------------------------------------------------------- scan
-
-
-@dataclass(frozen=True)
-class _Options:
-    """How a run goes: scan's keywords that every part of the run reads."""
-
-    plan: Any
-    storage: str
-    readout: Readout
-    budget: int | str | None
-    directory: str | os.PathLike | None
-    pack_tape: bool
-    #: step 0 ran apart (`spikeckpt.engine.first_step`): the run has ``T - 1`` steps of
-    #: the user's ``T``, and messages count the user's
-    apart: int = 0
 
 
 @eager_under_compile
@@ -303,7 +292,7 @@ def scan(
             if not is_packed(leaf):
                 require_binary(leaf, "scan inputs (spikes=True)")
     param_list = default_params(step, params)
-    options = _Options(plan, storage, readout, budget, directory, pack_tape)
+    options = ScanOptions(plan, storage, readout, budget, directory, pack_tape)
     leaves = tree_flatten(state)[0]
     with uncached_parametrizations():  # each step computes its parametrized weights
         if unshaped(leaves) or _first_apart(step, state, plan, timed, leaves, param_list):
@@ -383,7 +372,7 @@ def _run(
     timed: Timed,
     state: Any,
     param_list: list[Tensor],
-    options: _Options,
+    options: ScanOptions,
 ) -> tuple[Any, Any, ScanStats]:
     """The run of ``scan`` from a state of full shape: ``(ys, final_state, stats)``."""
     in_leaves, in_def, T = timed
@@ -414,7 +403,9 @@ def _run(
             outs, final = _plain_loop(fn, state_leaves, in_leaves, reducer, T, device)
         run_stats.forward_steps = T
         return _finish(outs + final, len(outs), fn, state_def, fold, run_stats)
+    started = time.perf_counter()
     schedule, account = _schedule(step, state, timed, param_list, options, device)
+    planning = time.perf_counter() - started
     run_stats = ScanStats(
         plan=schedule.plan,
         schedule=schedule,
@@ -423,6 +414,7 @@ def _run(
         predicted=simulate_cached(schedule),
         planned=account,
         note=tier_note(storage, device.type) if account is not None else None,
+        planning_seconds=planning,
     )
     run_stats.state_bytes = leaf_bytes(state_leaves)
     job = _Job(
@@ -453,7 +445,7 @@ def _schedule(
     state: Any,
     timed: Timed,
     param_list: list[Tensor],
-    options: _Options,
+    options: ScanOptions,
     device: torch.device,
 ) -> tuple[Schedule, StepBytes | None]:
     """The schedule ``options.plan`` runs for these inputs, and the step it makes when it was
@@ -475,76 +467,9 @@ def _schedule(
     )
     with tensor_hooks_held(param_list):  # the probes' gradients are not yours
         found, account = planned(
-            key, lambda: _measured_plan(step, state, timed, param_list, options, device)
+            key, lambda: measured_plan(step, state, timed, param_list, options, device)
         )
     return schedule_of(found, T), account
-
-
-def _measured_plan(
-    step: Callable[[Any, Any], tuple[Any, Any]],
-    state: Any,
-    timed: Timed,
-    param_list: list[Tensor],
-    options: _Options,
-    device: torch.device,
-) -> tuple[Any, StepBytes | None]:
-    """``"auto"`` chosen within the budget, open intervals filled, a plan checked against the
-    budget: from one probe of the step (the measuring room) and the one account of the step
-    ([`spikeckpt.plans.account`][spikeckpt.plans.account])."""
-    in_leaves, in_def, T = timed
-    storage, plan = options.storage, options.plan
-    total = parse_bytes(options.budget) if options.budget is not None else None
-    x_bytes = sum(input_nbytes(leaf) for leaf in in_leaves if leaf.device == device)
-    held = grads_held(param_list)
-    # what the call holds while the probe runs: its input on the device and a held .grad
-    held_bytes = x_bytes + leaf_bytes([p.grad for p in param_list])
-    probe = probe_step(
-        step,
-        state,
-        lambda t: in_def.unflatten([step_of(leaf, t, device) for leaf in in_leaves]),
-        T,
-        param_list,
-        storage=storage,
-        device=device,
-        directory=options.directory,
-        pack=options.pack_tape,
-        max_bytes=max(total - held_bytes, 0) if total is not None else None,
-        # input slices on the device are views of the inputs: no memory of the tape's
-        exclude=[leaf for leaf in in_leaves if not is_packed(leaf) and leaf.device == device],
-    )
-    sizes = probe.sizes(param_list, input_bytes=x_bytes, stacked=options.readout is None)
-    sizes = replace(sizes, grads_held=held)
-    on_device = host_is_device(storage, device.type)
-    costs = probe.costs()
-    if isinstance(plan, str) or needs_intervals(plan):
-        if not isinstance(plan, str):
-            plan = fill(plan, T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs,
-                        remote=storage != "device")  # fmt: skip
-        if total is None:
-            return plan, None
-    assert total is not None
-    note = join_notes(
-        tier_note(storage, device.type), grads_note(sizes.grads, held) if sizes.grads else None
-    )
-
-    def account(sizes: StepSizes) -> StepChoice:
-        if isinstance(plan, str):
-            return choose_step(T, sizes, total, remote=not on_device, costs=costs,
-                               apart=options.apart, note=note)  # fmt: skip
-        return check_step(T, sizes, plan, total, remote_on_device=on_device, costs=costs,
-                          apart=options.apart, note=note)  # fmt: skip
-
-    try:
-        choice = account(sizes)
-    except BudgetTooSmall:
-        if not probe.work_capped:
-            raise
-        # the probe, held under this budget, measured the step's work without the parameters'
-        # gradients: measure it with them, so the budget the refusal names works
-        x0 = in_def.unflatten([step_of(leaf, 0, device) for leaf in in_leaves])
-        work = work_bytes(step, state, x0, param_list, sizes.tape, device)
-        choice = account(replace(sizes, work=max(work, sizes.work)))
-    return choice.plan, choice.step
 
 
 def _after_first_step(
@@ -552,7 +477,7 @@ def _after_first_step(
     state: Any,
     timed: Timed,
     param_list: list[Tensor],
-    options: _Options,
+    options: ScanOptions,
 ) -> tuple[Any, Any, ScanStats]:
     """``scan`` from an initial state that step 0 shapes (`spikeckpt.engine.first_step`):
     step 0 runs as the plain loop does, then steps ``1..T-1`` run from its state; the stats
@@ -574,21 +499,42 @@ def _after_first_step(
         if rest is None:
             ys = first.y if readout == "last" else first.stacked(None)
             return ys, first.rebuild(first.state), _first_step_stats(T, options)
-        inner = replace(options, apart=1)
-        ys, final, run_stats = _run(first.step, rest, first.state, param_list, inner)
+        inner = replace(options, apart=options.apart + 1)
+        ys, final, run_stats = _run_rest(first.step, rest, first.state, param_list, inner)
         return (first.stacked(ys) if readout is None else ys), first.rebuild(final), run_stats
     carried_step, carry = first.carried(readout, device)
     run_stats = _first_step_stats(T, options)
     if rest is not None:
-        inner = replace(options, readout=None, apart=1)
-        _, carry, run_stats = _run(carried_step, rest, carry, param_list, inner)
+        inner = replace(options, readout=None, apart=options.apart + 1)
+        _, carry, run_stats = _run_rest(carried_step, rest, carry, param_list, inner)
     acc = carry[1]
     if readout in ("sum", "mean"):
         acc = first.narrowed(tree_map(lambda a: a / T, acc) if readout == "mean" else acc)
     return acc, first.rebuild(carry[0]), run_stats
 
 
-def _first_step_stats(T: int, options: _Options) -> ScanStats:
+def _run_rest(
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    timed: Timed,
+    state: Any,
+    param_list: list[Tensor],
+    options: ScanOptions,
+) -> tuple[Any, Any, ScanStats]:
+    """The steps after those run apart, from their ``state``: the next runs apart too where
+    it still changes a state leaf's dtype (`changes_dtype`; under autocast snnTorch's
+    ``DeltaLeaky`` keeps the previous membrane, float32 until a step has made it bf16), up to
+    `MAX_APART` steps in all; the rest are checkpointed."""
+    in_leaves, in_def, T = timed
+    if options.apart < MAX_APART and T > 1:
+        leaves = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
+        device = next((t.device for t in (*leaves, *param_list)), torch.device("cpu"))
+        x0 = in_def.unflatten([step_of(x, 0, device) for x in in_leaves])
+        if changes_dtype(step, state, x0, param_list):
+            return _after_first_step(step, state, timed, param_list, options)
+    return _run(step, timed, state, param_list, options)
+
+
+def _first_step_stats(T: int, options: ScanOptions) -> ScanStats:
     """Stats of a run that was step 0 alone (T=1 from a state step 0 shapes)."""
     run_stats = ScanStats(plan="step 0 only", schedule=None, T=T, storage=options.storage)
     run_stats.forward_steps = 1

@@ -113,8 +113,8 @@ class ScanStats:
             run's host tier), None otherwise.
         step_compiled: the stack granularity's step ran compiled (``compile=True``,
             `spikeckpt.engine.compiled_step`).
-        planning_seconds: a wrapped model's call: seconds it spent choosing its plan, probes
-            of the model included (the first call of a shape; near 0 when a plan is reused).
+        planning_seconds: seconds the call spent choosing its plan, probes of the model
+            included (the first call of a shape; near 0 when a plan is reused).
             A benchmark times calls where it is near 0.
     """
 

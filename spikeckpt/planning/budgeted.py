@@ -21,15 +21,18 @@ from torch import Tensor
 from spikeckpt import plans
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.grad import grads_held, tensor_hooks_held
-from spikeckpt.engine.inputs import input_nbytes
+from spikeckpt.engine.inputs import input_nbytes, packing_hint
 from spikeckpt.engine.meter import MemoryMeter
-from spikeckpt.errors import BudgetTooSmall
+from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning
 from spikeckpt.planning.choice import (
     Decision,
     PlanChoice,
     Planned,
+    ShapeKey,
     choice_from_dict,
     choice_to_dict,
+    longer_within,
+    model_signature,
 )
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
@@ -47,6 +50,7 @@ from spikeckpt.planning.probe import (
     Probe,
     compute_device,
     probe_model,
+    shaped_state,
     step_work_bytes,
 )
 from spikeckpt.plans import CostModel
@@ -59,6 +63,7 @@ from spikeckpt.plans.account import (
     host_is_device,
     join_notes,
     refusal,
+    slow_note,
     tier_note,
 )
 from spikeckpt.plans.choose import minimum_budget
@@ -67,8 +72,6 @@ from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cos
 from spikeckpt.units import format_bytes, parse_bytes
 
 __all__ = ["BudgetPlanner"]
-
-ShapeKey = tuple[int, int]
 
 #: probes of a call at the budget a refusal names, to check it (`BudgetPlanner._held_under`)
 VERIFY_ROUNDS = 4
@@ -223,7 +226,13 @@ class BudgetPlanner:
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
         key = (T, batch)
-        missing = key not in self.choices
+        here = self._input_here(model, x)
+        longer = self._planned_longer(T, batch) if key not in self.choices else None
+        if longer is not None and here <= longer.step.input:
+            self.choices[key] = longer  # a plan of a longer length keeps the budget
+        # an input larger than the one planned with (a denser packed train, a full tensor
+        # where an expanded view was planned: 1.4-15x over the budget) is planned again
+        missing = key not in self.choices or here > self.choices[key].step.input
         if self.reduce_max is not None:
             # Planning broadcasts rank 0's probe, so every rank must plan together: when any
             # rank lacks a plan (a new shape, or a re-plan after running out of memory), all
@@ -244,6 +253,17 @@ class BudgetPlanner:
             self.choices[key] = choice
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
+
+    def _input_here(self, model: Planned, x: Any) -> int:
+        """Bytes of the input ``x`` the step holds on the device (as the account counts it)."""
+        return input_nbytes(x) if x.device == compute_device(model, x) else 0
+
+    def _planned_longer(self, T: int, batch: int) -> PlanChoice | None:
+        """The choice planned (not reused) for the shortest longer length within
+        `REUSE_SPAN` of ``T`` at this batch, or None."""
+        planned = {(c.T, c.batch): c for c in self.choices.values()}
+        key = longer_within(planned, T, batch)
+        return planned[key] if key is not None else None
 
     def _check_stored_trains(self, model: Planned) -> None:
         """After a layer-wise run of this planner's `last` choice: where a block's input
@@ -295,6 +315,7 @@ class BudgetPlanner:
 
     def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
         """Probe the model and choose, so that the step's planned peak fits the budget."""
+        state = shaped_state(model, x, state)
         m = self._measure(model, x, state, T, batch)
         stack = self._stack_choice(m) if model.granularity != "layer" else None
         layer = self._layer_best(m, model.chunk)
@@ -304,8 +325,21 @@ class BudgetPlanner:
         ):
             return layer
         if stack is not None:
+            self._warn_if_slow(m)
             return stack
         self._refuse_all(model, x, state, m)
+
+    def _warn_if_slow(self, m: _Measured) -> None:
+        """Warn ([`SlowPlanWarning`][spikeckpt.errors.SlowPlanWarning]) where the plan chosen
+        for this budget is modeled above `SLOW_FACTOR` times BPTT's time, naming a budget
+        modeled within `QUICK_FACTOR` (a plan given was asked for: no warning)."""
+        remote, budget = self.remote and not m.remote_here, self.budget_bytes
+        if isinstance(self.plan, str) and (
+            slow := slow_note(m.T, m.sizes, budget, remote=remote, costs=m.costs, named=self._named)
+        ):
+            asked = self.asked_bytes if self.asked_bytes is not None else budget
+            message = f"under the budget of {asked} bytes ({format_bytes(asked)}) for T={m.T}"
+            warnings.warn(f"spikeckpt: {message}, B={m.batch}, {slow}", SlowPlanWarning, 5)
 
     def _measure(
         self, model: Planned, x: Any, state: Any, T: int, batch: int, *, share: bool = True
@@ -481,9 +515,9 @@ class BudgetPlanner:
 
     def _stack_need(
         self, model: Planned, x: Any, state: Any, m: _Measured
-    ) -> tuple[StepBytes, int]:
-        """The stack's step beside its activations, and the least activations it needs (of
-        the plan given, or of any plan). The probes were held under this budget; the work is
+    ) -> tuple[StepBytes, int, StepSizes]:
+        """The stack's step beside its activations, the least activations it needs (of
+        the plan given, or of any plan) and the sizes they come from. The probes were held under this budget; the work is
         measured without the cap, so that passed back, the capped probes of that run find a
         plan that fits (the stack's measure only grows with room)."""
         T, batch, sizes = m.T, m.batch, m.sizes
@@ -496,9 +530,9 @@ class BudgetPlanner:
         sizes = replace(sizes, work=work)
         given = self._stack_plan(m)
         if given is None:
-            return sizes.beside(T), minimum_budget(T, sizes.state, sizes.tape) + work
+            return sizes.beside(T), minimum_budget(T, sizes.state, sizes.tape) + work, sizes
         found = check_step(T, sizes, given, 1 << 62, remote_on_device=m.remote_here, costs=m.costs)
-        return replace(found.step, activations=0), found.step.activations
+        return replace(found.step, activations=0), found.step.activations, sizes
 
     def _refuse_all(self, model: Planned, x: Any, state: Any, m: _Measured) -> NoReturn:
         """Nothing fits: name the smallest budget that does (layer-wise: the lengths a probe
@@ -506,8 +540,10 @@ class BudgetPlanner:
         T, batch = m.T, m.batch
         local = int(x.shape[1])
         needs: list[tuple[StepBytes, int, Any]] = []
+        stack_sizes = None
         if model.granularity != "layer":
-            needs.append((*self._stack_need(model, x, state, m), self._stack_plan(m)))
+            beside, least, stack_sizes = self._stack_need(model, x, state, m)
+            needs.append((beside, least, self._stack_plan(m)))
         if m.blocks is not None:
             full = layerwise_candidate(model, x, state, True)
             assert full is not None and full.working is not None  # the capped probe ran
@@ -523,11 +559,23 @@ class BudgetPlanner:
             )
             smallest = self._held_under(model, x, state, m, base.total, smallest)
             needs.append((base, smallest, None))
-        step, smallest, given = min(needs, key=lambda need: need[0].total + need[1])
+        chosen = min(needs, key=lambda need: need[0].total + need[1])
+        step, smallest, given = chosen
         what = f"{'layer-wise, ' if model.granularity == 'layer' else ''}T={T}, B={batch}"
         need = step.total + smallest
         planning = self._planning_bytes(model, x, state, need)
-        note = m.note
+        slow = None
+        if given is None and stack_sizes is not None and chosen is needs[0]:  # the stack's
+            slow = slow_note(
+                T,
+                stack_sizes,
+                need,
+                remote=self.remote and not m.remote_here,
+                costs=m.costs,
+                named=lambda within: self._named(max(within, planning)),
+            )
+        packing = packing_hint([x], need) if 2 * step.input >= need else None  # on the device
+        note = join_notes(m.note, packing)
         if self.grad_in_step and m.sizes.grads:
             note = join_notes(note, grads_note(m.sizes.grads, m.grads_held))
         if planning > need:  # the first call's probes hold more than its step
@@ -541,11 +589,16 @@ class BudgetPlanner:
             smallest,
             what=what,
             asked=self.asked_bytes,
-            minimum=self.total_for(need) if self.total_for is not None else need,
+            minimum=self._named(need),
             note=note,
             context=self.context,
             plan=given,
+            after=f"where {slow}" if slow else None,
         )
+
+    def _named(self, need: int) -> int:
+        """The budget a caller names for a step of ``need`` bytes (`total_for`'s)."""
+        return self.total_for(need) if self.total_for is not None else need
 
     def _held_under(
         self, model: Planned, x: Any, state: Any, m: _Measured, beside: int, smallest: int
@@ -611,7 +664,10 @@ class BudgetPlanner:
         ``torch.load(weights_only=True)``, as Lightning loads checkpoints)."""
         return {
             "budget_bytes": self.budget_bytes,
-            "choices": [choice_to_dict(choice) for choice in self.choices.values()],
+            # a choice reused for shorter lengths once, under the length it was planned for
+            "choices": [
+                choice_to_dict(c) for c in {id(c): c for c in self.choices.values()}.values()
+            ],
             "graded": sorted(self.graded),
         }
 
@@ -623,17 +679,6 @@ class BudgetPlanner:
         for item in state.get("choices", []):
             choice = choice_from_dict(item)
             self.choices[(choice.T, choice.batch)] = choice
-
-
-def model_signature(model: Planned) -> tuple[Any, ...]:
-    """What a plan measured on ``model`` depends on besides the input's shape: the shape,
-    dtype and device of each tensor it differentiates and whether it requires grad. It changes
-    with ``model.double()`` or ``.to(device)``, layers frozen or thawed (fine-tuning), a layer
-    replaced by one of another size: the step's bytes change, so a plan chosen before may no
-    longer fit the budget."""
-    return tuple(
-        (tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in model.parameters_for_scan()
-    )
 
 
 def _differentiates(model: Planned, x: Any, state: Any) -> bool:

@@ -34,8 +34,15 @@ import torch
 from torch import Tensor
 
 from spikeckpt import plans
-from spikeckpt.planning.budgeted import BudgetPlanner, model_signature
-from spikeckpt.planning.choice import Decision, PlanChoice, Planned
+from spikeckpt.planning.budgeted import BudgetPlanner
+from spikeckpt.planning.choice import (
+    Decision,
+    PlanChoice,
+    Planned,
+    ShapeKey,
+    longer_within,
+    model_signature,
+)
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
     chunk_for,
@@ -64,8 +71,6 @@ __all__ = [
     "host_is_device",
     "timed_decision",
 ]
-
-ShapeKey = tuple[int, int]
 
 
 # ----------------------------------------------------------------------------- planners
@@ -100,6 +105,8 @@ class Planner:
         self.granularity = granularity
         self.chunk = chunk
         self.decisions: dict[ShapeKey, Decision] = {}
+        #: the shapes of ``decisions`` that were measured (the others reuse a longer one's)
+        self.measured: set[ShapeKey] = set()
         self.filled: dict[tuple[Any, int, int], Plan] = {}
         self.budgeted: BudgetPlanner | None = None
         #: CUDA device index -> the budget of ``plan="auto"`` without one (`_budget_for`)
@@ -153,6 +160,7 @@ class Planner:
         if signature != self.signature:  # another dtype, frozen layers, ...: measure again
             self.filled.clear()
             self.decisions.clear()
+            self.measured.clear()
             self.signature = signature
         T = int(x.shape[0])
         plan = self.plan
@@ -172,7 +180,14 @@ class Planner:
             return Decision("stack", plan)  # no_grad (validation): nothing taped, no probe
         key = (T, int(x.shape[1]))
         if key not in self.decisions:
-            self.decisions[key] = self._auto(model, x, state, plan)
+            longer = longer_within(self.measured, *key)
+            if longer is None:
+                self.decisions[key] = self._auto(model, x, state, plan)
+                self.measured.add(key)
+            else:  # weighed at a longer length within `REUSE_SPAN`: its granularity and chunk
+                found = self.decisions[longer]
+                shorter = min(found.chunk, T) if found.chunk is not None else None
+                self.decisions[key] = Decision(found.granularity, plan, shorter)
         return self.decisions[key]
 
     def _within_budget(self, model: Planned, x: Any, state: Any, budget: int) -> Decision:

@@ -40,6 +40,7 @@ from spikeckpt.engine.measure import (
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.rng import CPU_STATE_BYTES, cuda_devices
 from spikeckpt.engine.saved import SavedBytes
+from spikeckpt.engine.step import unshaped
 from spikeckpt.engine.tree import is_float, leaf_bytes, tree_flatten
 from spikeckpt.planning.layer_working import (
     LAYERWISE_PROBE_CHUNKS,
@@ -133,6 +134,26 @@ def probe_model(
     if x_t.is_floating_point() and x_t.numel() and (is_packed(x) or is_binary(x_t)):
         density = float(x_t.detach().mean())
     return replace(probe, input_density=density)
+
+
+def shaped_state(seq: Probed, x: Any, state: Any) -> Any:
+    """``state``, or where step 0 sets its shape (``None``, empty or 0-d leaves: a neuron of
+    yours whose state argument defaults to None) the state after one untaped step 0 (RNG
+    forked, running statistics kept): the probes measure the steps ``scan`` checkpoints,
+    those after step 0, which it runs apart."""
+    if not unshaped(tree_flatten(state)[0]):
+        return state
+    device = compute_device(seq, x)
+    leaves = [t for t in tree_flatten(state)[0] if isinstance(t, Tensor)]
+    try:
+        with (
+            torch.random.fork_rng(devices=cuda_devices([*leaves, *seq.parameters_for_scan()])),
+            torch.no_grad(),
+            recompute_phase(),
+        ):
+            return seq.step(state, step_of(x, 0, device))[0]
+    finally:
+        seq.cleanup()
 
 
 def step_work_bytes(seq: Probed, x: Any, state: Any, step_bytes: int) -> int:

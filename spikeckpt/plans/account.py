@@ -34,12 +34,13 @@ checks a plan given with a budget); both refuse with one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from spikeckpt.errors import BudgetTooSmall, ConfigError
 from spikeckpt.plans.base import Plan
 from spikeckpt.plans.bptt import BPTT
-from spikeckpt.plans.choose import choose, minimum_budget, rank
+from spikeckpt.plans.choose import minimum_budget, rank
 from spikeckpt.plans.schedule import Schedule
 from spikeckpt.plans.simulate import Cost, CostModel, simulate
 from spikeckpt.units import format_bytes, parse_bytes
@@ -52,7 +53,9 @@ __all__ = [
     "choose_step",
     "host_is_device",
     "rank_steps",
+    "budget_within",
     "refusal",
+    "slow_note",
     "step_bytes",
     "tier_note",
 ]
@@ -63,6 +66,17 @@ __all__ = [
 #: their float32 loss and its gradient; with a readout of ``(16, 32)``, 1,848 bytes over:
 #: the loss's own product of the readout's size, now counted in `StepSizes.outputs`)
 LOSS_BYTES = 16
+
+#: A stack plan modeled slower than this many times BPTT's time (`Cost.time_factor`) is
+#: slow: a refusal whose smallest budget runs one, and a call that chooses one, also name the
+#: budget that runs within `QUICK_FACTOR` (at the smallest budget the stack runs
+#: ``Revolve(slots=1)``, which recomputes about ``T/2`` steps per step: T = 600 took 167 s
+#: where 1.25x that budget took 2.4 s)
+SLOW_FACTOR = 3.0
+#: The modeled time (times BPTT's) of the budget named for a slow plan: below `SLOW_FACTOR`
+#: by a margin, since a call's probe measures the operation times anew (a budget named for
+#: 3x ran a plan modeled at 4x in the call given it)
+QUICK_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -247,6 +261,7 @@ def refusal(
     note: str | None = None,
     context: str = "",
     plan: Plan | Schedule | None = None,
+    after: str | None = None,
 ) -> BudgetTooSmall:
     """The one [`BudgetTooSmall`][spikeckpt.errors.BudgetTooSmall]: the step ``need`` (input, outputs,
     gradients) and the ``smallest`` activations of any plan (of ``plan``, when the caller
@@ -254,7 +269,8 @@ def refusal(
 
     ``asked``: the budget as the caller counts it (default ``budget``); ``minimum``: the
     budget that works, as the caller counts it (default ``need.total + smallest``); ``what``
-    names the run (``"T=300, B=8"``); ``note`` and ``context`` are added to the account."""
+    names the run (``"T=300, B=8"``); ``note`` and ``context`` are added to the account;
+    ``after`` follows the budget named (`slow_note`'s)."""
     total = need.total + smallest
     asked = budget if asked is None else asked
     minimum = total if minimum is None else minimum
@@ -273,7 +289,7 @@ def refusal(
     return BudgetTooSmall(
         f"{head} for {what}: a step needs {format_bytes(total)} ({need.beside()}, {kind} "
         f"{format_bytes(smallest)}){context}{extra}; {tail} {minimum} bytes "
-        f"({format_bytes(minimum)})",
+        f"({format_bytes(minimum)}){f', {after}' if after else ''}",
         budget_bytes=asked,
         minimum_bytes=minimum,
     )
@@ -305,25 +321,14 @@ def choose_step(
         BudgetTooSmall: nothing fits; ``minimum_bytes`` is a budget that does.
     """
     total = parse_bytes(budget)
+    ranked = rank_steps(T, sizes, total, remote=remote, costs=costs)
+    if ranked:
+        return ranked[0]
     beside = sizes.beside(T)
-    room = total - beside.total - sizes.work
-    S, A = sizes.state, sizes.tape
-    smallest = minimum_budget(T, S, A) + sizes.work
-    try:
-        plan = choose(T, S, A, max(room, 0), remote=remote, costs=costs)
-    except BudgetTooSmall:
-        raise refusal(total, beside, smallest, what=_steps(T, apart), note=note) from None
-    plan = plan.for_length(T)
-    cost = plan.cost(T, state_bytes=S, step_bytes=A, costs=costs)
-    found = StepChoice(plan, cost, step_bytes(T, sizes, plan, cost, remote_on_device=False))
-    if found.step.total <= total:
-        return found
-    # BPTT, whose gradients are counted apart (`StepSizes.beside`), fits the room of the
-    # checkpointing plans but not its own step: the fastest of the others
-    others = rank_steps(T, sizes, total, remote=remote, costs=costs)
-    if not others:  # pragma: no cover - the fewest-slot Revolve needs less than BPTT's tape
-        raise refusal(total, beside, smallest, what=_steps(T, apart), note=note)
-    return others[0]
+    smallest = minimum_budget(T, sizes.state, sizes.tape) + sizes.work
+    slow = slow_note(T, sizes, beside.total + smallest, remote=remote, costs=costs)
+    after = f"where {slow}" if slow else None
+    raise refusal(total, beside, smallest, what=_steps(T, apart), note=note, after=after)
 
 
 def rank_steps(
@@ -335,17 +340,23 @@ def rank_steps(
     costs: CostModel | None = None,
 ) -> list[StepChoice]:
     """Every plan family's best member whose step fits ``budget``, fastest first (the first
-    is [`choose_step`][spikeckpt.plans.account.choose_step]'s choice; empty when nothing fits)."""
+    is [`choose_step`][spikeckpt.plans.account.choose_step]'s choice; empty when nothing fits).
+    BPTT's step counts its gradients apart (`StepSizes.beside`): it may fit a budget whose
+    room the others' gradient buffers leave too small for its tapes, and the reverse."""
     total = parse_bytes(budget)
     room = total - sizes.beside(T).total - sizes.work
+    bptt = BPTT().cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
+    quickest = StepChoice(BPTT(), bptt, step_bytes(T, sizes, BPTT(), bptt, remote_on_device=False))
+    found = [quickest] if quickest.step.total <= total else []  # its gradients count apart
     if room < 0:
-        return []
-    found = []
+        return found
     for candidate in rank(T, sizes.state, sizes.tape, room, remote=remote, costs=costs):
         plan = candidate.plan.for_length(T)
+        if isinstance(plan, BPTT):
+            continue  # counted above, by its own step
         cost = plan.cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
         step = step_bytes(T, sizes, plan, cost, remote_on_device=False)
-        if step.total <= total:  # BPTT's own gradients may not fit where the others' do
+        if step.total <= total:
             found.append(StepChoice(plan, cost, step))
     return found
 
@@ -383,3 +394,64 @@ def check_step(
         beside = replace(step, activations=0)
         raise refusal(total, beside, step.activations, what=_steps(T, apart), note=note, plan=plan)
     return StepChoice(plan, cost, step)
+
+
+def budget_within(
+    T: int,
+    sizes: StepSizes,
+    *,
+    remote: bool,
+    costs: CostModel | None = None,
+    factor: float = QUICK_FACTOR,
+) -> int:
+    """The smallest step budget (bytes, to 1%) whose [`choose_step`][spikeckpt.plans.account.choose_step]
+    plan is modeled within ``factor`` times BPTT's time: more room never chooses a slower
+    plan, so a bisection between the smallest budget that fits and BPTT's own step finds it."""
+    costs = costs or CostModel()
+    bptt = BPTT().cost(T, state_bytes=sizes.state, step_bytes=sizes.tape, costs=costs)
+    high = step_bytes(T, sizes, BPTT(), bptt, remote_on_device=False).total  # chooses BPTT
+    low = sizes.beside(T).total + minimum_budget(T, sizes.state, sizes.tape) + sizes.work
+
+    def within(total: int) -> bool:
+        try:
+            found = choose_step(T, sizes, total, remote=remote, costs=costs)
+        except BudgetTooSmall:
+            return False
+        return found.cost.time_factor(costs) <= factor
+
+    if within(low):
+        return low
+    while high - low > max(low // 100, 1) and low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if within(middle) else (middle, high)
+    return high
+
+
+def slow_note(
+    T: int,
+    sizes: StepSizes,
+    total: int,
+    *,
+    remote: bool,
+    costs: CostModel | None = None,
+    named: Callable[[int], int] | None = None,
+) -> str | None:
+    """Where the stack plan a step budget of ``total`` bytes chooses is modeled slower than
+    `SLOW_FACTOR` times BPTT's time: the plan, its factor and the budget that runs within
+    `QUICK_FACTOR` (`budget_within`; ``named`` turns it into the budget as the caller counts
+    it); None where it is not slow (or nothing fits ``total``)."""
+    costs = costs or CostModel()
+    try:
+        found = choose_step(T, sizes, total, remote=remote, costs=costs)
+    except BudgetTooSmall:
+        return None
+    slow = found.cost.time_factor(costs)
+    if slow <= SLOW_FACTOR:
+        return None
+    within = budget_within(T, sizes, remote=remote, costs=costs)
+    within = named(within) if named is not None else within
+    return (
+        f"{found.plan!r} runs, modeled at {slow:.0f}x BPTT's time (it recomputes "
+        f"steps over and over); {within} bytes ({format_bytes(within)}) runs within "
+        f"{QUICK_FACTOR:g}x"
+    )

@@ -72,6 +72,13 @@ def check_storage(
         )
     _check_directory_kind(str(storage), directory)
     path = os.fspath(directory)
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise StorageError(
+            f"directory={path!r} cannot be a folder: {blocker!r} above it is a file: pass a "
+            "folder whose parents are folders for the disk tier's files; or use "
+            "storage='host' to keep checkpoints in RAM"
+        )
     if not os.path.exists(path):
         raise StorageError(
             f"directory={path!r} does not exist: create it first (e.g. os.makedirs({path!r})) "
@@ -90,6 +97,18 @@ def check_storage(
             raise _storage_error(exc, path, 0, "create files in") from exc
         os.close(handle)
         os.remove(name)
+
+
+def _file_above(path: str) -> str | None:
+    """The nearest existing path above ``path`` when it is a file (None: a folder, or
+    nothing exists up to the root)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        above = os.path.dirname(parent)
+        if above == parent:
+            return None
+        parent = above
+    return parent if not os.path.isdir(parent) else None
 
 
 def _check_kind(kind: object) -> None:
@@ -120,7 +139,8 @@ def make_store(
     """Build the tier named ``kind`` (``"device"``, ``"host"`` or ``"disk"``) for ``device``.
 
     ``directory`` (disk only) is the folder under which the disk tier makes its own temporary
-    folder (created if missing); default: the system temporary folder. Unknown tiers and a
+    folder (`check_storage` refuses one that does not exist before anything runs: a
+    misspelt path is not made); default: the system temporary folder. Unknown tiers and a
     ``directory`` with another tier raise ``ValueError`` as in `check_storage`.
     """
     _check_kind(kind)
