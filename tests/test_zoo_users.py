@@ -251,3 +251,34 @@ def test_the_plan_a_private_generator_refusal_names_runs_as_the_loop() -> None:
     want = torch.stack(mems)
     got = sc.wrap(net, plan=BPTT(), output="mem")(x)
     assert torch.equal(got, want)
+
+
+def test_a_decay_assigned_from_a_parameter_names_the_parametrization_that_runs() -> None:
+    """``lif.beta = torch.sigmoid(raw)`` before each call holds a graph made before the call:
+    refused, but the message blamed an snnTorch bug and named no fix. It names a
+    parametrization now, and that runs as the loop."""
+    from torch.nn.utils import parametrize
+
+    raw = nn.Parameter(torch.full((12,), 2.0))
+    net = nn.Sequential(nn.Linear(10, 12), snn.Leaky(torch.full((12,), 0.5)), nn.Linear(12, 5))
+    net[1].beta = torch.sigmoid(raw)
+    with pytest.raises(sc.UnsupportedLayerError, match=r"register_parametrization\(lif, 'beta'"):
+        sc.wrap(net)(_x(10))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        built = nn.Sequential(
+            nn.Linear(10, 12), snn.Leaky(torch.full((12,), 0.5)), nn.Linear(12, 5), snn.Leaky(0.8)
+        )
+        built[1].beta = nn.Parameter(torch.full((12,), 2.0))
+        parametrize.register_parametrization(built[1], "beta", nn.Sigmoid())
+        return built
+
+    x = _x(10)
+    loop, wrapped = make(), make()
+    _loop_mems(loop, x).pow(2).sum().backward()
+    sc.wrap(wrapped, plan=Uniform(4), output="mem")(x).pow(2).sum().backward()
+    want = loop[1].parametrizations.beta.original.grad
+    got = wrapped[1].parametrizations.beta.original.grad
+    assert want is not None and got is not None and float(want.abs().max()) > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

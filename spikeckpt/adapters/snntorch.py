@@ -293,17 +293,29 @@ class SnnTorchNeuronAdapter(LayerAdapter):
 
 
 def _check_buffers(adapter: SnnTorchNeuronAdapter) -> None:
-    """Reject buffers that carry an autograd graph from construction (snnTorch 1.0.0's
-    ``Lapicque(learn_beta=True)`` computes ``C`` from ``beta`` once: a second backward fails)."""
+    """Reject buffers that carry an autograd graph: computed once from a parameter, when
+    the layer was built (snnTorch 1.0.0's ``Lapicque(learn_beta=True)`` computes ``C`` from
+    ``beta``: a second backward fails) or by you before the call (``lif.beta =
+    torch.sigmoid(raw)``: the engine differentiates tensors, not a graph made before the
+    call; a parametrization computes it at each step)."""
     m = adapter.module
     for name, buf in m._buffers.items():
         if name not in adapter._names and isinstance(buf, Tensor) and buf.grad_fn is not None:
+            fix = (
+                "snnTorch computes it when the layer is built (Lapicque(learn_beta=True) "
+                "computes C from beta): learn beta with Leaky, or keep it fixed"
+                if name == "C"
+                else "compute it at each step instead: make the raw value the learnable "
+                f"tensor and register the function as a parametrization (lif.{name} = "
+                "nn.Parameter(raw_init); torch.nn.utils.parametrize.register_parametrization("
+                f"lif, {name!r}, nn.Sigmoid())), or pass learn_{name}=True"
+            )
             raise unsupported(
                 m,
                 adapter.path,
-                f"its buffer {name!r} was computed from a parameter when the layer was built and "
-                "holds that graph (snnTorch bug, e.g. Lapicque(learn_beta=True)); gradients "
-                "through it can be taken only once, in any time loop",
+                f"its buffer {name!r} holds an autograd graph made before the call (computed "
+                f"from a parameter once: lif.{name} = torch.sigmoid(raw) assigned before the "
+                f"call does so); gradients through it can be taken only once; {fix}",
             )
 
 
