@@ -113,6 +113,18 @@ def test_without_a_budget_auto_reuses_the_granularity_weighed_at_a_longer_length
     assert own.measured == {(100, B), (60, B)}
 
 
+def _at_the_named_smallest(net: nn.Module, x: Any) -> tuple[Any, int]:
+    """A stack wrapper at the smallest budget a refusal names for ``x``, after one step on
+    ``x`` within it: ``(wrapper, budget)``."""
+    seq = sc.wrap(net, plan="auto", granularity="stack", storage="host", budget="4KiB")
+    with pytest.raises(sc.BudgetTooSmall) as info:
+        seq(x)
+    budget = info.value.minimum_bytes
+    seq = sc.wrap(net, plan="auto", granularity="stack", storage="host", budget=budget)
+    assert _step(seq, x) <= budget
+    return seq, budget
+
+
 @pytest.mark.parametrize("T2", [100, 90])
 def test_an_input_larger_than_the_one_planned_with_is_planned_again(T2: int) -> None:
     """A plan counts the input it was planned with: a later call (the same length, or one
@@ -127,12 +139,7 @@ def test_an_input_larger_than_the_one_planned_with_is_planned_again(T2: int) -> 
         (torch.rand(T2, B, 24, generator=torch.Generator().manual_seed(1)) < 0.5).float()
     )
     assert dense.nbytes > sparse.nbytes
-    seq = sc.wrap(net, plan="auto", granularity="stack", storage="host", budget="4KiB")
-    with pytest.raises(sc.BudgetTooSmall) as info:
-        seq(sparse)
-    budget = info.value.minimum_bytes
-    seq = sc.wrap(net, plan="auto", granularity="stack", storage="host", budget=budget)
-    assert _step(seq, sparse) <= budget
+    seq, budget = _at_the_named_smallest(net, sparse)
     planner = seq._own_planner().budgeted
     assert planner is not None and planner.probes == 1
     try:
@@ -145,11 +152,6 @@ def test_an_input_larger_than_the_one_planned_with_is_planned_again(T2: int) -> 
     # an expanded view planned, a full tensor of the same shape after it
     img = torch.rand(B, 24, generator=torch.Generator().manual_seed(2))
     view, full = img.expand(100, *img.shape), torch.rand(100, B, 24)
-    seq = sc.wrap(net, plan="auto", granularity="stack", storage="host", budget="4KiB")
-    with pytest.raises(sc.BudgetTooSmall) as info:
-        seq(view)
-    budget = info.value.minimum_bytes
-    seq = sc.wrap(net, plan="auto", granularity="stack", storage="host", budget=budget)
-    assert _step(seq, view) <= budget
+    seq, budget = _at_the_named_smallest(net, view)
     with pytest.raises(sc.BudgetTooSmall):
         seq(full)

@@ -251,6 +251,10 @@ def test_the_plan_a_private_generator_refusal_names_runs_as_the_loop() -> None:
     want = torch.stack(mems)
     got = sc.wrap(net, plan=BPTT(), output="mem")(x)
     assert torch.equal(got, want)
+    # with a budget the planner's probes run the model too: they draw nothing from it either
+    budgeted = make()
+    got = sc.wrap(budgeted, plan=BPTT(), budget="64MiB", output="mem")(x)
+    assert torch.equal(got, want)
 
 
 def test_a_decay_assigned_from_a_parameter_names_the_parametrization_that_runs() -> None:

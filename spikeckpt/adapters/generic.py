@@ -47,6 +47,7 @@ from spikeckpt.adapters.protocol import (
     unsupported,
 )
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
+from spikeckpt.engine.rng import kept_generators
 from spikeckpt.engine.tree import tree_map
 from spikeckpt.errors import UnsupportedLayerError
 
@@ -175,33 +176,14 @@ def probe(fn: Any, *args: Any, module: nn.Module | None = None) -> Any:
     without updating running statistics (a shape probe)."""
     x = next((a for a in args if isinstance(a, Tensor)), None)
     devices = [x.device.index or 0] if x is not None and x.is_cuda else []
-    # a layer drawing from a generator of its own (noise made reproducible): kept too
     if module is None:
         module = getattr(getattr(fn, "__self__", None), "module", None)
-    own = _own_generators(module)
-    states = [g.get_state() for g in own]
     token = _PROBING.set(True)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), kept_generators(module):
             return fn(*args)
     finally:
         _PROBING.reset(token)
-        for g, state in zip(own, states, strict=True):
-            g.set_state(state)
-
-
-def _own_generators(module: Any) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects ``module``'s layers hold as attributes (none when it
-    is not a module)."""
-    if not isinstance(module, nn.Module):
-        return []
-    found = {
-        id(v): v
-        for m in module.modules()
-        for v in vars(m).values()
-        if isinstance(v, torch.Generator)
-    }
-    return list(found.values())
 
 
 def _side_effects_off() -> bool:
@@ -687,6 +669,8 @@ class HiddenStateAdapter(LayerAdapter):
         super().__init__(module, path)
         self.neurons = list(neurons)
         self._stats = [m for m in module.modules() if isinstance(m, RUNNING_STATS_TYPES)]
+        #: what the neurons' adapters assign on their modules: theirs to manage
+        self._managed = frozenset(a for n in self.neurons for a in getattr(n, "managed", ()))
 
     def init_state(self, x_t: Tensor) -> State:
         def run(x: Tensor) -> tuple[Any, ...]:
@@ -701,10 +685,9 @@ class HiddenStateAdapter(LayerAdapter):
             self.cleanup()
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
-        # what the neurons' adapters manage is theirs; anything else assigned on the block
-        # (a spike count kept for a rate regulariser) is state kept on it: refused
-        allowed = frozenset(a for n in self.neurons for a in getattr(n, "managed", ()))
-        with refuse_kept_state(self.module, self.path, allowed, buffers=False):
+        # anything assigned on the block beside what its neurons' adapters manage (a spike
+        # count kept for a rate regulariser) is state kept on it: refused
+        with refuse_kept_state(self.module, self.path, self._managed, buffers=False):
             return self._step(state, x_t)
 
     def _step(self, state: State, x_t: Tensor) -> tuple[State, Any]:

@@ -159,6 +159,8 @@ class NorseAdapter(LayerAdapter):
         super().__init__(module, path)
         self.sequence = isinstance(module, _SEQUENCE)
         self.recurrent = isinstance(module, _RECURRENT)
+        #: a subclass of yours: each step checks it keeps nothing more on itself
+        self._subclass = users_subclass(module, "norse")
 
     def init_state(self, x_t: Tensor) -> State:
         m: Any = self.module  # Norse's cell: untyped attributes
@@ -167,7 +169,7 @@ class NorseAdapter(LayerAdapter):
         return _conform(init, after, m, self.path)
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        if users_subclass(self.module, "norse"):  # one keeping more on itself is refused
+        if self._subclass:  # one keeping more on itself is refused
             with refuse_kept_state(self.module, self.path, buffers=False):
                 return self._step(state, x_t)
         return self._step(state, x_t)

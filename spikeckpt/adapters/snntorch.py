@@ -116,9 +116,6 @@ def _sconv_init(m: Any, x: Tensor) -> tuple[Tensor, ...]:
     return z, z.clone()  # the default dtype, as snnTorch's init_sconv2dlstm
 
 
-#: the attributes snnTorch's own neurons assign in a step, beside their state fields
-_STEP_WRITES = ("reset", "spk", "mem_prev")
-
 # Most specific classes first (DeltaLeaky subclasses Leaky).
 _SPECS: list[tuple[type, type, Init]] = [
     (snn.DeltaLeaky, DeltaLeakyState, _like_input(2)),
@@ -156,6 +153,8 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         # in a plain nn.Sequential loop an init_hidden neuron keeps its state on itself
         self.state_on_module = bool(getattr(module, "init_hidden", False))
         self._fast = fast_step(module, state_cls)
+        #: a subclass of yours: each step checks it keeps nothing more on itself
+        self._subclass = users_subclass(module, "snntorch")
         #: whether the fast step matched the module's own call (checked at first use)
         self.fast_verified: bool | None = None
 
@@ -196,7 +195,7 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def module_step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         """One step through the module's own call (its bookkeeping included); a subclass of
         yours that keeps more on itself (``self.count = ...``) is refused, naming it."""
-        if users_subclass(self.module, "snntorch"):
+        if self._subclass:
             with refuse_kept_state(self.module, self.path, self.managed, buffers=False):
                 return self._module_step(state, x_t)
         return self._module_step(state, x_t)
@@ -204,8 +203,8 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     @property
     def managed(self) -> frozenset[str]:
         """The attributes a step of this neuron assigns: its state fields and snnTorch's own
-        bookkeeping (``reset``, ``spk``, ``mem_prev``)."""
-        return frozenset((*self.fields, *_STEP_WRITES))
+        scratch (``reset``, ``spk``; ``DeltaLeaky``'s ``mem_prev`` is a state field)."""
+        return frozenset(self._names)
 
     def _module_step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         m = self.module

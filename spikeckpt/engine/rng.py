@@ -140,3 +140,19 @@ def rejoin_backward_draws() -> None:
     (`backward_draws`). No-op outside a backward phase."""
     if _BACKWARD_DRAWS:
         _BACKWARD_DRAWS[-1].rejoin()
+
+
+@contextlib.contextmanager
+def kept_generators(module: object) -> Iterator[None]:
+    """Put back, on leaving, the state of every ``torch.Generator`` that ``module``'s layers
+    hold as attributes (noise made reproducible with a generator of its own): a probe that
+    runs the model draws nothing from them, as ``torch.random.fork_rng`` keeps the default
+    generators. No change where ``module`` is not an ``nn.Module``."""
+    layers = module.modules() if isinstance(module, torch.nn.Module) else ()
+    own = {id(v): v for m in layers for v in vars(m).values() if isinstance(v, torch.Generator)}
+    states = [(g, g.get_state()) for g in own.values()]
+    try:
+        yield
+    finally:
+        for g, state in states:
+            g.set_state(state)

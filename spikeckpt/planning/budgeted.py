@@ -23,6 +23,7 @@ from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.grad import grads_held, tensor_hooks_held
 from spikeckpt.engine.inputs import input_nbytes, packing_hint
 from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.engine.rng import kept_generators
 from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning
 from spikeckpt.planning.choice import (
     Decision,
@@ -248,7 +249,9 @@ class BudgetPlanner:
             missing = True
         self.grads_held = held
         if missing or choice is None:
-            with tensor_hooks_held(params):  # the probes' gradients are not yours
+            # the probes' gradients are not yours, nor are their draws from your layers' own
+            # generators (a BPTT() with a budget differed from the loop by the probes' draws)
+            with tensor_hooks_held(params), kept_generators(model):
                 choice = self._plan(model, x, state, T, batch)
             self.choices[key] = choice
         self.last = choice
@@ -300,8 +303,8 @@ class BudgetPlanner:
         is at most `LAYERWISE_TIME_TOLERANCE` above the plan's (calibrated by the measured
         step); None: the stack plan runs."""
         T, batch = int(x.shape[0]), int(x.shape[1])
-        with tensor_hooks_held(model.parameters_for_scan()):  # the probes' are not yours
-            m = self._measure(model, x, state, T, batch)
+        with tensor_hooks_held(model.parameters_for_scan()), kept_generators(model):
+            m = self._measure(model, x, state, T, batch)  # the probes' gradients, draws
         stack = self._stack_choice(m)
         if stack is None or m.blocks is None:
             return None
