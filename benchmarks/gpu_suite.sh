@@ -48,10 +48,13 @@
 # the CUDA tests alone (pytest -n 8) 73 s; bench_recurrent.py --rounds 2 --only RLeaky
 # RSynaptic about 45 s, bench_peers.py --n 8192 --share 40 --repeats 1 111 s,
 # bench_compiled_step.py --rounds 1 --breaks 36 s (docs/benchmarks.md section 25).
-# Next time, first (about 4 minutes): `python benchmarks/bench_peers.py --device cuda --n 8192
-# --share 40 --repeats 1 --only "auto at"`, then the same with --share 20 (section 25: the
-# auto row at 40% held 656.71 MiB under 613.77 MiB before the working-set probe measured past
-# the gradient sums; expected now: within, at a shorter chunk), then the whole suite.
+# Measured on the H200 again (2026-11-28 01:53, torch 2.11): bench_peers.py --n 8192 --only
+# "auto at" 18 s each at --share 40 and 20 (both within their budgets now, section 28 of
+# docs/benchmarks.md), STEPS="1 2" STEP_TIMEOUT=115 199 s (step 1 101 s, step 2 57 s + 28 s),
+# STEPS="8 6 5" 162 s (step 8 90 s, step 6 26 s, step 5 46 s), step 3 at n = 512 and 8192 with
+# REPEATS=1 138 s (over a STEP_TIMEOUT of 105 s).
+# Next time, first (about 4 minutes): STEPS="4 7" TABLE_T=4000 REPEATS=1 STEP_TIMEOUT=150 (not
+# run since 2026-11-27), then the whole suite as the lease allows.
 # On a machine whose Python lacks snnTorch, Norse and tonic (the lent GPU machines: torch,
 # Triton, Numba and Lightning are there, nothing can be installed), copy their pure-Python
 # packages from a working environment into an ignored folder and put it on PYTHONPATH, as the
