@@ -8,6 +8,8 @@ built-in exception it stands for (a bad value is a ``ValueError``, a wrong type 
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Sequence
 
 
@@ -86,3 +88,28 @@ class UnlistedParamsError(SpikeckptError, ValueError):
     def __init__(self, message: str, tensors: Sequence[object] | None = None) -> None:
         super().__init__(message)
         self.tensors = list(tensors or [])
+
+
+#: the packages whose frames a warning skips to reach the line of yours that led to it
+_LIBRARY_FRAMES = (
+    "spikeckpt",
+    "torch",
+    "lightning",
+    "pytorch_lightning",
+    "contextlib",
+    "functools",
+)
+
+
+def warn_in_callers_code(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside spikeckpt, torch and Lightning
+    (your ``model(x)``, ``scan(...)`` or ``trainer.fit(...)``), not at the planner's line
+    (``stacklevel`` counted from where it is called)."""
+    frame = sys._getframe(1)
+    level = 2
+    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] in (
+        _LIBRARY_FRAMES
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

@@ -46,6 +46,7 @@ from spikeckpt.adapters.protocol import (
     plain_container,
     unsupported,
 )
+from spikeckpt.adapters.returns import state_order_problem
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
 from spikeckpt.engine.rng import kept_generators
 from spikeckpt.engine.tree import tree_map
@@ -382,6 +383,9 @@ class StatefulAdapter(LayerAdapter):
         self.n_state = state_arity(module) if n_state is None else n_state
         if self.n_state < 1:
             self.n_state = 1
+        problem = state_order_problem(module.forward, self.n_state)
+        if problem is not None:
+            raise unsupported(module, path, problem)
         found = _positional(module.forward)
         params = found[0] if found is not None else []
         #: the module builds its own state from ``None`` (its second argument defaults to None)

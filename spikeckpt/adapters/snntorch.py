@@ -19,6 +19,7 @@ This module imports snnTorch; import it only when a snnTorch layer was found.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,7 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters.alpha_kernel import AlphaKernel
-from spikeckpt.adapters.generic import StatelessAdapter, refuse_kept_state, users_subclass
+from spikeckpt.adapters.generic import (
+    StatefulAdapter,
+    StatelessAdapter,
+    refuse_kept_state,
+    state_arity,
+    users_subclass,
+)
 from spikeckpt.adapters.kernels import (
     ImmediateLeakyKernel,
     LeakyKernel,
@@ -279,16 +286,48 @@ class SnnTorchNeuronAdapter(LayerAdapter):
 
     def _clear(self, device: torch.device) -> None:
         """Replace what the call wrote on the module by empty values (no state, no graph)."""
-        m = self.module
-        for name in self._names:
-            if self._packed and name in self.fields:
-                empty: Any = None  # DeltaLeaky tests ``self.mem is None``
-            else:
-                empty = torch.zeros(0, device=device)
-            if name in m._buffers:
-                m._buffers[name] = empty
-            elif isinstance(m.__dict__.get(name), Tensor):
-                m.__dict__[name] = empty
+        packed = self.fields if self._packed else ()
+        clear_written(self.module, self._names, device, packed)
+
+
+def clear_written(
+    m: nn.Module, names: tuple[str, ...], device: torch.device, to_none: tuple[str, ...] = ()
+) -> None:
+    """Replace the tensors a snnTorch call wrote on ``m`` under ``names`` by empty ones (no
+    state, no graph kept between calls); ``to_none`` by None (``DeltaLeaky`` tests ``self.mem
+    is None``)."""
+    for name in names:
+        empty: Any = None if name in to_none else torch.zeros(0, device=device)
+        if name in m._buffers:
+            m._buffers[name] = empty
+        elif isinstance(m.__dict__.get(name), Tensor):
+            m.__dict__[name] = empty
+
+
+#: every attribute snnTorch's neurons write during a call: their state fields and scratch
+_WRITTEN: tuple[str, ...] = tuple(
+    dict.fromkeys([*(f for _, c, _ in _SPECS for f in c._fields), *_SCRATCH])  # type: ignore[attr-defined]
+)
+
+
+class UsersNeuronAdapter(StatefulAdapter):
+    """A neuron of yours built on snnTorch's classes (``class MyLIF(snn.LIF)``) with its own
+    ``forward(input_, s1, ..., sk) -> (spk, s1, ..., sk)``, stepped by arity as any module of
+    yours; what snnTorch's helpers write on the module (``self.mem``, ``self.reset``) is
+    cleared after each call, anything more kept on it is refused, naming it."""
+
+    def init_state(self, x_t: Tensor) -> State:
+        try:
+            return super().init_state(x_t)
+        finally:
+            clear_written(self.module, _WRITTEN, x_t.device)
+
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+        try:
+            with refuse_kept_state(self.module, self.path, frozenset(_WRITTEN), buffers=False):
+                return super().step(state, x_t)
+        finally:
+            clear_written(self.module, _WRITTEN, x_t.device)
 
 
 def _check_buffers(adapter: SnnTorchNeuronAdapter) -> None:
@@ -341,12 +380,62 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
         )
     for cls, state_cls, init in _SPECS:
         if isinstance(module, cls):
+            if _own_call(module, cls):
+                return _users_neuron(module, path, cls)
             adapter = SnnTorchNeuronAdapter(module, path, state_cls, init)
             _check_buffers(adapter)
             return adapter
     if isinstance(module, snn.GradedSpikes):
         return StatelessAdapter(module, path)
+    if users_subclass(module, "snntorch") and isinstance(module, snn.SpikingNeuron):
+        return _users_neuron(module, path, snn.SpikingNeuron)
     raise unsupported(module, path, "this snnTorch layer has no step adapter")
+
+
+def _n_positional(fn: Any) -> int | None:
+    """How many positional arguments ``fn`` takes (``self`` included where unbound); None
+    where it takes ``*args`` (any number) or its signature cannot be read."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _own_call(module: nn.Module, base: type) -> bool:
+    """Whether a subclass of yours of snnTorch's ``base`` replaces its forward with one that
+    takes other arguments (``forward(input_, mem, a)`` on a ``Leaky``): then its states are
+    not ``base``'s, and it is stepped by arity as a neuron of yours. A forward taking
+    ``*args`` passes them on: ``base``'s call."""
+    forward, own = type(module).forward, getattr(base, "forward", None)
+    if not users_subclass(module, "snntorch") or forward is own:
+        return False
+    n = _n_positional(forward)
+    return n is not None and n != _n_positional(own)
+
+
+def _users_neuron(module: nn.Module, path: str, base: type) -> UsersNeuronAdapter:
+    """The adapter of a neuron of yours built on snnTorch's ``base``, or a clear refusal."""
+    kind = f"a neuron of yours built on snnTorch's {base.__name__}"
+    if getattr(module, "init_hidden", False):
+        raise unsupported(
+            module,
+            path,
+            f"{kind} with init_hidden=True keeps its state on itself, which spikeckpt steps "
+            "only for snnTorch's own neurons; build it with init_hidden=False and a forward "
+            "that takes and returns its state: forward(input_, mem) -> (spk, mem)",
+        )
+    if state_arity(module) < 1:
+        raise unsupported(
+            module,
+            path,
+            f"{kind} whose forward takes no state after the input; spikeckpt steps a neuron "
+            "of yours through forward(input_, s1, ..., sk) -> (spk, s1, ..., sk): take the "
+            "state and return it (forward(input_, mem) -> (spk, mem))",
+        )
+    return UsersNeuronAdapter(module, path)
 
 
 #: the chunk kernels of snnTorch's neurons

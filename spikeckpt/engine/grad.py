@@ -124,7 +124,7 @@ def grad(
         _ENGINE_GRAD.append(_engine_grad())
     engine = _ENGINE_GRAD[0]
     rejoin_backward_draws()  # a backward function that draws continues the backward's stream
-    with tensor_hooks_held(inputs), _autocast_off():
+    with tensor_hooks_held(inputs), _autocast_off(), _freed_graph_named():
         if (
             engine is not None
             and not has_torch_function(outputs)
@@ -133,6 +133,29 @@ def grad(
         ):
             return engine(outputs, inputs, grads)
         return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+#: why a recomputed step reaches a graph already freed, and the ways out
+FREED_GRAPH = (
+    "spikeckpt: a recomputed step reached the graph of another step, already freed: the step "
+    "keeps state outside its arguments (snnTorch neurons built with init_hidden=True called "
+    "inside a scan step, or a tensor assigned on a module, self.x = ...), which a plan that "
+    "recomputes steps replays out of order. Pass that state in and return it (snnTorch: "
+    "init_hidden=False, spk, mem = lif(cur, mem)), or use plan=spikeckpt.plans.BPTT(), "
+    "which does not recompute"
+)
+
+
+@contextlib.contextmanager
+def _freed_graph_named() -> Iterator[None]:
+    """torch's "backward through the graph a second time" inside the engine's backward,
+    with its cause in a checkpointed run named (`FREED_GRAPH`)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "backward through the graph a second time" not in str(err):
+            raise
+        raise RuntimeError(f"{FREED_GRAPH}\n(torch: {str(err).splitlines()[0]})") from err
 
 
 @contextlib.contextmanager

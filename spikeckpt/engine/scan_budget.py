@@ -4,7 +4,6 @@ hint; a warning where the plan chosen recomputes steps many times over."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -17,7 +16,7 @@ from spikeckpt.engine.inputs import input_nbytes, is_packed, step_of, with_packi
 from spikeckpt.engine.measure import probe_step, work_bytes
 from spikeckpt.engine.scan_options import ScanOptions, Timed
 from spikeckpt.engine.tree import leaf_bytes
-from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning
+from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning, warn_in_callers_code
 from spikeckpt.plans.account import (
     StepBytes,
     StepChoice,
@@ -130,9 +129,8 @@ def _warn_if_slow(T: int, sizes: StepSizes, total: int, *, remote: bool, costs: 
     for a budget of ``total`` bytes recomputes steps many times over (`slow_note`)."""
     slow = slow_note(T, sizes, total, remote=remote, costs=costs)
     if slow is not None:
-        warnings.warn(
+        warn_in_callers_code(
             f"spikeckpt: under the budget of {total} bytes ({format_bytes(total)}) for "
             f"T={T}, {slow}",
             SlowPlanWarning,
-            stacklevel=5,
         )

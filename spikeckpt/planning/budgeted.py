@@ -10,7 +10,6 @@ the same functions ``scan(plan="auto", budget=...)`` calls on the same measureme
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NamedTuple, NoReturn, cast
@@ -24,7 +23,7 @@ from spikeckpt.engine.grad import grads_held, tensor_hooks_held
 from spikeckpt.engine.inputs import input_nbytes, packing_hint
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.rng import kept_generators
-from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning
+from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning, warn_in_callers_code
 from spikeckpt.planning.choice import (
     Decision,
     PlanChoice,
@@ -288,12 +287,11 @@ class BudgetPlanner:
         self.choices.clear()
         names = ", ".join(repr(n) for n in found)
         self.context += f"; the spike train into layer(s) {names} turned graded: counted dense"
-        warnings.warn(
+        warn_in_callers_code(
             f"spikeckpt: the spike train into layer(s) {names} was planned bit-packed (the "
             "neuron below put out only 0 and 1 when the budget was planned) and the last run "
             "found other values (graded spikes): it was stored dense, and that step may have "
-            "exceeded the budget. Planning again with it dense from this call on.",
-            stacklevel=4,
+            "exceeded the budget. Planning again with it dense from this call on."
         )
 
     def layer_within(self, model: Planned, x: Any, state: Any, chunk: int | None) -> int | None:
@@ -342,7 +340,7 @@ class BudgetPlanner:
         ):
             asked = self.asked_bytes if self.asked_bytes is not None else budget
             message = f"under the budget of {asked} bytes ({format_bytes(asked)}) for T={m.T}"
-            warnings.warn(f"spikeckpt: {message}, B={m.batch}, {slow}", SlowPlanWarning, 5)
+            warn_in_callers_code(f"spikeckpt: {message}, B={m.batch}, {slow}", SlowPlanWarning)
 
     def _measure(
         self, model: Planned, x: Any, state: Any, T: int, batch: int, *, share: bool = True
