@@ -223,5 +223,5 @@ def test_a_scan_step_keeping_state_on_its_neurons_names_why_it_cannot_recompute(
     assert torch.equal(out, loop)
     snn_utils.reset(net)
     out, _ = sc.scan(step, x, (), plan=Uniform(4))
-    with pytest.raises(RuntimeError, match="keeps state outside its arguments.*init_hidden=True"):
+    with pytest.raises(sc.UsageError, match="keeps state outside its arguments.*init_hidden=True"):
         out.sum().backward()

@@ -22,7 +22,8 @@ from torch import Tensor
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.readout import NARROW_FLOATS, Readout, take_extremum, widened
-from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.rng import cuda_devices, generators_kept
+from spikeckpt.engine.step import reachable_generators
 from spikeckpt.errors import ConfigError, ConfigTypeError
 
 __all__ = ["FirstStep", "changes_dtype", "first_step"]
@@ -121,7 +122,7 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
     """Whether step 0 returns a state leaf in another dtype than the initial state's (a
     half-precision model whose step promotes its state to float32): scan then runs step 0
     apart and carries the dtypes it returns, as the plain loop does. Tried with one untaped
-    step (RNG forked, layers' side effects skipped) only where a dtype may change: a floating
+    step (RNG forked, the step's own generators kept, layers' side effects skipped) only where a dtype may change: a floating
     state leaf narrower than float32, or floating state, input and parameter leaves of more
     than one dtype; False elsewhere (no step run)."""
     leaves = pytree.tree_flatten(state)[0]
@@ -140,6 +141,7 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
         return False
     with (
         torch.random.fork_rng(devices=cuda_devices([*floats, *others])),
+        generators_kept(reachable_generators(step)),
         recompute_phase(),
         torch.no_grad(),
     ):

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.overrides import has_torch_function
 
 from spikeckpt.engine.rng import rejoin_backward_draws
+from spikeckpt.errors import UsageError
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -155,7 +156,7 @@ def _freed_graph_named() -> Iterator[None]:
     except RuntimeError as err:
         if "backward through the graph a second time" not in str(err):
             raise
-        raise RuntimeError(f"{FREED_GRAPH}\n(torch: {str(err).splitlines()[0]})") from err
+        raise UsageError(f"{FREED_GRAPH}\n(torch: {str(err).splitlines()[0]})") from err
 
 
 @contextlib.contextmanager

@@ -150,7 +150,15 @@ def kept_generators(module: object) -> Iterator[None]:
     generators. No change where ``module`` is not an ``nn.Module``."""
     layers = module.modules() if isinstance(module, torch.nn.Module) else ()
     own = {id(v): v for m in layers for v in vars(m).values() if isinstance(v, torch.Generator)}
-    states = [(g, g.get_state()) for g in own.values()]
+    with generators_kept(own.values()):
+        yield
+
+
+@contextlib.contextmanager
+def generators_kept(generators: Iterable[torch.Generator]) -> Iterator[None]:
+    """Put back, on leaving, the state of each of ``generators``: what runs inside (a probe,
+    a measured step) draws nothing from them, as far as the run after it can tell."""
+    states = [(g, g.get_state()) for g in generators]
     try:
         yield
     finally:

@@ -46,11 +46,18 @@ from spikeckpt.engine.planned import (
     simulate_cached,
 )
 from spikeckpt.engine.readout import Readout, Reducer, check_readout
-from spikeckpt.engine.rng import cuda_devices
+from spikeckpt.engine.rng import cuda_devices, generators_kept
 from spikeckpt.engine.scan_budget import measured_plan
 from spikeckpt.engine.scan_options import ScanOptions, Timed
 from spikeckpt.engine.stats import ScanResult, ScanStats
-from spikeckpt.engine.step import StepFn, default_params, no_own_draws, time_leaves, unshaped
+from spikeckpt.engine.step import (
+    StepFn,
+    default_params,
+    no_own_draws,
+    reachable_generators,
+    time_leaves,
+    unshaped,
+)
 from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten, tree_leaves, tree_map
 from spikeckpt.errors import (
     ConfigError,
@@ -465,7 +472,8 @@ def _schedule(
         plan_key(step, tree_flatten(state)[0], in_leaves, param_list),
         grads_held(param_list),  # a held .grad counts beside the step's own sums
     )
-    with tensor_hooks_held(param_list):  # the probes' gradients are not yours
+    # the probes' gradients are not yours, nor their draws from the step's own generators
+    with tensor_hooks_held(param_list), generators_kept(reachable_generators(step)):
         found, account = planned(
             key, lambda: measured_plan(step, state, timed, param_list, options, device)
         )

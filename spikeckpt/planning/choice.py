@@ -74,7 +74,8 @@ class PlanChoice:
     Attributes:
         plan: the stack plan, intervals filled in for ``T`` (layer-wise: ``Uniform(chunk)``,
             the stack plan with the same step evaluations).
-        T: steps planned for.
+        T: steps planned for (a call up to `REUSE_SPAN` times shorter runs this plan: ``T``
+            stays the length planned, the call's own length is its input's).
         batch: batch size planned for.
         budget_bytes: the device budget the plan's activations had to fit (the planner's
             budget less the input, the outputs and the gradient buffers of ``step``).
