@@ -28,7 +28,7 @@ from spikeckpt.plans import BPTT, Revolve, Uniform
 snn = pytest.importorskip("snntorch")
 snn_utils = pytest.importorskip("snntorch.utils")
 
-T, B, I, H, O = 13, 3, 6, 8, 5
+T, B, N_IN, H, N_OUT = 13, 3, 6, 8, 5
 PLANS = [BPTT(), Uniform(4), Revolve(2)]
 
 
@@ -41,7 +41,7 @@ def _snntorch_instances() -> Iterator[None]:
 
 
 def _x() -> Tensor:
-    return (torch.rand(T, B, I, generator=torch.Generator().manual_seed(1)) < 0.4).float() * 2
+    return (torch.rand(T, B, N_IN, generator=torch.Generator().manual_seed(1)) < 0.4).float() * 2
 
 
 def _grads(model: nn.Module) -> list[Tensor]:
@@ -59,8 +59,8 @@ class _DocNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1, self.lif1 = nn.Linear(I, H), snn.Leaky(beta=0.9)
-        self.fc2, self.lif2 = nn.Linear(H, O), snn.Leaky(beta=0.8)
+        self.fc1, self.lif1 = nn.Linear(N_IN, H), snn.Leaky(beta=0.9)
+        self.fc2, self.lif2 = nn.Linear(H, N_OUT), snn.Leaky(beta=0.8)
 
     def forward(self, x: Tensor, mem1: Tensor, spk1: Tensor, mem2: Tensor) -> Any:
         spk1, mem1 = self.lif1(self.fc1(x), mem1)
@@ -89,7 +89,7 @@ def test_states_returned_before_the_output_are_refused_with_the_return_to_write(
 def test_the_return_it_names_runs_as_the_loop(plan: Any) -> None:
     torch.manual_seed(0)
     net, x = _FixedDocNet(), _x()
-    mem1, spk1, mem2 = torch.zeros(B, H), torch.zeros(B, H), torch.zeros(B, O)
+    mem1, spk1, mem2 = torch.zeros(B, H), torch.zeros(B, H), torch.zeros(B, N_OUT)
     ys = []
     for x_t in x:
         spk2, mem1, spk1, mem2 = net(x_t, mem1, spk1, mem2)
@@ -166,7 +166,7 @@ def test_snntorch_neurons_of_yours_run_as_their_loop(
     kind: str, plan: Any, granularity: str
 ) -> None:
     torch.manual_seed(0)
-    fc = nn.Linear(I, H)
+    fc = nn.Linear(N_IN, H)
     neuron, n_state = (_MyLIF(0.9), 1) if kind == "LIF subclass" else (_Adaptive(0.85), 2)
     net, x = nn.Sequential(fc, neuron), _x()
     loop = _loop(fc, neuron, x, n_state)
@@ -185,7 +185,7 @@ def test_snntorch_neurons_of_yours_run_as_their_loop(
 
 def test_a_neuron_of_yours_that_keeps_its_state_on_itself_is_refused() -> None:
     with pytest.raises(UnsupportedLayerError, match="init_hidden=False"):
-        sc.wrap(nn.Sequential(nn.Linear(I, H), _MyLIF(0.9, init_hidden=True)))(_x())
+        sc.wrap(nn.Sequential(nn.Linear(N_IN, H), _MyLIF(0.9, init_hidden=True)))(_x())
 
 
 class _Counting(_MyLIF):
@@ -197,7 +197,7 @@ class _Counting(_MyLIF):
 
 def test_a_neuron_of_yours_keeping_more_on_itself_is_refused_naming_it() -> None:
     with pytest.raises(UnsupportedLayerError, match="self.fired"):
-        sc.wrap(nn.Sequential(nn.Linear(I, H), _Counting(0.9)), plan=Uniform(4))(_x())
+        sc.wrap(nn.Sequential(nn.Linear(N_IN, H), _Counting(0.9)), plan=Uniform(4))(_x())
 
 
 def test_a_scan_step_keeping_state_on_its_neurons_names_why_it_cannot_recompute() -> None:
@@ -206,9 +206,9 @@ def test_a_scan_step_keeping_state_on_its_neurons_names_why_it_cannot_recompute(
     now the message names the hidden state and the ways out, and BPTT() runs as the loop."""
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Linear(I, H),
+        nn.Linear(N_IN, H),
         snn.Leaky(0.9, init_hidden=True),
-        nn.Linear(H, O),
+        nn.Linear(H, N_OUT),
         snn.Leaky(0.8, init_hidden=True),
     )
     x = _x()

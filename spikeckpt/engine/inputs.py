@@ -29,6 +29,7 @@ __all__ = [
     "as_input",
     "chunk_of",
     "drop_first",
+    "input_grad_nbytes",
     "input_nbytes",
     "is_packed",
     "one_step_repeated",
@@ -227,6 +228,16 @@ def input_nbytes(x: Any) -> int:
     except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
         return tensor_nbytes(x)
     return min(tensor_nbytes(x), held)
+
+
+def input_grad_nbytes(x: Any) -> int:
+    """Bytes of the gradient a training step hands back for the input ``x``: a dense tensor
+    that requires grad (a trainable layer before the wrapped model) gets one of its full
+    size ``(T, B, ...)``, an expanded view's too (autograd sums it to the view's base after
+    the step); a packed train, or a tensor that requires no grad, none."""
+    if is_packed(x) or not isinstance(x, Tensor) or not x.requires_grad:
+        return 0
+    return tensor_nbytes(x) if torch.is_grad_enabled() else 0
 
 
 def drop_first(x: Any) -> Any:

@@ -169,7 +169,11 @@ class _Job(Job):
         finally:
             self._update_stats()
             ex.close()
-        return [*ex.grad_state, *ex.grad_inputs, *ex.grad_params]
+        out = [*ex.grad_state, *ex.grad_inputs, *ex.grad_params]
+        # handed over: autograd takes a gradient held nowhere else as the leaf's ``.grad``
+        # (a full input's gradient was copied, one input's size more at the step's end)
+        ex.grad_state, ex.grad_inputs, ex.grad_params = [], [], []
+        return out
 
     def close(self) -> None:
         if self.executor is not None:

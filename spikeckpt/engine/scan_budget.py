@@ -12,7 +12,13 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine.grad import grads_held
-from spikeckpt.engine.inputs import input_nbytes, is_packed, step_of, with_packing_hint
+from spikeckpt.engine.inputs import (
+    input_grad_nbytes,
+    input_nbytes,
+    is_packed,
+    step_of,
+    with_packing_hint,
+)
 from spikeckpt.engine.measure import probe_step, work_bytes
 from spikeckpt.engine.scan_options import ScanOptions, Timed
 from spikeckpt.engine.tree import leaf_bytes
@@ -54,6 +60,7 @@ def measured_plan(
     held = grads_held(param_list)
     # what the call holds while the probe runs: its input on the device and a held .grad
     held_bytes = x_bytes + leaf_bytes([p.grad for p in param_list])
+    x_bytes += sum(input_grad_nbytes(leaf) for leaf in here)  # and, after it, their gradient
     probe = probe_step(
         step,
         state,

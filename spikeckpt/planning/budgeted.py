@@ -20,7 +20,7 @@ from torch import Tensor
 from spikeckpt import plans
 from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.grad import grads_held, tensor_hooks_held
-from spikeckpt.engine.inputs import input_nbytes, packing_hint
+from spikeckpt.engine.inputs import input_grad_nbytes, input_nbytes, packing_hint
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.engine.rng import kept_generators
 from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning, warn_in_callers_code
@@ -257,8 +257,11 @@ class BudgetPlanner:
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
 
     def _input_here(self, model: Planned, x: Any) -> int:
-        """Bytes of the input ``x`` the step holds on the device (as the account counts it)."""
-        return input_nbytes(x) if x.device == compute_device(model, x) else 0
+        """Bytes of the input ``x`` the step holds on the device, with the gradient it hands
+        back for ``x`` where ``x`` requires grad (as the account counts them)."""
+        if x.device != compute_device(model, x):
+            return 0
+        return input_nbytes(x) + input_grad_nbytes(x)
 
     def _planned_longer(self, T: int, batch: int) -> PlanChoice | None:
         """The choice planned (not reused) for the shortest longer length within
@@ -350,7 +353,7 @@ class BudgetPlanner:
         distributed call measures them), scaled to ``batch``."""
         device = compute_device(model, x)
         on_device = host_is_device(model.storage, device.type)
-        x_bytes = input_nbytes(x) if x.device == device else 0
+        x_bytes = self._input_here(model, x)
         params = [p for p in model.parameters_for_scan() if p.requires_grad]
         # what the probes may hold at once: the call holds its input and state meanwhile
         held = self._held_bytes(model, x, state, device)
