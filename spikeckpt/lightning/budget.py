@@ -537,9 +537,12 @@ class MemoryBudget(Callback):
             rank_zero_warn(
                 f"MemoryBudget: the wrapped model {name!r} ran {runs} times in training step "
                 f"{batch_idx}; each run is planned with the model's whole part of the budget, "
-                f"but the runs' tapes are held together until the backward, so the step may "
+                f"so where the runs' tapes are held together until one backward the step may "
                 f"exceed the budget ({check}). Run it once per step (e.g. the views "
-                f"concatenated along the batch), or give a budget= that allows for {runs} runs."
+                f"concatenated along the batch), or give a budget= that allows for {runs} runs. "
+                "Runs whose backward each ends before the next run (truncated BPTT with "
+                "manual_backward per part) hold one tape at a time; the whole batch they "
+                "are cut from is held beside them, which measured steps re-plan for."
             )
 
     def _check_measured(self, trainer: pl.Trainer, batch_idx: int, peak: int) -> None:

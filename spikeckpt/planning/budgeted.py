@@ -417,6 +417,10 @@ class BudgetPlanner:
         seconds = layered.seconds if layered is not None else None
         if share and self.broadcast is not None:
             probe, blocks, working = self.broadcast((probe, blocks, working))
+        if share and self.reduce_max is not None:
+            # the largest rank's input too, as its shape: ranks whose batches were shorter
+            # planned another chunk or interval for the same key (chunk 15 and 17)
+            x_bytes = self.reduce_max(x_bytes)
         return measured(probe, blocks, working, seconds)
 
     def _stack_plan(self, m: _Measured) -> Any:
