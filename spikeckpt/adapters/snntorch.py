@@ -478,6 +478,7 @@ def snntorch_kernel(
         or (immediate and cls is not snn.Leaky)
         or any(name.startswith(bad) for bad in _RANDOM_SURROGATES)
         or not _fires_above_zero(spike)
+        or not _passes_gradient(spike)
     ):
         return None
     mechanism = m.reset_mechanism
@@ -536,6 +537,21 @@ def _fires_above_zero(spike: Callable[[Tensor], Tensor]) -> bool:
     if not isinstance(out, Tensor) or out.requires_grad:
         return False
     return out.dtype == u.dtype and torch.equal(out, (u > 0).float())
+
+
+def _passes_gradient(spike: Callable[[Tensor], Tensor]) -> bool:
+    """Whether ``spike``'s output has a gradient with respect to the membrane. One without
+    (``surrogate_disable=True``, ``lambda u: (u > 0).float()``) cuts the graph in your loop:
+    the layers before it get no ``.grad`` (None), where the kernel would hand them zeros,
+    which an optimizer with weight decay or momentum treats otherwise (AdamW moved a weight
+    the loop left alone by 3.2e-4 in one step). Such a neuron steps per call."""
+    u = torch.tensor(_HEAVISIDE_PROBE, requires_grad=True)
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), unmetered():
+            out = spike(u)
+    except Exception:  # noqa: BLE001 - `_fires_above_zero` has refused it already
+        return False
+    return isinstance(out, Tensor) and out.requires_grad
 
 
 def _recurrent_kernel(
