@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +71,10 @@ def test_an_input_that_requires_grad_keeps_the_named_smallest_budget(granularity
 class _WithEncoder(pl.LightningModule):
     """A trainable layer before the wrapped SNN: memory the plans do not see."""
 
-    def __init__(self, accumulate: bool = False) -> None:
+    def __init__(self, accumulate: bool = False, granularity: str = "stack") -> None:
         super().__init__()
         self.pre = nn.Linear(C, C)
-        self.net = sc.wrap(_net(), plan="auto", readout="sum")
+        self.net = sc.wrap(_net(), plan="auto", readout="sum", granularity=granularity)
         self.accumulate = accumulate
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -133,3 +135,54 @@ def test_accumulated_gradients_are_measured_through_the_second_cycle(
     assert [batch for batch, _ in seen] == [0, 1, 2, 3]
     # batch 3 begins with the optimizer's state and batch 2's .grad held: the step's largest
     assert max(seen, key=lambda s: s[1])[0] == 3
+
+
+DDP_LENGTHS_SCRIPT = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, {tests!r})
+from test_budget_edges import CLASSES, _WithEncoder, _x  # noqa: E402
+from spikeckpt.lightning import MemoryBudget  # noqa: E402
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    callback = MemoryBudget("100KiB", verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback], use_distributed_sampler=False, default_root_dir={root!r},
+    )
+    rank = trainer.global_rank
+    length = 50 if rank == 0 else 40  # rank 1's sequences are shorter
+    g = torch.Generator().manual_seed(rank)
+    data = [
+        (_x(rank)[:length], torch.randint(0, CLASSES, (8,), generator=g)) for _ in range(2)
+    ]
+    model = _WithEncoder(accumulate=True, granularity="auto")  # its encoder unused:
+    model.pre.requires_grad_(False)  # not DDP's to reduce
+    trainer.fit(model, DataLoader(data, batch_size=None))
+    with open({root!r} + f"/rank{{rank}}.txt", "w") as out:
+        out.write(" ".join(sorted(
+            f"{{key}}:{{c.describe()}}" for key, c in callback.planners["net"].choices.items()
+        )))
+    torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_ddp_ranks_of_different_lengths_run_one_plan(tmp_path: Path) -> None:
+    """Rank 1's batches shorter (T = 40 where rank 0's are 50, both planned as (50, 8)): each
+    rank counted its own input, and layer-wise chose chunk 15 on one and 17 on the other."""
+    script = tmp_path / "ddp_lengths.py"
+    tests = str(Path(__file__).resolve().parent)
+    script.write_text(DDP_LENGTHS_SCRIPT.format(tests=tests, root=str(tmp_path)))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plans = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert plans[0] == plans[1] and "(50, 8)" in plans[0], plans
