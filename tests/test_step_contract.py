@@ -250,7 +250,9 @@ def test_spikes_without_a_gradient_leave_the_layers_before_them_none_as_the_loop
         _, m2 = loop[3](loop[2](s1), m2)
         mems.append(m2)
     torch.stack(mems).sum().backward()
-    sc.wrap(net, granularity="layer", output="mem")(x).sum().backward()
+    seq = sc.wrap(net, granularity="layer", output="mem")
+    seq(x).sum().backward()
+    assert [b.neuron for b in seq.last_stats.blocks] == ["per-step", "per-step"]
     for p, q in zip(loop.parameters(), net.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
