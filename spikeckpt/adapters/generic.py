@@ -65,6 +65,7 @@ __all__ = [
     "frozen_running_stats",
     "own_loop_error",
     "probe",
+    "positional_params",
     "refuse_kept_state",
     "users_subclass",
     "probing",
@@ -316,7 +317,7 @@ def refuse_kept_state(
     )
 
 
-def _positional(fn: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool] | None:
+def positional_params(fn: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool] | None:
     """The positional parameters of ``fn`` (bound: ``self`` excluded) and whether it takes
     ``*args``; ``None`` when the signature cannot be read."""
     try:
@@ -336,7 +337,7 @@ def state_arity(module: nn.Module) -> int:
     required argument after the first); ``forward(x, state=None)`` takes 1 (an optional second
     argument defaulting to ``None``); ``forward(x)`` and ``forward(x, scale=2.0)`` take 0.
     """
-    found = _positional(module.forward)
+    found = positional_params(module.forward)
     if found is None:
         return 0
     params, _ = found
@@ -352,7 +353,7 @@ def _optional_states_hint(module: nn.Module, out: Any) -> str:
     """For a forward whose states all default to None (``forward(x, mem1=None, mem2=None)``,
     counted as one state, ``forward(x, state=None)``) returning more: how to say it takes
     several."""
-    found = _positional(module.forward)
+    found = positional_params(module.forward)
     if found is None or not isinstance(out, tuple) or len(out) < 3:
         return ""
     optional = [p.name for p in found[0][1:] if p.default is None]
@@ -386,7 +387,7 @@ class StatefulAdapter(LayerAdapter):
         problem = state_order_problem(module.forward, self.n_state)
         if problem is not None:
             raise unsupported(module, path, problem)
-        found = _positional(module.forward)
+        found = positional_params(module.forward)
         params = found[0] if found is not None else []
         #: the module builds its own state from ``None`` (its second argument defaults to None)
         self.accepts_none = self.n_state == 1 and len(params) >= 2 and params[1].default is None

@@ -19,7 +19,6 @@ This module imports snnTorch; import it only when a snnTorch layer was found.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from spikeckpt.adapters.alpha_kernel import AlphaKernel
 from spikeckpt.adapters.generic import (
     StatefulAdapter,
     StatelessAdapter,
+    positional_params,
     refuse_kept_state,
     state_arity,
     users_subclass,
@@ -395,13 +395,8 @@ def make_adapter(module: nn.Module, path: str, adapter_for: AdapterFor) -> Layer
 def _n_positional(fn: Any) -> int | None:
     """How many positional arguments ``fn`` takes (``self`` included where unbound); None
     where it takes ``*args`` (any number) or its signature cannot be read."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    found = positional_params(fn)
+    return None if found is None or found[1] else len(found[0])
 
 
 def _own_call(module: nn.Module, base: type) -> bool:
@@ -522,20 +517,29 @@ def snntorch_kernel(
     )
 
 
+def _spike_on(spike: Callable[[Tensor], Tensor], *, requires_grad: bool) -> Tensor | None:
+    """``spike`` called on `_HEAVISIDE_PROBE` (a membrane that requires grad or not), its
+    random numbers not taken from the run's stream; None where it fails or returns no tensor
+    (such a spike function steps per call)."""
+    u = torch.tensor(_HEAVISIDE_PROBE, requires_grad=requires_grad)
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), unmetered():
+            out = spike(u)
+    except Exception:  # noqa: BLE001 - a spike function that fails here steps per call
+        return None
+    return out if isinstance(out, Tensor) else None
+
+
 def _fires_above_zero(spike: Callable[[Tensor], Tensor]) -> bool:
     """Whether ``spike``'s forward is snnTorch's heaviside ``(u > 0).float()`` on
     `_HEAVISIDE_PROBE` (every snnTorch surrogate's is; a user's may fire at ``u >= 0``) and
     its output has no gradient but through ``u``: a surrogate with a learnable slope of its
     own (``sigmoid(k * u) - sigmoid(k * u).detach()``) gave ``k`` no gradient in the kernel,
     which takes the surrogate's gradient with respect to ``u`` only."""
+    out = _spike_on(spike, requires_grad=False)  # an output that requires grad depends on more
+    if out is None or out.requires_grad:
+        return False
     u = torch.tensor(_HEAVISIDE_PROBE)
-    try:  # (random numbers it may draw are not taken from the run's stream)
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]), unmetered():
-            out = spike(u)  # u requires no grad: an output that does depends on more
-    except Exception:  # noqa: BLE001 - a spike function that fails here steps per call
-        return False
-    if not isinstance(out, Tensor) or out.requires_grad:
-        return False
     return out.dtype == u.dtype and torch.equal(out, (u > 0).float())
 
 
@@ -545,13 +549,8 @@ def _passes_gradient(spike: Callable[[Tensor], Tensor]) -> bool:
     the layers before it get no ``.grad`` (None), where the kernel would hand them zeros,
     which an optimizer with weight decay or momentum treats otherwise (AdamW moved a weight
     the loop left alone by 3.2e-4 in one step). Such a neuron steps per call."""
-    u = torch.tensor(_HEAVISIDE_PROBE, requires_grad=True)
-    try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]), unmetered():
-            out = spike(u)
-    except Exception:  # noqa: BLE001 - `_fires_above_zero` has refused it already
-        return False
-    return isinstance(out, Tensor) and out.requires_grad
+    out = _spike_on(spike, requires_grad=True)
+    return out is not None and out.requires_grad
 
 
 def _recurrent_kernel(

@@ -122,9 +122,10 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
     """Whether step 0 returns a state leaf in another dtype than the initial state's (a
     half-precision model whose step promotes its state to float32): scan then runs step 0
     apart and carries the dtypes it returns, as the plain loop does. Tried with one untaped
-    step (RNG forked, the step's own generators kept, layers' side effects skipped) only where a dtype may change: a floating
-    state leaf narrower than float32, or floating state, input and parameter leaves of more
-    than one dtype; False elsewhere (no step run)."""
+    step (RNG forked, the step's own generators kept, layers' side effects skipped) only
+    where a dtype may change: a floating state leaf narrower than float32, or floating
+    state, input and parameter leaves of more than one dtype; False elsewhere (no step
+    run)."""
     leaves = pytree.tree_flatten(state)[0]
     floats = [t for t in leaves if isinstance(t, Tensor) and t.is_floating_point()]
     if not floats:

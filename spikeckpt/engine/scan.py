@@ -476,11 +476,15 @@ def _schedule(
         plan_key(step, tree_flatten(state)[0], in_leaves, param_list),
         grads_held(param_list),  # a held .grad counts beside the step's own sums
     )
-    # the probes' gradients are not yours, nor their draws from the step's own generators
-    with tensor_hooks_held(param_list), generators_kept(reachable_generators(step)):
-        found, account = planned(
-            key, lambda: measured_plan(step, state, timed, param_list, options, device)
-        )
+
+    def measure() -> tuple[Any, StepBytes | None]:
+        # the probes' draws from the step's own generators are put back (walked only when
+        # a shape is measured, not at each call that finds its plan)
+        with generators_kept(reachable_generators(step)):
+            return measured_plan(step, state, timed, param_list, options, device)
+
+    with tensor_hooks_held(param_list):  # the probes' gradients are not yours
+        found, account = planned(key, measure)
     return schedule_of(found, T), account
 
 
