@@ -13,6 +13,7 @@ torch.Size([100, 8, 5])
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
@@ -24,6 +25,7 @@ from spikeckpt.adapters.layered import layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for, model_key
 from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
+from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.function import refuse_func_transforms
@@ -123,8 +125,8 @@ class CheckpointedSequence(Remade):
         self.fuse = fuse
         self.exact = exact
         self.compile_mode = check_compile(compile)
-        #: the stack granularity's compiled step (``compile=True``; made at the first run)
-        self._compiled_step: CompiledStep | None = None
+        #: the stack granularity's compiled step (``compile=True`` or "auto"; made at first use)
+        self._compiled_step: CompiledStep | AutoCompiledStep | None = None
         self.module = module
         self.adapter = adapter
         self.plan = plan
@@ -315,7 +317,7 @@ class CheckpointedSequence(Remade):
             if decision.granularity == "layer":
                 ys, final, self.last_stats = self._run_layerwise(x, state, decision)
             else:
-                step = self._stack_step(x)
+                step, started = self._stack_step(x), time.perf_counter()
                 out = scan(
                     ForwardTensors(step, tensor_slots(self.module)),
                     x,
@@ -330,6 +332,9 @@ class CheckpointedSequence(Remade):
                 )
                 (ys, final), self.last_stats = out, out.stats
                 self.last_stats.step_compiled = isinstance(step, CompiledStep) and step.ran_compiled
+                if isinstance(self._compiled_step, AutoCompiledStep):  # planning left out
+                    took = time.perf_counter() - started - out.stats.planning_seconds
+                    self._compiled_step.ran(input_key(x), step, took, x.shape[0])
         except UnlistedParamsError as err:
             raise self._unlisted(err, x, state) from None
         finally:
@@ -343,10 +348,15 @@ class CheckpointedSequence(Remade):
         return (ys, self.adapter.user_state(final)) if return_state else ys
 
     def _stack_step(self, x: Any) -> Any:
-        """`step`, compiled where ``compile=True`` (`spikeckpt.engine.compiled_step`)."""
-        if self.compile_mode is not True:
+        """`step`, compiled where ``compile=True`` (`spikeckpt.engine.compiled_step`) or where
+        ``"auto"`` finds it pays (`spikeckpt.engine.auto_compile`)."""
+        if self.compile_mode is False:
             return self.step
-        if self._compiled_step is None:
+        if self.compile_mode == "auto":
+            if not isinstance(self._compiled_step, AutoCompiledStep):
+                self._compiled_step = AutoCompiledStep(self.step, self.device_for(x))
+            return self._compiled_step.step_for(input_key(x), self.module)
+        if not isinstance(self._compiled_step, CompiledStep):
             self._compiled_step = compiled_step(self.step, self.device_for(x))  # None: eager
         return self._compiled_step or self.step
 
@@ -620,7 +630,9 @@ def wrap(
             eager, with one line.
             Stack granularity: True compiles the model's step (`spikeckpt.engine.compiled_step`:
             seconds once per shape; outputs bitwise, gradients inductor sums at round-off; 3 x 8
-            neurons: 0.4x the eager time); "auto" and False keep it eager (`last_stats`).
+            neurons: 0.4x the eager time); "auto" compiles a shape's step once its eager
+            forward calls took 5 s and keeps it where faster (`spikeckpt.engine.auto_compile`);
+            False keeps it eager (`last_stats.step_compiled` says which ran).
         exact: layer-wise only. False (default): fast synapses: a chunk's inputs go through
             one product, and a ``Linear`` (or a Norse ``LIFRecurrentCell``'s input weights)
             over a sparse spike input (the first block's, on the CPU) sums the weight columns

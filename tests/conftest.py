@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -28,6 +29,17 @@ def _signal_handlers_restored() -> Iterator[None]:
     for number, handler in saved.items():
         if handler is not None and signal.getsignal(number) is not handler:
             signal.signal(number, handler)
+
+
+@pytest.fixture(autouse=True)
+def _auto_compile_kept_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile="auto"`` compiles a stack step whose eager forward calls of one shape took 5 s
+    (`spikeckpt.engine.auto_compile`); a test that runs a model that long would pay seconds of
+    compiling and see inductor's round-off instead of bitwise gradients. The tests of the rule
+    set their own threshold."""
+    from spikeckpt.engine import auto_compile
+
+    monkeypatch.setattr(auto_compile, "COMPILE_AFTER_SECONDS", math.inf)
 
 
 #: the gather rule the library had when the tests of the gather path were written: a chunk

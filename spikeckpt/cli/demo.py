@@ -313,7 +313,11 @@ def classifier_class() -> type:
 
         def __init__(self, network: nn.Module, lr: float = 2e-3, storage: str = "host") -> None:
             super().__init__()
-            self.net = spikeckpt.wrap(network, plan=BPTT(), storage=storage, readout="sum")
+            # eager: the demo's stated time has no compiling in it (compile="auto" would
+            # compile a shape's step after 5 s of its forward calls: spikeckpt.engine.auto_compile)
+            self.net = spikeckpt.wrap(
+                network, plan=BPTT(), storage=storage, readout="sum", compile=False
+            )
             self.lr = lr
             self._seen = 0
             self._correct = 0

@@ -22,9 +22,9 @@ bitwise here). Tests compare the compiled step with the eager
 one on the plans: outputs bitwise, gradients bitwise without learnable neuron parameters.
 The first step runs eagerly (adapters check their fast steps once; see `CompiledStep`).
 
-``compile=True`` compiles the step (any device with a compiler); ``"auto"`` and False keep it
-eager: compiling takes seconds once per shape and pays only over many steps, which the
-planner does not know. Under a ``TorchDispatchMode`` (``MemoryMeter``'s tensor mode, the
+``compile=True`` compiles the step (any device with a compiler); ``"auto"`` compiles it once a
+shape's eager calls have paid for the compile and keeps it where faster
+(`spikeckpt.engine.auto_compile`); False keeps it eager. Under a ``TorchDispatchMode`` (``MemoryMeter``'s tensor mode, the
 planner's probes) dynamo runs the step eagerly: the same values. Any failure to compile runs
 the step eagerly from then on, with one line.
 """

@@ -1,0 +1,144 @@
+"""``compile="auto"`` for the stack granularity's step: compile once eager calls have paid for it.
+
+Compiling the model's step (`spikeckpt.engine.compiled_step`) costs seconds once per input
+shape and then saves a share of every call: whether it pays depends on how many calls follow,
+which no call can know. ``"auto"`` decides as a rent-or-buy rule does: each input shape runs
+eagerly until its eager forward calls have taken `COMPILE_AFTER_SECONDS` (the backward pass
+runs after the call returns, uncounted: a training step's total is 2-3x its forward, so about
+what compiling a small model's step took on the development CPU: 3-12 s, less from inductor's
+warm disk cache); then
+the step is compiled, its first `WARMUP_CALLS` calls (which compile) are not timed, the next
+`TRIAL_CALLS` are, and the compiled step is kept only where its forward took at most
+`KEEP_RATIO` of the eager forward's time per step (the minimum over calls, each less its
+planning). So a shape never run long costs nothing, and one run long spends at most about
+twice the best choice's compile time. Measured (one thread, 200-256-10 snnTorch ``Leaky``,
+batch 16, T = 300): the compiled step took 0.67-0.74x the eager time after 11.6 s of
+compiling (3.2 s for a second model of the same shape).
+
+A model with forward hooks stays eager (hooks installed around each call would recompile the
+step at each call); without a compiler the step stays eager with one line, said when the
+step would compile. Under a ``TorchDispatchMode`` (``MemoryMeter``, the planner's probes) a
+call is neither timed nor compiled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from spikeckpt.engine.compiled import under_dispatch_mode
+from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
+
+__all__ = [
+    "COMPILE_AFTER_SECONDS",
+    "KEEP_RATIO",
+    "TRIAL_CALLS",
+    "WARMUP_CALLS",
+    "AutoCompiledStep",
+    "input_key",
+]
+
+#: eager seconds (forward calls of one input shape, planning left out) before "auto" compiles
+COMPILE_AFTER_SECONDS = 5.0
+#: compiled calls not timed: dynamo compiles during the first two (the first call's later
+#: steps, then the second call's first step, whose state has a gradient by then)
+WARMUP_CALLS = 2
+#: compiled calls timed against the eager ones before the choice is final
+TRIAL_CALLS = 2
+#: the compiled step is kept where its time per step is at most this share of the eager one's
+KEEP_RATIO = 0.95
+
+
+@dataclass
+class _Shape:
+    """What one input shape's calls measured (seconds per time step, minimum over calls)."""
+
+    eager_seconds: float = 0.0
+    eager_per_step: float = math.inf
+    compiled_calls: int = 0
+    compiled_per_step: float = math.inf
+    compiled: bool | None = None  # the final choice; None while eager time accrues or on trial
+
+
+class AutoCompiledStep:
+    """Chooses per input shape between ``step`` and its compiled copy (see the module
+    docstring); `step_for` before a call, `ran` after it.
+
+    Attributes:
+        shapes: what each input shape's calls measured, by the key `step_for` was given.
+    """
+
+    def __init__(self, step: Callable[[Any, Any], Any], device: torch.device) -> None:
+        self.step = step
+        self.device = device
+        self.shapes: dict[Hashable, _Shape] = {}
+        self._compiled: CompiledStep | None = None
+        self._no_compiler = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copies hold None, as `CompiledStep`'s do: a copy's model decides again."""
+        return (_nothing, ())
+
+    def step_for(self, key: Hashable, model: nn.Module) -> Callable[[Any, Any], Any]:
+        """The step a call with input key ``key`` runs: eager, or the `CompiledStep`."""
+        shape = self.shapes.setdefault(key, _Shape())
+        if shape.compiled is False or _hooked(model) or under_dispatch_mode():
+            return self.step
+        trying = shape.compiled is None and shape.compiled_calls > 0
+        if not shape.compiled and not trying and shape.eager_seconds < COMPILE_AFTER_SECONDS:
+            return self.step
+        compiled = self._compiled_step()
+        if compiled is None or compiled.failed:
+            shape.compiled = False
+            return self.step
+        return compiled
+
+    def ran(self, key: Hashable, step: Callable[..., Any], seconds: float, steps: int) -> None:
+        """Count a call of ``steps`` time steps that took ``seconds`` (planning left out)."""
+        shape = self.shapes.get(key)
+        if shape is None or steps <= 0 or under_dispatch_mode():
+            return
+        per_step = seconds / steps
+        if not isinstance(step, CompiledStep):
+            shape.eager_seconds += seconds
+            shape.eager_per_step = min(shape.eager_per_step, per_step)
+            return
+        if not step.ran_compiled:
+            shape.compiled = False if step.failed else shape.compiled
+            return
+        shape.compiled_calls += 1
+        if shape.compiled is not None or shape.compiled_calls <= WARMUP_CALLS:
+            return
+        shape.compiled_per_step = min(shape.compiled_per_step, per_step)
+        if shape.compiled_calls >= WARMUP_CALLS + TRIAL_CALLS:
+            shape.compiled = shape.compiled_per_step <= KEEP_RATIO * shape.eager_per_step
+
+    def _compiled_step(self) -> CompiledStep | None:
+        if self._compiled is None and not self._no_compiler:
+            self._compiled = compiled_step(self.step, self.device)  # None: one line, eager
+            self._no_compiler = self._compiled is None
+        return self._compiled
+
+
+def input_key(x: Any) -> Hashable:
+    """The key of a call's input ``x`` ``(T, B, ...)`` (a tensor or a packed train): its
+    shape, dtype, device and grad mode, what dynamo's guards recompile on."""
+    return (
+        tuple(x.shape),
+        getattr(x, "dtype", None),
+        str(getattr(x, "device", "")),
+        torch.is_grad_enabled(),
+    )
+
+
+def _hooked(model: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def _nothing() -> None:
+    return None
