@@ -61,7 +61,6 @@ __all__ = [
     "RNNCellAdapter",
     "StatefulAdapter",
     "StatelessAdapter",
-    "TimeLiftedAdapter",
     "frozen_running_stats",
     "own_loop_error",
     "probe",
@@ -214,27 +213,6 @@ class StatelessAdapter(LayerAdapter):
             with frozen_running_stats(self._stats):
                 return (), self.module(x_t)
         return (), self.module(x_t)
-
-
-class TimeLiftedAdapter(LayerAdapter):
-    """A stateless layer written for whole sequences ``(T, B, ...)`` (inside a Norse
-    ``SequentialState`` with sequence modules): ``y_t = module(x_t[None])[0]``."""
-
-    stateful = False
-
-    def __init__(self, inner: LayerAdapter) -> None:
-        super().__init__(inner.module, inner.path)
-        self.inner = inner
-
-    def init_state(self, x_t: Tensor) -> State:
-        return ()
-
-    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        _, y = self.inner.step((), x_t.unsqueeze(0))
-        return (), y[0]
-
-    def check(self) -> None:
-        self.inner.check()
 
 
 _NO_VALUE = object()

@@ -46,10 +46,11 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.affine import LinearChunk, SparseLimit, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
-from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter, TimeLiftedAdapter
+from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, backward_hooked, no_hooks
 from spikeckpt.adapters.recurrent_kernel import NorseCellKernel
 from spikeckpt.adapters.sequential import Block
+from spikeckpt.adapters.time_lifted import TimeLiftedAdapter
 from spikeckpt.engine.fused import ChunkKernel, run_fused
 from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
@@ -60,8 +61,10 @@ __all__ = ["layer_blocks", "with_current_modes"]
 
 
 def _batched_inner(layer: LayerAdapter) -> LayerAdapter | None:
-    """The stateless adapter to apply to a whole ``(k * B, ...)`` chunk, or None (per step:
-    a module with a backward hook sees each step's gradients, as the loop's call hands them)."""
+    """The stateless adapter to apply to a whole chunk, or None (per step: a module with a
+    backward hook sees each step's gradients, as the loop's call hands them). It takes the
+    ``(k * B, ...)`` reshaped chunk, or for a layer written for sequences (a
+    `TimeLiftedAdapter`'s) the ``(k, B, ...)`` chunk itself, as Norse's call hands it one."""
     inner = layer.inner if isinstance(layer, TimeLiftedAdapter) else layer
     if (
         type(inner) is StatelessAdapter
@@ -111,7 +114,10 @@ def _synapse(
             return z0.expand(x.shape[0], *z0.shape[1:]).contiguous()
         k, b = x.shape[0], x.shape[1]
         for layer, inner in zip(synapses, batched, strict=True):
-            if inner is not None:
+            if isinstance(layer, TimeLiftedAdapter) and inner is not None:
+                layer.check_time_local(x[0])
+                x = inner.step((), x)[1]
+            elif inner is not None:
                 _, y = inner.step((), x.reshape(k * b, *x.shape[2:]))
                 x = y.reshape(k, b, *y.shape[1:])
             else:

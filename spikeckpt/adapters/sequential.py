@@ -18,12 +18,12 @@ from __future__ import annotations
 import types
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.generic import StatefulAdapter, StatelessAdapter, TimeLiftedAdapter, probe
+from spikeckpt.adapters.generic import CustomLayerAdapter, StatefulAdapter, StatelessAdapter, probe
 from spikeckpt.adapters.protocol import (
     AdapterFor,
     LayerAdapter,
@@ -32,9 +32,14 @@ from spikeckpt.adapters.protocol import (
     plain_container,
     unsupported,
 )
+from spikeckpt.adapters.time_lifted import TimeLiftedAdapter
 from spikeckpt.errors import ConfigError
 
 __all__ = ["Block", "StackAdapter", "positions", "split_blocks"]
+
+#: the adapters of stateless layers that a ``SequentialState`` of sequence modules hands whole
+#: sequences: torch's layers and yours (`spikeckpt.adapters.time_lifted`)
+_LIFTED = (StatelessAdapter, CustomLayerAdapter)
 
 
 def positions(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -166,8 +171,8 @@ class StackAdapter(LayerAdapter):
             ):
                 adapter = StatelessAdapter(child, sub)
             # (a Lift(m) child gives m's adapter: m already works on one step)
-            if sequence_mode and type(adapter) is StatelessAdapter and adapter.module is child:
-                adapter = TimeLiftedAdapter(adapter)
+            if sequence_mode and type(adapter) in _LIFTED and adapter.module is child:
+                adapter = TimeLiftedAdapter(cast(StatelessAdapter, adapter))
             layers.append(adapter)
         return cls(
             module,

@@ -430,7 +430,9 @@ def _taped_grad(
     Returns the final state leaves (detached) and the gradients for the state leaves that
     require grad followed by ``wrt_params``.
     """
-    inputs = [t.detach().requires_grad_(is_float(t)) for t in start]
+    inputs = [
+        _detached(t).requires_grad_(is_float(t)) if isinstance(t, Tensor) else t for t in start
+    ]
     with torch.enable_grad():
         current: Any = treedef.unflatten(inputs)
         outs: list[Tensor] = []
@@ -438,14 +440,20 @@ def _taped_grad(
             current, y = step(current, xs[t])
             outs += [v for v in tree_flatten(y)[0] if isinstance(v, Tensor) and v.requires_grad]
         last = tree_flatten(current)[0]
-        outs += [v for v in last if v.requires_grad]
-        wrt = [v for v in inputs if v.requires_grad] + wrt_params
+        outs += [v for v in last if isinstance(v, Tensor) and v.requires_grad]
+        wrt = [v for v in inputs if isinstance(v, Tensor) and v.requires_grad] + wrt_params
         if not outs or not wrt:
-            return [v.detach() for v in last], []
+            return [_detached(v) for v in last], []
         found = torch.autograd.grad(
             outs, wrt, [torch.ones_like(v) for v in outs], allow_unused=True
         )
-    return [v.detach() for v in last], list(found)
+    return [_detached(v) for v in last], list(found)
+
+
+def _detached(leaf: Any) -> Any:
+    """A state leaf without its graph: a tensor detached, anything else (a ``None`` entry of
+    a Norse ``SequentialState``'s state list) as it is."""
+    return leaf.detach() if isinstance(leaf, Tensor) else leaf
 
 
 def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -507,7 +515,7 @@ def copy_seconds(
         return 0.0, 0.0
     store = make_store(storage, device, Ledger(), directory)
     try:
-        tensors = [t.detach() for t in leaves]
+        tensors = [t.detach() for t in leaves if isinstance(t, Tensor)]
         best = float("inf")
         for key in range(repeats):
             start = time.perf_counter()

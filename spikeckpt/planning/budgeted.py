@@ -26,9 +26,10 @@ from spikeckpt.engine.rng import kept_generators
 from spikeckpt.errors import BudgetTooSmall, SlowPlanWarning, warn_in_callers_code
 from spikeckpt.planning.choice import (
     Decision,
+    PlanCache,
     PlanChoice,
     Planned,
-    ShapeKey,
+    autocast_mode,
     choice_from_dict,
     choice_to_dict,
     longer_within,
@@ -184,7 +185,7 @@ class BudgetPlanner:
         self.context = context
         self.reduce_max = reduce_max
         self.broadcast = broadcast
-        self.choices: dict[ShapeKey, PlanChoice] = {}
+        self.choices = PlanCache()
         #: `model_signature` of the model the choices were made for (None: not known yet)
         self.signature: tuple[Any, ...] | None = None
         self.probes = 0
@@ -205,14 +206,11 @@ class BudgetPlanner:
             self.context += context
 
     def decide(self, model: Planned, x: Tensor, state: Any) -> Decision:
-        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``.
-
-        A forward without autograd (``torch.no_grad``: validation, test, predict), or with
-        nothing to differentiate (a frozen model on an input without gradient: a teacher),
-        tapes nothing, so the budget does not bound it: it runs as plain BPTT (no checkpoints,
-        no probe, nothing planned or cached, no cross-rank agreement needed), whatever its
-        shape.
-        """
+        """The `Decision` for input ``x`` ``(T, B, ...)`` (time first) from ``state``; plans
+        are kept per shape and autocast state. A forward without autograd (``torch.no_grad``:
+        validation, test, predict), or with nothing to differentiate (a frozen model on an
+        input without gradient: a teacher), tapes nothing: it runs as plain BPTT (no probe,
+        nothing planned or cached, no cross-rank agreement needed), whatever its shape."""
         if not torch.is_grad_enabled() or not _differentiates(model, x, state):
             return Decision("stack", plans.BPTT())
         self._check_stored_trains(model)
@@ -226,6 +224,7 @@ class BudgetPlanner:
         if self.reduce_max is not None:
             T, batch = self.reduce_max(T), self.reduce_max(batch)
         key = (T, batch)
+        self.choices.switch(autocast_mode(compute_device(model, x).type))
         here = self._input_here(model, x)
         longer = self._planned_longer(T, batch) if key not in self.choices else None
         if longer is not None and here <= longer.step.input:

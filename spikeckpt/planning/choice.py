@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from spikeckpt import plans
@@ -28,9 +29,11 @@ from spikeckpt.units import format_bytes
 __all__ = [
     "REUSE_SPAN",
     "Decision",
+    "PlanCache",
     "PlanChoice",
     "Planned",
     "StepBytes",
+    "autocast_mode",
     "choice_from_dict",
     "choice_to_dict",
     "longer_within",
@@ -238,3 +241,41 @@ def longer_within(planned: Iterable[ShapeKey], T: int, batch: int) -> ShapeKey |
     """The shortest planned ``(T', batch)`` with ``T < T' <= REUSE_SPAN * T`` (None: none)."""
     near = [key for key in planned if key[1] == batch and T < key[0] <= T * REUSE_SPAN]
     return min(near) if near else None
+
+
+#: autocast's state for a device type: on or off, and the dtype it casts to when on
+AutocastMode = tuple[bool, "torch.dtype | None"]
+
+
+def autocast_mode(device_type: str) -> AutocastMode:
+    """Whether autocast is on for ``device_type`` (``"cpu"``, ``"cuda"``) and its dtype: a
+    step under bf16 autocast holds other bytes (half-size activations, the cached casts of
+    the weights) than the same step in float32."""
+    if not torch.is_autocast_enabled(device_type):
+        return (False, None)
+    return (True, torch.get_autocast_dtype(device_type))
+
+
+class PlanCache(dict[ShapeKey, "PlanChoice"]):
+    """The plans chosen per ``(T, B)`` under the autocast state now (`switch`); those of other
+    states are kept aside: a plan measured in float32 and run under bf16 autocast (Lightning's
+    precision toggled, a step under ``torch.autocast`` between float32 ones) went 1.5x over
+    its budget. `clear` forgets every state's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode: AutocastMode = (False, None)
+        self._aside: dict[AutocastMode, dict[ShapeKey, PlanChoice]] = {}
+
+    def switch(self, mode: AutocastMode) -> None:
+        """Hold the plans of autocast state ``mode`` (set those of the state before aside)."""
+        if mode == self.mode:
+            return
+        self._aside[self.mode] = dict(self)
+        super().clear()
+        self.update(self._aside.pop(mode, {}))
+        self.mode = mode
+
+    def clear(self) -> None:
+        super().clear()
+        self._aside.clear()

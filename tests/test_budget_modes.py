@@ -1,0 +1,101 @@
+"""Budgets where the step's bytes depend on more than the input's shape: autocast turned on
+and off between steps of one shape (plans kept per autocast state: before, a plan measured
+in float32 ran under bf16 autocast at 1.51x its budget), and a model whose state holds
+``None`` entries (Norse's ``RecurrentSequential``: before, ``plan="auto"`` with a budget
+raised ``AttributeError`` in its probe)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import snntorch as snn
+import torch
+from torch import nn
+
+import spikeckpt as sc
+from spikeckpt.engine.meter import MemoryMeter
+from spikeckpt.errors import BudgetTooSmall
+
+BUDGET = 167_000
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(40, 48),
+        snn.Leaky(beta=0.9, threshold=0.5),
+        nn.Linear(48, 5),
+        snn.Leaky(beta=0.8, threshold=0.3),
+    )
+
+
+def _peak(seq: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> int:
+    """One training step's peak (bytes), under bf16 autocast or not."""
+    seq.zero_grad(set_to_none=True)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with MemoryMeter() as meter:
+        meter.track([x])
+        with amp:
+            loss = nn.functional.cross_entropy(seq(x), y)
+        loss.backward()
+    return meter.peak_bytes
+
+
+@pytest.mark.parametrize("granularity", ["layer", "auto", "stack"])
+def test_plans_are_kept_per_autocast_state(granularity: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(48, 8, 40, generator=g) < 0.2).float()
+    y = torch.randint(0, 5, (8,), generator=g)
+    net = _net()
+    seq = sc.wrap(net, plan="auto", budget=BUDGET, granularity=granularity, readout="sum")
+    planned = {}
+    for autocast in (False, True, False, True):
+        assert _peak(seq, x, y, autocast) <= BUDGET, (autocast, seq.last_stats.plan)
+        planned.setdefault(autocast, seq.last_stats.plan)
+        assert seq.last_stats.plan == planned[autocast]  # each state's plan, kept
+    fresh = sc.wrap(
+        copy.deepcopy(net), plan="auto", budget=BUDGET, granularity=granularity, readout="sum"
+    )
+    _peak(fresh, x, y, autocast=True)
+    assert fresh.last_stats.plan == planned[True]  # as a wrap planned under autocast picks
+
+
+def _recurrent_sequential() -> nn.Module:
+    norse = pytest.importorskip("norse.torch")
+    from norse.torch.module.sequential import RecurrentSequential
+
+    torch.manual_seed(0)
+    lif = norse.LIFCell(norse.LIFParameters(v_th=torch.tensor(0.2)))
+    return RecurrentSequential(nn.Linear(10, 10), lif)
+
+
+def test_a_state_with_none_entries_is_planned_for_a_budget() -> None:
+    """``RecurrentSequential``'s state is ``[None, LIFFeedForwardState]``: the probes pass the
+    ``None`` through; the smallest budget a refusal names runs within itself."""
+    torch.manual_seed(1)
+    x = torch.rand(8, 3, 10) * 4
+    want = _recurrent_sequential()
+    state, outs = None, []
+    for x_t in x:  # a step module: Norse's users loop over time
+        z, state = want(x_t, state)
+        outs.append(z)
+    out = torch.stack(outs)
+    out.sum().backward()
+    got = _recurrent_sequential()
+    seq = sc.wrap(got, plan="auto", budget="1MiB")
+    result, _ = seq(x)
+    result.sum().backward()
+    torch.testing.assert_close(result, out)
+    for a, b in zip(want.parameters(), got.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
+    with pytest.raises(BudgetTooSmall) as refused:
+        sc.wrap(_recurrent_sequential(), plan="auto", budget="4KiB")(x)
+    smallest = refused.value.minimum_bytes
+    model = _recurrent_sequential()
+    seq = sc.wrap(model, plan="auto", budget=smallest, granularity="stack")
+    with MemoryMeter() as meter:
+        meter.track([x])
+        seq(x)[0].sum().backward()
+    assert meter.peak_bytes <= smallest
