@@ -311,3 +311,17 @@ def test_training_loss_falls() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("given", ["tensor", "one entry", "three entries"])
+def test_a_state_of_the_wrong_form_is_refused_naming_the_layer_and_its_fields(given: str) -> None:
+    """``Synaptic``'s state is ``(syn, mem)``: a bare tensor (enough for a ``Leaky``) raised
+    torch's ``TypeError`` from ``SynapticState.__new__`` before."""
+    net = nn.Sequential(nn.Linear(4, 5), snn.Synaptic(alpha=0.8, beta=0.9))
+    x = torch.rand(6, 3, 4)
+    mem = torch.zeros(3, 5)
+    state = {"tensor": mem, "one entry": (mem,), "three entries": (mem, mem, mem)}[given]
+    with pytest.raises(sc.ConfigError, match=r"layer 1 \(Synaptic\): its state is syn, mem"):
+        sc.wrap(net)(x, state=[None, state])
+    spk = sc.wrap(net)(x, state=[None, (mem, mem)])  # the fields in order: as snnTorch's
+    assert spk.shape == (6, 3, 5)

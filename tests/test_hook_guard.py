@@ -72,6 +72,18 @@ def test_a_loss_built_from_hooked_tensors_raises_naming_the_layer(route: str, wh
         loss.backward()
 
 
+def test_a_loss_from_the_taped_steps_hooked_tensors_names_hooks_under_bptt() -> None:
+    """The last ``T`` records only (the shape probe's left out) are ``BPTT()``'s taped steps:
+    the engine has backpropagated their graph when the loss's path reaches it; the message
+    names the forward hook first (it named init_hidden and ``self.x`` alone, and BPTT())."""
+    net = _net()
+    seen = _record(net, "output")
+    out = sc.wrap(net, plan=BPTT())(_input())
+    loss = out.sum() + 0.1 * torch.stack(seen[-T:]).sum()
+    with pytest.raises(sc.UsageError, match="the loss uses a tensor a forward hook kept"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("route", list(ROUTES))
 def test_watching_hooks_see_the_loops_values_and_change_no_gradient(route: str) -> None:
     x = _input()

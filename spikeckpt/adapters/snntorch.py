@@ -171,8 +171,17 @@ class SnnTorchNeuronAdapter(LayerAdapter):
     def coerce_state(self, state: State, x_t: Tensor) -> State:
         """A given state; one of another batch than ``x_t`` ``(B, ...)`` (a previous batch's
         final state) is refused: snnTorch's own call silently starts it from zeros."""
+        given = state
         if isinstance(state, Tensor):
             state = (state,)
+        if not isinstance(state, tuple | list) or len(state) != len(self.fields):
+            held = "a tensor" if isinstance(given, Tensor) else _described(given)
+            raise ConfigError(
+                f"state= for layer {self.path or '<root>'} ({type(self.module).__name__}): "
+                f"its state is {', '.join(self.fields)} ({len(self.fields)} tensors), got "
+                f"{held}: pass {self.state_cls.__name__}({', '.join(self.fields)}) (as "
+                "return_state=True returns it), a tuple in that order, or None (zeros)"
+            )
         state = self.state_cls(*state)
         for name, value in zip(self.fields, state, strict=True):
             if (
@@ -621,3 +630,10 @@ def _atan_grad(spike: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
 
 
 _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_base_int"}
+
+
+def _described(state: Any) -> str:
+    """What a given state is, for a message: ``"3 entries"``, or its type's name."""
+    if isinstance(state, tuple | list):
+        return f"{len(state)} entries"
+    return type(state).__name__

@@ -138,12 +138,15 @@ def grad(
 
 #: why a recomputed step reaches a graph already freed, and the ways out
 FREED_GRAPH = (
-    "spikeckpt: a recomputed step reached the graph of another step, already freed: the step "
-    "keeps state outside its arguments (snnTorch neurons built with init_hidden=True called "
-    "inside a scan step, or a tensor assigned on a module, self.x = ...), which a plan that "
-    "recomputes steps replays out of order. Pass that state in and return it (snnTorch: "
-    "init_hidden=False, spk, mem = lif(cur, mem)), or use plan=spikeckpt.plans.BPTT(), "
-    "which does not recompute"
+    "spikeckpt: a recomputed step reached the graph of another step, already freed. Either "
+    "the loss uses a tensor a forward hook kept from a wrapped run's taped step (hooks are for "
+    "watching values: detach them; return what the loss needs from the model instead: "
+    "output='both' for the last neuron's membrane, Norse's return_hidden=True, or a step "
+    "whose output includes the hidden spikes), or the step keeps state outside its arguments "
+    "(snnTorch neurons built with init_hidden=True called inside a scan step, or a tensor "
+    "assigned on a module, self.x = ...), which a plan that recomputes steps replays out of "
+    "order: pass that state in and return it (snnTorch: init_hidden=False, spk, mem = "
+    "lif(cur, mem)), or use plan=spikeckpt.plans.BPTT(), which does not recompute"
 )
 
 
