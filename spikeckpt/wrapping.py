@@ -345,11 +345,12 @@ class CheckpointedSequence(Remade):
             self.last_stats.note = decision.choice.note
         if self.batch_first and self.readout is None:
             ys = _tree_map(lambda y: y.transpose(0, 1), ys)
+        if self.follows_call:  # output=None: what the model's call returns
+            ys = self.adapter.call_result(ys, final)
         return (ys, self.adapter.user_state(final)) if return_state else ys
 
     def _stack_step(self, x: Any) -> Any:
-        """`step`, compiled where ``compile=True`` (`spikeckpt.engine.compiled_step`) or where
-        ``"auto"`` finds it pays (`spikeckpt.engine.auto_compile`)."""
+        """`step`, compiled where ``compile=True`` or ``"auto"`` finds it pays (`auto_compile`)."""
         if self.compile_mode is False:
             return self.step
         if self.compile_mode == "auto":

@@ -75,12 +75,16 @@ def _loss(outs: list[Tensor], on: int | None) -> Tensor:
     return total
 
 
-def _close(want: Tensor | None, got: Tensor | None, what: str) -> None:
+def _close(want: Tensor | None, got: Tensor | None, what: str, largest: float = 0.0) -> None:
+    """Within float32 round-off of ``want``'s own scale or of ``largest`` (the largest of the
+    step's gradients, 1e-6 of it): a learnable decay's gradient sums terms of every step and
+    neuron that cancel (alpha's -0.30485 of terms near 30: 5.7e-6 apart, seed 737)."""
     if want is None or got is None:
         assert all(g is None or not g.any() for g in (want, got)), what
         return
     scale = float(want.abs().max()) if want.numel() else 0.0
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * (1 + scale), msg=what)
+    atol = max(2e-6 * (1 + scale), 1e-6 * largest)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=what)
 
 
 def _run(
@@ -111,8 +115,9 @@ def _check(
     for i, (a, b) in enumerate(zip(want, got, strict=True)):
         assert torch.equal(a, b), f"output {i}"
     got_grads = torch.autograd.grad(_loss(got, on), params, allow_unused=True)
+    largest = max((float(g.abs().max()) for g in want_grads if g is not None), default=0.0)
     for i, (a, b) in enumerate(zip(want_grads, got_grads, strict=True)):
-        _close(a, b, f"gradient {i} (loss on output {on})")
+        _close(a, b, f"gradient {i} (loss on output {on})", largest)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

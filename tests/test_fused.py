@@ -497,7 +497,10 @@ def test_fused_neurons_match_the_frameworks_own_step(
     seq = sc.wrap(net, granularity="layer", chunk=k, output=output)
     got, got_final = seq(x, return_state=True)
     got = torch.cat(got, -1) if output == "both" else got
-    assert seq.last_stats.blocks[0].neuron == "fused", seq.last_stats.blocks[0].neuron_chunks
+    # Norse's LSNN over T = 1: its input reaches no spike, the loop's graph gives the layers
+    # below no gradient path: per step (`spikeckpt.engine.layerwise`)
+    ran = "per-step" if T == 1 and "lsnn" in name else "fused"
+    assert seq.last_stats.blocks[0].neuron == ran, seq.last_stats.blocks[0].neuron_chunks
     assert torch.equal(got.detach(), want.detach()), name
     got_leaves = [t for t in torch.utils._pytree.tree_leaves(got_final)]
     for a, b in zip(final, got_leaves[-len(final) :], strict=True):

@@ -408,3 +408,31 @@ def test_disk_files_go_when_outputs_are_dropped_and_second_backward_fails(
     with torch.no_grad():  # no graph: nothing stored at all
         seq(x)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("options", [{}, {"exact": True}, {"fuse": False}])
+def test_a_neuron_whose_input_arrives_a_step_late_leaves_grad_none_at_t_1(
+    options: dict[str, Any],
+) -> None:
+    """Norse's LSNN spikes at step 0 from its initial state alone: over T = 1 the loop gives
+    the layers below no gradient (``.grad`` None); the fused kernel gave zeros, which AdamW's
+    weight decay then applied (0.0119 on the input weights)."""
+    norse = pytest.importorskip("norse.torch")
+    import copy
+
+    torch.manual_seed(0)
+    base = norse.SequentialState(
+        nn.Linear(6, 8), norse.LSNNRecurrentCell(8, 8), nn.Linear(8, 4), norse.LICell()
+    )
+    x = (torch.rand(1, 3, 6) < 0.6).float()
+    loop = copy.deepcopy(base)
+    z, _ = loop(x[0], None)
+    z.pow(2).sum().backward()
+    net = copy.deepcopy(base)
+    out, _ = sc.wrap(net, granularity="layer", **options)(x)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out[0], z)
+    for (name, a), b in zip(loop.named_parameters(), net.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, msg=name)

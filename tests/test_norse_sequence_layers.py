@@ -131,3 +131,73 @@ def test_the_check_leaves_the_generator_and_running_statistics_alone() -> None:
         sc.wrap(model)(x)
     assert torch.equal(norm.running_mean, torch.zeros(3))
     assert torch.equal(before, torch.random.get_rng_state())
+
+
+def _lifted_cell_model(last: str) -> nn.Module:
+    torch.manual_seed(0)
+    cell = norse.LICell() if last == "LICell" else norse.LIFCell()
+    return norse.SequentialState(
+        norse.Lift(nn.Linear(10, 16)), _lif(), norse.Lift(nn.Linear(16, 4)), norse.Lift(cell)
+    )
+
+
+def _leaves(tree: object) -> list[Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+@pytest.mark.parametrize("last", ["LICell", "LIFCell"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_lifted_cell_last_returns_and_continues_as_norses_call(
+    last: str, granularity: str
+) -> None:
+    """Norse's ``Lift(cell)`` restarts the cell at each call, returns ``(outputs, final
+    state)`` and leaves None at its place in the state list; a second call given the first's
+    states starts it afresh again (before: the wrapped model returned the outputs alone and
+    carried the cell's state into the second call: gradients 160 apart)."""
+    torch.manual_seed(1)
+    x, x2 = torch.rand(8, 3, 10) * 4, torch.rand(8, 3, 10) * 4
+    model, twin = _lifted_cell_model(last), _lifted_cell_model(last)
+    seq = sc.wrap(twin, granularity=granularity)
+    want, got = model(x), seq(x)
+    assert torch.utils._pytree.tree_structure(got) == torch.utils._pytree.tree_structure(want)
+    want2, got2 = model(x2, list(want[1])), seq(x2, state=list(got[1]))
+    for a, b in zip(_leaves((want, want2)), _leaves((got, got2)), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    _leaves(want2[0])[0].pow(2).sum().backward()
+    _leaves(got2[0])[0].pow(2).sum().backward()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_an_iaf_cell_whose_initial_state_is_its_v_reset_runs_on_every_route(
+    granularity: str,
+) -> None:
+    """Norse's ``IAFCell.initial_state`` hands out ``p.v_reset`` itself, marked requiring grad:
+    the layer-wise probe and blocks made before that read their tensors again (before:
+    ``UnlistedParamsError`` under ``"auto"`` and with a layer-wise budget); ``v_reset`` gets
+    the loop's gradient."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        p = norse.IAFParameters(v_th=torch.tensor(0.3), v_reset=torch.zeros(4, 1, 1))
+        return norse.SequentialState(
+            nn.Conv2d(1, 4, 3), norse.IAFCell(p), nn.Flatten(), nn.Linear(400, 3), norse.LICell()
+        )
+
+    torch.manual_seed(1)
+    x = torch.rand(6, 2, 1, 12, 12) * 3
+    loop, wrapped = build(), build()
+    state, outs = None, []
+    for x_t in x:
+        z, state = loop(x_t, state)
+        outs.append(z)
+    want = torch.stack(outs)
+    want.square().sum().backward()
+    budget = {"budget": "64MiB"} if granularity == "layer" else {}
+    got, _ = sc.wrap(wrapped, granularity=granularity, **budget)(x)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(loop.parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(wrapped[1].p.v_reset.grad, loop[1].p.v_reset.grad)

@@ -167,6 +167,11 @@ class VerifiedKernel:
         return self.kernel.binary_leaves
 
     @property
+    def input_delay(self) -> int:
+        """Steps before the input reaches the spikes (`NorseLSNNKernel`'s 1; else 0)."""
+        return int(getattr(self.kernel, "input_delay", 0))
+
+    @property
     def binary_output(self) -> bool:
         return self.kernel.binary_output
 
@@ -341,12 +346,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
     a Norse recurrent cell's kernel keeps the cell's own input product per step."""
     out = []
     for index, block in enumerate(blocks):
-        layers = (*block.synapses, block.neuron)
-        params = {
-            id(t): t
-            for layer in layers
-            for t in (*layer.module.parameters(), *layer.extra_params())
-        }
+        params = _block_params(block)
         kernel = block.neuron.chunk_kernel()
         if exact and isinstance(kernel, NorseCellKernel):
             kernel.inputs.gathers = False  # a Norse cell's own input product, per step
@@ -360,7 +360,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
                 step=block.neuron.step,
                 membrane=block.neuron.membrane,
                 draws_random=_draws_random(block),
-                params=list(params.values()),
+                params=params,
                 cleanup=_cleanup(block, transposed),
                 sparse_synapse=None
                 if exact
@@ -382,5 +382,22 @@ def with_current_modes(layers: Sequence[LayerBlock], blocks: Sequence[Block]) ->
     out = []
     for layer, block in zip(layers, blocks, strict=True):
         draws = _draws_random(block)
-        out.append(layer if layer.draws_random == draws else replace(layer, draws_random=draws))
+        # and its params read now: a tensor may require grad since the blocks were made
+        # (Norse's IAFCell.initial_state marks its p.v_reset, the initial state's v)
+        params = _block_params(block)
+        same = [id(t) for t in params] == [id(t) for t in layer.params]
+        if layer.draws_random != draws or not same:
+            layer = replace(layer, draws_random=draws, params=params)
+        out.append(layer)
     return out
+
+
+def _block_params(block: Block) -> list[Tensor]:
+    """The tensors ``block``'s layers differentiate: their parameters and the tensors
+    requiring grad that they hold outside them (``extra_params``, read now)."""
+    params = {
+        id(t): t
+        for layer in (*block.synapses, block.neuron)
+        for t in (*layer.module.parameters(), *layer.extra_params())
+    }
+    return list(params.values())

@@ -75,6 +75,10 @@ class NorseLSNNKernel(NorseCellKernel):
     """Norse's ``LSNNRecurrentCell`` step over a chunk (see the module docstring; arguments
     as `NorseCellKernel`'s)."""
 
+    #: the input current reaches the voltage a step later: the spikes of step 0 come from the
+    #: initial state alone (`spikeckpt.engine.layerwise` runs T = 1 per step)
+    input_delay = 1
+
     @property
     def params(self) -> tuple[Tensor, ...]:
         _, w_in, w_rec = self.tensors()
@@ -178,6 +182,10 @@ class NorseLSNNFeedForwardKernel(NorseFieldsKernel):
 
     Built as `NorseFieldsKernel` (``params``: the module's current ``LSNNParameters``).
     """
+
+    #: the input current reaches the voltage a step later: the spikes of step 0 come from the
+    #: initial state alone (`spikeckpt.engine.layerwise` runs T = 1 per step)
+    input_delay = 1
 
     fields = FIELDS
     leaf_count = 3

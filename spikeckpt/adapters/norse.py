@@ -279,6 +279,7 @@ def stack_options(module: nn.Module, path: str = "") -> dict[str, Any] | None:
         "sequence_mode": sequence_mode,
         "stateful_flags": list(flags) if flags is not None else [True] * len(module._modules),
         "return_hidden": bool(getattr(module, "return_hidden", False)),
+        "lifted": [isinstance(c, Lift) for c in module._modules.values() if c is not None],
     }
 
 

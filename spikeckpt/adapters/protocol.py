@@ -135,6 +135,11 @@ class LayerAdapter:
         unchanged); `coerce_state` takes it back."""
         return state
 
+    def call_result(self, ys: Any, state: State) -> Any:
+        """The whole call's output from the outputs over time ``ys`` and the final state, as
+        the framework's own call returns it (default: ``ys``)."""
+        return ys
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.module).__name__} at {self.path or '<root>'!r})"
 

@@ -79,6 +79,8 @@ class StackAdapter(LayerAdapter):
     ) -> None:
         super().__init__(module, path)
         self.return_hidden = return_hidden
+        #: positions whose layer keeps a state that Norse's call does not thread (`from_sequential`)
+        self.unthreaded: list[int] = []
         self.layers = list(layers)
         self.stateful = any(layer.stateful for layer in self.layers)
         self.state_on_module = any(layer.state_on_module for layer in self.layers)
@@ -150,6 +152,7 @@ class StackAdapter(LayerAdapter):
         sequence_mode: bool = False,
         stateful_flags: Sequence[bool] | None = None,
         return_hidden: bool = False,
+        lifted: Sequence[bool] | None = None,
     ) -> StackAdapter:
         """Adapters for every position of ``module`` (``adapter_for``: the registry's lookup).
 
@@ -174,13 +177,30 @@ class StackAdapter(LayerAdapter):
             if sequence_mode and type(adapter) in _LIFTED and adapter.module is child:
                 adapter = TimeLiftedAdapter(cast(StatelessAdapter, adapter))
             layers.append(adapter)
-        return cls(
+        stack = cls(
             module,
             path,
             layers,
             explicit_states=stateful_flags is not None,
             return_hidden=return_hidden,
         )
+        if lifted is not None:
+            # ``lifted``: Norse's ``Lift`` positions. A Lift of a layer keeping state
+            # (``Lift(LICell())``) starts it afresh at each call, returns ``(outputs, final
+            # state)`` and leaves None in the state list
+            stack.unthreaded = [i for i, layer in enumerate(layers) if layer.stateful and lifted[i]]
+            for i in stack.unthreaded:
+                if i + 1 in stack.unthreaded:
+                    raise unsupported(
+                        layers[i + 1].module,
+                        layers[i + 1].path,
+                        f"it follows {layers[i].path!r}, whose Lift hands it (outputs, final "
+                        "state), and Norse's Lift starts this layer from that final state, "
+                        "which a run stepped over time does not have at t=0; put a stateless "
+                        "layer between them, or use the cells unlifted in a SequentialState "
+                        "of cells",
+                    )
+        return stack
 
     def init_state(self, x_t: Tensor, given: Sequence[Any] | None = None) -> State:
         """Each position's initial state (``given[i]`` where given and not None); runs one
@@ -217,7 +237,10 @@ class StackAdapter(LayerAdapter):
                 f"state for {self.path or 'the model'} must be a tuple or list of "
                 f"{len(self.layers)} layer states (None for a fresh one)"
             )
-        given = [s if self.slots[i] == i else None for i, s in enumerate(state)]
+        given = [
+            s if self.slots[i] == i and i not in self.unthreaded else None
+            for i, s in enumerate(state)
+        ]
         return self.init_state(x_t, given=given)
 
     def user_state(self, state: State) -> State:
@@ -228,9 +251,17 @@ class StackAdapter(LayerAdapter):
         if not self.returns_state:
             return state
         return [
-            layer.user_state(s) if layer.stateful else None
-            for layer, s in zip(self.layers, state, strict=True)
+            layer.user_state(s) if layer.stateful and i not in self.unthreaded else None
+            for i, (layer, s) in enumerate(zip(self.layers, state, strict=True))
         ]
+
+    def call_result(self, ys: Any, state: State) -> Any:
+        """A last ``Lift(cell)`` (not threaded): Norse's call returns ``(outputs, the cell's
+        final state)`` as its output."""
+        last = len(self.layers) - 1
+        if self.return_hidden or last not in self.unthreaded:
+            return ys
+        return ys, self.layers[last].user_state(state[self.slots[last]])
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         new = list(state)

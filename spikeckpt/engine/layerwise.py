@@ -141,6 +141,10 @@ def layerwise_scan(
     x = _checked_input(x, blocks, states, readout, output)
     packed = is_packed(x)
     T = x.shape[0]
+    # A neuron whose input reaches its spikes a step later (Norse's LSNN: a kernel's
+    # ``input_delay``) over T = 1 gives the layers below it no gradient path in the loop
+    # (.grad None), which the per-step tape reproduces and a fused kernel's zeros do not
+    fuse = fuse and sum(getattr(b.fused, "input_delay", 0) for b in blocks) < T
     k = chunk_length(chunk, T)
     if params is None:
         params = list({id(t): t for b in blocks for t in b.params}.values())

@@ -487,6 +487,9 @@ def _probe_residuals(
                     break
                 xs: Any = dense(n, start=_densest_start(ones, k, n)).requires_grad_(input_grad)
                 states = states_for(xs[0].detach())
+                if not training:  # again: an initial state may mark one requiring grad
+                    for p in params:  # (Norse's IAFCell: its v is p.v_reset, requires_grad)
+                        p.requires_grad_(False)
                 if packed:  # never differentiated
                     xs = SpikeTrain.from_dense(xs, codec=getattr(x, "codec", "auto"))
                 run = partial(
