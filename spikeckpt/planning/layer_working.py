@@ -476,9 +476,7 @@ def _probe_residuals(
     residuals: list[tuple[int, int]] = []
     all_untaped = True
     try:
-        if not training:
-            for p in params:
-                p.requires_grad_(False)
+        _frozen(params, training)
         # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
         with torch.random.fork_rng(devices=devices), recompute_phase():
             for k in chunks:
@@ -487,9 +485,9 @@ def _probe_residuals(
                     break
                 xs: Any = dense(n, start=_densest_start(ones, k, n)).requires_grad_(input_grad)
                 states = states_for(xs[0].detach())
-                if not training:  # again: an initial state may mark one requiring grad
-                    for p in params:  # (Norse's IAFCell: its v is p.v_reset, requires_grad)
-                        p.requires_grad_(False)
+                # again: an initial state may mark one requiring grad (Norse's IAFCell: its v
+                # is p.v_reset, requires_grad)
+                _frozen(params, training)
                 if packed:  # never differentiated
                     xs = SpikeTrain.from_dense(xs, codec=getattr(x, "codec", "auto"))
                 run = partial(
@@ -543,3 +541,11 @@ def _run_peak(
         del ys, outs
     untaped = sum(b.untaped_chunks for b in stats.blocks)
     return meter.peak_bytes, stats.backward_chunks > 0 and untaped == stats.backward_chunks
+
+
+def _frozen(params: list[Tensor], training: bool) -> None:
+    """Outside training (a step without gradients, measured taped), the blocks' tensors stop
+    requiring grad for the probe; the caller turns them on again."""
+    if not training:
+        for p in params:
+            p.requires_grad_(False)
