@@ -55,6 +55,8 @@ def test_plans_are_kept_per_autocast_state(granularity: str) -> None:
         assert _peak(seq, x, y, autocast) <= BUDGET, (autocast, seq.last_stats.plan)
         planned.setdefault(autocast, seq.last_stats.plan)
         assert seq.last_stats.plan == planned[autocast]  # each state's plan, kept
+    if granularity == "auto":
+        return  # which granularity "auto" picks is a timing: another wrap may pick another
     fresh = sc.wrap(
         copy.deepcopy(net), plan="auto", budget=BUDGET, granularity=granularity, readout="sum"
     )

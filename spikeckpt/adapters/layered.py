@@ -382,12 +382,15 @@ def with_current_modes(layers: Sequence[LayerBlock], blocks: Sequence[Block]) ->
     out = []
     for layer, block in zip(layers, blocks, strict=True):
         draws = _draws_random(block)
-        # and its params read now: a tensor may require grad since the blocks were made
-        # (Norse's IAFCell.initial_state marks its p.v_reset, the initial state's v)
-        params = _block_params(block)
-        same = [id(t) for t in params] == [id(t) for t in layer.params]
-        if layer.draws_random != draws or not same:
-            layer = replace(layer, draws_random=draws, params=params)
+        # and the tensors its layers hold outside their parameters read now: one may require
+        # grad since the blocks were made (Norse's IAFCell.initial_state marks its
+        # p.v_reset, the initial state's v). Parameters stay those the blocks were made with:
+        # others swapped in (functional_call) are refused (`refuse_swapped`)
+        parts = (*block.synapses, block.neuron)
+        known = {id(t) for t in (*layer.params, *(p for q in parts for p in q.module.parameters()))}
+        extra = {id(t): t for part in parts for t in part.extra_params() if id(t) not in known}
+        if layer.draws_random != draws or extra:
+            layer = replace(layer, draws_random=draws, params=[*layer.params, *extra.values()])
         out.append(layer)
     return out
 
