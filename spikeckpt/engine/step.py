@@ -11,6 +11,7 @@ update them twice. `time_leaves` turns the inputs into time-first leaves.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import types
@@ -304,8 +305,16 @@ def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
 
 
 def _code_globals(code: Any) -> list[str]:
-    """Global names a code object (and the code objects nested in it) loads."""
-    names = list(code.co_names)
+    """Global names a code object (and the code objects nested in it) loads: its
+    ``LOAD_GLOBAL`` / ``LOAD_NAME`` instructions' names. Not every name of ``co_names``,
+    which holds attribute names too: ``self.out`` named a module-level ``out`` (a previous
+    call's result), whose outputs then joined the next call's parameters and its backward
+    reached the previous call's freed graph."""
+    names = [
+        str(ins.argval)
+        for ins in dis.get_instructions(code)
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    ]
     for const in code.co_consts:
         if hasattr(const, "co_names"):
             names.extend(_code_globals(const))
