@@ -83,8 +83,9 @@ def parse_bytes(value: int | float | str) -> int:
             "or fraction=0.8 for a share of the free device memory)"
         )
     total = number * scale
-    if isinstance(value, float) and not total.is_integer():
-        share = _SHARE if 0 < value <= 1 else ""
+    if (isinstance(value, float) or scale == 1) and not total.is_integer():
+        # a plain number is bytes: "0.25" is no share and "1.5" no byte count (were 0 and 2)
+        share = _SHARE if 0 < number <= 1 else ""
         raise ConfigError(f"a byte count must be a whole number of bytes, got {value!r}{share}")
     return int(round(total))
 

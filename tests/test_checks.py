@@ -53,6 +53,31 @@ def test_signs_exponents_and_spaces_still_parse(value: str, expected: int) -> No
     assert parse_bytes(value) == expected
 
 
+@pytest.mark.parametrize(("value", "share"), [("0.25", True), ("0.9", True), ("1.5", False)])
+def test_a_plain_number_that_is_no_whole_byte_count_is_refused(value: str, share: bool) -> None:
+    """A plain number is bytes: ``"0.25"`` (meant as a share) was read as 0 bytes, ``"1.5"``
+    as 2; a unit keeps fractions (``"1.5 GiB"``)."""
+    with pytest.raises(ValueError, match="whole number of bytes") as info:
+        parse_bytes(value)
+    assert ("fraction=0.25" in str(info.value)) == share
+    assert parse_bytes("1.5 GiB") == 3 * 2**29
+
+
+def test_a_budget_for_a_model_without_neurons_is_refused_clearly() -> None:
+    """A stateless model (a neuron forgotten) under a budget: it was "state_bytes must be
+    >= 1"; without a budget it runs, each step alone."""
+    import torch
+    from torch import nn
+
+    import spikeckpt as sc
+
+    ann = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = (torch.rand(30, 4, 20) < 0.1).float()
+    with pytest.raises(sc.ConfigError, match="holds no state between time steps.*snn.Leaky"):
+        sc.wrap(ann, plan="auto", budget="1MiB")(x)
+    assert sc.wrap(ann)(x).shape == (30, 4, 4)
+
+
 # ------------------------------------------------------------------------------ check_storage
 
 

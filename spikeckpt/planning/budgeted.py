@@ -34,6 +34,7 @@ from spikeckpt.planning.choice import (
     choice_to_dict,
     longer_within,
     model_signature,
+    refuse_stateless,
 )
 from spikeckpt.planning.granularity import (
     LAYERWISE_TIME_TOLERANCE,
@@ -229,13 +230,12 @@ class BudgetPlanner:
         longer = self._planned_longer(T, batch) if key not in self.choices else None
         if longer is not None and here <= longer.step.input:
             self.choices[key] = longer  # a plan of a longer length keeps the budget
-        # an input larger than the one planned with (a denser packed train, a full tensor
-        # where an expanded view was planned: 1.4-15x over the budget) is planned again
+        # an input larger than planned with (denser, a full tensor for a view: 1.4-15x over)
         missing = key not in self.choices or here > self.choices[key].step.input
         if self.reduce_max is not None:
-            # Planning broadcasts rank 0's probe, so every rank must plan together: when any
-            # rank lacks a plan (a new shape, or a re-plan after running out of memory), all
-            # re-plan, on the smallest budget of all ranks.
+            # Planning broadcasts rank 0's probe, so every rank plans together: when any lacks
+            # a plan (a new shape, a re-plan after running out of memory), all re-plan, on the
+            # smallest budget of all ranks.
             missing = bool(self.reduce_max(int(missing)))
             if missing:
                 self.budget_bytes = -self.reduce_max(-self.budget_bytes)
@@ -371,6 +371,7 @@ class BudgetPlanner:
                 stacked=model.readout is None,
                 grad_in_step=self.grad_in_step,
             )
+            refuse_stateless(sizes.state)
             sizes = replace(sizes, grads_held=self.grads_held)
             return _Measured(
                 T=T,

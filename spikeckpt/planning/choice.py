@@ -15,6 +15,7 @@ from torch import Tensor
 
 from spikeckpt import plans
 from spikeckpt.engine.layerwise import LayerBlock
+from spikeckpt.errors import ConfigError
 from spikeckpt.planning.probe import (
     Probe,
     Probed,
@@ -38,6 +39,7 @@ __all__ = [
     "choice_to_dict",
     "longer_within",
     "model_signature",
+    "refuse_stateless",
 ]
 
 ShapeKey = tuple[int, int]
@@ -279,3 +281,15 @@ class PlanCache(dict[ShapeKey, "PlanChoice"]):
     def clear(self) -> None:
         super().clear()
         self._aside.clear()
+
+
+def refuse_stateless(state_bytes: int) -> None:
+    """Refuse a budget for a model that holds no state between steps (``state_bytes`` 0):
+    a budget plans checkpoints of that state, and a model without neurons has none (it was
+    "state_bytes must be >= 1")."""
+    if state_bytes <= 0:
+        raise ConfigError(
+            "the wrapped model holds no state between time steps (no neuron or recurrent "
+            "layer), so a budget has nothing to checkpoint: add its neurons (snn.Leaky(...), "
+            "norse.LIFCell()), or call it without a budget (each step then stands alone)"
+        )
