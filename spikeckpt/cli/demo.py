@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "time, gradient difference), print a table and save a plot.\n\n"
             "Data: the real SHD files under --root DIR (DIR/SHD/shd_train.h5, shd_test.h5;\n"
             "see docs/datasets.md). Without --root, synthetic files in the real format, kept\n"
-            "in your cache folder. The defaults take 2-3 minutes on 2 CPU cores."
+            "in your cache folder. The defaults take 35 s to 2 minutes on 2 CPU cores."
         ),
         epilog=(
             "examples:\n"
