@@ -3,13 +3,15 @@ gradients, or a clear spikeckpt error naming the way forward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import spikeckpt as sc
-from spikeckpt.plans import Revolve, Uniform
+from spikeckpt.plans import BPTT, Revolve, Uniform
 
 snn = pytest.importorskip("snntorch")
 
@@ -124,3 +126,25 @@ def test_wrapping_a_compiled_model_names_the_way() -> None:
     # torch.compile(model) is lazy (nothing compiles here); its wrapper is not a layer
     with pytest.raises(sc.errors.UnsupportedLayerError, match="compile=True"):
         sc.wrap(torch.compile(net()))
+
+
+class _SoftLIF(nn.Module):
+    """A smooth neuron of yours (``forward(x, state) -> (y, state)``): forward-mode AD runs
+    through its plain loop."""
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> Any:
+        v = x if state is None else 0.9 * state + x
+        return torch.sigmoid(4 * (v - 1)), v
+
+
+@pytest.mark.parametrize("plan", [BPTT(), Uniform(3)])
+def test_forward_mode_ad_is_refused_clearly(plan: Any) -> None:
+    """Dual numbers (``torch.autograd.forward_ad``) reach the run's Function, which has no
+    forward-mode rule: a `UsageError` naming the way (was torch's NotImplementedError)."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), _SoftLIF())
+    x = torch.rand(T, B, 5)
+    with fwad.dual_level(), pytest.raises(sc.UsageError, match="loss.backward"):
+        sc.wrap(model, plan=plan)(fwad.make_dual(x, torch.ones_like(x)))

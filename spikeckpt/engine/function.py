@@ -182,6 +182,11 @@ class _RunFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        """Forward-mode AD (``torch.autograd.forward_ad`` dual numbers): refused clearly."""
+        raise UsageError(_NO_TRANSFORMS)
+
+    @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         # Grad mode is on only in a create_graph=True backward: the gradients computed below
         # would have no graph, so a second-order term would silently vanish. Refuse it.
