@@ -8,9 +8,11 @@ runs after the call returns, uncounted: a training step's total is 2-3x its forw
 what compiling a small model's step took on the development CPU: 3-12 s, less from inductor's
 warm disk cache); then
 the step is compiled, its first `WARMUP_CALLS` calls (which compile) are not timed, the next
-`TRIAL_CALLS` are, and the compiled step is kept only where its forward took at most
-`KEEP_RATIO` of the eager forward's time per step (the minimum over calls, each less its
-planning). So a shape never run long costs nothing, and one run long spends at most about
+`TRIAL_CALLS` are, and the compiled step is kept only where a training step took at most
+`KEEP_RATIO` of the eager one's time per time step: the period from one call's start to the
+next call's of the same shape (forward, backward, the optimizer: the compiled backward is
+where most of the gain is), the minimum over calls; where no two calls of a shape ran back
+to back, the forward calls' times (each less its planning). So a shape never run long costs nothing, and one run long spends at most about
 twice the best choice's compile time. Measured (one thread, 200-256-10 snnTorch ``Leaky``,
 batch 16, T = 300): the compiled step took 0.67-0.74x the eager time after 11.6 s of
 compiling (3.2 s for a second model of the same shape).
@@ -24,6 +26,7 @@ call is neither timed nor compiled.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +63,21 @@ class _Shape:
 
     eager_seconds: float = 0.0
     eager_per_step: float = math.inf
+    eager_period: float = math.inf
     compiled_calls: int = 0
     compiled_per_step: float = math.inf
+    compiled_period: float = math.inf
+    trial_periods: int = 0
     compiled: bool | None = None  # the final choice; None while eager time accrues or on trial
+
+    def choose(self) -> None:
+        """Keep the compiled step or not, by the training steps' periods (forward, backward
+        and whatever the loop does between two calls: the same for both), or by the forward
+        calls' times where no period was measured (calls of this shape not back to back)."""
+        if math.isfinite(self.eager_period) and math.isfinite(self.compiled_period):
+            self.compiled = self.compiled_period <= KEEP_RATIO * self.eager_period
+        else:
+            self.compiled = self.compiled_per_step <= KEEP_RATIO * self.eager_per_step
 
 
 class AutoCompiledStep:
@@ -79,6 +94,8 @@ class AutoCompiledStep:
         self.shapes: dict[Hashable, _Shape] = {}
         self._compiled: CompiledStep | None = None
         self._no_compiler = False
+        #: the last call: its key, its start (seconds) and what its period counts for
+        self._open: tuple[Hashable, float, str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Copies hold None, as `CompiledStep`'s do: a copy's model decides again."""
@@ -86,7 +103,12 @@ class AutoCompiledStep:
 
     def step_for(self, key: Hashable, model: nn.Module) -> Callable[[Any, Any], Any]:
         """The step a call with input key ``key`` runs: eager, or the `CompiledStep`."""
+        now = time.perf_counter()
+        self._close_period(key, now)
         shape = self.shapes.setdefault(key, _Shape())
+        if shape.compiled is None and shape.trial_periods >= TRIAL_CALLS:
+            shape.choose()
+        self._open = (key, now, "eager")
         if shape.compiled is False or _hooked(model) or under_dispatch_mode():
             return self.step
         trying = shape.compiled is None and shape.compiled_calls > 0
@@ -96,12 +118,30 @@ class AutoCompiledStep:
         if compiled is None or compiled.failed:
             shape.compiled = False
             return self.step
+        trial = shape.compiled is None and shape.compiled_calls >= WARMUP_CALLS
+        self._open = (key, now, "trial" if trial else "")
         return compiled
 
+    def _close_period(self, key: Hashable, now: float) -> None:
+        """The time since the last call's start, per time step, is that call's period where
+        this call has its shape (back to back, as a training loop's steps)."""
+        if self._open is None or self._open[0] != key:
+            return
+        _, started, kind = self._open
+        shape = self.shapes[key]
+        period = (now - started) / _steps_of(key)
+        if kind == "eager":
+            shape.eager_period = min(shape.eager_period, period)
+        elif kind == "trial":
+            shape.compiled_period = min(shape.compiled_period, period)
+            shape.trial_periods += 1
+
     def ran(self, key: Hashable, step: Callable[..., Any], seconds: float, steps: int) -> None:
-        """Count a call of ``steps`` time steps that took ``seconds`` (planning left out)."""
+        """Count a call of ``steps`` time steps whose forward took ``seconds`` (planning left
+        out)."""
         shape = self.shapes.get(key)
         if shape is None or steps <= 0 or under_dispatch_mode():
+            self._open = None
             return
         per_step = seconds / steps
         if not isinstance(step, CompiledStep):
@@ -110,13 +150,11 @@ class AutoCompiledStep:
             return
         if not step.ran_compiled:
             shape.compiled = False if step.failed else shape.compiled
+            self._open = None
             return
         shape.compiled_calls += 1
-        if shape.compiled is not None or shape.compiled_calls <= WARMUP_CALLS:
-            return
-        shape.compiled_per_step = min(shape.compiled_per_step, per_step)
-        if shape.compiled_calls >= WARMUP_CALLS + TRIAL_CALLS:
-            shape.compiled = shape.compiled_per_step <= KEEP_RATIO * shape.eager_per_step
+        if shape.compiled is None and shape.compiled_calls > WARMUP_CALLS:
+            shape.compiled_per_step = min(shape.compiled_per_step, per_step)
 
     def _compiled_step(self) -> CompiledStep | None:
         if self._compiled is None and not self._no_compiler:
@@ -134,6 +172,12 @@ def input_key(x: Any) -> Hashable:
         str(getattr(x, "device", "")),
         torch.is_grad_enabled(),
     )
+
+
+def _steps_of(key: Hashable) -> int:
+    """The time steps of an `input_key` (its shape's first entry; 1 for another key)."""
+    shape = key[0] if isinstance(key, tuple) and key and isinstance(key[0], tuple) else ()
+    return max(int(shape[0]), 1) if shape else 1
 
 
 def _hooked(model: nn.Module) -> bool:
