@@ -344,3 +344,33 @@ def test_an_fp16_input_that_requires_grad_under_bf16_autocast_backpropagates(
     got.sum().backward()
     assert x_net.grad is not None and x_net.grad.dtype == torch.float16
     torch.testing.assert_close(x_net.grad, x_loop.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "plan", [sc.plans.BPTT(), sc.plans.Uniform(3), sc.plans.Revolve(3)], ids=repr
+)
+def test_under_autocast_grad_stays_none_where_the_loop_leaves_it(plan: Any) -> None:
+    """Norse ``Linear -> LIFCell -> CobaLIFCell``: no gradient reaches the ``Linear`` in the
+    loop (``.grad`` None). Under bf16 autocast scan ran step 0 apart, whatever the dtypes,
+    and handed its state to the run: autograd then reached step 0's graph through every
+    state leaf and gave the ``Linear`` zeros, which AdamW's weight decay applied (0.00223)."""
+    norse = pytest.importorskip("norse.torch")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return norse.SequentialState(nn.Linear(20, 16), norse.LIFCell(), norse.CobaLIFCell(16, 4))
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(14, 3, 20, generator=g) < 0.4).float() * 1.5
+    loop, wrapped = build(), build()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state, outs = None, []
+        for x_t in x:
+            v, state = loop(x_t, state)
+            outs.append(v)
+        want = torch.stack(outs)
+        got, _ = sc.wrap(wrapped, plan=plan)(x)
+    want.float().sum().backward()
+    got.float().sum().backward()
+    for (name, a), b in zip(loop.named_parameters(), wrapped.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), name

@@ -118,14 +118,14 @@ def first_step(step: Step, state: Any, x0: Any) -> FirstStep:
     return FirstStep(state1, y0, inner, rebuild)
 
 
-def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
+def changes_dtype(step: Step, state: Any, x0: Any, params: Any = (), force: bool = False) -> bool:
     """Whether step 0 returns a state leaf in another dtype than the initial state's (a
     half-precision model whose step promotes its state to float32): scan then runs step 0
     apart and carries the dtypes it returns, as the plain loop does. Tried with one untaped
     step (RNG forked, the step's own generators kept, layers' side effects skipped) only
     where a dtype may change: a floating state leaf narrower than float32, or floating
-    state, input and parameter leaves of more than one dtype; False elsewhere (no step
-    run)."""
+    state, input and parameter leaves of more than one dtype, or ``force`` (autocast on: its
+    ops change dtypes whatever the leaves'); False elsewhere (no step run)."""
     leaves = pytree.tree_flatten(state)[0]
     floats = [t for t in leaves if isinstance(t, Tensor) and t.is_floating_point()]
     if not floats:
@@ -138,7 +138,7 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = ()) -> bool:
     dtypes = {t.dtype for t in (*floats, *others)}
     # a step on a narrow float often computes something in float32 (snnTorch's spike
     # ``(mem - thr > 0).float()`` resets an fp16 membrane into float32)
-    if not any(t.dtype in NARROW_FLOATS for t in floats) and len(dtypes) < 2:
+    if not force and not any(t.dtype in NARROW_FLOATS for t in floats) and len(dtypes) < 2:
         return False
     with (
         torch.random.fork_rng(devices=cuda_devices([*floats, *others])),

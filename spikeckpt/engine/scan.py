@@ -358,12 +358,16 @@ def _first_apart(
     leaves: list[Any],
     params: list[Tensor],
 ) -> bool:
-    """Whether scan runs step 0 first because the step may return the state in another dtype
-    than the initial state's: autocast is on (snnTorch's neurons return a float32 membrane
-    from a bf16 input), or one untaped step 0 does change a dtype (`changes_dtype`: a
-    half-precision model whose step computes its state in float32). The plain loop then
+    """Whether scan runs step 0 first because the step returns the state in another dtype
+    than the initial state's: one untaped step 0 does change a dtype (`changes_dtype`: a
+    half-precision model whose step computes its state in float32; under autocast, tried
+    whatever the dtypes: a bf16 product can make a bf16 state leaf). The plain loop then
     carries the dtypes step 0 gives, and so does scan. Not with a ``Schedule`` built for
-    ``T`` steps (it would not fit ``T - 1``)."""
+    ``T`` steps (it would not fit ``T - 1``). Not merely because autocast is on: a step 0
+    run apart hands its state to the run as inputs of its Function, so autograd visits
+    step 0's graph from every state leaf, also those the run gives no gradient; a custom
+    Function there (a surrogate spike) turns that into zeros, and a parameter the plain
+    loop leaves at ``.grad`` None got zeros (Norse Linear-LIFCell-CobaLIFCell)."""
     inputs, in_def, T = timed
     if isinstance(plan, Schedule) and plan.T == T:
         return False
@@ -371,10 +375,12 @@ def _first_apart(
         (t.device for t in (*leaves, *inputs) if isinstance(t, Tensor) or is_packed(t)), None
     )
     device = device if device is not None else torch.device("cpu")
-    if autocast_on(device):
-        return True
     return changes_dtype(
-        step, state, in_def.unflatten([step_of(x, 0, device) for x in inputs]), params
+        step,
+        state,
+        in_def.unflatten([step_of(x, 0, device) for x in inputs]),
+        params,
+        force=autocast_on(device),
     )
 
 
