@@ -19,6 +19,7 @@ from torch import Tensor
 
 from spikeckpt import plans
 from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.amp import cached_cast_bytes
 from spikeckpt.engine.grad import grads_held, tensor_hooks_held
 from spikeckpt.engine.inputs import input_grad_nbytes, input_nbytes, packing_hint
 from spikeckpt.engine.meter import MemoryMeter
@@ -96,38 +97,38 @@ class _Measured(NamedTuple):
     costs: CostModel
     sizes: StepSizes
     note: str | None
-    #: device bytes the call holds while it plans (its input and state, ``.grad`` where it
-    #: is held): the probes' room is the budget less these
+    #: device bytes held while it plans (input, state, ``.grad`` held): the probes' room
     held: int = 0
     #: the parameters' ``.grad`` was held when the call began (accumulating gradients)
     grads_held: bool = False
+    #: autocast's cached casts of the parameters (`cached_cast_bytes`), unseen by later probes
+    casts: int = 0
 
     @property
     def remote_here(self) -> bool:
         """Whether a stack plan's remote checkpoints count in the device's memory: the device
-        tier, the host of a CPU run, or a CPU step that draws random numbers (each checkpoint
-        keeps the generator's state in memory, wherever its state goes)."""
+        tier, the host of a CPU run, or a CPU step that draws (each checkpoint keeps the
+        generator's state in memory)."""
         return self.on_device or self.probe.rng_bytes > 0
 
     @property
     def layer_base(self) -> StepBytes:
-        """The layer-wise step beside its working set: input and outputs, and ``.grad`` when
-        the step counts it and it is held from before the call. The working set holds the
-        running sums of the gradients, which become ``.grad`` when it is None (autograd
-        takes them as they are) and are added into a ``.grad`` held: both are held then."""
-        s = self.sizes
-        return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=s.held_grads)
+        """The layer-wise step beside its working set: input and outputs, ``.grad`` when the
+        step counts it and it is held from before the call (the working set's running sums
+        become ``.grad`` when it is None, and are added into one held: both held then), and
+        autocast's cached casts of the weights, held beside the whole step as ``.grad``."""
+        s, held = self.sizes, self.sizes.held_grads + self.casts
+        return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=held)
 
 
 class BudgetPlanner:
     """Choose and cache a plan per input shape so a wrapped model's step fits ``budget``.
 
-    The first time it sees an input shape it probes the model
-    (`probe_model`, held under the budget; for a model wrapped
-    with ``granularity="layer"`` or ``"auto"`` also the layer-wise working set,
-    `layerwise_working_bytes`), counts what a training step
-    holds ([`StepBytes`][spikeckpt.plans.account.StepBytes]: the input train while it is on the
-    device, the stacked outputs and their gradient, the gradients, the plan's activations),
+    The first time it sees an input shape it probes the model (`probe_model`, held under
+    the budget; with ``granularity="layer"`` or ``"auto"`` also the layer-wise working set,
+    `layerwise_working_bytes`), counts what a training step holds
+    ([`StepBytes`][spikeckpt.plans.account.StepBytes]: the input train while on the device,
+    the stacked outputs and their gradient, the gradients, the plan's activations),
     picks the plan with the least modeled time whose step fits
     ([`choose_step`][spikeckpt.plans.account.choose_step]; layer-wise: the largest chunk that fits),
     and caches it for that shape. A plan given (``plan=Uniform(10)``) is checked instead
@@ -149,16 +150,14 @@ class BudgetPlanner:
             refusal names that budget.
         asked_bytes: the caller's budget, for messages (None: ``budget``).
         context: added to a refusal's account of what a step needs.
-        reduce_max: a distributed caller's ``int -> int`` max over ranks: the planned ``T``
-            and batch are the largest over the ranks.
+        reduce_max: a distributed caller's ``int -> int`` max over ranks (``T``, batch).
         broadcast: a distributed caller's ``obj -> rank 0's obj``: rank 0's measurements are
             used, so every rank chooses the same plan.
 
     Attributes:
-        choices: shape ``(T, B)`` -> `PlanChoice`.
+        choices: shape ``(T, B)`` -> `PlanChoice`, under the autocast state now.
         probes: how many probes ran (a resumed run with known shapes runs none).
-        runs: how many forwards with autograd it decided (``MemoryBudget`` counts them per
-            training step).
+        runs: forwards with autograd it decided (``MemoryBudget`` counts them per step).
         last: the latest `PlanChoice`.
     """
 
@@ -386,6 +385,7 @@ class BudgetPlanner:
                 note=tier_note(model.storage, device.type),
                 held=held,
                 grads_held=self.grads_held,
+                casts=cached_cast_bytes(params, device),
             )
 
         layered = None
