@@ -334,7 +334,7 @@ class CheckpointedSequence(Remade):
                 self.last_stats.step_compiled = isinstance(step, CompiledStep) and step.ran_compiled
                 if isinstance(self._compiled_step, AutoCompiledStep):  # planning left out
                     took = time.perf_counter() - started - out.stats.planning_seconds
-                    self._compiled_step.ran(input_key(x), step, took, x.shape[0])
+                    self._compiled_step.ran(input_key(x), step, took)
         except UnlistedParamsError as err:
             raise self._unlisted(err, x, state) from None
         finally:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ __all__ = [
     "TRIAL_CALLS",
     "WARMUP_CALLS",
     "AutoCompiledStep",
+    "InputKey",
     "input_key",
 ]
 
@@ -91,17 +92,17 @@ class AutoCompiledStep:
     def __init__(self, step: Callable[[Any, Any], Any], device: torch.device) -> None:
         self.step = step
         self.device = device
-        self.shapes: dict[Hashable, _Shape] = {}
+        self.shapes: dict[InputKey, _Shape] = {}
         self._compiled: CompiledStep | None = None
         self._no_compiler = False
         #: the last call: its key, its start (seconds) and what its period counts for
-        self._open: tuple[Hashable, float, str] | None = None
+        self._open: tuple[InputKey, float, str] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Copies hold None, as `CompiledStep`'s do: a copy's model decides again."""
         return (_nothing, ())
 
-    def step_for(self, key: Hashable, model: nn.Module) -> Callable[[Any, Any], Any]:
+    def step_for(self, key: InputKey, model: nn.Module) -> Callable[[Any, Any], Any]:
         """The step a call with input key ``key`` runs: eager, or the `CompiledStep`."""
         now = time.perf_counter()
         self._close_period(key, now)
@@ -122,28 +123,27 @@ class AutoCompiledStep:
         self._open = (key, now, "trial" if trial else "")
         return compiled
 
-    def _close_period(self, key: Hashable, now: float) -> None:
+    def _close_period(self, key: InputKey, now: float) -> None:
         """The time since the last call's start, per time step, is that call's period where
         this call has its shape (back to back, as a training loop's steps)."""
         if self._open is None or self._open[0] != key:
             return
         _, started, kind = self._open
         shape = self.shapes[key]
-        period = (now - started) / _steps_of(key)
+        period = (now - started) / max(key.shape[0], 1)
         if kind == "eager":
             shape.eager_period = min(shape.eager_period, period)
         elif kind == "trial":
             shape.compiled_period = min(shape.compiled_period, period)
             shape.trial_periods += 1
 
-    def ran(self, key: Hashable, step: Callable[..., Any], seconds: float, steps: int) -> None:
-        """Count a call of ``steps`` time steps whose forward took ``seconds`` (planning left
-        out)."""
+    def ran(self, key: InputKey, step: Callable[..., Any], seconds: float) -> None:
+        """Count a call whose forward took ``seconds`` (planning left out)."""
         shape = self.shapes.get(key)
-        if shape is None or steps <= 0 or under_dispatch_mode():
+        if shape is None or under_dispatch_mode():
             self._open = None
             return
-        per_step = seconds / steps
+        per_step = seconds / max(key.shape[0], 1)
         if not isinstance(step, CompiledStep):
             shape.eager_seconds += seconds
             shape.eager_per_step = min(shape.eager_per_step, per_step)
@@ -163,21 +163,23 @@ class AutoCompiledStep:
         return self._compiled
 
 
-def input_key(x: Any) -> Hashable:
-    """The key of a call's input ``x`` ``(T, B, ...)`` (a tensor or a packed train): its
-    shape, dtype, device and grad mode, what dynamo's guards recompile on."""
-    return (
+class InputKey(NamedTuple):
+    """What a call's compiled step depends on (what dynamo's guards recompile on)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    device: str
+    grad: bool
+
+
+def input_key(x: Any) -> InputKey:
+    """The key of a call's input ``x`` ``(T, B, ...)`` (a tensor or a packed train)."""
+    return InputKey(
         tuple(x.shape),
         getattr(x, "dtype", None),
         str(getattr(x, "device", "")),
         torch.is_grad_enabled(),
     )
-
-
-def _steps_of(key: Hashable) -> int:
-    """The time steps of an `input_key` (its shape's first entry; 1 for another key)."""
-    shape = key[0] if isinstance(key, tuple) and key and isinstance(key[0], tuple) else ()
-    return max(int(shape[0]), 1) if shape else 1
 
 
 def _hooked(model: nn.Module) -> bool:

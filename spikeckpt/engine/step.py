@@ -304,12 +304,13 @@ def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
     return list(unique.values())
 
 
-def _code_globals(code: Any) -> list[str]:
+@functools.cache
+def _code_globals(code: Any) -> tuple[str, ...]:
     """Global names a code object (and the code objects nested in it) loads: its
     ``LOAD_GLOBAL`` / ``LOAD_NAME`` instructions' names. Not every name of ``co_names``,
     which holds attribute names too: ``self.out`` named a module-level ``out`` (a previous
     call's result), whose outputs then joined the next call's parameters and its backward
-    reached the previous call's freed graph."""
+    reached the previous call's freed graph. Cached per code object (read at every scan)."""
     names = [
         str(ins.argval)
         for ins in dis.get_instructions(code)
@@ -318,7 +319,7 @@ def _code_globals(code: Any) -> list[str]:
     for const in code.co_consts:
         if hasattr(const, "co_names"):
             names.extend(_code_globals(const))
-    return names
+    return tuple(names)
 
 
 class _Reach:
