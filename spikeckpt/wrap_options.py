@@ -25,6 +25,7 @@ __all__ = [
     "check_options",
     "check_params",
     "check_plan",
+    "refuse_integer_input",
     "refuse_unbatched",
 ]
 
@@ -128,6 +129,25 @@ def _first_layer(model: nn.Module) -> nn.Module:
     while isinstance(model, nn.Sequential) and len(model) > 0:
         model = model[0]
     return model
+
+
+def refuse_integer_input(model: nn.Module, x: Any) -> None:
+    """An integer or bool dense input to a first ``Linear`` or convolution with floating
+    weights (tonic's ``ToFrame`` gives ``int16`` event counts): torch's dtype error comes from
+    deep inside the run and does not say to cast."""
+    first = _first_layer(model)
+    weight = getattr(first, "weight", None)
+    if not isinstance(x, Tensor) or is_packed(x) or x.is_floating_point() or x.is_complex():
+        return
+    if not isinstance(first, nn.Linear | nn.modules.conv._ConvNd):
+        return
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        return
+    raise ConfigTypeError(
+        f"x is {x.dtype} and the first layer ({type(first).__name__}) computes in "
+        f"{weight.dtype}: pass x.float() (or x.to({weight.dtype})); tonic's ToFrame gives "
+        "int16 event counts"
+    )
 
 
 def refuse_unbatched(model: nn.Module, x: Any, batch_first: bool) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from spikeckpt.adapters.layered import layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for, model_key
-from spikeckpt.adapters.sequential import Block, StackAdapter, split_blocks
+from spikeckpt.adapters.sequential import Block, split_blocks
 from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
@@ -54,9 +54,16 @@ from spikeckpt.wrap_options import (
     check_options,
     check_params,
     check_plan,
+    refuse_integer_input,
     refuse_unbatched,
 )
-from spikeckpt.wrapped.call_tensors import ForwardTensors, refuse_swapped, tensor_slots
+from spikeckpt.wrapped.call_tensors import (
+    ForwardTensors,
+    param_ids,
+    refuse_swapped,
+    swapped_params,
+    tensor_slots,
+)
 from spikeckpt.wrapped.state_keys import (
     Remade,
     add_prefix,
@@ -65,6 +72,7 @@ from spikeckpt.wrapped.state_keys import (
     strip_missing,
     strip_prefix,
 )
+from spikeckpt.wrapped.unlisted import unlisted_error
 
 __all__ = ["CheckpointedSequence", "unwrap", "wrap"]
 
@@ -154,6 +162,7 @@ class CheckpointedSequence(Remade):
         self._blocks_exact = exact  # the ``exact`` the layer-wise blocks were made with
         #: the model's layers and options the adapter was made from (`_refresh`)
         self._key: tuple[Any, ...] = model_key(module)
+        self._param_ids = param_ids(module)
         if granularity == "layer":
             self.layer_blocks(True)  # refuse a model that has no blocks now, not at forward
         self._register_state_dict_hook(strip_prefix)
@@ -178,6 +187,12 @@ class CheckpointedSequence(Remade):
         plan caches key on it (a spikes-only model's cached probe was used for a same-shaped
         model returning ``(spk, mem)``: one output and its gradient uncounted)."""
         return (self._key, self.output, self.as_call)
+
+    def params_swapped(self) -> bool:
+        """Whether the model holds parameters requiring grad other than those it was wrapped
+        (or last changed) with: ``torch.func.functional_call`` swaps them in for one call.
+        ``granularity="auto"`` then runs the stack, which is exact under the swap."""
+        return bool(swapped_params(self.module, self._param_ids))
 
     def initial_state(self, x_t: Tensor) -> State:
         """The state at t=0 for one step's input ``x_t (B, ...)`` (zeros, or Norse's own)."""
@@ -302,6 +317,7 @@ class CheckpointedSequence(Remade):
                 "pass at least one step"
             )
         refuse_unbatched(self.module, x, self.batch_first)
+        refuse_integer_input(self.module, x)
         self._refresh()
         self.adapter.check()
         x_0 = step_of(x, 0, self.device_for(x))
@@ -336,7 +352,8 @@ class CheckpointedSequence(Remade):
                     took = time.perf_counter() - started - out.stats.planning_seconds
                     self._compiled_step.ran(input_key(x), step, took)
         except UnlistedParamsError as err:
-            raise self._unlisted(err, x, state) from None
+            x_0 = step_of(x, 0, self.device_for(x))
+            raise unlisted_error(self.adapter, err, state, x_0) from None
         finally:
             self.adapter.cleanup()
         self.last_stats.planning_seconds += planning  # beside what scan spent planning
@@ -360,25 +377,6 @@ class CheckpointedSequence(Remade):
         if not isinstance(self._compiled_step, CompiledStep):
             self._compiled_step = compiled_step(self.step, self.device_for(x))  # None: eager
         return self._compiled_step or self.step
-
-    def _unlisted(self, err: UnlistedParamsError, x: Any, state: State) -> UnlistedParamsError:
-        """``err`` (the stack granularity's: the whole step used tensors it was not given)
-        with the layer that uses them, found by stepping the layers one by one."""
-        where = _layers_using(self.adapter, state, step_of(x, 0, self.device_for(x)), err.tensors)
-        found: list[Tensor] = [t for t in err.tensors if isinstance(t, Tensor)]
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found[:5])
-        names = ", ".join(repr(w) for w in where)
-        if len(where) > 1:
-            who = f"layers {names} use"
-        else:
-            who = f"layer {names} uses" if where else "the model uses"
-        return UnlistedParamsError(
-            f"{who} {len(err.tensors)} tensor(s) requiring grad that are neither parameters "
-            f"of the model nor tensor attributes of its modules (shapes {shapes}); "
-            "they would get no gradient. Register them as nn.Parameter, or pass them: "
-            "spikeckpt.wrap(model, ..., params=[tensor, ...])",
-            err.tensors,
-        )
 
     def _run_layerwise(self, x: Tensor, state: State, decision: Decision) -> Any:
         if callable(self.readout):
@@ -490,44 +488,6 @@ def _call_blocks(
     emits = None if fused is None else found
     top = dataclasses.replace(blocks[-1], membrane=outputs, fused=fused, emits=emits)
     return [*blocks[:-1], top], spec
-
-
-def _layers_using(
-    adapter: LayerAdapter, state: State, x_t: Tensor, tensors: list[Any]
-) -> list[str]:
-    """The paths of the layers whose step (from ``state``, input ``x_t`` detached) uses one of
-    ``tensors``: a diagnostic run (random state forked, running statistics kept, the
-    framework's leftovers cleared); empty when none is found."""
-    import torch
-
-    from spikeckpt.engine.grad import unseen_leaves
-    from spikeckpt.engine.phase import recompute_phase
-
-    wanted = {id(t) for t in tensors}
-
-    def uses(roots: Any) -> bool:
-        leaves = [t for t in _pytree().tree_leaves(roots) if isinstance(t, Tensor)]
-        return any(id(t) in wanted for t in unseen_leaves(leaves, []))
-
-    def walk(adapter: LayerAdapter, state: State, x_t: Any) -> tuple[list[str], Any]:
-        if not isinstance(adapter, StackAdapter):
-            new, y = adapter.step(state, x_t)
-            return ([adapter.path or "<root>"] if uses((new, y)) else []), y
-        found: list[str] = []
-        for i, layer in enumerate(adapter.layers):  # one step of each layer from its state
-            paths, x_t = walk(layer, state[adapter.slots[i]], x_t)
-            found += paths
-            x_t = _tree_map(lambda t: t.detach(), x_t)
-        return found, x_t
-
-    devices = [x_t.device.index or 0] if x_t.is_cuda else []
-    try:
-        with torch.random.fork_rng(devices=devices), recompute_phase(), torch.enable_grad():
-            return walk(adapter, state, x_t.detach())[0]
-    except Exception:  # noqa: BLE001 - a diagnostic only: the caller's error is what matters
-        return []
-    finally:
-        adapter.cleanup()
 
 
 def _legacy_call(legacy: tuple[Any, ...], state: Any, return_state: bool) -> tuple[Any, bool]:

@@ -71,6 +71,41 @@ def test_functional_call_layerwise_is_refused_naming_the_way() -> None:
         torch.func.functional_call(seq, params, (spikes(),))
 
 
+def test_functional_call_granularity_auto_runs_the_stack_and_leaves_the_model_usable() -> None:
+    # "auto" weighed layer-wise under the swap (a misleading UnlistedParamsError), and the
+    # blocks it built there held the call's tensors: the model's next plain call was refused
+    model, other, x = net(), net(), spikes()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.2)
+    seq = sc.wrap(model, plan=Uniform(5), granularity="auto", output="mem")
+    names = [k for k, _ in seq.named_parameters()]
+    params = {
+        k: p.detach().clone().requires_grad_()
+        for k, p in zip(names, other.parameters(), strict=True)
+    }
+    loss(torch.func.functional_call(seq, params, (x,))).backward()
+    assert seq.last_decision is not None and seq.last_decision.granularity == "stack"
+    loss(loop(other, x)).backward()
+    for (name, p), q in zip(params.items(), other.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    loss(seq(x)).backward()  # the model's own parameters again
+    reference = net()
+    loss(loop(reference, x)).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_batched_grad_outputs_are_refused_naming_the_way(granularity: str) -> None:
+    # autograd.grad(..., is_grads_batched=True) runs the backward under vmap: torch's raw
+    # "vmap: aten::copy_ is not possible" before
+    x = spikes().requires_grad_()
+    y = sc.wrap(net(), plan=Uniform(5), granularity=granularity)(x).sum(dim=(0, 2))
+    with pytest.raises(sc.UsageError, match="is_grads_batched=True.*one row"):
+        torch.autograd.grad(y, x, torch.eye(B), is_grads_batched=True)
+
+
 def test_torch_func_transforms_are_refused_clearly() -> None:
     seq = sc.wrap(net(), plan=Uniform(5))
     params = {k: p.detach() for k, p in seq.named_parameters()}

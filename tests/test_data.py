@@ -373,6 +373,20 @@ def test_unreadable_h5_names_the_file_and_the_fix(tmp_path: Path) -> None:
     assert isinstance(info.value, SpikeckptError)
 
 
+@pytest.mark.parametrize("dropped", ["extra", "spikes/units"])
+def test_an_shd_file_without_a_dataset_names_it(tmp_path: Path, dropped: str) -> None:
+    """tonic raised h5py's raw KeyError ("component not found"), naming no dataset: at
+    opening for ``extra/keys``, at the first sample for ``spikes/units``."""
+    import h5py
+
+    write_synthetic_shd(tmp_path, samples=4)
+    path = tmp_path / "SHD" / "shd_train.h5"
+    with h5py.File(path, "a") as f:
+        del f[dropped]
+    with pytest.raises(DataFileError, match=f"{path} lacks the dataset.*{dropped}"):
+        SHDDataModule(tmp_path, download=False).setup()
+
+
 def test_an_interrupted_synthetic_write_leaves_nothing_half_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

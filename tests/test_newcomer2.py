@@ -260,3 +260,30 @@ def test_auto_granularity_at_the_smallest_budget_does_not_probe_past_it() -> Non
         meter.track([x, *net.parameters()])
         seq(x).sum().backward()
     assert meter.peak_bytes <= smallest
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.bool])
+def test_integer_frames_are_refused_naming_the_cast(dtype: torch.dtype) -> None:
+    """tonic's ``ToFrame`` gives int16 event counts: torch's dtype error came 13 frames deep
+    from inside the run, without saying to cast."""
+    x = _spikes((T, B, C)).to(dtype)
+    for granularity in ("stack", "layer"):
+        seq = sc.wrap(_fc_net(), granularity=granularity)
+        with pytest.raises(sc.ConfigTypeError, match=rf"{dtype}.*x\.float\(\)"):
+            seq(x)
+    assert sc.wrap(_fc_net())(x.float()).shape == (T, B, K)
+
+
+def test_scan_names_the_layout_when_a_batch_first_input_changes_the_state() -> None:
+    torch.manual_seed(0)
+    fc, lif = nn.Linear(C, 16), snn.Leaky(0.9)
+
+    def step(mem: Tensor, x_t: Tensor) -> tuple[Tensor, Tensor]:
+        spk, mem = lif(fc(x_t), mem)
+        return mem, spk
+
+    x = _spikes((B, T, C))  # batch first, into a time-first scan
+    with pytest.raises(sc.ConfigError, match=r"x\[t\] is \(40, 12\).*x\.transpose\(0, 1\)"):
+        sc.scan(step, x, torch.zeros(B, 16), plan=sc.plans.Uniform(4))
+    ys, _ = sc.scan(step, x.transpose(0, 1), torch.zeros(B, 16), plan=sc.plans.Uniform(4))
+    assert ys.shape == (T, B, 16)

@@ -37,6 +37,7 @@ __all__ = [
     "location",
     "missing_message",
     "open_dataset",
+    "refuse_missing_shd_keys",
     "unreadable_message",
 ]
 
@@ -117,6 +118,8 @@ def open_dataset(
     """
     if not download and not files_present(name, root, train):
         raise DataNotFoundError(missing_message(name, root, train))
+    if name == "shd" and files_present(name, root, train):
+        refuse_missing_shd_keys(root, train)
     save_to = str(Path(root).expanduser())
     try:
         if name == "shd":
@@ -133,6 +136,34 @@ def open_dataset(
         if name != "shd":
             raise
         raise DataFileError(unreadable_message(root, train, err)) from err
+
+
+#: the datasets tonic's SHD class reads from an SHD file (``extra/*`` when opened, the rest
+#: per sample)
+SHD_DATASETS = ("spikes/times", "spikes/units", "labels", "extra/keys", "extra/speaker")
+
+
+def refuse_missing_shd_keys(root: str | Path, train: bool) -> None:
+    """Raise `DataFileError` naming the datasets an SHD file lacks (tonic's raw h5py
+    ``KeyError`` says none, at opening or at the first sample). A file h5py cannot open is
+    left to tonic's own opening (`unreadable_message`)."""
+    import h5py
+
+    path = location("shd", root) / shd_files(train)[0]
+    try:
+        with h5py.File(path, "r") as f:
+            missing = [key for key in SHD_DATASETS if key not in f]
+            present = sorted(f.keys())
+    except OSError:
+        return
+    if missing:
+        raise DataFileError(
+            f"{path} lacks the dataset(s) {', '.join(missing)} that tonic's SHD reads (it "
+            f"holds {', '.join(present) or 'nothing'} at the top): an SHD file holds "
+            f"{', '.join(SHD_DATASETS)}. Fix: download {shd_files(train)[1]} again and unzip it "
+            "there (docs/datasets.md), or write synthetic files in the same format with "
+            f"`spikeckpt data synth --dataset shd --root {root}` (after moving this file away)."
+        )
 
 
 def unreadable_message(root: str | Path, train: bool, cause: BaseException) -> str:

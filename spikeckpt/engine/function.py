@@ -55,14 +55,38 @@ _NO_TRANSFORMS = (
     "and so does a plain (unwrapped) loop under the transform."
 )
 
+_NO_BATCHED_GRADS = (
+    "spikeckpt: torch.autograd.grad(..., is_grads_batched=True) runs the backward under "
+    "vmap, which a checkpointed time loop's backward (recomputed steps, in-place stores) "
+    "cannot run in. Take one row of grad_outputs per call instead, running the forward again "
+    "for each (a run backs up once), or compute per-sample gradients on a plain (unwrapped) "
+    "loop."
+)
+
+
+def _under_transform() -> bool:
+    """Whether a ``torch.func`` transform (or a batched backward's vmap) is active."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _batched(grads: Sequence[Tensor | None]) -> bool:
+    """Whether the backward runs under ``autograd.grad(..., is_grads_batched=True)``'s vmap
+    (its gradients are legacy batched tensors)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    legacy = getattr(functorch, "is_legacy_batchedtensor", None)
+    batched = getattr(functorch, "is_batchedtensor", None)
+    return _under_transform() or any(
+        g is not None and any(f is not None and f(g) for f in (legacy, batched)) for g in grads
+    )
+
 
 def refuse_func_transforms() -> None:
     """Raise [`UsageError`][spikeckpt.errors.UsageError] inside a ``torch.func`` transform
     (``grad``, ``vmap``, ...): the one Function of a run is not a functorch-aware Function,
     and torch's own error there (``setup_context``) does not say what to do."""
-    functorch = getattr(torch._C, "_functorch", None)
-    peek = getattr(functorch, "peek_interpreter_stack", None)
-    if peek is not None and peek() is not None:
+    if _under_transform():
         raise UsageError(_NO_TRANSFORMS)
 
 
@@ -192,6 +216,8 @@ class _RunFunction(torch.autograd.Function):
         # would have no graph, so a second-order term would silently vanish. Refuse it.
         if torch.is_grad_enabled():
             raise UsageError(_NO_DOUBLE_BACKWARD)
+        if _batched(grads):
+            raise UsageError(_NO_BATCHED_GRADS)
         ctx.saved_tensors  # noqa: B018  (raises if a referenced input was modified in place)
         out = ctx.job.backward(grads)
         for i, ref in ctx.hooked:

@@ -137,7 +137,7 @@ class StepFn:
                 "change between steps"
             )
         if check:
-            self._check_state(t, new)
+            self._check_state(t, new, xs)
             if not self.scanned_closures and torch.is_grad_enabled():
                 self._warn_closures(user, xs, new)
         ys = self._flat_y(t, y, check)
@@ -163,7 +163,7 @@ class StepFn:
             raise ConfigError(f"the readout returned another structure at step {t}")
         return new
 
-    def _check_state(self, t: int, new: list[Any]) -> None:
+    def _check_state(self, t: int, new: list[Any], xs: list[Tensor]) -> None:
         for name, leaf, (shape, dtype, device) in zip(self.names, new, self.meta, strict=False):
             if not isinstance(leaf, Tensor):
                 raise ConfigTypeError(
@@ -182,6 +182,7 @@ class StepFn:
                         if leaf.dtype != dtype and leaf.shape == shape and t == 0
                         else ""
                     )
+                    + (_layout_hint(xs) if leaf.shape != shape else "")
                 )
 
     def _warn_closures(
@@ -429,3 +430,14 @@ def no_own_draws(root: Any, who: str, way: str) -> Iterator[None]:
     before = [g.get_state() for g in generators]
     yield
     refuse_own_generators(generators, before, who, way)
+
+
+def _layout_hint(xs: list[Tensor]) -> str:
+    """What a state whose shape changed may say of the input's layout: scan reads ``x`` time
+    first, and each step gets ``x[t]``."""
+    shapes = ", ".join(str(tuple(x.shape)) for x in xs[:3] if isinstance(x, Tensor))
+    return (
+        f". Each step's input x[t] is {shapes}: scan reads x time first, (T, B, ...); a "
+        "batch-first x (B, T, ...) goes in as x.transpose(0, 1), and one input fed at every "
+        "step (B, ...) as scan(step, x, state, steps=T)"
+    )

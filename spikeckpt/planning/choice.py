@@ -62,6 +62,10 @@ class Planned(Probed, Protocol):
         """The model's state at t=0 for one step's input ``x_t``."""
         ...
 
+    def params_swapped(self) -> bool:
+        """Whether parameters were swapped in for this call (``functional_call``)."""
+        ...
+
     def layer_blocks(self, required: bool) -> list[LayerBlock] | None:
         """The model's layer-wise blocks; ``None`` when it does not split into them (or
         ``UnsupportedLayerError`` saying why when ``required``)."""

@@ -156,8 +156,10 @@ def layerwise_candidate(
 def layerwise_may_pay(model: Planned, x: Any) -> bool:
     """``granularity="auto"`` considers layer-wise for named readouts (a callable one runs
     in the stack only), whatever the input: layer-wise stores the blocks' output spikes (the
-    input itself is referenced, as the stack's steps read it)."""
-    return not callable(model.readout)
+    input itself is referenced, as the stack's steps read it). Not while the model holds
+    parameters swapped in for the call (``torch.func.functional_call``): layer-wise blocks
+    hold the parameters they were built with, the stack runs with the call's."""
+    return not callable(model.readout) and not model.params_swapped()
 
 
 def _chunk_candidates(T: int, preferred: int) -> list[int]:

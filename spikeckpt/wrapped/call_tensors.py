@@ -18,7 +18,14 @@ from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.errors import ConfigError
 
-__all__ = ["ForwardTensors", "Slot", "refuse_swapped", "tensor_slots"]
+__all__ = [
+    "ForwardTensors",
+    "Slot",
+    "param_ids",
+    "refuse_swapped",
+    "swapped_params",
+    "tensor_slots",
+]
 
 
 #: one tensor slot of a module: its ``_parameters`` or ``_buffers`` dict, the name, the tensor
@@ -67,16 +74,26 @@ class ForwardTensors:
                 d[k] = now
 
 
-def refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
-    """Layer-wise blocks hold the parameters they were built with; refuse a forward whose
-    model holds other tensors that require grad (``torch.func.functional_call``, or a
-    parameter replaced after the first forward) instead of failing on them later."""
-    known = {id(p) for b in blocks for p in b.params}
-    moved = [
+def param_ids(module: nn.Module) -> frozenset[int]:
+    """The identities of ``module``'s parameters (what a swap for one call replaces)."""
+    return frozenset(id(p) for p in module.parameters())
+
+
+def swapped_params(module: nn.Module, known: frozenset[int] | set[int]) -> list[str]:
+    """The names of ``module``'s parameters requiring grad that are not among ``known`` (by
+    identity): swapped in for one call (``torch.func.functional_call``) or replaced since."""
+    return [
         name
         for name, t in module.named_parameters(remove_duplicate=False)
         if t.requires_grad and id(t) not in known
     ]
+
+
+def refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
+    """Layer-wise blocks hold the parameters they were built with; refuse a forward whose
+    model holds other tensors that require grad (``torch.func.functional_call``, or a
+    parameter replaced after the first forward) instead of failing on them later."""
+    moved = swapped_params(module, {id(p) for b in blocks for p in b.params})
     if moved:
         raise ConfigError(
             f"granularity='layer': the model's parameters {', '.join(moved[:4])} are not the "

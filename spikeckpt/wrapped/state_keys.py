@@ -19,6 +19,7 @@ from spikeckpt.adapters.protocol import LayerAdapter
 from spikeckpt.adapters.registry import adapter_for, model_key
 from spikeckpt.adapters.sequential import StackAdapter
 from spikeckpt.errors import ConfigError
+from spikeckpt.wrapped.call_tensors import param_ids
 
 __all__ = [
     "INNER",
@@ -65,7 +66,7 @@ def strip_missing(module: nn.Module, incompatible: Any) -> None:
 
 
 #: what is made from the model's modules (left out of copies, remade from the copy's)
-_MADE = ("adapter", "_blocks", "_layer_blocks", "_compiled_step", "_own")
+_MADE = ("adapter", "_blocks", "_layer_blocks", "_compiled_step", "_own", "_param_ids")
 
 
 class Remade(nn.Module):
@@ -80,6 +81,8 @@ class Remade(nn.Module):
     #: call returns, read again when the model changes (a last neuron set to ``output=True``)
     follows_call: bool = False
     _key: tuple[Any, ...]
+    #: the identities of the model's parameters when the adapter was made (`params_swapped`)
+    _param_ids: frozenset[int]
 
     def _refresh(self) -> None:
         """Remake the adapter, and drop what was made from it, when the model's layers or
@@ -102,7 +105,9 @@ class Remade(nn.Module):
                 f"potential, and the model changed since wrapping: its last layer is now "
                 f"{adapter!r}; wrap it again with output='spikes'"
             )
-        self.__dict__.update(dict.fromkeys(_MADE), adapter=adapter, _key=key)
+        self.__dict__.update(
+            dict.fromkeys(_MADE), adapter=adapter, _key=key, _param_ids=param_ids(self.module)
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         """For `copy.deepcopy` and pickle: what is made from the model (closures over its
@@ -117,7 +122,11 @@ class Remade(nn.Module):
             state.update(dict.fromkeys(_MADE))
         super().__setstate__(state)
         if self.adapter is None:
-            self.__dict__.update(adapter=adapter_for(self.module, ""), _key=model_key(self.module))
+            self.__dict__.update(
+                adapter=adapter_for(self.module, ""),
+                _key=model_key(self.module),
+                _param_ids=param_ids(self.module),
+            )
 
 
 def _last_layer(adapter: LayerAdapter) -> LayerAdapter:
