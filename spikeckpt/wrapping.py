@@ -29,6 +29,7 @@ from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
 from spikeckpt.engine.function import refuse_func_transforms
+from spikeckpt.engine.grad import not_behind
 from spikeckpt.engine.hook_guard import hook_guard
 from spikeckpt.engine.inputs import as_input, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
@@ -205,7 +206,7 @@ class CheckpointedSequence(Remade):
         seen: dict[int, Tensor] = {}
         for t in [*self.module.parameters(), *self.adapter.extra_params(), *self.extra_params]:
             seen.setdefault(id(t), t)
-        return list(seen.values())
+        return not_behind(list(seen.values()))
 
     def device_for(self, x: Any) -> Any:
         """The device ``x``'s steps run on: a dense ``x``'s own; a packed train's steps are

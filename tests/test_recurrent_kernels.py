@@ -80,3 +80,47 @@ def test_a_surrogate_firing_at_the_threshold_itself_is_not_fused(name: str) -> N
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+class _ClippedSpike(torch.autograd.Function):
+    """A user's surrogate whose backward clips the gradient it receives: not linear in it."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, u: Tensor) -> Tensor:
+        ctx.save_for_backward(u)
+        return (u > 0).float()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> Tensor:
+        (u,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return g.clamp(-20.0, 20.0) / (1 + 5 * u.abs()) ** 2
+
+
+@pytest.mark.parametrize("neuron", ["RLeaky", "RSynaptic", "RLeaky one-to-one"])
+def test_a_surrogate_not_linear_in_its_gradient_gets_each_steps_gradient(neuron: str) -> None:
+    """The recurrent kernel ran the spike function's backward once per chunk with a gradient
+    of ones and multiplied each step's gradient in after it: a surrogate clipping its gradient
+    gave the first Linear's weight a gradient 0.23 off (relative), the block saying 'fused'."""
+    torch.manual_seed(0)
+    options = dict(spike_grad=_ClippedSpike.apply, learn_threshold=True)
+    lif = {
+        "RLeaky": lambda: snn.RLeaky(beta=0.8, linear_features=12, **options),
+        "RSynaptic": lambda: snn.RSynaptic(alpha=0.7, beta=0.8, linear_features=12, **options),
+        "RLeaky one-to-one": lambda: snn.RLeaky(beta=0.8, all_to_all=False, V=0.5, **options),
+    }[neuron]()
+    net = nn.Sequential(nn.Linear(10, 12), lif)
+    x = torch.rand(9, 3, 10) * 3
+    state = lif.init_rsynaptic() if neuron == "RSynaptic" else lif.init_rleaky()
+    mems = []
+    for x_t in x:
+        (*state,) = lif(net[0](x_t), *state)
+        mems.append(state[-1])
+    want = torch.stack(mems)
+    params = list(net.parameters())
+    want_grads = torch.autograd.grad((want.pow(2).sum() * 50), params)
+    seq = sc.wrap(net, granularity="layer", chunk=4, output="mem")
+    got = seq(x)
+    assert seq.last_stats.blocks[0].neuron == "fused"
+    assert torch.equal(got, want)
+    for a, b in zip(want_grads, torch.autograd.grad(got.pow(2).sum() * 50, params), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-3)

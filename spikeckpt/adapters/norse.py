@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from norse.torch.module.coba_lif import CobaLIFCell
 from norse.torch.module.leaky_integrator import LILinearCell
 from norse.torch.module.lift import Lift
@@ -117,25 +118,48 @@ def _tensors(p: Any) -> list[Tensor]:
 
 
 def _conform(init: Any, nxt: Any, module: nn.Module, path: str) -> Any:
-    """``init`` with each leaf broadcast to the shape and cast to the dtype of ``nxt``'s leaf,
-    detached, but for a leaf that is one of the cell's parameters taking a gradient: Norse's
-    ``IAFCell`` starts ``v`` at ``p.v_reset`` itself (and sets its ``requires_grad``), so in
-    Norse's loop ``v_reset``'s gradient has a path through the start too."""
+    """``init`` with each leaf broadcast to the shape and cast to the dtype of ``nxt``'s leaf.
+    A fresh leaf is detached (Norse marks its initial ``v`` as requiring grad; nothing reads
+    that gradient); an ``nn.Parameter`` (``IzhikevichCell`` starts from its behaviour's ``s``
+    itself, which a user may make learnable), one of ``p``'s tensors taking a gradient, or a
+    tensor with a graph to them (a subclass starting from ``self.v0.expand(...)``) keeps its
+    path: in Norse's loop the gradient reaches
+    them through the start too (``IAFCell`` starts ``v`` at ``p.v_reset`` itself)."""
     leaves, spec = pytree.tree_flatten(init)
     nxt_leaves, nxt_spec = pytree.tree_flatten(nxt)
     if spec != nxt_spec:
         raise unsupported(module, path, "its state changes structure after one step")
     own = {id(t) for t in _tensors(getattr(module, "p", None)) if t.requires_grad}
+    own |= {id(t) for t in module.parameters() if t.requires_grad}
     out = []
     for a, b in zip(leaves, nxt_leaves, strict=True):
         if isinstance(a, Tensor) and isinstance(b, Tensor):
-            if id(a) not in own:
+            kept = id(a) in own or isinstance(a, nn.Parameter) or not a.is_leaf
+            if not (kept and a.requires_grad):
                 a = a.detach()
             if a.shape != b.shape:
                 a = a.expand(b.shape)
             a = a.to(dtype=b.dtype, device=b.device).clone()
         out.append(a)
     return pytree.tree_unflatten(out, spec)
+
+
+def _reads_input(fallback: Callable[[Tensor], Any], x_t: Tensor) -> bool:
+    """Whether a cell's ``initial_state`` (``fallback``) reads ``x_t``'s values, not only its
+    shape: called on ``x_t`` and on other values, each from the same random state."""
+    devices = [x_t.device.index or 0] if x_t.is_cuda else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        rng = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        same = fallback(x_t)
+        torch.set_rng_state(rng[0])
+        for d, state in zip(devices, rng[1], strict=True):
+            torch.cuda.set_rng_state(state, d)
+        other = fallback(x_t + 0.5)
+    a, b = pytree.tree_leaves(same), pytree.tree_leaves(other)
+    return len(a) != len(b) or any(
+        isinstance(u, Tensor) and isinstance(v, Tensor) and not torch.equal(u, v)
+        for u, v in zip(a, b, strict=False)
+    )
 
 
 def _field(state: Any, name: str) -> Tensor | None:
@@ -164,7 +188,18 @@ class NorseAdapter(LayerAdapter):
 
     def init_state(self, x_t: Tensor) -> State:
         m: Any = self.module  # Norse's cell: untyped attributes
-        init = m.state_fallback(x_t.unsqueeze(0) if self.sequence else x_t)
+        first = x_t.unsqueeze(0) if self.sequence else x_t
+        if self._subclass and _reads_input(m.state_fallback, first):
+            raise unsupported(
+                m,
+                self.path,
+                "its initial_state reads its input's values (Norse calls initial_state(x_0) "
+                "at step 0), and a wrapped run makes the start before the run, without a "
+                "graph to the layers before it: their gradients would miss that path. Pass "
+                "the start yourself: seq(x, state) with this cell's state made from its "
+                "step-0 input (a graph the run then differentiates)",
+            )
+        init = m.state_fallback(first)
         after, _ = probe(self.step, init, x_t)
         return _conform(init, after, m, self.path)
 

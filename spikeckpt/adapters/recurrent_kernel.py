@@ -244,10 +244,15 @@ class RecurrentKernel(SurrogateKernel):
         want = _wanted(tensors, need_params)
         if alpha is None:
             want.insert(0, False)
-        # d spike / d u at every step, once for the chunk (the surrogate is elementwise)
-        slope = surrogate_grad(
-            self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad
+        # d spike / d u at every step, once for the chunk, where the surrogate's backward is
+        # written out (linear in the incoming gradient); else the spike function's own backward
+        # gets each step's gradient, as in the loop (a user's may clip it: slope * g differed)
+        slope = (
+            surrogate_grad(self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad)
+            if self.spike_grad is not None
+            else None
         )
+        g_u = torch.empty_like(ys) if slope is None and want[2] else None  # dL/d u, per step
         # dL/d the membrane before its reset, per step; RSynaptic keeps it for the chunk only
         # where a gradient reads it (beta's, a subtracted threshold's)
         whole = a is None or want[1] or (want[2] and self.reset == "subtract")
@@ -265,7 +270,12 @@ class RecurrentKernel(SurrogateKernel):
                 g_s = torch.zeros_like(ys[t])
             if g_spikes is not None:
                 g_spikes[t] = g_s
-            g_m = slope[t] * (g_s * graded)  # dL/d mem_t through the spike
+            if slope is not None:
+                g_m = slope[t] * (g_s * graded)  # dL/d mem_t through the spike
+            else:
+                g_m = surrogate_grad(self.spike, mems[t + 1 : t + 2], thr, (g_s * graded)[None])[0]
+                if g_u is not None:
+                    g_u[t] = g_m
             if carry_mem is not None:
                 g_m = g_m + carry_mem
             if g_mem is not None:
@@ -293,7 +303,11 @@ class RecurrentKernel(SurrogateKernel):
             grads[1] = clamp_grad(reduce_product(g_base, mems[:-1], b), beta)
         if want[2]:
             # spike(mem - thr): -(slope * graded * g_s); subtract: mem = base - r * thr
-            thr_grad = -reduce_product(slope, g_spikes * graded, thr)  # type: ignore[operator]
+            if slope is not None:
+                thr_grad = -reduce_product(slope, g_spikes * graded, thr)  # type: ignore[operator]
+            else:
+                assert g_u is not None
+                thr_grad = -reduce_to(g_u, thr)
             if self.reset == "subtract":
                 thr_grad = thr_grad - reduce_product(g_base, fired[:-1], thr)
             grads[2] = thr_grad

@@ -205,6 +205,18 @@ def tensor_hooks_held(tensors: Sequence[Tensor]) -> Iterator[None]:
             hooks.update(added)
 
 
+def not_behind(params: list[Tensor]) -> list[Tensor]:
+    """``params`` without the leaves behind another one's graph: ``raw`` of a Norse ``p``
+    field ``softplus(raw) * 100`` computed before the call, both differentiated. Autograd
+    carries the field's gradient on to ``raw``; differentiated in each step too, its graph
+    was backpropagated once per step (torch's "backward through the graph a second time")."""
+    computed = [p for p in params if p.grad_fn is not None]
+    if not computed:
+        return params
+    behind = {id(t) for t in unseen_leaves(computed, [])}
+    return [p for p in params if id(p) not in behind]
+
+
 def unseen_leaves(roots: Sequence[Any], known: Sequence[Any], limit: int = 20000) -> list[Tensor]:
     """The leaf tensors requiring grad in the autograd graph of ``roots`` (tensors; others are
     skipped) that are not (by identity) in ``known``: tensors a step uses without the engine

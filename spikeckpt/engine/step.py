@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.engine.grad import unseen_leaves
+from spikeckpt.engine.grad import not_behind, unseen_leaves
 from spikeckpt.engine.inputs import is_packed
 from spikeckpt.engine.phase import guard_running_stats, refuse_power_iteration
 from spikeckpt.engine.readout import ReadoutFn
@@ -289,7 +289,8 @@ def unshaped(leaves: list[Any]) -> bool:
 def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
     """The distinct tensors requiring grad among ``params`` (default: those reachable from
     ``step``, see `reachable`); guards the running statistics of the normalisation
-    layers ``step`` reaches (`guard_running_stats`)."""
+    layers ``step`` reaches (`guard_running_stats`); a leaf behind another's graph is left
+    out (`not_behind`)."""
     found, modules = reachable(step)
     guard_running_stats(modules)
     if torch.is_grad_enabled():
@@ -302,7 +303,7 @@ def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
             raise ConfigTypeError(f"params must be tensors, got {type(p).__name__}")
         if p.requires_grad:
             unique.setdefault(id(p), p)
-    return list(unique.values())
+    return not_behind(list(unique.values()))
 
 
 @functools.cache
