@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -442,10 +443,11 @@ class _OutOfMemoryInBackward(torch.autograd.Function):
 
 
 class _WithHead(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = spikeckpt.wrap(nn.Sequential(nn.Linear(FEATURES, HIDDEN), snn.Leaky(0.9)))
+        layers = [nn.Linear(FEATURES, HIDDEN), nn.Dropout(dropout), snn.Leaky(0.9)]
+        self.net = spikeckpt.wrap(nn.Sequential(*layers))
         self.head = nn.Linear(HIDDEN, CLASSES)
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -457,11 +459,15 @@ class _WithHead(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _fit_with_head(tmp_path: Path, fail_at: tuple[int, ...], accumulate: int) -> _WithHead:
+def _fit_with_head(
+    tmp_path: Path, fail_at: tuple[int, ...], accumulate: int, **options: Any
+) -> _WithHead:
     _OutOfMemoryInBackward.calls, _OutOfMemoryInBackward.fail_at = 0, fail_at
-    model = _WithHead()
+    model = _WithHead(options.pop("dropout", 0.0))
     callback = MemoryBudget("64MiB", max_retries=1, verbose=False)
-    _trainer(callback, tmp_path, accumulate_grad_batches=accumulate).fit(model, _loader(20))
+    trainer = _trainer(callback, tmp_path, accumulate_grad_batches=accumulate, **options)
+    torch.manual_seed(1)
+    trainer.fit(model, _loader(20))
     assert callback.retries == len(fail_at)
     return model
 
@@ -474,6 +480,20 @@ def test_a_batch_retried_after_out_of_memory_in_backward_trains_as_without(
     # left, and its loss missed Lightning's division by accumulate_grad_batches.
     plain = _fit_with_head(tmp_path, (), accumulate)
     retried = _fit_with_head(tmp_path, (1,), accumulate)
+    for (name, a), b in zip(plain.named_parameters(), retried.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "options", [{"dropout": 0.3}, {"precision": "bf16-mixed"}], ids=["dropout", "bf16-mixed"]
+)
+def test_a_retried_batch_draws_and_casts_as_its_first_run(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    # The step re-run from the failed backward drew other Dropout masks, and ran outside
+    # Lightning's autocast (float32 where the first run was bf16): weights 8.7e-3 apart
+    plain = _fit_with_head(tmp_path, (), 1, **options)
+    retried = _fit_with_head(tmp_path, (1,), 1, **options)
     for (name, a), b in zip(plain.named_parameters(), retried.parameters(), strict=True):
         assert torch.equal(a, b), name
 

@@ -177,7 +177,8 @@ class MemoryBudget(Callback):
         self._cycle = 1  # the trainer's accumulate_grad_batches (batches per optimizer step)
         self._meter: MemoryMeter | None = None
         self._restore: list[Callable[[], None]] = []
-        self._last_step_args: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
+        #: the last training_step's arguments and the random state it started from
+        self._last_step_args: tuple[tuple[Any, ...], dict[str, Any], Any] = ((), {}, None)
         self._world_size = 1
         self._collectives_this_batch = 0
         self._runs_at_start: dict[str, int] = {}
@@ -453,7 +454,10 @@ class MemoryBudget(Callback):
         backward = pl_module.backward
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            self._last_step_args = (args, kwargs)
+            # the random state the step starts from: a retry draws what the first run drew
+            # (Dropout's masks: other ones trained the batch otherwise)
+            rng = _rng_state(pl_module.device)
+            self._last_step_args = (args, kwargs, rng)
             attempt = 0
             while True:
                 try:
@@ -461,6 +465,7 @@ class MemoryBudget(Callback):
                 except torch.OutOfMemoryError as error:
                     self._replan(error, attempt)
                     attempt += 1
+                    _set_rng_state(rng)
 
         def backward_with_retry(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             attempt = 0
@@ -474,8 +479,12 @@ class MemoryBudget(Callback):
                     _undo_partial_grads(pl_module, marks, error)
                     self._replan(error, attempt)
                     attempt += 1
-                    step_args, step_kwargs = self._last_step_args
-                    output = step(*step_args, **step_kwargs)
+                    step_args, step_kwargs, rng = self._last_step_args
+                    _set_rng_state(rng)
+                    # in the context Lightning runs the step in (autocast under "bf16-mixed")
+                    plugin = pl_module.trainer.strategy.precision_plugin
+                    with plugin.train_step_context():
+                        output = step(*step_args, **step_kwargs)
                     loss = _as_backward_loss(_rerun_loss(output), pl_module.trainer)
 
         pl_module.training_step = training_step  # type: ignore[method-assign]
@@ -595,6 +604,20 @@ class MemoryBudget(Callback):
 def _is_number(value: object) -> bool:
     """A real number (an int or a float, not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The CPU generator's state and, on a CUDA device, that device's."""
+    index = (device.index or 0) if device.type == "cuda" else -1
+    cuda = torch.cuda.get_rng_state(index) if index >= 0 else None
+    return torch.get_rng_state(), cuda, index
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None, int]) -> None:
+    cpu, cuda, index = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, index)
 
 
 def _rerun_loss(output: Any) -> torch.Tensor:
