@@ -64,6 +64,34 @@ def test_plans_are_kept_per_autocast_state(granularity: str) -> None:
     assert fresh.last_stats.plan == planned[True]  # as a wrap planned under autocast picks
 
 
+def test_plans_saved_under_autocast_are_restored_under_autocast() -> None:
+    # the planner's state (a Lightning checkpoint's) held no autocast state: a fit resumed in
+    # float32 ran the plans chosen under bf16-mixed, and one resumed in bf16 probed again
+    from spikeckpt.planning.decide import BudgetPlanner
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.rand(48, 8, 40, generator=g) < 0.2).float()
+    y = torch.randint(0, 5, (8,), generator=g)
+    planned = {}
+    for autocast in (False, True):
+        seq = sc.wrap(_net(), plan="auto", budget=BUDGET, granularity="stack", readout="sum")
+        _peak(seq, x, y, autocast)
+        planned[autocast] = seq.last_stats.plan
+    assert planned[False] != planned[True]
+    saver = BudgetPlanner(BUDGET)
+    seq = sc.wrap(_net(), granularity="stack", readout="sum")
+    seq.set_planner(saver)
+    _peak(seq, x, y, autocast=True)
+    for autocast in (True, False):
+        loaded = BudgetPlanner(BUDGET)
+        loaded.load_state_dict(saver.state_dict())
+        seq = sc.wrap(_net(), granularity="stack", readout="sum")
+        seq.set_planner(loaded)
+        assert _peak(seq, x, y, autocast) <= BUDGET
+        assert seq.last_stats.plan == planned[autocast], autocast
+        assert loaded.probes == (0 if autocast else 1), autocast  # reused, or measured
+
+
 def _recurrent_sequential() -> nn.Module:
     norse = pytest.importorskip("norse.torch")
     from norse.torch.module.sequential import RecurrentSequential

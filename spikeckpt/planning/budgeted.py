@@ -673,9 +673,7 @@ class BudgetPlanner:
         return {
             "budget_bytes": self.budget_bytes,
             # a choice reused for shorter lengths once, under the length it was planned for
-            "choices": [
-                choice_to_dict(c) for c in {id(c): c for c in self.choices.values()}.values()
-            ],
+            "choices": self.choices.to_dicts(choice_to_dict),
             "graded": sorted(self.graded),
         }
 
@@ -684,9 +682,7 @@ class BudgetPlanner:
         if state.get("budget_bytes") != self.budget_bytes:
             return
         self.graded.update(state.get("graded", []))
-        for item in state.get("choices", []):
-            choice = choice_from_dict(item)
-            self.choices[(choice.T, choice.batch)] = choice
+        self.choices.load_dicts(state.get("choices", []), choice_from_dict)
 
 
 def _differentiates(model: Planned, x: Any, state: Any) -> bool:

@@ -6,7 +6,7 @@ model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -285,6 +285,31 @@ class PlanCache(dict[ShapeKey, "PlanChoice"]):
     def clear(self) -> None:
         super().clear()
         self._aside.clear()
+
+    def to_dicts(self, to_dict: Callable[[PlanChoice], dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every autocast state's plans as plain dicts (``to_dict``), each with its state
+        (``"autocast"``: None, or the dtype's name): a bf16 plan restored as a float32 one ran
+        a resumed float32 fit with the bf16 plans."""
+        out = []
+        for mode, held in [(self.mode, dict(self)), *self._aside.items()]:
+            for choice in {id(c): c for c in held.values()}.values():  # one per choice
+                out.append({**to_dict(choice), "autocast": str(mode[1]) if mode[0] else None})
+        return out
+
+    def load_dicts(
+        self, items: list[dict[str, Any]], from_dict: Callable[[dict[str, Any]], PlanChoice]
+    ) -> None:
+        """Restore `to_dicts`'s plans, each under its autocast state (one saved without it:
+        the state now)."""
+        for item in items:
+            plain = {k: v for k, v in item.items() if k != "autocast"}
+            choice = from_dict(plain)
+            name = item.get("autocast", str(self.mode[1]) if self.mode[0] else None)
+            mode: AutocastMode = (
+                (True, getattr(torch, name.split(".")[-1])) if name else (False, None)
+            )
+            held = self if mode == self.mode else self._aside.setdefault(mode, {})
+            held[(choice.T, choice.batch)] = choice
 
 
 def refuse_stateless(state_bytes: int) -> None:
