@@ -672,3 +672,136 @@ def test_a_resumed_fit_keeps_what_measured_steps_took_off_the_plans(tmp_path: Pa
     # the checkpoint resumed that fit; a new fit with the same callback starts afresh
     _trainer(again, tmp_path, max_steps=1).fit(Holding(), _loader(T, batches=1))
     assert again.planners["net"].probes == 1
+
+
+class _BuiltInConfigureModel(SpikingClassifier):
+    """Its layers made in Lightning's ``configure_model`` hook (called after ``setup``)."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            net = nn.Sequential(
+                nn.Linear(FEATURES, HIDDEN),
+                snn.Leaky(0.9),
+                nn.Linear(HIDDEN, CLASSES),
+                snn.Leaky(0.9),
+            )
+            self.net = spikeckpt.wrap(net, plan=BPTT(), storage="host")
+
+
+class _Encoder(SpikingClassifier):
+    """The wrapped model under another attribute name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = self.net
+        del self.net
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        return nn.functional.cross_entropy(self.enc(x.transpose(0, 1)).sum(0), y)
+
+
+def test_a_model_built_in_configure_model_and_a_reused_callback_are_planned(
+    tmp_path: Path,
+) -> None:
+    # configure_model runs after the callback's setup: "found no CheckpointedSequence" was
+    # raised for a model that wraps one; a callback reused for a module naming its wrapped
+    # model otherwise kept the first fit's planner and failed with KeyError('net')
+    callback = MemoryBudget("64MiB", verbose=False)
+    _trainer(callback, tmp_path, max_epochs=1).fit(_BuiltInConfigureModel(), _loader(20))
+    assert list(callback.plans) == ["net"]
+    _trainer(callback, tmp_path, max_epochs=1).fit(_Encoder(), _loader(20))
+    assert list(callback.planners) == list(callback.plans) == ["enc"]
+
+
+def test_lbfgs_history_is_counted_at_its_full_size_from_the_start() -> None:
+    # LBFGS keeps its history in lists in its state: counted nowhere (one parameter copy
+    # estimated before its first step, only tensor values after), the steps went over budget
+    from spikeckpt.lightning.resources import optimizer_state_tensors, step_resident
+
+    torch.manual_seed(0)
+    model = nn.Linear(30, 20)
+    optimizer = torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=1)
+    before = model_bytes(model, [optimizer])
+    x = torch.randn(8, 30)
+    for _ in range(6):
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    history = optimizer.state[next(iter(optimizer.state))]["old_dirs"]
+    assert len(history) == 3
+    held = optimizer_state_tensors(optimizer)
+    assert all(any(t is h for h in held) for t in history)
+    assert all(any(t is h for h in step_resident(model, [optimizer])) for t in history)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert before >= 2 * params + sum(t.untyped_storage().nbytes() for t in held)
+    assert model_bytes(model, [optimizer]) == before
+
+
+class _Unfreezing(SpikingClassifier):
+    """The first layer frozen at the start and unfrozen in epoch 1 (``BackboneFinetuning``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for p in spikeckpt.unwrap(self.net)[0].parameters():
+            p.requires_grad_(False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            first = list(spikeckpt.unwrap(self.net)[0].parameters())
+            for p in first:
+                p.requires_grad_(True)
+            self.optimizers().optimizer.add_param_group({"params": first, "lr": 1e-4})
+
+
+class _Peaks(pl.Callback):
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget, self.peaks = budget, []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.peaks.append((self.budget.measured_peak_bytes, self.budget.total_bytes))
+
+
+def test_layers_unfrozen_during_the_fit_count_their_gradients_and_state(tmp_path: Path) -> None:
+    # the model's gradients and optimizer state were counted once, at the fit's start (the
+    # first layer frozen: none), and the steps after unfreezing it ran unmeasured over budget
+    callback = MemoryBudget("1MiB", verbose=False, measure_batches=1000)
+    peaks = _Peaks(callback)
+    trainer = quiet_trainer([callback, peaks], tmp_path, max_epochs=2)
+    frozen = model_bytes(_Unfreezing(), [])
+    trainer.fit(_Unfreezing(), _loader(20))
+    assert callback.overhead_bytes > frozen + 2 * 4 * FEATURES * HIDDEN  # its .grad and Adam's
+    assert len(peaks.peaks) == 4 and all(peak <= total for peak, total in peaks.peaks)
+
+
+class _SkipsRest(SpikingClassifier):
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 1 else None  # Lightning: skip the rest of the epoch
+
+
+class _ModesAtEpochEnd(pl.Callback):
+    def __init__(self) -> None:
+        self.modes: list[list[str]] = []
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        self.modes.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+
+
+def test_a_skipped_batch_leaves_no_meter_open(tmp_path: Path) -> None:
+    # on_train_batch_end never runs for it: the meter opened stayed active into the next epoch
+    callback, modes = MemoryBudget("1MiB", verbose=False, measure_batches=1000), _ModesAtEpochEnd()
+    quiet_trainer([callback, modes], tmp_path, max_epochs=2).fit(_SkipsRest(), _loader(20, 3))
+    assert modes.modes == [[], []]

@@ -166,6 +166,7 @@ class MemoryBudget(Callback):
         self.budget_bytes = 0
         self.total_bytes = 0
         self.overhead_bytes = 0
+        self._trainable: tuple[Any, ...] = ()
         self.measured_peak_bytes: int | None = None
         self.retries = 0
         self.replans = 0
@@ -205,24 +206,10 @@ class MemoryBudget(Callback):
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.modules = {
-            name or "<root>": module
-            for name, module in pl_module.named_modules()
-            if isinstance(module, CheckpointedSequence)
-        }
-        if not self.modules:
-            raise MemoryBudgetError(
-                f"MemoryBudget found no spikeckpt.CheckpointedSequence in "
-                f"{type(pl_module).__name__}: {_HOW_TO_WRAP}"
-            )
-        for module in self.modules.values():
-            if self.storage is not None and module.storage != self.storage:
-                # the model's own tier is put back in teardown, as the planner is taken away
-                def restore(m: CheckpointedSequence = module, kept: str = module.storage) -> None:
-                    m.set_storage(kept)
-
-                self._restore.append(restore)
-                module.set_storage(self.storage)
+        # a model that builds its layers in ``configure_model`` (Lightning's lazy way, called
+        # after ``setup``) is looked at again in ``on_fit_start``
+        lazy = type(pl_module).configure_model is not pl.LightningModule.configure_model
+        self._find_modules(pl_module, required=not lazy)
         if stage == "fit" and any(
             isinstance(c, BatchSizeFinder) for c in getattr(trainer, "callbacks", ())
         ):
@@ -239,15 +226,46 @@ class MemoryBudget(Callback):
                 )
             self._install_retry(pl_module)
 
+    def _find_modules(self, pl_module: pl.LightningModule, *, required: bool) -> None:
+        """The wrapped models of ``pl_module`` (`modules`), set to this callback's tier."""
+        self.modules = {
+            name or "<root>": module
+            for name, module in pl_module.named_modules()
+            if isinstance(module, CheckpointedSequence)
+        }
+        if not self.modules and required:
+            raise MemoryBudgetError(
+                f"MemoryBudget found no spikeckpt.CheckpointedSequence in "
+                f"{type(pl_module).__name__}: {_HOW_TO_WRAP}"
+            )
+        for module in self.modules.values():
+            if self.storage is not None and module.storage != self.storage:
+                # the model's own tier is put back in teardown, as the planner is taken away
+                def restore(m: CheckpointedSequence = module, kept: str = module.storage) -> None:
+                    m.set_storage(kept)
+
+                self._restore.append(restore)
+                module.set_storage(self.storage)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for undo in reversed(self._restore):
             undo()
         self._restore.clear()
         for module in self.modules.values():
             module.set_planner(None)
+        self._drop_meter()
+
+    def _drop_meter(self) -> None:
+        """Close a step's meter without recording it."""
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self._meter = None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A batch whose ``on_train_batch_start`` returned -1 (Lightning: skip the rest of the
+        epoch) gets no ``on_train_batch_end``: its meter, opened for it, is closed here (it
+        stayed active into the next epoch, every op slowed, its peak spanning both)."""
+        self._drop_meter()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -260,6 +278,9 @@ class MemoryBudget(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
+        if not self.modules:  # built in configure_model, after setup
+            self._find_modules(pl_module, required=True)
+        self.planners = {}  # this fit's models (a callback reused for another module's fit)
         # each fit plans afresh: measure its start, through the second accumulation cycle
         # (the first whose batches hold the optimizer's state, and its last one `.grad` from
         # the batches before: with accumulate_grad_batches=2, batch 3 held 4.5-7.2% more
@@ -300,6 +321,7 @@ class MemoryBudget(Callback):
         if self._cut_bytes:
             self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self._world_size = trainer.world_size
+        self._trainable = _trainable(pl_module, trainer.optimizers)
         if self.verbose:
             rank_zero_info(
                 f"MemoryBudget: {format_bytes(total)} budget, {format_bytes(overhead)} for the "
@@ -313,12 +335,14 @@ class MemoryBudget(Callback):
         """A wrapped model's planner: its share of what the model leaves of the budget, the
         model's ``.grad`` counted with the model, refusals naming the whole budget."""
         modules, margin, overhead = len(self.modules), self.margin, self.overhead_bytes
+        # (the overhead read when a refusal names its budget: layers unfrozen since change it)
 
         def total_for(need: int) -> int:
             """The budget whose share for one wrapped model is at least ``need`` bytes (and
             what measured steps showed the plans miss)."""
             need += self._cut_bytes
-            return math.ceil((overhead + modules * (need + 1) + 1) / (1 - margin)) + 1
+            now = self.overhead_bytes
+            return math.ceil((now + modules * (need + 1) + 1) / (1 - margin)) + 1
 
         context = (
             f"; the model, its gradients and optimizer state take {format_bytes(overhead)}, "
@@ -343,6 +367,7 @@ class MemoryBudget(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._collectives_this_batch = 0
+        self._count_unfrozen(trainer, pl_module)
         self._probes_at_start = sum(p.probes for p in self.planners.values())
         self._runs_at_start = {name: p.runs for name, p in self.planners.items()}
         if self._to_measure > 0 and self._meter is None:
@@ -386,6 +411,25 @@ class MemoryBudget(Callback):
             again = self._measured_after(1 if peak is not None else self.measure_batches)
             self._to_measure = max(self._to_measure, again)
         return peak
+
+    def _count_unfrozen(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Layers unfrozen (or frozen) since the fit started, or parameters added to an
+        optimizer (Lightning's ``BackboneFinetuning``): their gradients and optimizer state
+        are counted again, the planners' shares changed by the difference, and the steps from
+        here measured (one was 1.3x over its budget, unmeasured, before)."""
+        trainable = _trainable(pl_module, trainer.optimizers)
+        if trainable == self._trainable or not self.planners:
+            return
+        self._trainable = trainable
+        overhead, before = model_bytes(pl_module, trainer.optimizers), self.overhead_bytes
+        self.overhead_bytes = overhead
+        share = -(-(overhead - before) // len(self.planners))
+        said = f"state take {format_bytes(before)}"
+        for planner in self.planners.values():
+            planner.replan(planner.budget_bytes - share, context=_UNFROZEN)
+            planner.context = planner.context.replace(said, f"state take {format_bytes(overhead)}")
+        self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
+        self._to_measure = max(self._to_measure, self._measured_after(self.measure_batches))
 
     def _measured_after(self, batches: int, *, start: bool = False) -> int:
         """How many batches to measure from here: ``batches``, and (``measure_batches`` > 0)
@@ -599,6 +643,19 @@ class MemoryBudget(Callback):
             return reduce(value)
 
         return counted
+
+
+_UNFROZEN = (
+    "; the model's trainable parameters changed during the fit (layers unfrozen, or added to "
+    "an optimizer): their gradients and optimizer state now count"
+)
+
+
+def _trainable(pl_module: pl.LightningModule, optimizers: Any) -> tuple[Any, ...]:
+    """Which parameters train: each one's ``requires_grad``, and the optimizers' parameters."""
+    flags = tuple(p.requires_grad for p in pl_module.parameters())
+    held = tuple(id(p) for o in optimizers for g in o.param_groups for p in g["params"])
+    return flags, held
 
 
 def _is_number(value: object) -> bool:

@@ -40,18 +40,16 @@ def model_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] =
     total = _tensor_bytes(params) + _tensor_bytes(module.buffers())
     total += _tensor_bytes(p for p in params if p.requires_grad)
     for optimizer in optimizers:
-        state_tensors = [
-            value
-            for state in optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        ]
-        if state_tensors:
-            total += _tensor_bytes(state_tensors)
-        else:  # state is created lazily at the first step: estimate it
-            for group in optimizer.param_groups:
-                copies = _expected_state_copies(optimizer, group)
-                total += copies * _tensor_bytes(group["params"])
+        for group in optimizer.param_groups:
+            # a parameter's state is made at its first step (a group added later, unfrozen
+            # layers' among them, has none yet): estimated until then
+            copies = _expected_state_copies(optimizer, group)
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if state and not _grows(optimizer):
+                    total += _tensor_bytes(batch_tensors(list(state.values())))
+                else:
+                    total += copies * _tensor_bytes([p])
     return total
 
 
@@ -68,7 +66,20 @@ def _expected_state_copies(optimizer: torch.optim.Optimizer, group: dict[str, An
         return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
     if name == "sgd":
         return 1 if group.get("momentum", 0) else 0
+    if name == "lbfgs":  # two per step of history (old_dirs, old_stps), d, prev_flat_grad,
+        return 3 + 2 * int(group.get("history_size", 100))  # and one for 2h + 1 scalars
     return 1
+
+
+def _grows(optimizer: torch.optim.Optimizer) -> bool:
+    """An optimizer whose state grows over its first steps (LBFGS's history): counted at its
+    full size from the start."""
+    return type(optimizer).__name__.lower() == "lbfgs"
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor ``optimizer``'s state holds, those in lists too (LBFGS's history)."""
+    return [t for state in optimizer.state.values() for t in batch_tensors(list(state.values()))]
 
 
 def step_resident(
@@ -82,8 +93,7 @@ def step_resident(
     params = list(module.parameters())
     tensors = [*params, *module.buffers(), *(p.grad for p in params if p.grad is not None)]
     for optimizer in optimizers:
-        for state in optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += optimizer_state_tensors(optimizer)
     return tensors + batch_tensors(batch)
 
 
