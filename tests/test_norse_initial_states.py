@@ -103,6 +103,36 @@ def test_a_start_read_from_the_input_is_refused_naming_the_way(granularity: str)
         sc.wrap(net, granularity=granularity)(torch.rand(9, 3, 10))
 
 
+class _NoisyStart(norse.LIFCell):
+    """A LIFCell starting from a random membrane drawn from a generator of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(p=norse.LIFParameters(v_th=torch.as_tensor(0.5)))
+        self.gen = torch.Generator().manual_seed(3)
+
+    def initial_state(self, input_tensor: Tensor) -> LIFFeedForwardState:
+        v = 0.5 * torch.rand(input_tensor.shape, generator=self.gen)
+        return LIFFeedForwardState(v=v, i=torch.zeros_like(input_tensor))
+
+
+def _noisy_start() -> nn.Module:
+    torch.manual_seed(0)
+    return norse.SequentialState(
+        nn.Linear(10, 12), _NoisyStart(), nn.Linear(12, 5), norse.LICell()
+    )
+
+
+def test_a_start_drawn_from_its_own_generator_runs_as_the_loop() -> None:
+    # the input-reading probe drew twice from the cell's generator: refused as "reads its input"
+    torch.manual_seed(1)
+    _compare(_noisy_start, torch.rand(9, 3, 10) * 6, granularity="stack", plan=sc.plans.BPTT())
+
+
+def test_a_start_drawn_from_its_own_generator_is_refused_where_steps_are_recomputed() -> None:
+    with pytest.raises(sc.ConfigError, match="torch.Generator of its own"):
+        sc.wrap(_noisy_start(), granularity="layer")(torch.rand(9, 3, 10))
+
+
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("listed", [False, True])
 def test_a_p_field_computed_from_a_parameter_gets_the_loops_gradient(

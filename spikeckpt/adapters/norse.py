@@ -72,6 +72,7 @@ from spikeckpt.adapters.simple_kernels import (
     simple_kernel,
 )
 from spikeckpt.engine import tree as pytree
+from spikeckpt.engine.rng import kept_generators
 from spikeckpt.errors import ConfigTypeError
 
 __all__ = ["NorseAdapter", "make_adapter", "move_params"]
@@ -144,17 +145,16 @@ def _conform(init: Any, nxt: Any, module: nn.Module, path: str) -> Any:
     return pytree.tree_unflatten(out, spec)
 
 
-def _reads_input(fallback: Callable[[Tensor], Any], x_t: Tensor) -> bool:
+def _reads_input(module: nn.Module, fallback: Callable[[Tensor], Any], x_t: Tensor) -> bool:
     """Whether a cell's ``initial_state`` (``fallback``) reads ``x_t``'s values, not only its
-    shape: called on ``x_t`` and on other values, each from the same random state."""
+    shape: called on ``x_t`` and on other values, each from the same random state (torch's
+    default generators and the ``torch.Generator`` objects ``module`` holds)."""
     devices = [x_t.device.index or 0] if x_t.is_cuda else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        rng = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-        same = fallback(x_t)
-        torch.set_rng_state(rng[0])
-        for d, state in zip(devices, rng[1], strict=True):
-            torch.cuda.set_rng_state(state, d)
-        other = fallback(x_t + 0.5)
+    with torch.no_grad():
+        with torch.random.fork_rng(devices=devices), kept_generators(module):
+            same = fallback(x_t)
+        with torch.random.fork_rng(devices=devices), kept_generators(module):
+            other = fallback(x_t + 0.5)
     a, b = pytree.tree_leaves(same), pytree.tree_leaves(other)
     return len(a) != len(b) or any(
         isinstance(u, Tensor) and isinstance(v, Tensor) and not torch.equal(u, v)
@@ -189,7 +189,7 @@ class NorseAdapter(LayerAdapter):
     def init_state(self, x_t: Tensor) -> State:
         m: Any = self.module  # Norse's cell: untyped attributes
         first = x_t.unsqueeze(0) if self.sequence else x_t
-        if self._subclass and _reads_input(m.state_fallback, first):
+        if self._subclass and _reads_input(m, m.state_fallback, first):
             raise unsupported(
                 m,
                 self.path,
