@@ -23,7 +23,7 @@ from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.readout import NARROW_FLOATS, Readout, take_extremum, widened
 from spikeckpt.engine.rng import cuda_devices, generators_kept
-from spikeckpt.engine.step import reachable_generators
+from spikeckpt.engine.step import reachable, reachable_generators
 from spikeckpt.errors import ConfigError, ConfigTypeError
 
 __all__ = ["FirstStep", "changes_dtype", "first_step"]
@@ -124,7 +124,7 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = (), force: bool
     apart and carries the dtypes it returns, as the plain loop does. Tried with one untaped
     step (RNG forked, the step's own generators kept, layers' side effects skipped) only
     where a dtype may change: a floating state leaf narrower than float32, or floating
-    state, input and parameter leaves of more than one dtype, or ``force`` (autocast on: its
+    state, input, parameter and buffer leaves of more than one dtype, or ``force`` (autocast on: its
     ops change dtypes whatever the leaves'); False elsewhere (no step run)."""
     leaves = pytree.tree_flatten(state)[0]
     floats = [t for t in leaves if isinstance(t, Tensor) and t.is_floating_point()]
@@ -132,7 +132,7 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = (), force: bool
         return False
     others = [
         t
-        for t in (*pytree.tree_flatten(x0)[0], *params)
+        for t in (*pytree.tree_flatten(x0)[0], *params, *_buffers(step))
         if isinstance(t, Tensor) and t.is_floating_point()
     ]
     dtypes = {t.dtype for t in (*floats, *others)}
@@ -154,6 +154,12 @@ def changes_dtype(step: Step, state: Any, x0: Any, params: Any = (), force: bool
         isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype != b.dtype
         for a, b in zip(leaves, after, strict=True)
     )
+
+
+def _buffers(step: Step) -> list[Tensor]:
+    """The buffers of the modules ``step`` reaches: an option kept as a buffer (snnTorch's
+    ``beta`` from NumPy, float64) promotes a float32 state at step 0 as a parameter would."""
+    return [b for m in reachable(step)[1] for b in m.buffers(recurse=False)]
 
 
 def _without_none_leaves(step: Step, state: Any) -> tuple[Step, Any, Callable[[Any], Any]]:
