@@ -605,7 +605,8 @@ def _recurrent_key(m: nn.Module) -> tuple[float, str, str] | None:
         lif_adex_refrac_step: "adexrefrac",
     }
     p, dt = getattr(m, "p", None), getattr(m, "dt", None)
-    own = type(m).forward is SNNRecurrentCell.forward and "forward" not in vars(m)
+    own = type(m).forward in (SNNRecurrentCell.forward, SNNRecurrent.forward)
+    own = own and "forward" not in vars(m)
     step = steps.get(getattr(m, "activation", None))
     if step is None or not own or not isinstance(dt, float):
         return None
