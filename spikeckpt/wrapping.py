@@ -354,7 +354,8 @@ class CheckpointedSequence(Remade):
                     self._compiled_step.ran(input_key(x), step, took)
         except UnlistedParamsError as err:
             x_0 = step_of(x, 0, self.device_for(x))
-            raise unlisted_error(self.adapter, err, state, x_0) from None
+            params = self.parameters_for_scan()
+            raise unlisted_error(self.adapter, err, state, x_0, params) from None
         finally:
             self.adapter.cleanup()
         self.last_stats.planning_seconds += planning  # beside what scan spent planning

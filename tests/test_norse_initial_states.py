@@ -17,7 +17,10 @@ from norse.torch.functional.izhikevich import (  # noqa: E402
     IzhikevichSpikingBehavior,
     IzhikevichState,
 )
-from norse.torch.functional.lif import LIFFeedForwardState  # noqa: E402
+from norse.torch.functional.lif import (  # noqa: E402
+    LIFFeedForwardState,
+    lif_feed_forward_step,
+)
 
 GRANULARITIES = ["stack", "layer", "auto"]
 
@@ -117,9 +120,7 @@ class _NoisyStart(norse.LIFCell):
 
 def _noisy_start() -> nn.Module:
     torch.manual_seed(0)
-    return norse.SequentialState(
-        nn.Linear(10, 12), _NoisyStart(), nn.Linear(12, 5), norse.LICell()
-    )
+    return norse.SequentialState(nn.Linear(10, 12), _NoisyStart(), nn.Linear(12, 5), norse.LICell())
 
 
 def test_a_start_drawn_from_its_own_generator_runs_as_the_loop() -> None:
@@ -163,3 +164,101 @@ def test_a_p_field_computed_from_a_parameter_gets_the_loops_gradient(
         return raw.grad
 
     torch.testing.assert_close(grad(True), grad(False))
+
+
+class _Scale(nn.Module):
+    """Multiplies by ``raw.mean()`` where ``direct``; else passes its input on."""
+
+    def __init__(self, raw: nn.Parameter | None, direct: bool) -> None:
+        super().__init__()
+        self.direct = direct
+        if raw is not None:
+            self.raw = raw
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.raw.mean() if self.direct else x
+
+
+def _reparametrised(held_by: str, direct: bool = False) -> tuple[nn.Module, nn.Parameter]:
+    """Linear-Scale-LIFCell-Linear-LICell whose LIFCell threshold is computed from ``raw`` (a
+    parameter of the root, or of the layer before the cell) at each training step."""
+    torch.manual_seed(0)
+    raw = nn.Parameter(torch.linspace(-1, 1, 12))
+    scale = _Scale(raw if held_by == "layer" else None, direct)
+    net = norse.SequentialState(
+        nn.Linear(10, 12), scale, norse.LIFCell(), nn.Linear(12, 5), norse.LICell()
+    )
+    if held_by == "root":
+        net.register_parameter("raw", raw)
+    return net, raw
+
+
+def _set_threshold(net: nn.Module, raw: Tensor) -> None:
+    net[2].p = norse.LIFParameters(v_th=0.2 + torch.sigmoid(raw))  # type: ignore[index]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("held_by", ["root", "layer"])
+def test_a_p_field_recomputed_from_a_model_parameter_each_step_trains_as_the_loop(
+    held_by: str, granularity: str
+) -> None:
+    # layer-wise refused raw held by the root ("not the tensors its blocks were built with");
+    # "auto" crashed in its probes (requires_grad_ on the computed field; a probe's backward
+    # through the field's graph, which the run then found freed)
+    torch.manual_seed(1)
+    x = torch.rand(9, 3, 10) * 6
+    (net, raw), (twin, twin_raw) = _reparametrised(held_by), _reparametrised(held_by)
+    seq = sc.wrap(twin, granularity=granularity)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (net, twin)]
+    for _ in range(2):
+        for opt in opts:
+            opt.zero_grad()
+        _set_threshold(net, raw)
+        _loop(net, x).pow(2).sum().backward()
+        _set_threshold(twin, twin_raw)
+        seq(x)[0].pow(2).sum().backward()
+        assert raw.grad is not None and twin_raw.grad is not None
+        torch.testing.assert_close(twin_raw.grad, raw.grad)
+        for opt in opts:
+            opt.step()
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_parameter_used_directly_and_through_a_computed_p_field_is_refused_naming_the_way(
+    granularity: str,
+) -> None:
+    # told before that raw is "neither a parameter of the model nor a tensor attribute"
+    net, raw = _reparametrised("layer", direct=True)
+    seq = sc.wrap(net, granularity=granularity)
+    _set_threshold(net, raw)
+    with pytest.raises(sc.UnlistedParamsError, match="directly, and through a tensor computed"):
+        seq(torch.rand(9, 3, 10) * 6)[0].sum().backward()  # layer-wise: found in the backward
+
+
+class _ComputedThreshold(norse.LIFCell):
+    """The way that message names: the threshold built from ``raw`` inside the step."""
+
+    def __init__(self, raw: nn.Parameter) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def forward(
+        self, input_tensor: Tensor, state: LIFFeedForwardState | None = None
+    ) -> tuple[Tensor, LIFFeedForwardState]:
+        state = self.initial_state(input_tensor) if state is None else state
+        p = norse.LIFParameters(v_th=0.2 + torch.sigmoid(self.raw))
+        return lif_feed_forward_step(input_tensor, state, p, self.dt)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_threshold_computed_inside_the_step_trains_as_the_loop(granularity: str) -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        raw = nn.Parameter(torch.linspace(-1, 1, 12))
+        cell = _ComputedThreshold(raw)
+        return norse.SequentialState(
+            nn.Linear(10, 12), _Scale(raw, True), cell, nn.Linear(12, 5), norse.LICell()
+        )
+
+    torch.manual_seed(1)
+    _compare(make, torch.rand(9, 3, 10) * 6, granularity=granularity)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,11 +12,11 @@ from torch import Tensor
 
 from spikeckpt.engine.direct import AffineChunk
 from spikeckpt.engine.fused import ChunkKernel
-from spikeckpt.engine.grad import GradSink
+from spikeckpt.engine.grad import GradSink, not_behind
 from spikeckpt.engine.inputs import SparseChunk
 from spikeckpt.errors import UnsupportedLayerError
 
-__all__ = ["LayerBlock", "stacked_outputs"]
+__all__ = ["LayerBlock", "blocks_params", "stacked_outputs"]
 
 State = Any
 
@@ -66,6 +66,14 @@ class LayerBlock:
     sinks: tuple[tuple[Tensor, GradSink], ...] = ()
     affine: AffineChunk | None = None
     emits: tuple[int, ...] | None = None
+
+
+def blocks_params(blocks: Sequence[LayerBlock]) -> list[Tensor]:
+    """The distinct tensors requiring grad that ``blocks`` differentiate (a probe's), without
+    the leaves behind a computed one (`not_behind`: ``raw`` of a Norse ``p`` field
+    ``0.2 + sigmoid(raw)``; differentiated in a probe, its graph was freed before the run)."""
+    unique = {id(t): t for b in blocks for t in b.params if t.requires_grad}
+    return not_behind(list(unique.values()))
 
 
 def stacked_outputs(ys: list[Any], name: str) -> Tensor:

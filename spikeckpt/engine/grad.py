@@ -217,6 +217,29 @@ def not_behind(params: list[Tensor]) -> list[Tensor]:
     return [p for p in params if id(p) not in behind]
 
 
+def behind_computed(found: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
+    """Those of ``found`` (leaves a step uses directly, not differentiated) that are behind a
+    computed tensor among ``params`` (left out by `not_behind`): used both ways."""
+    computed = [p for p in params if p.grad_fn is not None]
+    behind = {id(t) for t in unseen_leaves(computed, [])} if computed else set()
+    return [t for t in found if id(t) in behind]
+
+
+def used_both_ways(who: str, tensors: Sequence[Tensor]) -> str:
+    """The message for ``tensors`` used by ``who`` directly and through a computed tensor
+    the run differentiates (`behind_computed`)."""
+    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors[:5])
+    return (
+        f"{who} {len(tensors)} tensor(s) requiring grad (shapes {shapes}) directly, and "
+        "through a tensor computed from them before the call that the run differentiates (a "
+        "Norse p field such as v_th = 0.2 + torch.sigmoid(raw)): the run hands that tensor's "
+        "gradient on to them once, and cannot also differentiate their direct use inside the "
+        "steps. Compute the field inside the step instead: a subclass of the cell whose "
+        "forward builds the parameters from raw and calls Norse's functional step with them "
+        "(not setting self.p)"
+    )
+
+
 def unseen_leaves(roots: Sequence[Any], known: Sequence[Any], limit: int = 20000) -> list[Tensor]:
     """The leaf tensors requiring grad in the autograd graph of ``roots`` (tensors; others are
     skipped) that are not (by identity) in ``known``: tensors a step uses without the engine
@@ -243,7 +266,8 @@ def unseen_leaves(roots: Sequence[Any], known: Sequence[Any], limit: int = 20000
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) not in known_ids:
             known_ids.add(id(variable))
-            found.append(variable)
+            if variable.requires_grad:  # one stopped since (a probe without gradients)
+                found.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 

@@ -18,7 +18,14 @@ from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
 from spikeckpt.engine.function import SECOND_BACKWARD, Job
 from spikeckpt.engine.fused import ChunkKernel, Emit, run_fused
-from spikeckpt.engine.grad import GradSink, grad, in_layout, unseen_leaves
+from spikeckpt.engine.grad import (
+    GradSink,
+    behind_computed,
+    grad,
+    in_layout,
+    unseen_leaves,
+    used_both_ways,
+)
 from spikeckpt.engine.inputs import SparseChunk, chunk_of, is_packed, sparse_chunk_of
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import Reducer
@@ -527,6 +534,10 @@ class LayerwiseJob(Job):
         ids = {id(p): j for j, p in enumerate(self.params)}
         strangers = [t for t in found if id(t) not in ids]
         pidx.extend(ids[id(t)] for t in found if id(t) in ids)
+        both = behind_computed(strangers, self.params)
+        if both:
+            who = f"layer-wise run: the block whose neuron is layer {self.blocks[b].name!r} uses"
+            raise UnlistedParamsError(used_both_ways(who, both), both)
         if strangers:
             shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in strangers[:5])
             raise UnlistedParamsError(

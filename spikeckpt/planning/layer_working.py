@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.blocks import blocks_params
+from spikeckpt.engine.grad import unseen_leaves
 from spikeckpt.engine.inputs import chunk_of, is_packed
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.layerwise_job import GROUP_SHARE
@@ -472,11 +474,16 @@ def _probe_residuals(
     input_grad = (
         floating and not packed and (bool(getattr(x, "requires_grad", False)) or not training)
     )
-    params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
+    # a leaf behind a computed block tensor (raw of a Norse p field 0.2 + sigmoid(raw)) is
+    # not differentiated: autograd.grad to it would free the graph the real run needs
+    params = blocks_params(blocks)
+    # what a probe without gradients stops: the leaves, and those behind computed tensors
+    computed = [t for t in params if not t.is_leaf]
+    leaves = [t for t in params if t.is_leaf] + unseen_leaves(computed, [])
     residuals: list[tuple[int, int]] = []
     all_untaped = True
     try:
-        _frozen(params, training)
+        _frozen(leaves, training)
         # probing re-runs steps: layers skip their side effects (BatchNorm's running stats)
         with torch.random.fork_rng(devices=devices), recompute_phase():
             for k in chunks:
@@ -487,7 +494,7 @@ def _probe_residuals(
                 states = states_for(xs[0].detach())
                 # again: an initial state may mark one requiring grad (Norse's IAFCell: its v
                 # is p.v_reset, requires_grad)
-                _frozen(params, training)
+                _frozen(leaves, training)
                 if packed:  # never differentiated
                     xs = SpikeTrain.from_dense(xs, codec=getattr(x, "codec", "auto"))
                 run = partial(
@@ -511,7 +518,7 @@ def _probe_residuals(
                 residuals.append((k, peak - (modeled - k * work)))
     finally:
         if not training:
-            for p in params:
+            for p in leaves:
                 p.requires_grad_(True)
         for block in blocks:
             block.cleanup()
@@ -545,7 +552,9 @@ def _run_peak(
 
 def _frozen(params: list[Tensor], training: bool) -> None:
     """Outside training (a step without gradients, measured taped), the blocks' tensors stop
-    requiring grad for the probe; the caller turns them on again."""
+    requiring grad for the probe (``params``: leaves; a computed one, a Norse ``p`` field
+    computed before the call, stops with the leaves behind it); the caller turns them on
+    again."""
     if not training:
         for p in params:
             p.requires_grad_(False)

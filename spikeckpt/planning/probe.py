@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
-from spikeckpt.engine.blocks import stacked_outputs
+from spikeckpt.engine.blocks import blocks_params, stacked_outputs
 from spikeckpt.engine.fused import run_fused
 from spikeckpt.engine.inputs import TrainWindow, chunk_of, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
@@ -283,7 +283,7 @@ def layerwise_seconds(
     T = int(x.shape[0])
     n = max(1, min(T, 2 * chunks[1]))
     xs = chunk_of(x, 0, n, device).detach() if not is_packed(x) else None
-    params = list({id(t): t for b in blocks for t in b.params if t.requires_grad}.values())
+    params = blocks_params(blocks)
 
     def run(chunk: int) -> float:
         inputs = xs if xs is not None else TrainWindow(x, 0, n)

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from spikeckpt.engine.grad import unseen_leaves
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.errors import ConfigError
@@ -93,7 +94,10 @@ def refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
     """Layer-wise blocks hold the parameters they were built with; refuse a forward whose
     model holds other tensors that require grad (``torch.func.functional_call``, or a
     parameter replaced after the first forward) instead of failing on them later."""
-    moved = swapped_params(module, {id(p) for b in blocks for p in b.params})
+    held = [p for b in blocks for p in b.params]
+    # a parameter behind a computed one (raw of a Norse p field 0.2 + sigmoid(raw)) is held
+    behind = unseen_leaves([p for p in held if p.grad_fn is not None], [])
+    moved = swapped_params(module, {id(p) for p in (*held, *behind)})
     if moved:
         raise ConfigError(
             f"granularity='layer': the model's parameters {', '.join(moved[:4])} are not the "

@@ -7,6 +7,7 @@ whose step uses them by stepping the layers one by one, in a diagnostic run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.sequential import StackAdapter
-from spikeckpt.engine.grad import unseen_leaves
+from spikeckpt.engine.grad import behind_computed, unseen_leaves, used_both_ways
 from spikeckpt.engine.phase import recompute_phase
 from spikeckpt.engine.tree import tree_leaves, tree_map
 from spikeckpt.errors import UnlistedParamsError
@@ -23,10 +24,15 @@ __all__ = ["layers_using", "unlisted_error"]
 
 
 def unlisted_error(
-    adapter: LayerAdapter, err: UnlistedParamsError, state: State, x_t: Tensor
+    adapter: LayerAdapter,
+    err: UnlistedParamsError,
+    state: State,
+    x_t: Tensor,
+    params: Sequence[Tensor] = (),
 ) -> UnlistedParamsError:
     """``err`` with the layers that use its tensors, found from ``state`` and step 0's
-    input ``x_t (B, ...)``."""
+    input ``x_t (B, ...)``; told apart where they are behind a computed one of ``params``
+    (the tensors the run differentiated)."""
     where = layers_using(adapter, state, x_t, err.tensors)
     found: list[Tensor] = [t for t in err.tensors if isinstance(t, Tensor)]
     shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found[:5])
@@ -35,6 +41,9 @@ def unlisted_error(
         who = f"layers {names} use"
     else:
         who = f"layer {names} uses" if where else "the model uses"
+    both = behind_computed(found, params)
+    if both:
+        return UnlistedParamsError(used_both_ways(who, both), both)
     return UnlistedParamsError(
         f"{who} {len(err.tensors)} tensor(s) requiring grad that are neither parameters "
         f"of the model nor tensor attributes of its modules (shapes {shapes}); "
