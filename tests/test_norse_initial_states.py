@@ -262,3 +262,23 @@ def test_a_threshold_computed_inside_the_step_trains_as_the_loop(granularity: st
 
     torch.manual_seed(1)
     _compare(make, torch.rand(9, 3, 10) * 6, granularity=granularity)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(granularity="auto"), dict(granularity="layer", plan="auto", budget="64MiB")],
+    ids=["auto", "layer-budget"],
+)
+def test_an_iaf_cell_run_per_step_is_planned(options: dict[str, object]) -> None:
+    # IAFCell's initial_state marks p.v_reset requiring grad; a learnable alpha makes the cell
+    # run per step, and the kernel check's start re-marked v_reset inside the planner's probe
+    # without gradients: UnlistedParamsError ("Register them as nn.Parameter")
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        p = norse.IAFParameters(alpha=nn.Parameter(torch.tensor(20.0)), method="tanh")
+        return norse.SequentialState(
+            nn.Linear(10, 12), norse.IAFCell(p=p), nn.Linear(12, 5), norse.LICell()
+        )
+
+    torch.manual_seed(1)
+    _compare(make, torch.rand(9, 3, 10) * 6, **options)

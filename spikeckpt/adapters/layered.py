@@ -222,7 +222,12 @@ def _kernel_matches_step(
     if any(t.shape[1:] != z.shape[2:] for t in leaves):  # a cell weighting its own input
         shape = (CHECK_ROWS, *z.shape[2:])
         shapes = [(CHECK_ROWS, *t.shape[1:]) for t in leaves]
+    # a start may mark a tensor requiring grad (Norse's IAFCell: p.v_reset); a check that
+    # only wants its structure leaves the flags as they were (a probe froze them)
+    flags = [(t, t.requires_grad) for t in kernel.params if t.is_leaf]
     spec = pytree.tree_structure(neuron.init_state(z[0, :1]))
+    for t, flag in flags:
+        t.requires_grad_(flag)
     results = []
     try:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
