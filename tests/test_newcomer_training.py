@@ -150,3 +150,21 @@ def test_a_state_of_another_batch_is_refused_naming_the_layer(granularity: str) 
         spk2, syn2, mem2 = lif2(fc2(spk1), syn2, mem2)
         spikes.append(spk2)
     assert torch.equal(ys, torch.stack(spikes[4:]))
+
+
+@pytest.mark.parametrize("shape", [(H,), (4, 1)], ids=["unbatched", "one neuron"])
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_a_state_of_another_shape_is_refused_naming_the_layer(
+    granularity: str, shape: tuple[int, ...]
+) -> None:
+    """A membrane of one neuron's start for the whole batch, ``(H,)``, or ``(B, 1)``: snnTorch
+    restarts it from zeros. Layer-wise ran so, silently; the stack refused it blaming the
+    input's layout (batch-first)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(C, H), snn.Leaky(0.9), nn.Linear(H, K), snn.Leaky(0.9))
+    seq = _wrap(net, PLANS[0], granularity)
+    x = (torch.rand(8, 4, C) < 0.4).float()
+    _, state = seq(x, return_state=True)
+    given = (*state[:1], type(state[1])(torch.full(shape, 0.7)), *state[2:])
+    with pytest.raises(sc.ConfigError, match=r"layer 1 \(Leaky\): its mem is .*expand\(4, 16\)"):
+        seq(x, state=given)

@@ -183,12 +183,13 @@ class SnnTorchNeuronAdapter(LayerAdapter):
                 "return_state=True returns it), a tuple in that order, or None (zeros)"
             )
         state = self.state_cls(*state)
-        for name, value in zip(self.fields, state, strict=True):
-            if (
-                isinstance(value, Tensor)
-                and value.dim() == x_t.dim() >= 2
-                and value.shape[0] != x_t.shape[0]
-            ):
+        expected = [t.shape for t in self._init(self.module, x_t)]
+        for name, value, shape in zip(self.fields, state, expected, strict=True):
+            if not isinstance(value, Tensor) or value.shape == shape:
+                continue
+            if value.dim() == 0 or value.numel() == 0:
+                continue  # init_leaky()'s empty one, a 0-d one: zeros, in the loop too
+            if value.dim() == x_t.dim() >= 2 and value.shape[0] != x_t.shape[0]:
                 raise ConfigError(
                     f"state= for layer {self.path or '<root>'} ({type(self.module).__name__}): "
                     f"its {name} {tuple(value.shape)} holds a batch of {value.shape[0]}, this "
@@ -196,6 +197,13 @@ class SnnTorchNeuronAdapter(LayerAdapter):
                     f"silently start it from zeros. Pass None for this layer (zeros) or a "
                     f"state of batch {x_t.shape[0]} (e.g. a previous batch's state sliced)"
                 )
+            raise ConfigError(
+                f"state= for layer {self.path or '<root>'} ({type(self.module).__name__}): "
+                f"its {name} is {tuple(value.shape)}, where this call's input makes it "
+                f"{tuple(shape)}; snnTorch's own call would silently start it from zeros. "
+                f"Pass None for this layer (zeros) or a {name} of shape {tuple(shape)} (one "
+                f"start for the whole batch: {name}.expand{tuple(shape)})"
+            )
         return state
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
