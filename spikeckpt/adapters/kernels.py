@@ -54,6 +54,8 @@ __all__ = [
     "per_leaf",
     "read_unit_again",
     "reduce_to",
+    "scales",
+    "scaling",
     "vjp",
 ]
 
@@ -61,6 +63,20 @@ Spike = Callable[[Tensor], Tensor]
 #: ``(u, grad) -> dL/du``: a surrogate's backward at ``u`` for the spike's gradient ``grad``
 #: (``u`` is a new tensor the function may overwrite and return)
 SpikeGrad = Callable[[Tensor, Tensor], Tensor]
+
+
+def scaling(grad: SpikeGrad) -> SpikeGrad:
+    """Mark ``grad`` as a slope times the incoming gradient, ``grad(u, g) == grad(u, 1) * g``
+    bitwise (snnTorch's ``atan``): a recurrence may take the slope once per chunk."""
+    grad.scales = True  # type: ignore[attr-defined]
+    return grad
+
+
+def scales(grad: SpikeGrad | None) -> bool:
+    """Whether ``grad`` is marked by `scaling`."""
+    return bool(getattr(grad, "scales", False))
+
+
 #: ``"subtract"``: ``m - r * thr``; ``"zero_before"``: ``(1 - r) * m`` before the decay
 #: (snnTorch ``Leaky``); ``"zero_after"``: ``m - r * m`` after it (``Lapicque``,
 #: ``Synaptic``); ``"none"``.

@@ -39,6 +39,7 @@ from spikeckpt.adapters.kernels import (
     per_leaf,
     reduce_product,
     reduce_to,
+    scales,
     surrogate_grad,
 )
 from spikeckpt.engine.compiled import is_compiling
@@ -245,11 +246,12 @@ class RecurrentKernel(SurrogateKernel):
         if alpha is None:
             want.insert(0, False)
         # d spike / d u at every step, once for the chunk, where the surrogate's backward is
-        # written out (linear in the incoming gradient); else the spike function's own backward
-        # gets each step's gradient, as in the loop (a user's may clip it: slope * g differed)
+        # a slope times the incoming gradient (`scales`: atan's); else the written backward,
+        # or the spike function's own, gets each step's gradient, as in the loop (a user's
+        # may clip it: slope * g differed; fast_sigmoid's divides: not bitwise)
         slope = (
             surrogate_grad(self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad)
-            if self.spike_grad is not None
+            if scales(self.spike_grad)
             else None
         )
         g_u = torch.empty_like(ys) if slope is None and want[2] else None  # dL/d u, per step
@@ -273,7 +275,8 @@ class RecurrentKernel(SurrogateKernel):
             if slope is not None:
                 g_m = slope[t] * (g_s * graded)  # dL/d mem_t through the spike
             else:
-                g_m = surrogate_grad(self.spike, mems[t + 1 : t + 2], thr, (g_s * graded)[None])[0]
+                u = mems[t + 1 : t + 2]
+                g_m = surrogate_grad(self.spike, u, thr, (g_s * graded)[None], self.spike_grad)[0]
                 if g_u is not None:
                     g_u[t] = g_m
             if carry_mem is not None:

@@ -46,6 +46,7 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.adapters.protocol import AdapterFor, LayerAdapter, State, no_hooks, unsupported
 from spikeckpt.adapters.recurrent_kernel import RecurrentKernel
 from spikeckpt.adapters.snntorch_fast import fast_step, same_results
+from spikeckpt.adapters.snntorch_surrogates import written_grad
 from spikeckpt.engine.meter import unmetered
 from spikeckpt.errors import ConfigError
 
@@ -498,7 +499,7 @@ def snntorch_kernel(
     if mechanism not in resets or function is not getattr(cls, _STATE_FUNCTIONS[mechanism]):
         return None
     reset = resets[mechanism]
-    written = _atan_grad(spike)
+    written = written_grad(spike)
     if immediate and reset != "none":  # Leaky(reset_delay=False); "none" has no reset to do
         return ImmediateLeakyKernel(
             lambda: (m.beta, m.threshold, m.graded_spikes_factor), spike, reset, written
@@ -604,37 +605,6 @@ def _recurrent_kernel(
             synaptic=synaptic,
         )
     return None
-
-
-def _atan_grad(spike: Any) -> Callable[[Tensor, Tensor], Tensor] | None:
-    """snnTorch's ``atan(alpha)`` surrogate's backward written out in place, or None for any
-    other spike function. ``ATan.backward`` computes ``alpha / 2 / (1 + (pi / 2 * alpha *
-    u).pow_(2)) * grad``, where ``float / tensor`` is ``tensor.reciprocal() * float``; the
-    same operations in the same order on one buffer give bitwise the same values."""
-    code = getattr(spike, "__code__", None)
-    closure = getattr(spike, "__closure__", None)
-    if (
-        getattr(spike, "__module__", None) != "snntorch.surrogate"
-        or getattr(spike, "__qualname__", None) != "atan.<locals>.inner"
-        or code is None
-        or code.co_freevars != ("alpha",)
-        or not closure
-    ):
-        return None
-    alpha = closure[0].cell_contents
-    if not isinstance(alpha, (int, float)):
-        return None
-    scale, half = torch.pi / 2 * alpha, alpha / 2
-
-    def grad(u: Tensor, g: Tensor) -> Tensor:  # u is the caller's to overwrite
-        u.mul_(scale)
-        u.pow_(2)
-        u.add_(1)
-        u.reciprocal_()
-        u.mul_(half)
-        return u.mul_(g)
-
-    return grad
 
 
 _STATE_FUNCTIONS = {"subtract": "_base_sub", "zero": "_base_zero", "none": "_base_int"}
