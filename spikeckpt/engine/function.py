@@ -33,7 +33,16 @@ from spikeckpt.engine.rng import backward_draws
 from spikeckpt.engine.stats import ScanStats
 from spikeckpt.errors import UsageError
 
-__all__ = ["SECOND_BACKWARD", "Job", "refuse_func_transforms", "run_job"]
+__all__ = [
+    "SECOND_BACKWARD",
+    "Job",
+    "close_runs_since",
+    "most_open_runs",
+    "refuse_func_transforms",
+    "run_job",
+    "run_serial",
+    "watch_open_runs",
+]
 
 #: the end of the message a second backward through one forward gets (scan's and layer-wise)
 SECOND_BACKWARD = (
@@ -191,6 +200,52 @@ def guard_hooks(tensor: Tensor) -> None:
         hooks[key] = _none_passing(hook)
 
 
+#: the runs whose graph is alive and not backpropagated yet, by their serial numbers
+_OPEN: weakref.WeakValueDictionary[int, Job] = weakref.WeakValueDictionary()
+_NEXT = [0]  # the serial number the next run gets
+_WATCH = [0, 0]  # runs counted from this serial on; the most open at once among them
+
+
+def run_serial() -> int:
+    """The serial number the next run's forward gets (runs started from now on have this one
+    or more): mark a training step's start for `close_runs_since`."""
+    return _NEXT[0]
+
+
+def watch_open_runs() -> None:
+    """From now on, count how many runs are open at once (`most_open_runs`)."""
+    _WATCH[:] = [_NEXT[0], 0]
+
+
+def most_open_runs() -> int:
+    """The most runs open at once (taped, not yet backpropagated) among those started since
+    `watch_open_runs`: runs whose backward each ends before the next (an optimizer's closure
+    evaluated again, truncated BPTT) count one."""
+    return _WATCH[1]
+
+
+def close_runs_since(serial: int) -> int:
+    """Close every run started at or after ``serial`` whose graph is alive and not
+    backpropagated (its checkpoints, stored trains, files freed; a backward of it then raises
+    `UsageError`): a training step given up after out of memory holds them in its graph,
+    which the framework's frames still reference while the step is retried. Returns how
+    many."""
+    closing = [(n, job) for n, job in list(_OPEN.items()) if n >= serial]
+    for n, job in closing:
+        job.close()
+        _OPEN.pop(n, None)
+    return len(closing)
+
+
+def _opened(job: Job) -> int:
+    """Register ``job``'s run as open; its serial number."""
+    serial = _NEXT[0]
+    _OPEN[serial] = job
+    _NEXT[0] += 1
+    _WATCH[1] = max(_WATCH[1], sum(1 for n in list(_OPEN.keys()) if n >= _WATCH[0]))
+    return serial
+
+
 class _RunFunction(torch.autograd.Function):
     """Inputs: (job, *tensors); outputs: whatever ``job.forward`` returns."""
 
@@ -203,6 +258,7 @@ class _RunFunction(torch.autograd.Function):
         ctx.hooked = _hooked(tensors)
         ctx.save_for_backward(*(tensors[i] for i in job.referenced))
         weakref.finalize(ctx, job.close)  # free stores (disk files) when the graph is dropped
+        ctx.serial = _opened(job)
         return tuple(outs)
 
     @staticmethod
@@ -220,6 +276,7 @@ class _RunFunction(torch.autograd.Function):
             raise UsageError(_NO_BATCHED_GRADS)
         ctx.saved_tensors  # noqa: B018  (raises if a referenced input was modified in place)
         out = ctx.job.backward(grads)
+        _OPEN.pop(ctx.serial, None)
         for i, ref in ctx.hooked:
             tensor = ref()
             if out[i] is None and tensor is not None:

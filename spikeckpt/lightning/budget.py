@@ -39,6 +39,12 @@ from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from spikeckpt.engine.function import (
+    close_runs_since,
+    most_open_runs,
+    run_serial,
+    watch_open_runs,
+)
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import ConfigError, SpikeckptError, UsageError
 from spikeckpt.lightning.resources import free_device_bytes, model_bytes, step_resident
@@ -179,7 +185,8 @@ class MemoryBudget(Callback):
         self._meter: MemoryMeter | None = None
         self._restore: list[Callable[[], None]] = []
         #: the last training_step's arguments and the random state it started from
-        self._last_step_args: tuple[tuple[Any, ...], dict[str, Any], Any] = ((), {}, None)
+        self._last_step_args: tuple[tuple[Any, ...], dict[str, Any], Any, int] = ((), {}, None, 0)
+        self._retried_backward = False
         self._world_size = 1
         self._collectives_this_batch = 0
         self._runs_at_start: dict[str, int] = {}
@@ -367,9 +374,11 @@ class MemoryBudget(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._collectives_this_batch = 0
+        self._retried_backward = False
         self._count_unfrozen(trainer, pl_module)
         self._probes_at_start = sum(p.probes for p in self.planners.values())
         self._runs_at_start = {name: p.runs for name, p in self.planners.items()}
+        watch_open_runs()
         if self._to_measure > 0 and self._meter is None:
             self._meter = MemoryMeter(pl_module.device)
             self._meter.__enter__()
@@ -385,7 +394,10 @@ class MemoryBudget(Callback):
     ) -> None:
         measured = self._end_measuring()
         self._warn_runs(batch_idx)
-        if measured is not None:
+        # a batch re-run from a failed backward holds what is left of that graph beside the
+        # re-run (not what the plans missed: counted so, one out-of-memory cut the budget for
+        # good); the next batch is measured instead
+        if measured is not None and not self._retried_backward:
             self._check_measured(trainer, batch_idx, measured)
         # every logger, at the step Lightning's own ``self.log`` uses for this batch (as
         # DeviceStatsMonitor does: ``global_step`` has already counted this batch's optimizer
@@ -501,7 +513,7 @@ class MemoryBudget(Callback):
             # the random state the step starts from: a retry draws what the first run drew
             # (Dropout's masks: other ones trained the batch otherwise)
             rng = _rng_state(pl_module.device)
-            self._last_step_args = (args, kwargs, rng)
+            self._last_step_args = (args, kwargs, rng, run_serial())
             attempt = 0
             while True:
                 try:
@@ -521,9 +533,14 @@ class MemoryBudget(Callback):
                     # the failed backward may have added to some .grad already (those of
                     # the layers after the wrapped models): undo it, or refuse to retry
                     _undo_partial_grads(pl_module, marks, error)
+                    step_args, step_kwargs, rng, serial = self._last_step_args
+                    # the failed graph stays referenced by Lightning's frames: let go of the
+                    # wrapped models' checkpoints and stored trains in it before the re-run
+                    # (held beside it, the re-run's step measured 1.7x a step's peak)
+                    close_runs_since(serial)
+                    self._retried_backward = True
                     self._replan(error, attempt)
                     attempt += 1
-                    step_args, step_kwargs, rng = self._last_step_args
                     _set_rng_state(rng)
                     # in the context Lightning runs the step in (autocast under "bf16-mixed")
                     plugin = pl_module.trainer.strategy.precision_plugin
@@ -562,6 +579,7 @@ class MemoryBudget(Callback):
         self._cut_bytes += max(cuts, default=0)  # kept in the checkpoint, as measured cuts
         for planner, cut in zip(self.planners.values(), cuts, strict=True):
             planner.replan(planner.budget_bytes - cut)
+        self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self._runs_at_start = {name: p.runs for name, p in self.planners.items()}  # the retry's
         self._to_measure = max(self._to_measure, self._measured_after(self.measure_batches))
         gc.collect()
@@ -577,8 +595,12 @@ class MemoryBudget(Callback):
         """Warn (once per wrapped model) when one ran more than once in a training step: each
         run is planned with the model's whole part of the budget, but the runs' tapes are all
         held until the backward."""
-        for name, planner in self.planners.items():
-            runs = planner.runs - self._runs_at_start.get(name, planner.runs)
+        ran = {n: p.runs - self._runs_at_start.get(n, p.runs) for n, p in self.planners.items()}
+        # runs whose backward each ended before the next (an LBFGS closure evaluated again,
+        # truncated BPTT) held one tape at a time: no warning
+        if most_open_runs() <= sum(1 for runs in ran.values() if runs > 0):
+            return
+        for name, runs in ran.items():
             if runs <= 1 or name in self._warned_runs:
                 continue
             self._warned_runs.add(name)
@@ -589,13 +611,12 @@ class MemoryBudget(Callback):
             )
             rank_zero_warn(
                 f"MemoryBudget: the wrapped model {name!r} ran {runs} times in training step "
-                f"{batch_idx}; each run is planned with the model's whole part of the budget, "
-                f"so where the runs' tapes are held together until one backward the step may "
-                f"exceed the budget ({check}). Run it once per step (e.g. the views "
-                f"concatenated along the batch), or give a budget= that allows for {runs} runs. "
-                "Runs whose backward each ends before the next run (truncated BPTT with "
-                "manual_backward per part) hold one tape at a time; the whole batch they "
-                "are cut from is held beside them, which measured steps re-plan for."
+                f"{batch_idx}, their tapes held together until a backward; each run is "
+                f"planned with the model's whole part of the budget, so the step may exceed "
+                f"the budget ({check}). Run it once per step (e.g. the views concatenated "
+                f"along the batch), or give a budget= that allows for {runs} runs. (Runs whose "
+                "backward each ends before the next, as an LBFGS closure's or truncated "
+                "BPTT's with manual_backward per part, hold one tape at a time: no warning.)"
             )
 
     def _check_measured(self, trainer: pl.Trainer, batch_idx: int, peak: int) -> None:
