@@ -286,6 +286,7 @@ def test_setup_without_wrapped_model_explains_how_to_wrap(tmp_path: Path) -> Non
         ({"measure_batches": "2"}, "measure_batches must be a whole number"),
         ({"max_retries": 1.5}, "max_retries must be a whole number"),
         ({"retry_factor": 1.0}, "retry_factor"),
+        ({"remote": "no"}, "remote must be True or False"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], message: str) -> None:

@@ -206,3 +206,19 @@ def test_a_compiled_lightning_module_trains_as_the_eager_one_within_the_budget()
     assert plans[0] == plans[1] and plans[0] != "BPTT()"
     for eager, compiled_w in zip(*weights, strict=True):
         assert torch.equal(eager, compiled_w)
+
+
+def test_a_compiled_wrapped_submodule_is_named_as_the_attribute() -> None:
+    """``self.net = torch.compile(spikeckpt.wrap(...))``: the callback found the wrapped model
+    as ``net._orig_mod``, so ``callback.plans["net"]`` (as documented) raised KeyError."""
+    from torch.utils.data import DataLoader
+
+    from spikeckpt.lightning import MemoryBudget
+
+    torch.manual_seed(0)
+    module = _Classifier()
+    module.net = torch.compile(module.net)  # type: ignore[assignment]
+    callback = MemoryBudget("96KiB", margin=0.0, verbose=False)
+    batches = [((torch.rand(60, 4, F_IN) < 0.2).float(), torch.randint(0, 10, (4,)))]
+    _recorded(functools.partial(quiet_trainer([callback]).fit, module, DataLoader(batches, None)))
+    assert list(callback.plans) == ["net"]

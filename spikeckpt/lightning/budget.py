@@ -157,6 +157,9 @@ class MemoryBudget(Callback):
         if not _is_number(margin) or not 0 <= margin < 1:
             raise ConfigError(f"margin must be in [0, 1), got {margin!r}")
         self.margin = margin
+        for name, flag in (("remote", remote), ("verbose", verbose)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
         self.remote = remote
         for name, count in (("max_retries", max_retries), ("measure_batches", measure_batches)):
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
@@ -235,8 +238,10 @@ class MemoryBudget(Callback):
 
     def _find_modules(self, pl_module: pl.LightningModule, *, required: bool) -> None:
         """The wrapped models of ``pl_module`` (`modules`), set to this callback's tier."""
+        # a compiled model (torch.compile) holds the wrapped one as ``_orig_mod``: named as
+        # the attribute the user set (callback.plans["net"], not "net._orig_mod")
         self.modules = {
-            name or "<root>": module
+            ".".join(part for part in name.split(".") if part != "_orig_mod") or "<root>": module
             for name, module in pl_module.named_modules()
             if isinstance(module, CheckpointedSequence)
         }
