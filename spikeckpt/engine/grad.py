@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.overrides import has_torch_function
 
 from spikeckpt.engine.rng import rejoin_backward_draws
-from spikeckpt.errors import UsageError
+from spikeckpt.errors import UnlistedParamsError, UsageError
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -237,6 +237,26 @@ def used_both_ways(who: str, tensors: Sequence[Tensor]) -> str:
         "steps. Compute the field inside the step instead: a subclass of the cell whose "
         "forward builds the parameters from raw and calls Norse's functional step with them "
         "(not setting self.p)"
+    )
+
+
+def unlisted_in_block(
+    name: str, strangers: Sequence[Tensor], params: Sequence[Tensor]
+) -> UnlistedParamsError:
+    """The error for the layer-wise block whose neuron is layer ``name``: its taped graph
+    reaches ``strangers``, leaves requiring grad that are not among the run's ``params``."""
+    both = behind_computed(strangers, params)
+    if both:
+        who = f"layer-wise run: the block whose neuron is layer {name!r} uses"
+        return UnlistedParamsError(used_both_ways(who, both), both)
+    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in strangers[:5])
+    return UnlistedParamsError(
+        f"layer-wise run: the block whose neuron is layer {name!r} (it and the layers before "
+        f"it) uses {len(strangers)} tensor(s) requiring grad that are not among the "
+        f"parameters it differentiates (shapes {shapes}); they would get no gradient. "
+        "Register them as nn.Parameter, hold them as attributes of the block's modules, or "
+        "pass them: wrap(model, ..., params=[tensor, ...]) (layerwise_scan(..., params=[...]))",
+        list(strangers),
     )
 
 

@@ -18,20 +18,13 @@ from spikeckpt.engine.compiled import Compile, compiled_kernel, wants_compile
 from spikeckpt.engine.direct import UntapedParts, untaped_backward, untaped_parts
 from spikeckpt.engine.function import SECOND_BACKWARD, Job
 from spikeckpt.engine.fused import ChunkKernel, Emit, run_fused
-from spikeckpt.engine.grad import (
-    GradSink,
-    behind_computed,
-    grad,
-    in_layout,
-    unseen_leaves,
-    used_both_ways,
-)
+from spikeckpt.engine.grad import GradSink, grad, in_layout, unlisted_in_block, unseen_leaves
 from spikeckpt.engine.inputs import SparseChunk, chunk_of, is_packed, sparse_chunk_of
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.engine.readout import Reducer
 from spikeckpt.engine.rng import RngState
 from spikeckpt.engine.stats import LayerwiseStats
-from spikeckpt.errors import ConfigError, UnlistedParamsError, UsageError
+from spikeckpt.errors import ConfigError, UsageError
 from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
 from spikeckpt.storage.tiers import make_store
@@ -534,21 +527,8 @@ class LayerwiseJob(Job):
         ids = {id(p): j for j, p in enumerate(self.params)}
         strangers = [t for t in found if id(t) not in ids]
         pidx.extend(ids[id(t)] for t in found if id(t) in ids)
-        both = behind_computed(strangers, self.params)
-        if both:
-            who = f"layer-wise run: the block whose neuron is layer {self.blocks[b].name!r} uses"
-            raise UnlistedParamsError(used_both_ways(who, both), both)
         if strangers:
-            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in strangers[:5])
-            raise UnlistedParamsError(
-                f"layer-wise run: the block whose neuron is layer {self.blocks[b].name!r} (it "
-                f"and the layers before it) uses {len(strangers)} tensor(s) "
-                f"requiring grad that are not among the parameters it differentiates (shapes "
-                f"{shapes}); they would get no gradient. Register them as nn.Parameter, hold "
-                "them as attributes of the block's modules, or pass them: "
-                "wrap(model, ..., params=[tensor, ...]) (layerwise_scan(..., params=[...]))",
-                strangers,
-            )
+            raise unlisted_in_block(self.blocks[b].name, strangers, self.params)
 
     def _backward_block(
         self,
