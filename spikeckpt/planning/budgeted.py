@@ -415,8 +415,8 @@ class BudgetPlanner:
         # layer-wise: the measured working set holds the running sums of the gradients
         working = layered.working if layered is not None else None
         seconds = layered.seconds if layered is not None else None
-        if share and self.broadcast is not None:
-            probe, blocks, working = self.broadcast((probe, blocks, working))
+        if share and self.broadcast is not None:  # the times too: ranks chose apart by them
+            probe, blocks, working, seconds = self.broadcast((probe, blocks, working, seconds))
         if share and self.reduce_max is not None:
             # the largest rank's input too, as its shape: ranks whose batches were shorter
             # planned another chunk or interval for the same key (chunk 15 and 17)
