@@ -30,18 +30,21 @@ __all__ = [
 
 #: ``(output features per torch thread, share of non-zero inputs)``: a ``Linear`` gathers
 #: over its input's non-zeros up to this share (interpolated in log2 between the points, the
-#: last share past the last point; none at or below the first point). Measured on the CPU at
-#: one and two threads: the dense product's speed grows with the threads, the listing of the
-#: non-zeros' does not, so the break-even follows the outputs each thread computes. The
-#: points sit at or below the break-evens of whole layer-wise training steps (784-H-10
-#: snnTorch nets; per-thread outputs 128: under 0.08, 256: about 0.2, 500: over 0.3, 1000:
-#: over 0.3) and of one chunk's passes alone (`benchmarks/bench_gather.py`).
+#: last share past the last point; none at or below the first point). The dense product's
+#: speed grows with the threads, the listing of the non-zeros' does not, so the break-even
+#: follows the outputs each thread computes; it also follows the CPU's dense speed. The
+#: points sit at or below the break-evens measured on an AVX-512/AMX Xeon (one chunk's
+#: passes, `benchmarks/bench_gather.py`: 128 outputs 0.03, 256 about 0.11, 512 and 1000
+#: about 0.14; whole 784-H-10 training steps: 0.05-0.10 for 300-1000 outputs), where the
+#: earlier points, measured on an AVX2 CPU (0.18-0.35 from 256 outputs), made training steps
+#: 1.2-1.6x slower than the loop at 15-30% input spikes. On a CPU with a slower dense product
+#: gathering would pay further up; a gather not taken runs the loop's own dense product.
 BREAK_EVEN: tuple[tuple[int, float], ...] = (
     (64, 0.0),
-    (128, 0.06),
-    (256, 0.18),
-    (512, 0.28),
-    (1024, 0.35),
+    (128, 0.03),
+    (256, 0.06),
+    (512, 0.08),
+    (1024, 0.10),
 )
 
 
