@@ -329,6 +329,26 @@ def test_auto_picks_layer_wise_within_the_stack_plans_memory_for_spikes_and_curr
     assert layer_meter.peak_bytes <= 1.15 * stack_meter.peak_bytes
 
 
+def test_auto_runs_calls_without_autograd_layer_wise_once_training_did(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # validation under torch.no_grad() always ran the stack's plain loop (0.84-1.19x the
+    # loop's time, where layer-wise took 0.49-0.70x), also after training ran layer-wise
+    monkeypatch.setattr(budgeted, "LAYERWISE_TIME_TOLERANCE", 1e9)
+    net = _three_blocks()
+    x = spikes(200, 8, 100, 0.1)
+    seq = sc.wrap(net, granularity="auto")
+    with torch.no_grad():  # before any training call: the stack (nothing measured yet)
+        want = seq(x[:50])
+    assert not isinstance(seq.last_stats, LayerwiseStats)
+    loss_of(seq(x)).backward()
+    assert isinstance(seq.last_stats, LayerwiseStats)
+    with torch.no_grad():
+        got = seq(x[:50])  # another length, untaped: layer-wise, no probe
+    assert isinstance(seq.last_stats, LayerwiseStats)
+    torch.testing.assert_close(got, want)
+
+
 def test_auto_keeps_the_stack_when_its_plan_models_less_memory() -> None:
     # Revolve(2) keeps two states and one taped step; layer-wise tapes a 15-step chunk
     seq = sc.wrap(_three_blocks(), plan=Revolve(2), granularity="auto")
