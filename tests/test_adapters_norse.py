@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from device_copies import HostToDeviceCopies
@@ -856,3 +857,21 @@ def test_gradients_that_reach_nothing_stay_none_as_in_norses_loop(granularity: s
         for (name, p), q in zip(loop.named_parameters(), net.parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), name
         assert net[0].weight.grad is None
+
+
+def test_scalar_parameter_rows_are_stacked_once_and_follow_their_values() -> None:
+    # the compiled Norse loops read a (5, B*H) array of the parameters, made at every
+    # chunk's forward, recomputation and backward (a LIFCell at T = 25 1.29x its loop's time)
+    from spikeckpt.adapters import host_loops
+
+    like = torch.zeros(3, 4)
+    v_th = torch.tensor(0.5)
+    first = host_loops._stacked(like.shape, like, 0.1, None, v_th)
+    assert first is not None and first[2, 0] == np.float32(0.5) and not first[1].any()
+    assert host_loops._stacked(like.shape, like, 0.1, None, v_th) is first  # kept
+    v_th.fill_(0.7)  # the same tensor, another value: made anew
+    again = host_loops._stacked(like.shape, like, 0.1, None, v_th)
+    assert again is not first and again[2, 0] == np.float32(0.7)
+    per_neuron = torch.linspace(0, 1, 4)  # not numbers: made at each call, as before
+    a = host_loops._stacked(like.shape, like, per_neuron)
+    assert a is not None and a is not host_loops._stacked(like.shape, like, per_neuron)
