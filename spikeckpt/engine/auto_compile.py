@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -64,7 +64,10 @@ class _Shape:
 
     eager_seconds: float = 0.0
     eager_per_step: float = math.inf
-    eager_period: float = math.inf
+    #: the last `TRIAL_CALLS` eager periods: the compiled trial's few are weighed against as
+    #: many (the least of ~65 eager periods against the least of 2 compiled ones kept eager
+    #: on a noisy machine where compiled steps took 0.83x eager's time)
+    eager_recent: list[float] = field(default_factory=list)
     compiled_calls: int = 0
     compiled_per_step: float = math.inf
     compiled_period: float = math.inf
@@ -75,8 +78,8 @@ class _Shape:
         """Keep the compiled step or not, by the training steps' periods (forward, backward
         and whatever the loop does between two calls: the same for both), or by the forward
         calls' times where no period was measured (calls of this shape not back to back)."""
-        if math.isfinite(self.eager_period) and math.isfinite(self.compiled_period):
-            self.compiled = self.compiled_period <= KEEP_RATIO * self.eager_period
+        if self.eager_recent and math.isfinite(self.compiled_period):
+            self.compiled = self.compiled_period <= KEEP_RATIO * min(self.eager_recent)
         else:
             self.compiled = self.compiled_per_step <= KEEP_RATIO * self.eager_per_step
 
@@ -132,7 +135,7 @@ class AutoCompiledStep:
         shape = self.shapes[key]
         period = (now - started) / max(key.shape[0], 1)
         if kind == "eager":
-            shape.eager_period = min(shape.eager_period, period)
+            shape.eager_recent = [*shape.eager_recent, period][-TRIAL_CALLS:]
         elif kind == "trial":
             shape.compiled_period = min(shape.compiled_period, period)
             shape.trial_periods += 1
