@@ -632,10 +632,18 @@ def surrogate_grad(
     spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor, written: SpikeGrad | None = None
 ) -> Tensor:
     """``grad`` (dL/d spike, ``(k, B, ...)``) through ``spike`` at ``mem - thr``: the
-    surrogate's backward written out (``written``), or its own backward (elementwise) a few
+    surrogate's backward written out (``written``, or the one ``spike`` carries as
+    ``spike.written_grad()``: Norse's), or its own backward by autograd (elementwise) a few
     steps at a time; a new tensor."""
+    find = None
+    if written is None:
+        find = getattr(spike, "written_grad", None)  # the spike's own (Norse's), read now
+        written = find() if find is not None else None
     if written is not None:
-        return written(mem - thr, grad)
+        with torch.no_grad():  # as autograd's backward: no graph (a learnable threshold's)
+            u = mem - thr
+            if find is None or u.dtype == grad.dtype:
+                return written(u, grad)
     pieces = _pieces(mem)
     if len(pieces) == 1:
         return vjp(spike, mem - thr, grad)
@@ -1066,7 +1074,7 @@ class NorseKernel:
         keep_i = None if c_s is None else 1 + c_s  # None exactly when box
         deriv = None
         if not li and self.spike is not None:
-            deriv = vjp(self.spike, v_d - p.v_th, torch.ones_like(v_d))
+            deriv = surrogate_grad(self.spike, v_d, p.v_th, torch.ones_like(v_d))
         g_v, g_i = g_final[0], (None if box else g_final[1])
         one_minus_cm = 1 - c_m
         host = norse_backward_on_host(

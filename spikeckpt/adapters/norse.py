@@ -54,6 +54,7 @@ from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNN
 from spikeckpt.adapters.norse_coba import CobaLIFAdapter
 from spikeckpt.adapters.norse_li_linear import LILinearAdapter
 from spikeckpt.adapters.norse_params import is_namedtuple, move_params
+from spikeckpt.adapters.norse_surrogates import written_norse_grad
 from spikeckpt.adapters.protocol import (
     AdapterFor,
     LayerAdapter,
@@ -452,6 +453,7 @@ def _norse_spike(m: Any) -> Callable[[Tensor], Tensor]:
     def spike(u: Tensor) -> Tensor:
         return threshold(u, m.p.method, m.p.alpha)
 
+    spike.written_grad = lambda: written_norse_grad(m.p.method, m.p.alpha)  # type: ignore[attr-defined]
     return spike
 
 
@@ -465,6 +467,11 @@ def _norse_lif_spike(m: nn.Module, field: str = "lif") -> Callable[[Tensor], Ten
         q = getattr(m.p, field)
         return threshold(u, q.method, q.alpha)
 
+    def written() -> Any:
+        q = getattr(m.p, field)
+        return written_norse_grad(q.method, q.alpha)
+
+    spike.written_grad = written  # type: ignore[attr-defined]
     return spike
 
 
