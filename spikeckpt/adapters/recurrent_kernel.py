@@ -275,8 +275,8 @@ class RecurrentKernel(SurrogateKernel):
             if slope is not None:
                 g_m = slope[t] * (g_s * graded)  # dL/d mem_t through the spike
             else:
-                u = mems[t + 1 : t + 2]
-                g_m = surrogate_grad(self.spike, u, thr, (g_s * graded)[None], self.spike_grad)[0]
+                mem_t, g_spike = mems[t + 1 : t + 2], (g_s * graded)[None]
+                g_m = surrogate_grad(self.spike, mem_t, thr, g_spike, self.spike_grad)[0]
                 if g_u is not None:
                     g_u[t] = g_m
             if carry_mem is not None:

@@ -205,23 +205,26 @@ def tensor_hooks_held(tensors: Sequence[Tensor]) -> Iterator[None]:
             hooks.update(added)
 
 
+def leaves_behind(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The leaves requiring grad behind the graphs of the computed ones among ``tensors``
+    (``raw`` of a Norse ``p`` field ``0.2 + sigmoid(raw)`` computed before the call)."""
+    computed = [t for t in tensors if t.grad_fn is not None]
+    return unseen_leaves(computed, []) if computed else []
+
+
 def not_behind(params: list[Tensor]) -> list[Tensor]:
     """``params`` without the leaves behind another one's graph: ``raw`` of a Norse ``p``
     field ``softplus(raw) * 100`` computed before the call, both differentiated. Autograd
     carries the field's gradient on to ``raw``; differentiated in each step too, its graph
     was backpropagated once per step (torch's "backward through the graph a second time")."""
-    computed = [p for p in params if p.grad_fn is not None]
-    if not computed:
-        return params
-    behind = {id(t) for t in unseen_leaves(computed, [])}
-    return [p for p in params if id(p) not in behind]
+    behind = {id(t) for t in leaves_behind(params)}
+    return [p for p in params if id(p) not in behind] if behind else params
 
 
 def behind_computed(found: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
     """Those of ``found`` (leaves a step uses directly, not differentiated) that are behind a
     computed tensor among ``params`` (left out by `not_behind`): used both ways."""
-    computed = [p for p in params if p.grad_fn is not None]
-    behind = {id(t) for t in unseen_leaves(computed, [])} if computed else set()
+    behind = {id(t) for t in leaves_behind(params)}
     return [t for t in found if id(t) in behind]
 
 

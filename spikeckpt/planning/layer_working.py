@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine.blocks import blocks_params
-from spikeckpt.engine.grad import unseen_leaves
+from spikeckpt.engine.grad import leaves_behind
 from spikeckpt.engine.inputs import chunk_of, is_packed
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
 from spikeckpt.engine.layerwise_job import GROUP_SHARE
@@ -478,8 +478,7 @@ def _probe_residuals(
     # not differentiated: autograd.grad to it would free the graph the real run needs
     params = blocks_params(blocks)
     # what a probe without gradients stops: the leaves, and those behind computed tensors
-    computed = [t for t in params if not t.is_leaf]
-    leaves = [t for t in params if t.is_leaf] + unseen_leaves(computed, [])
+    leaves = [t for t in params if t.is_leaf] + leaves_behind(params)
     residuals: list[tuple[int, int]] = []
     all_untaped = True
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from spikeckpt.engine.grad import unseen_leaves
+from spikeckpt.engine.grad import leaves_behind
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.phase import recomputing
 from spikeckpt.errors import ConfigError
@@ -96,8 +96,7 @@ def refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
     parameter replaced after the first forward) instead of failing on them later."""
     held = [p for b in blocks for p in b.params]
     # a parameter behind a computed one (raw of a Norse p field 0.2 + sigmoid(raw)) is held
-    behind = unseen_leaves([p for p in held if p.grad_fn is not None], [])
-    moved = swapped_params(module, {id(p) for p in (*held, *behind)})
+    moved = swapped_params(module, {id(p) for p in (*held, *leaves_behind(held))})
     if moved:
         raise ConfigError(
             f"granularity='layer': the model's parameters {', '.join(moved[:4])} are not the "
