@@ -670,6 +670,9 @@ def test_izhikevich_and_refractory_neurons_match_norses_own_step(
     )
 
 
+#: Norse's ``LIFRecurrentCell``: torch's products, a compiled elementwise step (`recurrent_host`)
+_LIF_RECURRENT = "norse lif recurrent"
+
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
 _TORCH_LOOP_ONLY = (
     *("reset_delay False", "alpha", "rleaky", "rsynaptic", "recurrent", "lsnn"),
@@ -679,7 +682,12 @@ _TORCH_LOOP_ONLY = (
 
 
 @pytest.mark.parametrize(
-    "name", sorted(n for n in NEURONS if not any(part in n for part in _TORCH_LOOP_ONLY))
+    "name",
+    sorted(
+        n
+        for n in NEURONS
+        if n.startswith(_LIF_RECURRENT) or not any(part in n for part in _TORCH_LOOP_ONLY)
+    ),
 )
 def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(name: str) -> None:
     """Every neuron of the table with a compiled loop (Numba, `jit_loops`; all but Leaky's
@@ -693,6 +701,8 @@ def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(nam
     family = "norse" if name.startswith("norse") else name.split()[0]
     family = {"lapicque": "leaky", "norse": "norse", "synaptic": "synaptic"}.get(family, "leaky")
     forward_name = f"{family}_forward_jit"
+    if name.startswith(_LIF_RECURRENT):
+        forward_name = "lif_recurrent_step_jit"
     compiled = getattr(jit_loops, forward_name)
     runs = []
     for use_jit in (True, False):

@@ -27,6 +27,9 @@ __all__ = [
     "RESET_CODES",
     "leaky_backward_jit",
     "leaky_forward_jit",
+    "lif_recurrent_back_carried_jit",
+    "lif_recurrent_back_step_jit",
+    "lif_recurrent_step_jit",
     "synaptic_backward_jit",
     "synaptic_forward_jit",
 ]
@@ -433,3 +436,186 @@ def norse_backward_jit(
                     gi[j] = g_new
         carry_v[start:stop] = gv[:width]
         carry_i[start:stop] = gi[:width]
+
+
+@_jit
+def lif_recurrent_step_jit(
+    i: np.ndarray,
+    fed: np.ndarray,
+    rec: np.ndarray,
+    v: np.ndarray,
+    params: np.ndarray,
+    spk: np.ndarray,
+    y: np.ndarray,
+    kept: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> None:  # pragma: no cover - runs compiled
+    """One step of Norse's ``lif_step`` after its two products, the operations of
+    `NorseRecurrentKernel.forward` in their order: ``j = (i + fed) + rec``, ``v_d = v + c_m *
+    ((v_leak - v) + j)``, ``i = j + c_s * j``, ``s = (v_d - v_th > 0)``, ``v = (1 - s) * v_d +
+    s * v_reset``; ``i`` and ``v`` in place, the spikes into ``spk`` and ``y``.
+
+    Args:
+        i, fed, rec, v, spk, y: ``(n,)`` (``n = B * H``): the current, the input's and the
+            fed-back spikes' products, the membrane, the spikes (twice: the step's row of
+            the chunk's spikes, and the tensor fed back).
+        params: ``(5, H)``: ``dt * tau_mem_inv``, ``v_leak``, ``v_th``, ``v_reset``, ``-dt *
+            tau_syn_inv``.
+        kept: ``(n,)`` each, the membrane before the reset, after it, the drive ``(v_leak -
+            v) + j`` and the jump ``j``: four distinct arrays, written unconditionally (a
+            branch per element, or two outputs sharing memory, keep the loop from running
+            vectorized: 2-2.5x slower, measured).
+    """
+    zero = v.dtype.type(0)
+    one = v.dtype.type(1)
+    h = params.shape[1]
+    c_m, leak, th, v_reset, c_s = params[0], params[1], params[2], params[3], params[4]
+    for start in range(0, v.shape[0], h):
+        stop = start + h
+        i_b, fed_b, rec_b, v_b = i[start:stop], fed[start:stop], rec[start:stop], v[start:stop]
+        spk_b, y_b = spk[start:stop], y[start:stop]
+        vd_b, after_b = kept[0][start:stop], kept[1][start:stop]
+        drive_b, jump_b = kept[2][start:stop], kept[3][start:stop]
+        for c in range(h):
+            jump = (i_b[c] + fed_b[c]) + rec_b[c]
+            drive = (leak[c] - v_b[c]) + jump
+            w = v_b[c] + c_m[c] * drive
+            i_b[c] = jump + c_s[c] * jump
+            s = one if w - th[c] > zero else zero
+            after = (one - s) * w + s * v_reset[c]
+            v_b[c] = after
+            spk_b[c] = s
+            y_b[c] = s
+            vd_b[c] = w
+            after_b[c] = after
+            drive_b[c] = drive
+            jump_b[c] = jump
+
+
+@_jit
+def lif_recurrent_back_carried_jit(
+    g_y: np.ndarray,
+    has_y: bool,
+    g_mem: np.ndarray,
+    has_mem: bool,
+    carries: tuple[np.ndarray, np.ndarray, np.ndarray],
+    slope: np.ndarray,
+    y: np.ndarray,
+    params: np.ndarray,
+    g_jump: np.ndarray,
+    g_j: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """One step of `NorseRecurrentKernel.backward`'s loop before its product with the
+    recurrent weight, where every carry is given (each step but a chunk's last, whose
+    carries may be None: `lif_recurrent_back_step_jit`) and no parameter reads the per-step
+    terms: ``g_s = g_y + carry_z``, ``g_v = g_mem + carry_v`` (in place, where given), ``g_vd
+    = slope * g_s + g_v * (1 - y)``, ``g_j = g_vd * c_m + (carry_i + carry_i * c_s)``, then
+    ``carry_v = g_vd - g_vd * c_m``, ``carry_i = g_j`` in place and ``g_j`` into ``g_jump``
+    and ``g_j``: the torch loop's operations in their order.
+
+    Args:
+        g_y, g_mem, slope, y, g_jump, g_j: ``(n,)``, the step's rows.
+        carries: ``(carry_z, carry_v, carry_i)``, ``(n,)`` each.
+        params: ``(2, H)``: ``c_m``, ``c_s``.
+    """
+    one = y.dtype.type(1)
+    carry_z, carry_v, carry_i = carries
+    n, h = y.shape[0], params.shape[1]
+    if has_y:
+        for j in range(n):
+            carry_z[j] = g_y[j] + carry_z[j]
+    if has_mem:
+        for j in range(n):
+            carry_v[j] = g_mem[j] + carry_v[j]
+    c_m, c_s = params[0], params[1]
+    for start in range(0, n, h):
+        stop = start + h
+        g_s, g_v, g_i = carry_z[start:stop], carry_v[start:stop], carry_i[start:stop]
+        slope_b, y_b, jump_b, g_b = (
+            slope[start:stop],
+            y[start:stop],
+            g_jump[start:stop],
+            g_j[start:stop],
+        )
+        for c in range(h):
+            g_vd = slope_b[c] * g_s[c]
+            g_vd = g_vd + g_v[c] * (one - y_b[c])
+            g = g_vd * c_m[c]
+            g = g + (g_i[c] + g_i[c] * c_s[c])
+            g_v[c] = g_vd - g_vd * c_m[c]
+            g_i[c] = g
+            jump_b[c] = g
+            g_b[c] = g
+
+
+@_jit
+def lif_recurrent_back_step_jit(
+    t: int,
+    g_y: np.ndarray,
+    carry_z: np.ndarray,
+    g_mem: np.ndarray,
+    carry_v: np.ndarray,
+    carry_i: np.ndarray,
+    given: np.ndarray,
+    slope: np.ndarray,
+    ys: np.ndarray,
+    params: np.ndarray,
+    g_jump: np.ndarray,
+    g_j: np.ndarray,
+    g_vds: np.ndarray,
+    g_is: np.ndarray,
+    g_vs: np.ndarray,
+    g_ss: np.ndarray,
+    reads: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """Step ``t`` of `NorseRecurrentKernel.backward`'s loop before its product with the
+    recurrent weight, its operations in their order: ``g_s = g_y[t] + carry_z``, ``g_v =
+    g_mem[t] + carry_v``, ``g_vd = slope[t] * g_s + g_v * (1 - ys[t])``, ``g_j = g_vd * c_m +
+    (carry_i + carry_i * c_s)``, then ``carry_v = g_vd - g_vd * c_m``, ``carry_i = g_j``
+    (in place) and ``g_j`` into ``g_jump[t]`` and ``g_j``.
+
+    Args:
+        g_y, g_mem, slope, ys, g_jump: ``(k, n)``; carry_z, carry_v, carry_i, g_j: ``(n,)``.
+        given: ``(5,)`` bool: whether ``g_y``, ``carry_z``, ``g_mem``, ``carry_v`` and
+            ``carry_i`` hold values (a term that is not given is left out, as the torch loop
+            leaves out a None; no spike gradient at all: ``g_vd`` starts from zero).
+        params: ``(2, H)``: ``c_m``, ``c_s`` (``n = B * H``).
+        g_vds, g_is, g_vs, g_ss: ``(k, n)``: row ``t`` of dL/d v_d, of the current's carry,
+            of ``g_v`` and of ``g_s``, each written where ``reads`` (``(4,)`` bool) says and
+            its value is given (else any array: unread).
+    """
+    n, h = ys.shape[1], params.shape[1]
+    zero = ys.dtype.type(0)
+    one = ys.dtype.type(1)
+    has_y, has_z, has_mem, has_v, has_i = given[0], given[1], given[2], given[3], given[4]
+    has_s = has_y or has_z
+    has_gv = has_mem or has_v
+    for j in range(n):
+        g_s = zero
+        if has_y:
+            g_s = g_y[t, j] + carry_z[j] if has_z else g_y[t, j]
+        elif has_z:
+            g_s = carry_z[j]
+        g_v = zero
+        if has_mem:
+            g_v = g_mem[t, j] + carry_v[j] if has_v else g_mem[t, j]
+        elif has_v:
+            g_v = carry_v[j]
+        g_vd = slope[t, j] * g_s if has_s else zero
+        if has_gv:
+            g_vd = g_vd + g_v * (one - ys[t, j])
+        c_m, c_s = params[0, j % h], params[1, j % h]
+        g = g_vd * c_m
+        if has_i:
+            g = g + (carry_i[j] + carry_i[j] * c_s)
+        if reads[0]:
+            g_vds[t, j] = g_vd
+        if reads[1] and has_i:
+            g_is[t, j] = carry_i[j]
+        if reads[2] and has_gv:
+            g_vs[t, j] = g_v
+        if reads[3] and has_s:
+            g_ss[t, j] = g_s
+        carry_v[j] = g_vd - g_vd * c_m
+        carry_i[j] = g
+        g_jump[t, j] = g
+        g_j[j] = g

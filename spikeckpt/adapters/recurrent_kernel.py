@@ -42,6 +42,10 @@ from spikeckpt.adapters.kernels import (
     scales,
     surrogate_grad,
 )
+from spikeckpt.adapters.recurrent_host import (
+    lif_recurrent_backward_on_host,
+    lif_recurrent_forward_on_host,
+)
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 
@@ -513,7 +517,12 @@ class NorseRecurrentKernel(NorseCellKernel):
         # cell's: one dense product for the chunk took as long (measured) and rounds
         # differently for one row (a matrix-vector product)
         current, held = self.inputs.current(z, w_in)
-        for t, x_t in enumerate(z.unbind(0)):
+        params = (c_m, p.v_leak, p.v_th, p.v_reset, c_s)
+        kept = (v_ds, vs, drives, jumps)
+        host = lif_recurrent_forward_on_host(leaves, z, current, (w_in, w_rec), params, ys, kept)
+        if host is not None:
+            spk, v, i = host
+        for t, x_t in enumerate(z.unbind(0) if host is None else ()):
             fed = F.linear(x_t, w_in) if current is None else current[t]
             jump = i + fed + F.linear(spk, w_rec)
             drive = (p.v_leak - v) + jump
@@ -567,10 +576,14 @@ class NorseRecurrentKernel(NorseCellKernel):
         c_s = -self.dt * p.tau_syn_inv
         k = ys.shape[0]
         slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
-        keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
         g_jump = torch.empty_like(ys)  # dL/d j_t
-        carry_z, carry_v, carry_i = g_final
-        for t in range(k - 1, -1, -1):
+        steps = cast(Any, tuple(per_step.get(name) for name in ("vd", "i", "v", "s")))
+        host = lif_recurrent_backward_on_host(
+            g_y, g_final, g_mem, slope, ys, w_rec, (c_m, c_s), g_jump, steps
+        )
+        carry_z, carry_v, carry_i = g_final if host is None else host
+        keep_v = 1 - ys if host is None else ys  # the reset's factor of v_d (spike detached)
+        for t in range(k - 1, -1, -1) if host is None else ():
             g_s = carry_z if g_y is None else (g_y[t] if carry_z is None else g_y[t] + carry_z)
             g_v = (
                 carry_v if g_mem is None else (g_mem[t] if carry_v is None else g_mem[t] + carry_v)

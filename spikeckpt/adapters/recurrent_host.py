@@ -1,0 +1,203 @@
+"""Norse's ``LIFRecurrentCell`` chunk on the CPU: torch's products, a compiled elementwise step.
+
+Each step of the cell is two matrix products (the input's, unless the chunk's was gathered,
+and the fed-back spikes') and about a dozen elementwise operations, each a full pass over the
+step's ``B x H`` values with a temporary of that size: at 128 x 512 neurons those passes and
+the copies into the chunk's buffers took longer than the products (measured: ``aten::copy_``
+and the adds, multiplies and subtracts 125 ms of a 460 ms training step). Here the products
+stay torch's (the same calls on the same tensors, so the same sums) and the elementwise part of
+a step is one compiled pass (`spikeckpt.adapters.jit_loops.lif_recurrent_step_jit` and
+``lif_recurrent_back_step_jit``): the same IEEE operations in the same order, so spikes,
+states and gradients are bitwise those of `NorseRecurrentKernel`'s torch loop, which runs
+wherever these functions decline (no Numba, CUDA, other dtypes, a field wider than a step,
+while ``torch.compile`` traces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from spikeckpt.adapters import host_loops, jit_loops
+
+__all__ = ["lif_recurrent_backward_on_host", "lif_recurrent_forward_on_host"]
+
+
+def _rows(tensor: Tensor | None, like: np.ndarray) -> np.ndarray:
+    """``tensor`` ``(k, B, ...)`` as a ``(k, B * ...)`` array (a contiguous copy where it is
+    not: only for tensors the step reads), or ``like`` for None (never read)."""
+    if tensor is None:
+        return like
+    return tensor.detach().contiguous().numpy().reshape(tensor.shape[0], -1)
+
+
+def _writable(*buffers: Tensor | None) -> bool:
+    """Whether the buffers the compiled step writes are contiguous (their arrays are views)."""
+    return all(t is None or t.is_contiguous() for t in buffers)
+
+
+def _flat_copy(tensor: Tensor | None, like: Tensor) -> Tensor:
+    """A contiguous copy of ``tensor`` broadcast to ``like``'s shape (zeros for None): a
+    buffer the compiled step may write in place."""
+    out = torch.zeros_like(like, memory_format=torch.contiguous_format)
+    if tensor is not None:
+        out.copy_(tensor.expand(like.shape))
+    return out
+
+
+def _per_neuron(params: Sequence[Tensor], like: Tensor) -> np.ndarray | None:
+    """``params`` as a ``(len(params), H)`` array for states ``like`` ``(B, H)``, or None
+    where one is wider than a neuron's (``(B, H)``, ``(1, H)``: the torch loop runs)."""
+    hidden = like.shape[-1]
+    if any(np.broadcast_shapes(t.shape, (hidden,)) != (hidden,) for t in params):
+        return None
+    return host_loops._stacked(torch.Size([hidden]), like, *params)
+
+
+def lif_recurrent_forward_on_host(
+    leaves: Sequence[Tensor],
+    z: Tensor,
+    current: Tensor | None,
+    weights: tuple[Tensor, Tensor],
+    params: tuple[Tensor, ...],
+    ys: Tensor,
+    kept: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+) -> list[Tensor] | None:
+    """Run `NorseRecurrentKernel.forward`'s steps: the spikes into ``ys``, each step's
+    membrane before and after the reset, drive and current jump into ``kept``'s buffers
+    (``(k, B, H)`` each, or None). Returns the final ``[spikes, membrane, current]``, or None
+    (nothing written) where it does not run.
+
+    Args:
+        leaves: ``(spikes, membrane, current)`` before the chunk, ``(B, H)`` each.
+        z: the chunk's input ``(k, B, n_in)``; ``current``: its product ``(k, B, H)`` where
+            gathered, else None (each step's ``F.linear(z[t], W_in)``).
+        weights: ``(W_in, W_rec)``.
+        params: ``(dt * tau_mem_inv, v_leak, v_th, v_reset, -dt * tau_syn_inv)``, tensors
+            broadcastable to a step.
+    """
+    spk0, v0, i0 = leaves
+    k = z.shape[0]
+    w_in, w_rec = weights
+    if not (host_loops.USE_JIT and k) or v0.dim() != 2 or not _writable(ys, *kept):
+        return None
+    written = [t for t in kept if t is not None]
+    if host_loops._host_arrays(v0, i0, spk0, ys, w_rec, *written) is None:
+        return None
+    stacked = _per_neuron(params, v0)
+    if stacked is None:
+        return None
+    ys_rows = _rows(ys, stacked)
+    # rows not kept go to scratch rows of their own (never one shared: see the step)
+    scratch = v0.new_empty((sum(t is None for t in kept), v0.numel())).numpy()
+    spare = iter(scratch)
+    rows = [_rows(t, stacked) if t is not None else None for t in kept]
+    spk = spk0.clone(memory_format=torch.contiguous_format)  # fed back: an aligned tensor
+    v = v0.clone(memory_format=torch.contiguous_format)
+    i = i0.clone(memory_format=torch.contiguous_format)
+    flat = [t.numpy().reshape(-1) for t in (spk, v, i)]
+    step_rows = [next(spare) if r is None else None for r in rows]
+    for t in range(k):
+        fed = F.linear(z[t], w_in) if current is None else current[t]
+        rec = F.linear(spk, w_rec)
+        jit_loops.lif_recurrent_step_jit(
+            flat[2],
+            fed.detach().contiguous().numpy().reshape(-1),
+            rec.detach().numpy().reshape(-1),
+            flat[1],
+            stacked,
+            flat[0],
+            ys_rows[t],
+            tuple(s if r is None else r[t] for r, s in zip(rows, step_rows, strict=True)),
+        )
+    return [spk, v, i]
+
+
+def lif_recurrent_backward_on_host(
+    g_y: Tensor | None,
+    g_final: Sequence[Tensor | None],
+    g_mem: Tensor | None,
+    slope: Tensor,
+    ys: Tensor,
+    w_rec: Tensor,
+    params: tuple[Tensor, Tensor],
+    g_jump: Tensor,
+    per_step: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+) -> list[Tensor | None] | None:
+    """Run `NorseRecurrentKernel.backward`'s loop from the last step to the first: dL/d
+    each step's current jump into ``g_jump`` ``(k, B, H)``, the learnable fields' per-step
+    terms into ``per_step``'s buffers (dL/d v_d, the current's carry, dL/d the membrane after
+    the reset, dL/d the spike; ``(k, B, H)`` zeros or None). Returns the gradients of the
+    states before the chunk ``[spikes, membrane, current]``, or None (nothing written) where
+    it does not run.
+
+    Args:
+        g_y, g_mem: the outputs' and the membranes' gradients ``(k, B, H)``, or None.
+        g_final: the final states' gradients (``[spikes, membrane, current]``, each
+            broadcastable to a step, or None).
+        slope: the surrogate's derivative at each step ``(k, B, H)``; ``ys``: the spikes.
+        params: ``(c_m, c_s)`` (``dt * tau_mem_inv``, ``-dt * tau_syn_inv``).
+    """
+    k = ys.shape[0]
+    shape = ys.shape[1:]
+    given = [t for t in (g_y, g_mem, *g_final) if t is not None]
+    if not (host_loops.USE_JIT and k) or len(shape) != 2 or not _writable(g_jump, *per_step):
+        return None
+    written = [t for t in per_step if t is not None]
+    arrays = host_loops._host_arrays(ys, slope, g_jump, w_rec, *given, *written)
+    if arrays is None or any(t.shape != ys.shape for t in (g_y, g_mem) if t is not None):
+        return None
+    if any(not host_loops._steps_fit(ys[0], t) for t in g_final if t is not None):
+        return None
+    stacked = _per_neuron(params, ys[0])
+    if stacked is None:
+        return None
+    ys_rows = _rows(ys, arrays[0])
+    carry_v, carry_i = (_flat_copy(t, ys[0]) for t in g_final[1:])
+    g_j = torch.empty_like(carry_v)
+    carry_z: Tensor | None = g_final[0]
+    z_flat = None if carry_z is None else _flat_copy(carry_z, ys[0]).numpy().reshape(-1)
+    flags = [g_y is not None, carry_z is not None, g_mem is not None]
+    flags += [t is not None for t in g_final[1:]]
+    reads = np.array([t is not None for t in per_step])
+    rows = [_rows(t, ys_rows) for t in (g_y, g_mem, slope, g_jump, *per_step)]
+    v_flat, i_flat, j_flat = (t.numpy().reshape(-1) for t in (carry_v, carry_i, g_j))
+    for t in range(k - 1, -1, -1):
+        if z_flat is not None and flags[3] and flags[4] and not reads.any():
+            jit_loops.lif_recurrent_back_carried_jit(
+                rows[0][t],
+                flags[0],
+                rows[1][t],
+                flags[2],
+                (z_flat, v_flat, i_flat),
+                rows[2][t],
+                ys_rows[t],
+                stacked,
+                rows[3][t],
+                j_flat,
+            )
+        else:
+            jit_loops.lif_recurrent_back_step_jit(
+                t,
+                rows[0],
+                j_flat if z_flat is None else z_flat,
+                rows[1],
+                v_flat,
+                i_flat,
+                np.array(flags),
+                rows[2],
+                ys_rows,
+                stacked,
+                rows[3],
+                j_flat,
+                *rows[4:],
+                reads,
+            )
+        carry_z = g_j @ w_rec
+        z_flat = carry_z.numpy().reshape(-1)
+        flags[1] = flags[3] = flags[4] = True
+    return [carry_z, carry_v, carry_i]
