@@ -102,8 +102,10 @@ def test_a_static_input_is_computed_once_per_chunk_and_is_the_loops(
         s, m = seq(img.expand(T, *img.shape))
     assert torch.equal(s, spikes) and torch.equal(m, mems)
     assert max(recorder.rows) == batch  # no product spans more than one step's rows
+    # round-off on the scale of the largest gradient (the steps' gradients summed in another
+    # order: a random case outside CI, seed 924, put 2.3e-6 on an entry of 0.01 beside 36)
     for a, b in zip(_grads(m, params), want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))
 
 
 def test_an_encoder_before_the_static_input_gets_the_loops_gradient() -> None:
@@ -144,3 +146,63 @@ def test_layers_that_differ_per_step_run_every_step(case: str) -> None:
     torch.testing.assert_close(m, mems)  # a product over the chunk: round-off may differ
     assert torch.equal(s, spikes)
     assert max(recorder.rows) == 4 * 2  # the chunk's steps, not one step
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    norm=st.sampled_from(["batch", "batch untracked", "batch momentum None", "instance tracked"]),
+    T=st.integers(1, 11),
+    chunk=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_a_static_input_through_batchnorm_is_computed_once_with_the_loops_statistics(
+    norm: str, T: int, chunk: int, seed: int
+) -> None:
+    """Tutorial 6's net with a ``BatchNorm2d`` after the first convolution (training mode:
+    the batch's own statistics, the same batch at every step), or an ``InstanceNorm2d``
+    tracking its statistics: the first block computes one step per chunk (no convolution
+    spans more than one step's batch) and calls the norm again, without autograd, once per
+    further step for its running statistics. Outputs bitwise the loop's, the running
+    statistics and the count of batches bitwise (as the loop's T calls leave them), gradients
+    at round-off (amplified by the norm's backward). Before: the block ran every step, and again in the recomputation (1.32-1.41x
+    the loop's time against 0.92x now, h19's ``f_static_input_bn.py``)."""
+    norms = {
+        "batch": lambda: nn.BatchNorm2d(4),
+        "batch untracked": lambda: nn.BatchNorm2d(4, track_running_stats=False),
+        "batch momentum None": lambda: nn.BatchNorm2d(4, momentum=None),
+        "instance tracked": lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+    }
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(1, 4, 3), norms[norm](), nn.MaxPool2d(2),
+        snn.Leaky(beta=0.8, threshold=0.2, init_hidden=True, output=True),
+    )  # fmt: skip
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    img = torch.rand(3, 1, 8, 8) * 2
+    spikes, mems = _loop(net, img, T)
+    params = list(net.parameters())
+    want = _grads(mems, params)
+    want_stats = {k: v.clone() for k, v in net.named_buffers() if "running" in k or "batches" in k}
+    net.load_state_dict(start)
+    seq = sc.wrap(net, granularity="layer", chunk=chunk)
+    recorder = _ProductRows()
+    with recorder:
+        s, m = seq(img.expand(T, *img.shape))
+    assert torch.equal(s, spikes) and torch.equal(m, mems)
+    assert max(recorder.rows) == img.shape[0]  # one step's batch per convolution
+    stats = {k: v for k, v in net.named_buffers() if "running" in k or "batches" in k}
+    assert stats.keys() == want_stats.keys()
+    assert ("untracked" in norm) == (not stats)
+    for k, v in stats.items():
+        assert torch.equal(v, want_stats[k]), k
+    # the norm's backward subtracts the gradient's mean and its projection: the steps'
+    # gradients summed before it rather than after round off up to ~2e-5 relative; the
+    # convolution's bias before it (params[1]) has a gradient of zero but for round-off, on
+    # the scale of the others, in both runs
+    got = _grads(m, params)
+    scale = max(1.0, *(float(g.abs().max()) for g in want))
+    for g in (got[1], want[1]):
+        assert float(g.abs().max()) <= 1e-5 * scale
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if i != 1:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * scale)

@@ -56,6 +56,7 @@ from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
+from spikeckpt.engine.phase import RUNNING_STATS_TYPES, guarded_only, recomputing
 
 __all__ = ["layer_blocks", "with_current_modes"]
 
@@ -92,10 +93,15 @@ def _synapse(
     where a new tensor's data would start (`as_fresh`), as the plain loop hands a block
     after the first its neuron's new output. A static input (`one_step_repeated`: every step
     the same tensor) through layers of torch's own that act on each sample alone and draw
-    nothing (`_pure`) runs them on one step and repeats it, as the loop computes the same
-    values at every step."""
+    nothing (`_pure`), or normalise over the batch (`_static_norm`), runs them on one step and
+    repeats it, as the loop computes the same values at every step; a normalisation layer
+    tracking running statistics is called again for them, once per further step (as the loop
+    calls it), on the same input and without autograd."""
     batched = [None if per_step else _batched_inner(layer) for layer in synapses]
-    all_batched = all(inner is not None for inner in batched)
+    static = all(
+        (inner is not None and _pure(layer.module)) or _static_norm(layer.module)
+        for layer, inner in zip(synapses, batched, strict=True)
+    )
 
     def one_step(x_t: Tensor) -> Tensor:
         """Every layer on one step, each on the one before's new output (the loop's calls)."""
@@ -108,10 +114,15 @@ def _synapse(
         if per_step:
             steps = x.unbind(0)
             return torch.stack([one_step(as_fresh(x_t) if fresh else x_t) for x_t in steps])
-        if one_step_repeated(x) and all_batched and all(_pure(s.module) for s in synapses):
+        if one_step_repeated(x) and static:
             # a static input (every step the same tensor): every step's z is step 0's
-            z0 = synapse(x[:1])
+            z0 = run(x[:1], x.shape[0] - 1)
             return z0.expand(x.shape[0], *z0.shape[1:]).contiguous()
+        return run(x, 0)
+
+    def run(x: Tensor, repeats: int) -> Tensor:
+        """The synapse over ``x (k, B, ...)``; a layer called step by step runs ``repeats``
+        more times on step 0's input for its running statistics (a static input's steps)."""
         k, b = x.shape[0], x.shape[1]
         for layer, inner in zip(synapses, batched, strict=True):
             if isinstance(layer, TimeLiftedAdapter) and inner is not None:
@@ -121,7 +132,12 @@ def _synapse(
                 _, y = inner.step((), x.reshape(k * b, *x.shape[2:]))
                 x = y.reshape(k, b, *y.shape[1:])
             else:
-                x = torch.stack([layer.step((), x_t)[1] for x_t in x.unbind(0)])
+                steps = x.unbind(0)
+                x = torch.stack([layer.step((), x_t)[1] for x_t in steps])
+                if repeats and layer.module.training and not recomputing():
+                    with torch.no_grad():
+                        for _ in range(repeats):  # the loop's further calls: their statistics
+                            layer.step((), steps[0])
         return x
 
     return synapse
@@ -135,6 +151,20 @@ def _pure(module: nn.Module) -> bool:
         return False
     dropout = nn.modules.dropout._DropoutNd
     return not (isinstance(module, dropout) and module.training and module.p > 0)
+
+
+def _static_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm or InstanceNorm of torch's own (not a subclass of
+    yours, not ``SyncBatchNorm``, whose statistics span the processes) whose only hooks are
+    spikeckpt's running-statistics guards: its output for one batch is the same at every step
+    a static input feeds it (training mode: the batch's own statistics)."""
+    return (
+        isinstance(module, RUNNING_STATS_TYPES)
+        and not isinstance(module, nn.SyncBatchNorm)
+        and type(module).__module__.startswith("torch.nn.")
+        and guarded_only(module)
+        and not backward_hooked(module)
+    )
 
 
 Step = Callable[[Any, Tensor], tuple[Any, Tensor]]
