@@ -670,8 +670,13 @@ def test_izhikevich_and_refractory_neurons_match_norses_own_step(
     )
 
 
-#: Norse's ``LIFRecurrentCell``: torch's products, a compiled elementwise step (`recurrent_host`)
-_LIF_RECURRENT = "norse lif recurrent"
+#: neurons with recurrent weights whose kernels keep torch's products and compile the rest of
+#: a step (`recurrent_host`), by the name of that step
+_RECURRENT_STEPS = {
+    "norse lif recurrent": "lif_recurrent_step_jit",
+    "rleaky": "recurrent_leaky_step_jit",
+    "rsynaptic": "recurrent_leaky_step_jit",
+}
 
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
 _TORCH_LOOP_ONLY = (
@@ -686,13 +691,14 @@ _TORCH_LOOP_ONLY = (
     sorted(
         n
         for n in NEURONS
-        if n.startswith(_LIF_RECURRENT) or not any(part in n for part in _TORCH_LOOP_ONLY)
+        if n.startswith(tuple(_RECURRENT_STEPS)) or not any(part in n for part in _TORCH_LOOP_ONLY)
     ),
 )
 def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(name: str) -> None:
     """Every neuron of the table with a compiled loop (Numba, `jit_loops`; all but Leaky's
-    ``reset_delay=False`` and ``Alpha``, whose kernels run the torch loop) with the compiled
-    loops on and off:
+    ``reset_delay=False`` and ``Alpha``, whose kernels run the torch loop; for ``RLeaky``,
+    ``RSynaptic`` and Norse's ``LIFRecurrentCell`` the compiled part of each step between
+    torch's products, `recurrent_host`) with the compiled loops on and off:
     outputs, membranes, final states and gradients bitwise equal, 3 x 100 neurons a step (a
     block of 256 and a part), chunks of 3 over 7 steps (a carry between chunks and a short last
     chunk), and the compiled forward called for every chunk."""
@@ -701,8 +707,9 @@ def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(nam
     family = "norse" if name.startswith("norse") else name.split()[0]
     family = {"lapicque": "leaky", "norse": "norse", "synaptic": "synaptic"}.get(family, "leaky")
     forward_name = f"{family}_forward_jit"
-    if name.startswith(_LIF_RECURRENT):
-        forward_name = "lif_recurrent_step_jit"
+    for start, step_name in _RECURRENT_STEPS.items():
+        if name.startswith(start):
+            forward_name = step_name
     compiled = getattr(jit_loops, forward_name)
     runs = []
     for use_jit in (True, False):

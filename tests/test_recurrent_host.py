@@ -1,6 +1,7 @@
-"""Norse's ``LIFRecurrentCell`` chunk with its elementwise step compiled
-(`spikeckpt.adapters.recurrent_host`) equals the kernel's torch loop bitwise: the products
-stay torch's, the step's operations are the same IEEE operations in the same order."""
+"""Chunks of neurons with recurrent weights with the elementwise part of each step compiled
+(`spikeckpt.adapters.recurrent_host`: Norse's ``LIFRecurrentCell``, snnTorch's ``RLeaky`` and
+``RSynaptic``) equal their kernels' torch loops bitwise: the products stay torch's, the step's
+operations are the same IEEE operations in the same order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import snntorch as snn
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +26,12 @@ with warnings.catch_warnings():
 
 pytestmark = pytest.mark.skipif(not host_loops.USE_JIT, reason="Numba is not installed")
 
-STEPS = ("lif_recurrent_step_jit", "lif_recurrent_back_carried_jit", "lif_recurrent_back_step_jit")
+STEPS = (
+    "lif_recurrent_step_jit",
+    "lif_recurrent_back_carried_jit",
+    "lif_recurrent_back_step_jit",
+    "recurrent_leaky_step_jit",
+)
 
 
 @contextmanager
@@ -124,3 +131,58 @@ def test_compiled_recurrent_step_is_bitwise_the_torch_loop(
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _snntorch_neuron(kind: str, reset: str, hidden: int) -> nn.Module:
+    """``RLeaky`` / ``RSynaptic`` as users make them: the recurrent ``Linear`` or a
+    one-to-one ``V``, learnable decays, per-neuron thresholds."""
+    if kind == "RLeaky":
+        return snn.RLeaky(beta=0.9, linear_features=hidden, reset_mechanism=reset)
+    if kind == "RLeaky one-to-one learnable":
+        return snn.RLeaky(
+            beta=torch.rand(hidden), all_to_all=False, V=torch.rand(hidden),
+            learn_beta=True, learn_recurrent=True, learn_threshold=True,
+            threshold=torch.full((hidden,), 0.8), reset_mechanism=reset,
+        )  # fmt: skip
+    return snn.RSynaptic(
+        alpha=0.8, beta=0.9, linear_features=hidden, reset_mechanism=reset,
+        learn_alpha=kind.endswith("learnable"), learn_beta=kind.endswith("learnable"),
+    )  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(
+        ["RLeaky", "RLeaky one-to-one learnable", "RSynaptic", "RSynaptic learnable"]
+    ),
+    reset=st.sampled_from(["subtract", "zero", "none"]),
+    T=st.integers(1, 9),
+    chunk=st.integers(1, 5),
+    output=st.sampled_from(["spikes", "both"]),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_snntorch_recurrent_step_is_bitwise_the_torch_loop(
+    kind: str, reset: str, T: int, chunk: int, output: str, seed: int
+) -> None:
+    """snnTorch's ``RLeaky`` and ``RSynaptic`` after a ``Linear``: spikes, membranes (and
+    currents) and gradients (input, weights, learnable decays, thresholds, recurrent weights)
+    bitwise equal with the compiled forward step on and off, every reset, odd T, chunks
+    longer than T; the compiled step runs for every step of the forward pass."""
+    torch.manual_seed(seed)
+    x = ((torch.rand(T, 3, 12) < 0.4).float() * 2).requires_grad_()
+    runs = []
+    for use_jit in (True, False):
+        torch.manual_seed(1)
+        net = nn.Sequential(nn.Linear(12, 19), _snntorch_neuron(kind, reset, 19))
+        with counted_steps(use_jit) as counts:
+            seq = sc.wrap(net, granularity="layer", chunk=chunk, output=output)
+            out = seq(x)
+            y = torch.cat(out, -1) if isinstance(out, tuple) else out
+            weights = torch.randn(y.shape[-1], generator=torch.Generator().manual_seed(2))
+            grads = torch.autograd.grad((y * weights).sum(), [x, *net.parameters()])
+        assert [b.neuron for b in seq.last_stats.blocks] == ["fused"]
+        runs.append((y.detach(), grads, counts["recurrent_leaky_step_jit"]))
+    (y_on, grads_on, calls), (y_off, grads_off, none) = runs
+    assert calls >= T and none == 0
+    for a, b in zip([y_on, *grads_on], [y_off, *grads_off], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -619,3 +619,66 @@ def lif_recurrent_back_step_jit(
         carry_i[j] = g
         g_jump[t, j] = g
         g_j[j] = g
+
+
+@_jit
+def recurrent_leaky_step_jit(
+    z: np.ndarray,
+    rec: np.ndarray,
+    state: tuple[np.ndarray, np.ndarray],
+    fired: np.ndarray,
+    fires: np.ndarray,
+    params: np.ndarray,
+    modes: tuple[bool, int, bool],
+    out: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> None:  # pragma: no cover - runs compiled
+    """One step of snnTorch's ``RLeaky`` / ``RSynaptic`` after the recurrent product, the
+    operations of `RecurrentKernel.forward` in their order: ``RSynaptic``'s current ``syn =
+    (a * syn + z) + rec`` and ``base = b * mem + syn``, else ``base = (b * mem + z) + rec``;
+    the reset (``base - where(f, thr, thr * 0)``, ``base - f * base`` or none); the spike
+    ``mem > thr`` (``exact``; else ``mem - thr > 0``) times the graded factor.
+
+    Args:
+        z, rec: ``(n,)`` (``n = B * H``) the step's input and the fed-back spikes' product.
+        state: ``(syn, mem)`` ``(n,)``, in place (``syn`` unread without a current).
+        fired, fires: ``(n,)`` bool: the reset entering the step, the step's spikes (out).
+        params: ``(4, H)``: ``a`` (the current's decay), ``b``, ``thr``, ``graded``.
+        modes: ``(synaptic, reset code, exact)`` (`RESET_CODES`: 0 none, 1 subtract, 2 zero
+            after).
+        out: ``(n,)`` each: the spikes (the chunk's row and the tensor fed back), the
+            membrane's and the current's rows: distinct arrays, written unconditionally.
+    """
+    synaptic, reset, exact = modes
+    syn, mem = state
+    y, spk, mem_row, syn_row = out
+    zero = mem.dtype.type(0)
+    one = mem.dtype.type(1)
+    h = params.shape[1]
+    a, b, thr, graded = params[0], params[1], params[2], params[3]
+    for start in range(0, mem.shape[0], h):
+        stop = start + h
+        z_b, rec_b, syn_b, mem_b = z[start:stop], rec[start:stop], syn[start:stop], mem[start:stop]
+        before, after = fired[start:stop], fires[start:stop]
+        y_b, spk_b = y[start:stop], spk[start:stop]
+        m_b, s_b = mem_row[start:stop], syn_row[start:stop]
+        for c in range(h):
+            if synaptic:
+                current = (a[c] * syn_b[c] + z_b[c]) + rec_b[c]
+                syn_b[c] = current
+                s_b[c] = current
+                base = b[c] * mem_b[c] + current
+            else:
+                base = (b[c] * mem_b[c] + z_b[c]) + rec_b[c]
+            if reset == 1:
+                m = base - (thr[c] if before[c] else thr[c] * zero)
+            elif reset == 2:
+                m = base - (one if before[c] else zero) * base
+            else:
+                m = base
+            fire = m > thr[c] if exact else m - thr[c] > zero
+            s = (one if fire else zero) * graded[c]
+            after[c] = fire
+            mem_b[c] = m
+            m_b[c] = m
+            y_b[c] = s
+            spk_b[c] = s

@@ -15,7 +15,7 @@ while ``torch.compile`` traces).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,11 @@ from torch import Tensor
 
 from spikeckpt.adapters import host_loops, jit_loops
 
-__all__ = ["lif_recurrent_backward_on_host", "lif_recurrent_forward_on_host"]
+__all__ = [
+    "lif_recurrent_backward_on_host",
+    "lif_recurrent_forward_on_host",
+    "recurrent_leaky_forward_on_host",
+]
 
 
 def _rows(tensor: Tensor | None, like: np.ndarray) -> np.ndarray:
@@ -201,3 +205,76 @@ def lif_recurrent_backward_on_host(
         z_flat = carry_z.numpy().reshape(-1)
         flags[1] = flags[3] = flags[4] = True
     return [carry_z, carry_v, carry_i]
+
+
+#: the resets `jit_loops.recurrent_leaky_step_jit` runs (`RecurrentKernel`'s)
+_RESETS = ("none", "subtract", "zero_after")
+
+
+def recurrent_leaky_forward_on_host(
+    z: Tensor,
+    leaves: tuple[Tensor, Tensor | None, Tensor],
+    params: tuple[Tensor | None, Tensor, Tensor, Tensor],
+    rec: Callable[[Tensor], Tensor],
+    modes: tuple[str, bool],
+    buffers: tuple[Tensor, Tensor, Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor | None, Tensor] | None:
+    """Run `RecurrentKernel.forward`'s steps (snnTorch's ``RLeaky``, ``RSynaptic``): the
+    spikes into ``ys``, the step's spikes into ``fires[1:]`` (``fires[0]``: the reset entering
+    the chunk, given), the membranes into ``mems[1:]`` and the currents into ``syns[1:]``
+    where given. Returns the final ``(spikes, current or None, membrane)``, or None (nothing
+    written) where it does not run.
+
+    Args:
+        z: the chunk's synaptic input ``(k, B, H)``.
+        leaves: ``(spikes, current or None, membrane)`` before the chunk, ``(B, H)`` each.
+        params: ``(a or None, b, thr, graded)``: the clamped decays, the threshold, the
+            spikes' factor, tensors broadcastable to a neuron's.
+        rec: the recurrent map of a step's spikes ``(B, H) -> (B, H)`` (torch's call).
+        modes: ``(reset, exact)``: a `jit_loops.RESET_CODES` name (not ``"zero_before"``),
+            and whether the spike is ``mem > thr`` (else ``mem - thr > 0``).
+        buffers: ``(fires (k + 1, B, H) bool, ys (k, B, H), mems or None, syns or None)``,
+            ``mems`` and ``syns`` ``(k + 1, B, H)``.
+    """
+    spk0, syn0, mem0 = leaves
+    a, b, thr, graded = params
+    fires, ys, mems, syns = buffers
+    k = z.shape[0]
+    if not (host_loops.USE_JIT and k) or mem0.dim() != 2 or not _writable(*buffers):
+        return None
+    if not ys.dtype == spk0.dtype == mem0.dtype or modes[0] not in _RESETS:
+        return None
+    held = [t for t in (syn0, mems, syns) if t is not None]
+    if host_loops._host_arrays(mem0, spk0, z, ys, *held) is None or z.shape[1:] != mem0.shape:
+        return None
+    stacked = _per_neuron((b if a is None else a, b, thr, graded), mem0)
+    if stacked is None:
+        return None
+    # rows not kept go to scratch rows of their own (never one shared: see the step)
+    scratch = mem0.new_empty((2, mem0.numel())).numpy()
+    spk = spk0.clone(memory_format=torch.contiguous_format)  # fed back: an aligned tensor
+    mem = mem0.clone(memory_format=torch.contiguous_format)
+    syn = (syn0 if syn0 is not None else mem0).clone(memory_format=torch.contiguous_format)
+    state = (syn.numpy().reshape(-1), mem.numpy().reshape(-1))
+    spk_flat = spk.numpy().reshape(-1)
+    rows = [_rows(t, scratch) for t in (fires, ys, mems, syns)]
+    z_rows = _rows(z, scratch)
+    step_modes = (syn0 is not None, jit_loops.RESET_CODES[modes[0]], modes[1])
+    for t in range(k):
+        fed = rec(spk)
+        jit_loops.recurrent_leaky_step_jit(
+            z_rows[t],
+            fed.detach().contiguous().numpy().reshape(-1),
+            state,
+            rows[0][t],
+            rows[0][t + 1],
+            stacked,
+            step_modes,
+            (
+                rows[1][t],
+                spk_flat,
+                scratch[0] if mems is None else rows[2][t + 1],
+                scratch[1] if syns is None else rows[3][t + 1],
+            ),
+        )
+    return spk, (syn if syn0 is not None else None), mem

@@ -45,6 +45,7 @@ from spikeckpt.adapters.kernels import (
 from spikeckpt.adapters.recurrent_host import (
     lif_recurrent_backward_on_host,
     lif_recurrent_forward_on_host,
+    recurrent_leaky_forward_on_host,
 )
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
@@ -193,7 +194,17 @@ class RecurrentKernel(SurrogateKernel):
         torch.gt(mem - thr, 0, out=fires[0])
         thr_off = thr * 0
         spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
-        for t, z_t in enumerate(z.unbind(0)):
+        host = recurrent_leaky_forward_on_host(
+            z,
+            (spk0, syn, mem),
+            (a, b, thr, graded),
+            lambda s: self._rec(s, recurrent),
+            (self.reset, exact),
+            (fires, ys, mems, syns),
+        )
+        if host is not None:
+            spk, syn, mem = host
+        for t, z_t in enumerate(z.unbind(0) if host is None else ()):
             fired, out = fires[t], (mems[t + 1] if mems is not None else None)
             if syn is not None:  # RSynaptic: the current, then the membrane
                 syn = torch.add(
