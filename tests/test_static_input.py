@@ -160,12 +160,14 @@ def test_a_static_input_through_batchnorm_is_computed_once_with_the_loops_statis
 ) -> None:
     """Tutorial 6's net with a ``BatchNorm2d`` after the first convolution (training mode:
     the batch's own statistics, the same batch at every step), or an ``InstanceNorm2d``
-    tracking its statistics: the first block computes one step per chunk (no convolution
-    spans more than one step's batch) and calls the norm again, without autograd, once per
-    further step for its running statistics. Outputs bitwise the loop's, the running
-    statistics and the count of batches bitwise (as the loop's T calls leave them), gradients
-    at round-off (amplified by the norm's backward). Before: the block ran every step, and again in the recomputation (1.32-1.41x
-    the loop's time against 0.92x now, h19's ``f_static_input_bn.py``)."""
+    tracking its statistics: the convolution runs on one step per chunk (no convolution spans
+    more than one step's batch), the norm on every step, as the loop calls it. Outputs
+    bitwise the loop's, the running statistics and the count of batches bitwise, gradients at
+    round-off. Before: the block ran every step, convolution included, and again in the
+    recomputation (tutorial 6 with the norm 1.38x the loop's time, 1.22x now; h19's
+    ``f_static_input_bn.py``). (Computing the norm once too and summing the steps'
+    gradients before its backward rounded off up to 4e-4 of the largest gradient over 300
+    steps of small groups, helper h20: not done.)"""
     norms = {
         "batch": lambda: nn.BatchNorm2d(4),
         "batch untracked": lambda: nn.BatchNorm2d(4, track_running_stats=False),
@@ -206,3 +208,32 @@ def test_a_static_input_through_batchnorm_is_computed_once_with_the_loops_statis
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if i != 1:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_a_dropout_switched_on_after_wrapping_draws_at_every_step() -> None:
+    """Whether a first block's leading layers compute the same values at every step of a
+    static input is asked at each call: a ``Dropout`` wrapped in eval mode and switched to
+    training after draws its masks at every step, as the loop (helper h20 found it drawn
+    once per chunk and repeated, membranes 4.1 off, when the answer was kept from wrapping)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Dropout(0.3), nn.Linear(20, 16), nn.BatchNorm1d(16),
+        snn.Leaky(beta=0.9, threshold=0.3, init_hidden=True, output=True),
+    )  # fmt: skip
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    img, T = torch.rand(5, 20) * 2, 8
+    torch.manual_seed(7)
+    _, want = _loop(net, img, T)
+    want_mean = net[2].running_mean.clone()
+    net.load_state_dict(start)
+    net.eval()
+    seq = sc.wrap(net, granularity="layer", chunk=4)
+    with torch.no_grad():
+        seq(img.expand(T, *img.shape))  # an evaluation call: the Dropout draws nothing
+    net.load_state_dict(start)
+    net.train()
+    utils.reset(net)
+    torch.manual_seed(7)
+    _, got = seq(img.expand(T, *img.shape))
+    assert torch.equal(got, want)
+    assert torch.equal(net[2].running_mean, want_mean)

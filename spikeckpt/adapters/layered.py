@@ -56,7 +56,6 @@ from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
-from spikeckpt.engine.phase import RUNNING_STATS_TYPES, guarded_only, recomputing
 
 __all__ = ["layer_blocks", "with_current_modes"]
 
@@ -92,16 +91,12 @@ def _synapse(
     loop's own calls: see ``exact`` in `layer_blocks`). ``fresh``: each step's input is read
     where a new tensor's data would start (`as_fresh`), as the plain loop hands a block
     after the first its neuron's new output. A static input (`one_step_repeated`: every step
-    the same tensor) through layers of torch's own that act on each sample alone and draw
-    nothing (`_pure`), or normalise over the batch (`_static_norm`), runs them on one step and
-    repeats it, as the loop computes the same values at every step; a normalisation layer
-    tracking running statistics is called again for them, once per further step (as the loop
-    calls it), on the same input and without autograd."""
+    the same tensor) through leading layers of torch's own that act on each sample alone
+    and draw nothing (`_pure`, asked at each call: a Dropout's mode may change) runs those on
+    one step and repeats it, as the loop computes the same values at every step; the layers
+    after them (a BatchNorm normalising each step's batch, a Dropout drawing) run on every
+    step as usual."""
     batched = [None if per_step else _batched_inner(layer) for layer in synapses]
-    static = all(
-        (inner is not None and _pure(layer.module)) or _static_norm(layer.module)
-        for layer, inner in zip(synapses, batched, strict=True)
-    )
 
     def one_step(x_t: Tensor) -> Tensor:
         """Every layer on one step, each on the one before's new output (the loop's calls)."""
@@ -109,22 +104,35 @@ def _synapse(
             x_t = layer.step((), x_t)[1]
         return x_t
 
+    def static_lead() -> int:
+        """How many leading layers compute the same values at every step of a static input."""
+        lead = 0
+        for layer, inner in zip(synapses, batched, strict=True):
+            if inner is None or not _pure(layer.module):
+                break
+            lead += 1
+        return lead
+
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
         if per_step:
             steps = x.unbind(0)
             return torch.stack([one_step(as_fresh(x_t) if fresh else x_t) for x_t in steps])
-        if one_step_repeated(x) and static:
-            # a static input (every step the same tensor): every step's z is step 0's
-            z0 = run(x[:1], x.shape[0] - 1)
-            return z0.expand(x.shape[0], *z0.shape[1:]).contiguous()
-        return run(x, 0)
+        lead = static_lead() if one_step_repeated(x) else 0
+        if not lead:
+            return run(x, 0)
+        # a static input (every step the same tensor): the leading layers' values are step
+        # 0's at every step; a BatchNorm after them normalises (and counts) each step, and
+        # its backward sees each step's gradient, as in the loop (summed first, it rounded
+        # off up to 4e-4 of the largest gradient over T = 300 steps of small groups)
+        z0 = run(x[:1], 0, lead)
+        z = z0.expand(x.shape[0], *z0.shape[1:])
+        return z.contiguous() if lead == len(synapses) else run(z, lead)
 
-    def run(x: Tensor, repeats: int) -> Tensor:
-        """The synapse over ``x (k, B, ...)``; a layer called step by step runs ``repeats``
-        more times on step 0's input for its running statistics (a static input's steps)."""
+    def run(x: Tensor, start: int, stop: int | None = None) -> Tensor:
+        """Layers ``start`` to ``stop`` (the last) over ``x (k, B, ...)``."""
         k, b = x.shape[0], x.shape[1]
-        for layer, inner in zip(synapses, batched, strict=True):
+        for layer, inner in list(zip(synapses, batched, strict=True))[start:stop]:
             if isinstance(layer, TimeLiftedAdapter) and inner is not None:
                 layer.check_time_local(x[0])
                 x = inner.step((), x)[1]
@@ -132,12 +140,7 @@ def _synapse(
                 _, y = inner.step((), x.reshape(k * b, *x.shape[2:]))
                 x = y.reshape(k, b, *y.shape[1:])
             else:
-                steps = x.unbind(0)
-                x = torch.stack([layer.step((), x_t)[1] for x_t in steps])
-                if repeats and layer.module.training and not recomputing():
-                    with torch.no_grad():
-                        for _ in range(repeats):  # the loop's further calls: their statistics
-                            layer.step((), steps[0])
+                x = torch.stack([layer.step((), x_t)[1] for x_t in x.unbind(0)])
         return x
 
     return synapse
@@ -151,20 +154,6 @@ def _pure(module: nn.Module) -> bool:
         return False
     dropout = nn.modules.dropout._DropoutNd
     return not (isinstance(module, dropout) and module.training and module.p > 0)
-
-
-def _static_norm(module: nn.Module) -> bool:
-    """Whether ``module`` is a BatchNorm or InstanceNorm of torch's own (not a subclass of
-    yours, not ``SyncBatchNorm``, whose statistics span the processes) whose only hooks are
-    spikeckpt's running-statistics guards: its output for one batch is the same at every step
-    a static input feeds it (training mode: the batch's own statistics)."""
-    return (
-        isinstance(module, RUNNING_STATS_TYPES)
-        and not isinstance(module, nn.SyncBatchNorm)
-        and type(module).__module__.startswith("torch.nn.")
-        and guarded_only(module)
-        and not backward_hooked(module)
-    )
 
 
 Step = Callable[[Any, Tensor], tuple[Any, Tensor]]

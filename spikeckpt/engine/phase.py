@@ -22,7 +22,6 @@ __all__ = [
     "RUNNING_STATS_TYPES",
     "frozen_running_stats",
     "guard_running_stats",
-    "guarded_only",
     "recompute_phase",
     "recomputing",
     "refuse_power_iteration",
@@ -110,19 +109,6 @@ def guard_running_stats(modules: Sequence[nn.Module]) -> None:
             m.register_forward_pre_hook(_stats_aside)
             m.register_forward_hook(_stats_back, always_call=True)
             m.__dict__["_spikeckpt_guarded"] = True
-
-
-def guarded_only(module: nn.Module) -> bool:
-    """Whether the only forward hooks ``module``'s call runs are `guard_running_stats`'s
-    (none of its own, no global ones)."""
-    from torch.nn.modules import module as torch_module
-
-    return (
-        all(h is _stats_aside for h in module._forward_pre_hooks.values())
-        and all(h is _stats_back for h in module._forward_hooks.values())
-        and not getattr(torch_module, "_global_forward_hooks", None)
-        and not getattr(torch_module, "_global_forward_pre_hooks", None)
-    )
 
 
 def _stats_aside(module: nn.Module, args: Any) -> None:
