@@ -186,3 +186,39 @@ def test_compiled_snntorch_recurrent_step_is_bitwise_the_torch_loop(
     assert calls >= T and none == 0
     for a, b in zip([y_on, *grads_on], [y_off, *grads_off], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_state_in_another_layout_keeps_the_torch_loop() -> None:
+    """A state handed in another layout (a transposed tensor, every other row): the torch
+    loop's operations keep it, and its recurrent products over spikes in that layout sum in
+    another order than over contiguous ones. The compiled step declines such a state (its
+    buffers are contiguous), so the run stays bitwise the torch loop's and Norse's own (helper
+    h20 found the membranes 1.2e-7 apart when it ran)."""
+    batch, hidden = 3, 16
+    torch.manual_seed(1)
+    cell = nt.LIFRecurrentCell(10, hidden)
+    with torch.no_grad():
+        cell.input_weights.mul_(4.0)
+        cell.recurrent_weights.mul_(2.0)
+    x = (torch.rand(9, batch, 10, generator=torch.Generator().manual_seed(0)) < 0.5).float() * 2
+    big = nt.LIFState(
+        z=(torch.rand(2 * batch, hidden) < 0.5).float(),
+        v=torch.rand(2 * batch, hidden),
+        i=torch.rand(2 * batch, hidden) * 3,
+    )
+    for layout in (lambda t: t[:batch].T.contiguous().T, lambda t: t[::2]):
+        start = nt.LIFState(*(layout(t) for t in big))
+        state, want = start, []
+        for x_t in x:
+            z, state = cell(x_t, state)
+            want.append(z)
+        runs = []
+        for use_jit in (True, False):
+            with counted_steps(use_jit):
+                seq = sc.wrap(nt.SequentialState(cell), granularity="layer", chunk=4, output="both")
+                (spikes, mems), final = seq(x, [start])
+            runs.append((spikes, mems, final[0].v))
+        for a, b in zip(*runs, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(runs[0][0], torch.stack(want))
+        assert torch.equal(runs[0][2], state.v)

@@ -40,7 +40,9 @@ def _rows(tensor: Tensor | None, like: np.ndarray) -> np.ndarray:
 
 
 def _writable(*buffers: Tensor | None) -> bool:
-    """Whether the buffers the compiled step writes are contiguous (their arrays are views)."""
+    """Whether the buffers the compiled step writes are contiguous (their arrays are views),
+    and the states it starts from: the torch loop's operations keep a state's layout (a
+    transposed one), and a product over spikes in another layout sums in another order."""
     return all(t is None or t.is_contiguous() for t in buffers)
 
 
@@ -87,7 +89,7 @@ def lif_recurrent_forward_on_host(
     spk0, v0, i0 = leaves
     k = z.shape[0]
     w_in, w_rec = weights
-    if not (host_loops.USE_JIT and k) or v0.dim() != 2 or not _writable(ys, *kept):
+    if not (host_loops.USE_JIT and k) or v0.dim() != 2 or not _writable(ys, *kept, *leaves):
         return None
     written = [t for t in kept if t is not None]
     if host_loops._host_arrays(v0, i0, spk0, ys, w_rec, *written) is None:
@@ -100,14 +102,17 @@ def lif_recurrent_forward_on_host(
     scratch = v0.new_empty((sum(t is None for t in kept), v0.numel())).numpy()
     spare = iter(scratch)
     rows = [_rows(t, stacked) if t is not None else None for t in kept]
-    spk = spk0.clone(memory_format=torch.contiguous_format)  # fed back: an aligned tensor
+    # step 0's product from the torch loop's own clone (a transposed state's layout sums in
+    # another order), the later ones from the spikes' buffer, a fresh aligned tensor as theirs
+    first = spk0.clone()
+    spk = torch.empty_like(v0, memory_format=torch.contiguous_format)
     v = v0.clone(memory_format=torch.contiguous_format)
     i = i0.clone(memory_format=torch.contiguous_format)
     flat = [t.numpy().reshape(-1) for t in (spk, v, i)]
     step_rows = [next(spare) if r is None else None for r in rows]
     for t in range(k):
         fed = F.linear(z[t], w_in) if current is None else current[t]
-        rec = F.linear(spk, w_rec)
+        rec = F.linear(first if t == 0 else spk, w_rec)
         jit_loops.lif_recurrent_step_jit(
             flat[2],
             fed.detach().contiguous().numpy().reshape(-1),
@@ -149,7 +154,9 @@ def lif_recurrent_backward_on_host(
     k = ys.shape[0]
     shape = ys.shape[1:]
     given = [t for t in (g_y, g_mem, *g_final) if t is not None]
-    if not (host_loops.USE_JIT and k) or len(shape) != 2 or not _writable(g_jump, *per_step):
+    if not (host_loops.USE_JIT and k) or len(shape) != 2:
+        return None
+    if not _writable(g_jump, *per_step, *g_final):
         return None
     written = [t for t in per_step if t is not None]
     arrays = host_loops._host_arrays(ys, slope, g_jump, w_rec, *given, *written)
@@ -240,7 +247,7 @@ def recurrent_leaky_forward_on_host(
     a, b, thr, graded = params
     fires, ys, mems, syns = buffers
     k = z.shape[0]
-    if not (host_loops.USE_JIT and k) or mem0.dim() != 2 or not _writable(*buffers):
+    if not (host_loops.USE_JIT and k) or mem0.dim() != 2 or not _writable(*buffers, *leaves):
         return None
     if not ys.dtype == spk0.dtype == mem0.dtype or modes[0] not in _RESETS:
         return None
@@ -252,7 +259,8 @@ def recurrent_leaky_forward_on_host(
         return None
     # rows not kept go to scratch rows of their own (never one shared: see the step)
     scratch = mem0.new_empty((2, mem0.numel())).numpy()
-    spk = spk0.clone(memory_format=torch.contiguous_format)  # fed back: an aligned tensor
+    first = spk0.clone()  # step 0's product as the torch loop's (see the cell's above)
+    spk = torch.empty_like(mem0, memory_format=torch.contiguous_format)
     mem = mem0.clone(memory_format=torch.contiguous_format)
     syn = (syn0 if syn0 is not None else mem0).clone(memory_format=torch.contiguous_format)
     state = (syn.numpy().reshape(-1), mem.numpy().reshape(-1))
@@ -261,7 +269,7 @@ def recurrent_leaky_forward_on_host(
     z_rows = _rows(z, scratch)
     step_modes = (syn0 is not None, jit_loops.RESET_CODES[modes[0]], modes[1])
     for t in range(k):
-        fed = rec(spk)
+        fed = rec(first if t == 0 else spk)
         jit_loops.recurrent_leaky_step_jit(
             z_rows[t],
             fed.detach().contiguous().numpy().reshape(-1),
