@@ -295,12 +295,14 @@ class BudgetPlanner:
             "exceeded the budget. Planning again with it dense from this call on."
         )
 
-    def layer_within(self, model: Planned, x: Any, state: Any, chunk: int | None) -> int | None:
+    def layer_within(
+        self, model: Planned, x: Any, state: Any, chunk: int | None, slack: float = 1.0
+    ) -> int | None:
         """``granularity="auto"`` without a budget, this planner's ``plan`` given (a `Plan`):
-        the chunk of the layer-wise run whose modeled whole step fits the plan's own (this
-        planner's budget becomes that step) and whose time, calibrated by the measured chunks,
-        is at most `LAYERWISE_TIME_TOLERANCE` above the plan's (calibrated by the measured
-        step); None: the stack plan runs."""
+        the chunk of the layer-wise run whose modeled whole step fits the plan's own (where
+        none does, the least layer-wise step, if at most ``slack`` times it) and whose time,
+        calibrated by the measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the
+        plan's; None: the stack plan runs."""
         T, batch = int(x.shape[0]), int(x.shape[1])
         with tensor_hooks_held(model.parameters_for_scan()), kept_generators(model):
             m = self._measure(model, x, state, T, batch)  # the probes' gradients, draws
@@ -309,11 +311,13 @@ class BudgetPlanner:
             return None
         self.budget_bytes = stack.step.total
         layer = self._layer_best(m, chunk, probed=False)  # no budget held the probes
-        if layer is None or layer.modeled.time > stack.modeled.time * (
-            1 + LAYERWISE_TIME_TOLERANCE
-        ):
-            return None
-        return layer.chunk
+        if layer is None and m.working is not None:  # the least layer-wise step, if near
+            least = least_layerwise(m.T, m.blocks, m.working, remote=not m.on_device, chunk=chunk)
+            if m.layer_base.total + least <= stack.step.total * slack:
+                self.budget_bytes = m.layer_base.total + least
+                layer = self._layer_best(m, chunk, probed=False)
+        fast = stack.modeled.time * (1 + LAYERWISE_TIME_TOLERANCE)
+        return layer.chunk if layer is not None and layer.modeled.time <= fast else None
 
     def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
         """Probe the model and choose, so that the step's planned peak fits the budget."""

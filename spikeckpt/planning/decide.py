@@ -22,7 +22,8 @@ the model splits into feed-forward blocks, the readout is not callable, its mode
 step fits (the budget, else the stack plan's own modeled step) and
 its time, calibrated by measured chunks, is at most `LAYERWISE_TIME_TOLERANCE` above the
 stack plan's (calibrated by the measured step): `BudgetPlanner` weighs them, given no budget
-the stack plan's step as one (`BudgetPlanner.layer_within`).
+the stack plan's step as one (`BudgetPlanner.layer_within`; with ``plan="auto"``, where no
+chunk fits it, the least layer-wise step if at most `LAYERWISE_MEMORY_SLACK` times it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from spikeckpt.planning.choice import (
     model_signature,
 )
 from spikeckpt.planning.granularity import (
+    LAYERWISE_MEMORY_SLACK,
     LAYERWISE_TIME_TOLERANCE,
     chunk_for,
     layerwise_may_pay,
@@ -222,7 +224,9 @@ class Planner:
         if not isinstance(plan, Plan) or model.layer_blocks(False) is None:
             return Decision("stack", plan)
         judge = BudgetPlanner(_UNBOUNDED, plan=plan)
-        chunk = judge.layer_within(model, x, state, self.chunk)
+        # plan="auto": its memory is a yardstick, not a limit the user set (a plan given is)
+        slack = LAYERWISE_MEMORY_SLACK if isinstance(self.plan, str) else 1.0
+        chunk = judge.layer_within(model, x, state, self.chunk, slack)
         if chunk is None:
             return Decision("stack", plan)
         return Decision("layer", plan, chunk)
