@@ -487,3 +487,35 @@ def test_a_neuron_whose_input_arrives_a_step_late_leaves_grad_none_at_t_1(
         assert (a.grad is None) == (b.grad is None), name
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+@pytest.mark.parametrize("where", ["one block", "two blocks"])
+def test_a_batchnorm_at_two_positions_is_refused_layerwise(where: str) -> None:
+    """A BatchNorm tracking running statistics at two positions: layer-wise calls them in
+    another order than the loop (a chunk of steps at one, then at the other), so the running
+    mean came out 0.025 apart, silently (helper h20). ``granularity="layer"`` refuses it,
+    naming both positions and the stack; ``"auto"`` runs the stack: running statistics
+    bitwise the loop's."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(16)
+    if where == "one block":
+        layers = [nn.Linear(20, 16), bn, nn.Linear(16, 16), bn]
+    else:
+        layers = [nn.Linear(20, 16), bn, snn.Leaky(beta=0.9, init_hidden=True)]
+        layers += [nn.Linear(16, 16), bn]
+    net = nn.Sequential(*layers, snn.Leaky(beta=0.9, init_hidden=True, output=True))
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.rand(6, 5, 20)
+    from snntorch import utils
+
+    utils.reset(net)
+    for x_t in x:
+        net(x_t)
+    want = bn.running_mean.clone()
+    net.load_state_dict(start)
+    with pytest.raises(UnsupportedLayerError, match="also runs at '1'.*granularity='stack'"):
+        sc.wrap(net, granularity="layer")(x)
+    seq = sc.wrap(net, granularity="auto")
+    seq(x)
+    assert seq.last_decision.granularity == "stack"
+    assert torch.equal(bn.running_mean, want)

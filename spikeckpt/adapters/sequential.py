@@ -33,6 +33,7 @@ from spikeckpt.adapters.protocol import (
     unsupported,
 )
 from spikeckpt.adapters.time_lifted import TimeLiftedAdapter
+from spikeckpt.engine.phase import RUNNING_STATS_TYPES
 from spikeckpt.errors import ConfigError
 
 __all__ = ["Block", "StackAdapter", "positions", "split_blocks"]
@@ -338,7 +339,8 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
     Accepted: a flat ``nn.Sequential`` / Norse ``SequentialState`` whose layers are stateless
     layers and neurons, ending with a neuron; or a single neuron. A stateless module at several
     positions (weight sharing) is fine; BatchNorm is fine (it is applied step by step, never
-    over a time chunk at once). Not accepted: nested stacks, stacks ending with stateless
+    over a time chunk at once), once (tracking running statistics at two positions, it is
+    refused: their order would differ). Not accepted: nested stacks, stacks ending with stateless
     layers, stacks with no neuron, a neuron repeated with one state threaded through its
     positions, a neuron whose state at t=0 is built by the module itself (``None``), synapse
     layers that may draw random numbers other than ``Dropout`` (layer-wise replays only those),
@@ -361,6 +363,7 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
         return [Block(*_split(adapter), None)]
     blocks: list[Block] = []
     pending: list[LayerAdapter] = []
+    norms: dict[int, str] = {}  # the running-statistics layers met, by module
     for i, layer in enumerate(adapter.layers):
         if isinstance(layer, StackAdapter):
             raise unsupported(
@@ -383,6 +386,7 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
             pending = []
         else:
             _check_synapse(layer, why)
+            _check_shared_norm(layer, norms, why)
             pending.append(layer)
     if not blocks:
         raise unsupported(adapter.module, adapter.path, why + "the stack has no stateful layer")
@@ -498,6 +502,27 @@ def _check_synapse(layer: LayerAdapter, why: str) -> None:
             layer.path,
             why + "this synapse layer may draw random numbers, and layer-wise replays those of "
             "Dropout layers only; use granularity='stack' (which replays every random number)",
+        )
+
+
+def _check_shared_norm(layer: LayerAdapter, norms: dict[int, str], why: str) -> None:
+    """Refuse a BatchNorm / InstanceNorm tracking running statistics at a second position
+    (``norms``: those met so far, by module): layer-wise runs a block's layers over a chunk one
+    after the other, and the blocks one after the other, so its statistics would be updated
+    in another order than the loop's (helper h20: a BatchNorm twice in one block, running
+    mean 0.025 apart, silently)."""
+    module = layer.module
+    if not (isinstance(module, RUNNING_STATS_TYPES) and module.track_running_stats):
+        return
+    first = norms.setdefault(id(module), layer.path)
+    if first != layer.path:
+        raise unsupported(
+            module,
+            layer.path,
+            why + f"this {type(module).__name__} also runs at {first!r} and tracks running "
+            "statistics: layer-wise calls its positions in another order than your loop "
+            "(a chunk of steps at one, then at the other), so the statistics would differ; "
+            "use granularity='stack'",
         )
 
 
