@@ -676,6 +676,7 @@ _RECURRENT_STEPS = {
     "norse lif recurrent": "lif_recurrent_step_jit",
     "rleaky": "recurrent_leaky_step_jit",
     "rsynaptic": "recurrent_leaky_step_jit",
+    "norse lsnn recurrent": "lsnn_recurrent_step_jit",
 }
 
 #: neurons whose kernel runs the torch loop only (no compiled loop in `jit_loops`)
@@ -697,8 +698,8 @@ _TORCH_LOOP_ONLY = (
 def test_every_fused_neuron_runs_the_compiled_loop_bitwise_as_the_torch_loop(name: str) -> None:
     """Every neuron of the table with a compiled loop (Numba, `jit_loops`; all but Leaky's
     ``reset_delay=False`` and ``Alpha``, whose kernels run the torch loop; for ``RLeaky``,
-    ``RSynaptic`` and Norse's ``LIFRecurrentCell`` the compiled part of each step between
-    torch's products, `recurrent_host`) with the compiled loops on and off:
+    ``RSynaptic`` and Norse's ``LIFRecurrentCell`` and ``LSNNRecurrentCell`` the compiled part
+    of each step between torch's products, `recurrent_host`) with the compiled loops on and off:
     outputs, membranes, final states and gradients bitwise equal, 3 x 100 neurons a step (a
     block of 256 and a part), chunks of 3 over 7 steps (a carry between chunks and a short last
     chunk), and the compiled forward called for every chunk."""

@@ -1,6 +1,6 @@
 """Chunks of neurons with recurrent weights with the elementwise part of each step compiled
-(`spikeckpt.adapters.recurrent_host`: Norse's ``LIFRecurrentCell``, snnTorch's ``RLeaky`` and
-``RSynaptic``) equal their kernels' torch loops bitwise: the products stay torch's, the step's
+(`spikeckpt.adapters.recurrent_host`: Norse's ``LIFRecurrentCell`` and
+``LSNNRecurrentCell``, snnTorch's ``RLeaky`` and ``RSynaptic``) equal their kernels' torch loops bitwise: the products stay torch's, the step's
 operations are the same IEEE operations in the same order."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ STEPS = (
     "lif_recurrent_back_carried_jit",
     "lif_recurrent_back_step_jit",
     "recurrent_leaky_step_jit",
+    "lsnn_recurrent_step_jit",
 )
 
 
@@ -222,3 +223,50 @@ def test_a_state_in_another_layout_keeps_the_torch_loop() -> None:
             assert torch.equal(a, b)
         assert torch.equal(runs[0][0], torch.stack(want))
         assert torch.equal(runs[0][2], state.v)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kind=st.sampled_from(["default", "tanh adapting", "per-neuron autapses"]),
+    T=st.integers(2, 9),
+    chunk=st.integers(1, 5),
+    density=st.sampled_from([0.03, 0.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_lsnn_step_is_bitwise_the_torch_loop(
+    kind: str, T: int, chunk: int, density: float, seed: int
+) -> None:
+    """Norse's ``LSNNRecurrentCell`` (its adaptive threshold) before a ``Linear`` and
+    ``LICell`` readout: outputs, final states and gradients (input, weights) bitwise equal
+    with the compiled forward step on and off, a gathered and a dense input, odd T; the
+    compiled step runs for every step of the forward pass. (T >= 2: over one step per call
+    an LSNN runs per step by design, its input reaching no spike.)"""
+    hidden = 19
+    fields = {
+        "default": lambda: nt.LSNNParameters(),
+        "tanh adapting": lambda: nt.LSNNParameters(
+            method="tanh", tau_adapt_inv=torch.tensor(60.0), v_th=torch.tensor(0.4),
+            beta=torch.tensor(0.5), v_reset=torch.tensor(-0.1),
+        ),
+        "per-neuron autapses": lambda: nt.LSNNParameters(
+            v_th=torch.linspace(0.3, 1.0, hidden), beta=torch.full((hidden,), 1.2)
+        ),
+    }  # fmt: skip
+    torch.manual_seed(seed)
+    x = ((torch.rand(T, 3, 20) < density).float() * 3).requires_grad_()
+    runs = []
+    for use_jit in (True, False):
+        torch.manual_seed(1)
+        cell = nt.LSNNRecurrentCell(20, hidden, p=fields[kind](), autapses="autapses" in kind)
+        net = nt.SequentialState(cell, nn.Linear(hidden, 5), nt.LICell())
+        with counted_steps(use_jit) as counts:
+            seq = sc.wrap(net, granularity="layer", chunk=chunk)
+            out, final = seq(x)
+            weights = torch.randn(5, generator=torch.Generator().manual_seed(2))
+            grads = torch.autograd.grad((out * weights).sum(), [x, *net.parameters()])
+        assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+        runs.append(([out.detach(), *final[0], *grads], counts["lsnn_recurrent_step_jit"]))
+    (on, calls), (off, none) = runs
+    assert calls >= T and none == 0
+    for a, b in zip(on, off, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

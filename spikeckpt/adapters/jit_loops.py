@@ -30,6 +30,8 @@ __all__ = [
     "lif_recurrent_back_carried_jit",
     "lif_recurrent_back_step_jit",
     "lif_recurrent_step_jit",
+    "lsnn_recurrent_step_jit",
+    "recurrent_leaky_step_jit",
     "synaptic_backward_jit",
     "synaptic_forward_jit",
 ]
@@ -682,3 +684,53 @@ def recurrent_leaky_step_jit(
             m_b[c] = m
             y_b[c] = s
             spk_b[c] = s
+
+
+@_jit
+def lsnn_recurrent_step_jit(
+    state: tuple[np.ndarray, np.ndarray, np.ndarray],
+    fed: np.ndarray,
+    rec: np.ndarray,
+    params: np.ndarray,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+) -> None:  # pragma: no cover - runs compiled
+    """One step of Norse's ``lsnn_step`` beside its two products, the operations of
+    `NorseLSNNKernel.forward` in their order: ``v_d = v + c_m * ((v_leak - v) + i)``, ``i_d =
+    i + c_s * i``, ``b_d = b + c_a * (v_th - b)``, ``u = v_d - b_d``, ``s = (u > 0)``, ``v =
+    (1 - s) * v_d + s * v_reset``, ``i = (i_d + fed) + rec``, ``b = b_d + s * beta``.
+
+    Args:
+        state: ``(v, i, b)`` ``(n,)`` each (``n = B * H``), in place.
+        fed, rec: ``(n,)`` the input's and the previous spikes' products.
+        params: ``(7, H)``: ``c_m``, ``c_s``, ``c_a``, ``v_leak``, ``v_th``, ``v_reset``,
+            ``beta``.
+        out: ``(n,)`` each: the spikes (the chunk's row and the tensor fed back), ``u`` and
+            the membrane after the reset: distinct arrays, written unconditionally.
+    """
+    v, i, b = state
+    y, spk, u_row, v_row = out
+    zero = v.dtype.type(0)
+    one = v.dtype.type(1)
+    h = params.shape[1]
+    c_m, c_s, c_a, leak, th = params[0], params[1], params[2], params[3], params[4]
+    v_reset, beta = params[5], params[6]
+    for start in range(0, v.shape[0], h):
+        stop = start + h
+        v_b, i_b, b_b = v[start:stop], i[start:stop], b[start:stop]
+        fed_b, rec_b = fed[start:stop], rec[start:stop]
+        y_b, spk_b = y[start:stop], spk[start:stop]
+        u_b, vr_b = u_row[start:stop], v_row[start:stop]
+        for c in range(h):
+            v_d = v_b[c] + c_m[c] * ((leak[c] - v_b[c]) + i_b[c])
+            i_d = i_b[c] + c_s[c] * i_b[c]
+            b_d = b_b[c] + c_a[c] * (th[c] - b_b[c])
+            u = v_d - b_d
+            s = one if u > zero else zero
+            after = (one - s) * v_d + s * v_reset[c]
+            v_b[c] = after
+            i_b[c] = (i_d + fed_b[c]) + rec_b[c]
+            b_b[c] = b_d + s * beta[c]
+            y_b[c] = s
+            spk_b[c] = s
+            u_b[c] = u
+            vr_b[c] = after

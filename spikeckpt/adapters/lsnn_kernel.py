@@ -43,6 +43,7 @@ from spikeckpt.adapters.kernels import (
     per_leaf,
     surrogate_grad,
 )
+from spikeckpt.adapters.recurrent_host import lsnn_recurrent_forward_on_host
 from spikeckpt.adapters.recurrent_kernel import NorseCellKernel, cell_fits, fed_back_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
@@ -109,7 +110,14 @@ class NorseLSNNKernel(NorseCellKernel):
         vs = v.new_empty((k, *v.shape)) if want_mem else None
         spk = spk0.clone()  # (a view of a stored state may sit at another alignment)
         current, held = self.inputs.current(z, w_in)
-        for t, x_t in enumerate(z.unbind(0)):
+        # on the CPU each step's elementwise part compiled (`recurrent_host`), bitwise
+        params = (c_m, c_s, c_a, p.v_leak, p.v_th, p.v_reset, p.beta)
+        host = lsnn_recurrent_forward_on_host(
+            leaves, z, current, (w_in, w_rec), params, ys, (us, vs)
+        )
+        if host is not None:
+            spk, v, i, b = host
+        for t, x_t in enumerate(z.unbind(0) if host is None else ()):
             v_d = v + c_m * ((p.v_leak - v) + i)
             i_d = i + c_s * i
             b_d = b + c_a * (p.v_th - b)

@@ -27,6 +27,7 @@ from spikeckpt.adapters import host_loops, jit_loops
 __all__ = [
     "lif_recurrent_backward_on_host",
     "lif_recurrent_forward_on_host",
+    "lsnn_recurrent_forward_on_host",
     "recurrent_leaky_forward_on_host",
 ]
 
@@ -286,3 +287,60 @@ def recurrent_leaky_forward_on_host(
             ),
         )
     return spk, (syn if syn0 is not None else None), mem
+
+
+def lsnn_recurrent_forward_on_host(
+    leaves: Sequence[Tensor],
+    z: Tensor,
+    current: Tensor | None,
+    weights: tuple[Tensor, Tensor],
+    params: tuple[Tensor, ...],
+    ys: Tensor,
+    kept: tuple[Tensor | None, Tensor | None],
+) -> list[Tensor] | None:
+    """Run `NorseLSNNKernel.forward`'s steps (Norse's ``LSNNRecurrentCell``): the spikes
+    into ``ys``, each step's ``v_d - b_d`` and membrane into ``kept``'s buffers (``(k, B, H)``
+    each, or None). Returns the final ``[spikes, membrane, current, threshold]``, or None
+    (nothing written) where it does not run.
+
+    Args:
+        leaves: ``(spikes, membrane, current, threshold)`` before the chunk, ``(B, H)`` each.
+        z, current, weights: as `lif_recurrent_forward_on_host`'s.
+        params: ``(c_m, c_s, c_a, v_leak, v_th, v_reset, beta)``, tensors broadcastable to a
+            neuron's.
+    """
+    spk0, v0, i0, b0 = leaves
+    k = z.shape[0]
+    w_in, w_rec = weights
+    if not (host_loops.USE_JIT and k) or v0.dim() != 2 or not _writable(ys, *kept, *leaves):
+        return None
+    written = [t for t in kept if t is not None]
+    if host_loops._host_arrays(v0, i0, b0, spk0, ys, w_rec, *written) is None:
+        return None
+    stacked = _per_neuron(params, v0)
+    if stacked is None:
+        return None
+    ys_rows = _rows(ys, stacked)
+    scratch = v0.new_empty((2, v0.numel())).numpy()  # rows not kept: one each
+    rows = [_rows(t, stacked) if t is not None else None for t in kept]
+    first = spk0.clone()  # step 0's product as the torch loop's (see the LIF cell's above)
+    spk = torch.empty_like(v0, memory_format=torch.contiguous_format)
+    state = [t.clone(memory_format=torch.contiguous_format) for t in (v0, i0, b0)]
+    flat = tuple(t.numpy().reshape(-1) for t in state)
+    spk_flat = spk.numpy().reshape(-1)
+    for t in range(k):
+        fed = F.linear(z[t], w_in) if current is None else current[t]
+        rec = F.linear(first if t == 0 else spk, w_rec)
+        jit_loops.lsnn_recurrent_step_jit(
+            flat,
+            fed.detach().contiguous().numpy().reshape(-1),
+            rec.detach().numpy().reshape(-1),
+            stacked,
+            (
+                ys_rows[t],
+                spk_flat,
+                scratch[0] if rows[0] is None else rows[0][t],
+                scratch[1] if rows[1] is None else rows[1][t],
+            ),
+        )
+    return [spk, *state]
