@@ -1,21 +1,24 @@
-"""Norse's ``LIFRecurrentCell`` chunk on the CPU: torch's products, a compiled elementwise step.
+"""Recurrent neurons' chunks on the CPU: torch's products, a compiled elementwise step.
 
-Each step of the cell is two matrix products (the input's, unless the chunk's was gathered,
-and the fed-back spikes') and about a dozen elementwise operations, each a full pass over the
-step's ``B x H`` values with a temporary of that size: at 128 x 512 neurons those passes and
-the copies into the chunk's buffers took longer than the products (measured: ``aten::copy_``
-and the adds, multiplies and subtracts 125 ms of a 460 ms training step). Here the products
-stay torch's (the same calls on the same tensors, so the same sums) and the elementwise part of
-a step is one compiled pass (`spikeckpt.adapters.jit_loops.lif_recurrent_step_jit` and
-``lif_recurrent_back_step_jit``): the same IEEE operations in the same order, so spikes,
-states and gradients are bitwise those of `NorseRecurrentKernel`'s torch loop, which runs
-wherever these functions decline (no Numba, CUDA, other dtypes, a field wider than a step,
-while ``torch.compile`` traces).
+A step of a neuron with recurrent weights inside it (Norse's ``LIFRecurrentCell`` and
+``LSNNRecurrentCell``, snnTorch's ``RLeaky`` and ``RSynaptic``) is one or two matrix products
+(the input's, unless the chunk's was gathered, and the fed-back spikes') and about a dozen
+elementwise operations, each a full pass over the step's ``B x H`` values with a temporary of
+that size: at 128 x 512 neurons those passes and the copies into the chunk's buffers took
+longer than the products (``LIFRecurrentCell``, measured: ``aten::copy_`` and the adds,
+multiplies and subtracts 125 ms of a 460 ms training step). Here the products stay torch's
+(the same calls on the same tensors, so the same sums) and the elementwise part of a step is
+one compiled pass (`spikeckpt.adapters.jit_loops`: ``lif_recurrent_*``,
+``lsnn_recurrent_step_jit``, ``recurrent_leaky_step_jit``): the same IEEE operations in the
+same order, so spikes, states and gradients are bitwise those of the kernels' torch loops,
+which run wherever these functions decline (no Numba, CUDA, other dtypes, a field wider than
+a neuron's, a state in another layout, while ``torch.compile`` traces).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +68,86 @@ def _per_neuron(params: Sequence[Tensor], like: Tensor) -> np.ndarray | None:
     return host_loops._stacked(torch.Size([hidden]), like, *params)
 
 
+def _flat(tensor: Tensor) -> np.ndarray:
+    """``tensor`` as a 1-D array (a contiguous copy where it is not: read only)."""
+    return tensor.detach().contiguous().numpy().reshape(-1)
+
+
+class _Compiled(NamedTuple):
+    """What a compiled recurrent forward reads and writes, made by `_compiled`."""
+
+    #: ``(len(params), H)``: the neuron's fields, one row each
+    stacked: np.ndarray
+    #: step 0's spikes as the torch loop feeds them back (its own clone: a transposed state's
+    #: product sums in another order), ``(B, H)``
+    first: Tensor
+    #: the spikes' buffer, fed back from step 1 on (a fresh aligned tensor, as the loop's)
+    spk: Tensor
+    #: contiguous copies of the other state leaves, updated in place
+    states: list[Tensor]
+    #: ``(n,)`` views of ``spk`` and ``states``
+    flat: tuple[np.ndarray, ...]
+    #: ``(k, n)``: the chunk's spikes
+    ys: np.ndarray
+    #: ``(k, n)`` each: the buffers kept per step, a ``(1, n)`` scratch row of its own for one
+    #: not kept (never one shared: the steps run vectorized only on distinct outputs)
+    kept: list[np.ndarray]
+
+    def fed_back(self, t: int) -> Tensor:
+        """The spikes step ``t``'s recurrent product reads."""
+        return self.first if t == 0 else self.spk
+
+    def kept_at(self, t: int) -> tuple[np.ndarray, ...]:
+        """Step ``t``'s rows of `kept` (a scratch row has one)."""
+        return tuple(rows[t % len(rows)] for rows in self.kept)
+
+
+def _compiled(
+    spk0: Tensor,
+    states: Sequence[Tensor],
+    ys: Tensor,
+    kept: Sequence[Tensor | None],
+    params: Sequence[Tensor],
+    also: Sequence[Tensor] = (),
+) -> _Compiled | None:
+    """The working set of a compiled forward over the chunk whose spikes go to ``ys``
+    ``(k, B, H)`` from the spikes ``spk0`` and the other ``states`` ``(B, H)``, keeping
+    ``kept`` ``(k, B, H)`` per step (or None), or None where it declines: no Numba, an empty
+    chunk, states not ``(B, H)``, a buffer or state not contiguous, tensors (``also`` too) not
+    all CPU and of one float dtype, a field wider than a neuron's."""
+    like = states[-1]
+    if not (host_loops.USE_JIT and ys.shape[0]) or like.dim() != 2:
+        return None
+    written = [t for t in kept if t is not None]
+    if not _writable(ys, *written, spk0, *states):
+        return None
+    if host_loops._host_arrays(like, *states, spk0, ys, *also, *written) is None:
+        return None
+    stacked = _per_neuron(params, like)
+    if stacked is None:
+        return None
+    spk = torch.empty_like(like, memory_format=torch.contiguous_format)
+    copies = [t.clone(memory_format=torch.contiguous_format) for t in states]
+    flat = tuple(t.numpy().reshape(-1) for t in (spk, *copies))
+    scratch = like.numel()
+    rows = [
+        _rows(t, stacked) if t is not None else like.new_empty((1, scratch)).numpy() for t in kept
+    ]
+    return _Compiled(stacked, spk0.clone(), spk, copies, flat, _rows(ys, stacked), rows)
+
+
+def _products(
+    run: _Compiled, z: Tensor, current: Tensor | None, weights: tuple[Tensor, Tensor]
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """A Norse cell's steps ``t`` with their two products, the input's (``current[t]``
+    where gathered, else ``F.linear(z[t], W_in)``) and the fed-back spikes' (each made after
+    the step before ran)."""
+    w_in, w_rec = weights
+    for t in range(z.shape[0]):
+        fed = F.linear(z[t], w_in) if current is None else current[t]
+        yield t, _flat(fed), _flat(F.linear(run.fed_back(t), w_rec))
+
+
 def lif_recurrent_forward_on_host(
     leaves: Sequence[Tensor],
     z: Tensor,
@@ -88,43 +171,15 @@ def lif_recurrent_forward_on_host(
             broadcastable to a step.
     """
     spk0, v0, i0 = leaves
-    k = z.shape[0]
-    w_in, w_rec = weights
-    if not (host_loops.USE_JIT and k) or v0.dim() != 2 or not _writable(ys, *kept, *leaves):
+    run = _compiled(spk0, (v0, i0), ys, kept, params, also=(weights[1],))
+    if run is None:
         return None
-    written = [t for t in kept if t is not None]
-    if host_loops._host_arrays(v0, i0, spk0, ys, w_rec, *written) is None:
-        return None
-    stacked = _per_neuron(params, v0)
-    if stacked is None:
-        return None
-    ys_rows = _rows(ys, stacked)
-    # rows not kept go to scratch rows of their own (never one shared: see the step)
-    scratch = v0.new_empty((sum(t is None for t in kept), v0.numel())).numpy()
-    spare = iter(scratch)
-    rows = [_rows(t, stacked) if t is not None else None for t in kept]
-    # step 0's product from the torch loop's own clone (a transposed state's layout sums in
-    # another order), the later ones from the spikes' buffer, a fresh aligned tensor as theirs
-    first = spk0.clone()
-    spk = torch.empty_like(v0, memory_format=torch.contiguous_format)
-    v = v0.clone(memory_format=torch.contiguous_format)
-    i = i0.clone(memory_format=torch.contiguous_format)
-    flat = [t.numpy().reshape(-1) for t in (spk, v, i)]
-    step_rows = [next(spare) if r is None else None for r in rows]
-    for t in range(k):
-        fed = F.linear(z[t], w_in) if current is None else current[t]
-        rec = F.linear(first if t == 0 else spk, w_rec)
+    spk, v, i = run.flat
+    for t, fed, rec in _products(run, z, current, weights):
         jit_loops.lif_recurrent_step_jit(
-            flat[2],
-            fed.detach().contiguous().numpy().reshape(-1),
-            rec.detach().numpy().reshape(-1),
-            flat[1],
-            stacked,
-            flat[0],
-            ys_rows[t],
-            tuple(s if r is None else r[t] for r, s in zip(rows, step_rows, strict=True)),
+            i, fed, rec, v, run.stacked, spk, run.ys[t], run.kept_at(t)
         )
-    return [spk, v, i]
+    return [run.spk, *run.states]
 
 
 def lif_recurrent_backward_on_host(
@@ -247,46 +302,25 @@ def recurrent_leaky_forward_on_host(
     spk0, syn0, mem0 = leaves
     a, b, thr, graded = params
     fires, ys, mems, syns = buffers
-    k = z.shape[0]
-    if not (host_loops.USE_JIT and k) or mem0.dim() != 2 or not _writable(*buffers, *leaves):
+    if modes[0] not in _RESETS or z.shape[1:] != mem0.shape or not fires.is_contiguous():
         return None
-    if not ys.dtype == spk0.dtype == mem0.dtype or modes[0] not in _RESETS:
+    states = (syn0 if syn0 is not None else mem0, mem0)  # (no current: never read)
+    kept = (None if mems is None else mems[1:], None if syns is None else syns[1:])
+    fields = (b if a is None else a, b, thr, graded)
+    run = _compiled(spk0, states, ys, kept, fields, also=(z,))
+    if run is None:
         return None
-    held = [t for t in (syn0, mems, syns) if t is not None]
-    if host_loops._host_arrays(mem0, spk0, z, ys, *held) is None or z.shape[1:] != mem0.shape:
-        return None
-    stacked = _per_neuron((b if a is None else a, b, thr, graded), mem0)
-    if stacked is None:
-        return None
-    # rows not kept go to scratch rows of their own (never one shared: see the step)
-    scratch = mem0.new_empty((2, mem0.numel())).numpy()
-    first = spk0.clone()  # step 0's product as the torch loop's (see the cell's above)
-    spk = torch.empty_like(mem0, memory_format=torch.contiguous_format)
-    mem = mem0.clone(memory_format=torch.contiguous_format)
-    syn = (syn0 if syn0 is not None else mem0).clone(memory_format=torch.contiguous_format)
-    state = (syn.numpy().reshape(-1), mem.numpy().reshape(-1))
-    spk_flat = spk.numpy().reshape(-1)
-    rows = [_rows(t, scratch) for t in (fires, ys, mems, syns)]
-    z_rows = _rows(z, scratch)
+    z_rows, fired = _rows(z, run.ys), fires.numpy().reshape(fires.shape[0], -1)
     step_modes = (syn0 is not None, jit_loops.RESET_CODES[modes[0]], modes[1])
-    for t in range(k):
-        fed = rec(first if t == 0 else spk)
+    for t in range(z.shape[0]):
+        out = (run.ys[t], run.flat[0], *run.kept_at(t))
+        fed = _flat(rec(run.fed_back(t)))
+        state = run.flat[1:]
         jit_loops.recurrent_leaky_step_jit(
-            z_rows[t],
-            fed.detach().contiguous().numpy().reshape(-1),
-            state,
-            rows[0][t],
-            rows[0][t + 1],
-            stacked,
-            step_modes,
-            (
-                rows[1][t],
-                spk_flat,
-                scratch[0] if mems is None else rows[2][t + 1],
-                scratch[1] if syns is None else rows[3][t + 1],
-            ),
+            z_rows[t], fed, state, fired[t], fired[t + 1], run.stacked, step_modes, out
         )
-    return spk, (syn if syn0 is not None else None), mem
+    syn, mem = run.states
+    return run.spk, (syn if syn0 is not None else None), mem
 
 
 def lsnn_recurrent_forward_on_host(
@@ -310,37 +344,10 @@ def lsnn_recurrent_forward_on_host(
             neuron's.
     """
     spk0, v0, i0, b0 = leaves
-    k = z.shape[0]
-    w_in, w_rec = weights
-    if not (host_loops.USE_JIT and k) or v0.dim() != 2 or not _writable(ys, *kept, *leaves):
+    run = _compiled(spk0, (v0, i0, b0), ys, kept, params, also=(weights[1],))
+    if run is None:
         return None
-    written = [t for t in kept if t is not None]
-    if host_loops._host_arrays(v0, i0, b0, spk0, ys, w_rec, *written) is None:
-        return None
-    stacked = _per_neuron(params, v0)
-    if stacked is None:
-        return None
-    ys_rows = _rows(ys, stacked)
-    scratch = v0.new_empty((2, v0.numel())).numpy()  # rows not kept: one each
-    rows = [_rows(t, stacked) if t is not None else None for t in kept]
-    first = spk0.clone()  # step 0's product as the torch loop's (see the LIF cell's above)
-    spk = torch.empty_like(v0, memory_format=torch.contiguous_format)
-    state = [t.clone(memory_format=torch.contiguous_format) for t in (v0, i0, b0)]
-    flat = tuple(t.numpy().reshape(-1) for t in state)
-    spk_flat = spk.numpy().reshape(-1)
-    for t in range(k):
-        fed = F.linear(z[t], w_in) if current is None else current[t]
-        rec = F.linear(first if t == 0 else spk, w_rec)
-        jit_loops.lsnn_recurrent_step_jit(
-            flat,
-            fed.detach().contiguous().numpy().reshape(-1),
-            rec.detach().numpy().reshape(-1),
-            stacked,
-            (
-                ys_rows[t],
-                spk_flat,
-                scratch[0] if rows[0] is None else rows[0][t],
-                scratch[1] if rows[1] is None else rows[1][t],
-            ),
-        )
-    return [spk, *state]
+    for t, fed, rec in _products(run, z, current, weights):
+        out = (run.ys[t], run.flat[0], *run.kept_at(t))
+        jit_loops.lsnn_recurrent_step_jit(run.flat[1:], fed, rec, run.stacked, out)
+    return [run.spk, *run.states]
