@@ -585,16 +585,45 @@ class NorseRecurrentKernel(NorseCellKernel):
         per_step = {name: torch.zeros_like(ys) for name, read in reads.items() if read}
         c_m = self.dt * p.tau_mem_inv
         c_s = -self.dt * p.tau_syn_inv
-        k = ys.shape[0]
         slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
         g_jump = torch.empty_like(ys)  # dL/d j_t
         steps = cast(Any, tuple(per_step.get(name) for name in ("vd", "i", "v", "s")))
         host = lif_recurrent_backward_on_host(
             g_y, g_final, g_mem, slope, ys, w_rec, (c_m, c_s), g_jump, steps
         )
-        carry_z, carry_v, carry_i = g_final if host is None else host
-        keep_v = 1 - ys if host is None else ys  # the reset's factor of v_d (spike detached)
-        for t in range(k - 1, -1, -1) if host is None else ():
+        if host is None:  # the torch loop
+            host = self._backward_loop(g_y, g_final, g_mem, slope, ys, (c_m, c_s), g_jump, per_step)
+        carry_z, carry_v, carry_i = host
+        grads: list[Tensor | None] = [None] * len(tensors)
+        if per_step:
+            grads[2:] = self._p_grads(p, want[2:], per_step, slope, drives, jumps, ys)
+        del slope, per_step  # (k, B, H) each: gone before the weights' gradients
+        if want[0]:
+            grads[0] = self.inputs.weight_grad(g_jump, tuple(held), w_in)
+        if want[1]:
+            grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
+        g_x = (g_jump @ w_in) if need_z else None
+        return g_x, [carry_z, carry_v, carry_i], _aligned(tensors, grads, need_params)
+
+    def _backward_loop(
+        self,
+        g_y: Tensor | None,
+        g_final: Sequence[Tensor | None],
+        g_mem: Tensor | None,
+        slope: Tensor,
+        ys: Tensor,
+        rates: tuple[Tensor, Tensor],
+        g_jump: Tensor,
+        per_step: dict[str, Tensor],
+    ) -> list[Tensor | None]:
+        """`backward`'s loop from the last step to the first in torch (where the compiled one,
+        `lif_recurrent_backward_on_host`, declines): fills ``g_jump`` and ``per_step``'s
+        buffers, returns the carries into the states before the chunk."""
+        c_m, c_s = rates
+        w_rec = self.tensors()[2]
+        keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
+        carry_z, carry_v, carry_i = g_final
+        for t in range(ys.shape[0] - 1, -1, -1):
             g_s = carry_z if g_y is None else (g_y[t] if carry_z is None else g_y[t] + carry_z)
             g_v = (
                 carry_v if g_mem is None else (g_mem[t] if carry_v is None else g_mem[t] + carry_v)
@@ -614,16 +643,7 @@ class NorseRecurrentKernel(NorseCellKernel):
             carry_v = g_vd - g_vd * c_m
             carry_i = g_j
             carry_z = g_j @ w_rec
-        grads: list[Tensor | None] = [None] * len(tensors)
-        if per_step:
-            grads[2:] = self._p_grads(p, want[2:], per_step, slope, drives, jumps, ys)
-        del slope, keep_v, per_step  # (k, B, H) each: gone before the weights' gradients
-        if want[0]:
-            grads[0] = self.inputs.weight_grad(g_jump, tuple(held), w_in)
-        if want[1]:
-            grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
-        g_x = (g_jump @ w_in) if need_z else None
-        return g_x, [carry_z, carry_v, carry_i], _aligned(tensors, grads, need_params)
+        return [carry_z, carry_v, carry_i]
 
     def _p_grads(
         self,
