@@ -370,16 +370,22 @@ def norse_forward_on_host(
     mode: str,
     subtract: bool,
     hold: bool,
-) -> tuple[Tensor, Tensor | None, Tensor] | None:
+    pre: Tensor | None = None,
+    want_y: bool = True,
+) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
     """Norse's feed-forward step over a chunk through the compiled loop (`NorseKernel`'s
     operations): ``params`` = ``(dt * tau_mem_inv, v_leak, v_th, v_reset, -dt * tau_syn_inv)``
     (None where the mode has none). Returns the membranes and currents (``(k + 1, B, ...)``
-    with the states before the chunk in row 0 where ``hold``, else ``(1, B, ...)``; currents
-    None for ``"box"``) and the outputs ``(k, B, ...)``, or None where it does not run."""
+    with the states before the chunk in row 0 where ``hold``, else ``(1, B, ...)``: the last
+    step's; currents None for ``"box"``) and the outputs ``(k, B, ...)`` (None without
+    ``want_y``), or None where it does not run. ``pre`` ``(k, B, ...)``, contiguous in ``v``'s
+    dtype (it may be ``z``, then overwritten): each step's membrane before its reset."""
     k = z.shape[0]
     if not (USE_JIT and k) or (i is not None and i.shape != v.shape):
         return None
-    if _host_arrays(v, z, *(() if i is None else (i,))) is None:
+    if _host_arrays(v, z, *(t for t in (i, pre) if t is not None)) is None:
+        return None
+    if pre is not None and (pre.shape != z.shape or not pre.is_contiguous()):
         return None
     shape = v.shape
     stacked = _stacked(shape, v, *params)
@@ -388,11 +394,12 @@ def norse_forward_on_host(
     rows = k + 1 if hold else 1
     vs = v.new_empty((rows, *shape))
     is_ = v.new_empty((rows, *shape)) if i is not None else vs  # "box": never written
-    y = v.new_empty((k, *shape))
+    y = v.new_empty((k if want_y else 1, *shape))
     if hold:
         vs[0] = v
         if i is not None:
             is_[0] = i
+    outs = y.numpy().reshape(y.shape[0], -1)
     jit_loops.norse_forward_jit(
         _flat(v, shape),
         _flat(i, shape) if i is not None else _flat(v, shape),
@@ -402,9 +409,11 @@ def norse_forward_on_host(
         subtract,
         vs.detach().numpy().reshape(rows, -1),
         is_.detach().numpy().reshape(rows, -1),
-        y.detach().numpy().reshape(k, -1),
+        outs,
+        outs if pre is None else pre.detach().numpy().reshape(k, -1),  # unread without pre
+        pre is not None,
     )
-    return vs, (is_ if i is not None else None), y
+    return vs, (is_ if i is not None else None), y if want_y else None
 
 
 def norse_backward_on_host(
@@ -480,3 +489,52 @@ def norse_backward_on_host(
         out_v,
         out_i,
     )
+
+
+def norse_backward_lean_on_host(
+    g_z: Tensor,
+    g_y: Tensor | None,
+    g_mem: Tensor | None,
+    params: tuple[Tensor | float | None, ...],
+    slope: str,
+    mode: str,
+    subtract: bool,
+    carries: tuple[Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`NorseKernel`'s backward where no parameter field needs a gradient, from the membranes
+    before each reset alone: ``(dL/dz, dL/dv, dL/di)`` at the chunk's start
+    (`jit_loops.norse_backward_lean_jit`). ``g_z`` ``(k, B, ...)`` contiguous: the buffer
+    ``dL/dz`` goes to, holding the membranes before each reset (unread for ``"li"``, which
+    reads none); ``params`` as `norse_backward_on_host`'s; ``slope`` a
+    `jit_loops.NORSE_SLOPES` name. The caller ran the chunk through `norse_forward_on_host`
+    with these fields, so the compiled loop is there."""
+    k, shape = g_z.shape[0], g_z.shape[1:]
+    stacked = _stacked(shape, g_z, *params)
+    assert stacked is not None, "the forward's check passed with these fields"
+    assert g_z.is_contiguous(), "the kept membranes are rows of one buffer"
+
+    def rows(t: Tensor | None) -> np.ndarray:
+        given = g_z if t is None else t.detach().to(g_z.dtype).contiguous()
+        return given.numpy().reshape(k, -1)
+
+    out_v, out_i = g_z.new_zeros(shape), g_z.new_zeros(shape)
+    for out, carry in zip((out_v, out_i), carries, strict=True):
+        if carry is not None:
+            out.copy_(carry.expand(shape))
+    jit_loops.norse_backward_lean_jit(
+        rows(None),
+        rows(g_y),
+        g_y is not None,
+        rows(g_mem),
+        g_mem is not None,
+        stacked,
+        jit_loops.NORSE_SLOPES[slope],
+        jit_loops.NORSE_MODES[mode],
+        subtract,
+        out_v.numpy().reshape(-1),
+        carries[0] is not None,
+        out_i.numpy().reshape(-1),
+        carries[1] is not None,
+        rows(None),
+    )
+    return g_z, out_v, out_i

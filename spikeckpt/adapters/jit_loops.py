@@ -31,6 +31,7 @@ __all__ = [
     "lif_recurrent_back_step_jit",
     "lif_recurrent_step_jit",
     "lsnn_recurrent_step_jit",
+    "norse_backward_lean_jit",
     "recurrent_leaky_step_jit",
     "synaptic_backward_jit",
     "synaptic_forward_jit",
@@ -292,6 +293,8 @@ def norse_forward_jit(
     vs: np.ndarray,
     is_: np.ndarray,
     y: np.ndarray,
+    pre: np.ndarray,
+    has_pre: bool,
 ) -> None:  # pragma: no cover - runs compiled
     """Norse's ``lif`` / ``box`` / ``li`` feed-forward step over a chunk, the kernel's torch
     operations in their order (`NorseKernel.forward`).
@@ -303,10 +306,14 @@ def norse_forward_jit(
             ``-dt * tau_syn_inv`` (rows a mode does not use are unread).
         mode: a `NORSE_MODES` value; ``subtract``: ``box``'s ``reset_subtract``.
         vs, is_: ``(rows, n)``: step ``t``'s states go to row ``(t + 1) % rows``.
-        y: ``(k, n)`` the spikes (``li``: the membranes).
+        y: ``(k, n)`` the spikes (``li``: the membranes), or one row that each step
+            overwrites (unread after).
+        pre: ``(k, n)`` each step's membrane before its reset, written where ``has_pre``
+            (it may be ``z`` itself: each row is read before it is written).
     """
     k, n = z.shape
     rows = vs.shape[0]
+    y_rows = y.shape[0]
     v = np.empty(BLOCK, v0.dtype)
     cur = np.empty(BLOCK, v0.dtype)
     step_in = np.empty(BLOCK, v0.dtype)
@@ -329,7 +336,8 @@ def norse_forward_jit(
                 step_in[j] = zt[j]
             v_row = vs[(t + 1) % rows, start:stop]
             i_row = is_[(t + 1) % rows, start:stop]
-            out = y[t, start:stop]
+            out = y[t % y_rows, start:stop]
+            before = pre[t % pre.shape[0], start:stop]
             for j in range(width):
                 if mode == 1:
                     w = v[j] + c_m[j] * ((step_in[j] + leak[j]) - v[j])
@@ -339,6 +347,8 @@ def norse_forward_jit(
                     c = c + c_s[j] * c
                     cur[j] = c
                     i_row[j] = c
+                if has_pre:
+                    before[j] = w
                 if mode == 2:
                     out[j] = w
                 else:
@@ -436,6 +446,94 @@ def norse_backward_jit(
                         g_new = g_new + gi[j] * keep_i[j]
                     out_in[j] = g_new
                     gi[j] = g_new
+        carry_v[start:stop] = gv[:width]
+        carry_i[start:stop] = gi[:width]
+
+
+#: the spike's slope in `norse_backward_lean_jit`: none (a spike without gradient), Norse's
+#: SuperSpike (``1 / (abs(u) + 1)^2`` at ``u = v - v_th``, its backward for a gradient of ones)
+NORSE_SLOPES = {"none": 0, "super": 1}
+
+
+@_jit
+def norse_backward_lean_jit(
+    pre: np.ndarray,
+    g_y: np.ndarray,
+    has_g_y: bool,
+    g_mem: np.ndarray,
+    has_g_mem: bool,
+    params: np.ndarray,
+    slope: int,
+    mode: int,
+    subtract: bool,
+    carry_v: np.ndarray,
+    has_v: bool,
+    carry_i: np.ndarray,
+    has_i: bool,
+    g_z: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """`norse_backward_jit` where no parameter field needs a gradient, from the membranes
+    before each reset alone: the spike and the surrogate's slope are taken from them in the
+    loop (the kernel's and Norse's operations, in their order) and only ``dL/dz`` comes out,
+    into ``g_z`` ``(k, n)``, which may be ``pre`` itself (each row is read before it is
+    written). The carries into the states before the chunk go to ``carry_v`` / ``carry_i``
+    as there.
+
+    Args:
+        pre: ``(k, n)`` the membranes before the reset (unread for ``li``).
+        g_y, g_mem: ``(k, n)`` the outputs' and the membranes' gradients (read where
+            ``has_...``).
+        params: ``(5, n)``: ``v_th``, ``v_reset``, ``1 - c_m``, ``c_m``, ``1 + c_s``.
+        slope: a `NORSE_SLOPES` value.
+    """
+    k, n = g_z.shape
+    gv = np.empty(BLOCK, g_z.dtype)
+    gi = np.empty(BLOCK, g_z.dtype)
+    zero = g_z.dtype.type(0)
+    one = g_z.dtype.type(1)
+    for start in range(0, n, BLOCK):
+        width = min(BLOCK, n - start)
+        stop = start + width
+        th = params[0, start:stop]
+        v_reset = params[1, start:stop]
+        one_minus_cm = params[2, start:stop]
+        c_m = params[3, start:stop]
+        keep_i = params[4, start:stop]
+        if has_v:
+            gv[:width] = carry_v[start:stop]
+        if has_i:
+            gi[:width] = carry_i[start:stop]
+        for t in range(k - 1, -1, -1):
+            carried_v = has_v or t < k - 1
+            carried_i = has_i or t < k - 1
+            vd = pre[t, start:stop]
+            gy = g_y[t, start:stop]
+            gm = g_mem[t, start:stop]
+            out = g_z[t, start:stop]
+            for j in range(width):
+                g_vn = gv[j] if carried_v else zero
+                if has_g_mem:
+                    g_vn = g_vn + gm[j] if carried_v else gm[j]
+                if mode == 2:
+                    g_here = g_vn + gy[j] if has_g_y else g_vn
+                else:
+                    w = vd[j]
+                    ds = g_vn * (-th[j] if subtract else v_reset[j] - w)
+                    if has_g_y:
+                        ds = ds + gy[j]
+                    g_s = zero
+                    if slope == 1:
+                        u = abs(w - th[j]) + one
+                        g_s = ds * (one / (u * u))
+                    s = one if w - th[j] > zero else zero
+                    g_here = (g_vn if subtract else g_vn * (one - s)) + g_s
+                gv[j] = g_here * one_minus_cm[j]
+                g_new = c_m[j] * g_here
+                if mode != 1:
+                    if carried_i:
+                        g_new = g_new + gi[j] * keep_i[j]
+                    gi[j] = g_new
+                out[j] = g_new
         carry_v[start:stop] = gv[:width]
         carry_i[start:stop] = gi[:width]
 

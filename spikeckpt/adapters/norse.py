@@ -54,7 +54,7 @@ from spikeckpt.adapters.lsnn_kernel import NorseLSNNFeedForwardKernel, NorseLSNN
 from spikeckpt.adapters.norse_coba import CobaLIFAdapter
 from spikeckpt.adapters.norse_li_linear import LILinearAdapter
 from spikeckpt.adapters.norse_params import is_namedtuple, move_params
-from spikeckpt.adapters.norse_surrogates import written_norse_grad
+from spikeckpt.adapters.norse_surrogates import host_slope, written_norse_grad
 from spikeckpt.adapters.protocol import (
     AdapterFor,
     LayerAdapter,
@@ -454,6 +454,7 @@ def _norse_spike(m: Any) -> Callable[[Tensor], Tensor]:
         return threshold(u, m.p.method, m.p.alpha)
 
     spike.written_grad = lambda: written_norse_grad(m.p.method, m.p.alpha)  # type: ignore[attr-defined]
+    spike.host_slope = lambda: host_slope(m.p.method)  # type: ignore[attr-defined]
     return spike
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from spikeckpt.adapters.kernels import SpikeGrad
 
-__all__ = ["written_norse_grad"]
+__all__ = ["host_slope", "written_norse_grad"]
 
 
 def written_norse_grad(method: Any, alpha: Any) -> SpikeGrad | None:
@@ -27,6 +27,13 @@ def written_norse_grad(method: Any, alpha: Any) -> SpikeGrad | None:
     written nowhere here."""
     make = _WRITTEN.get(method) if isinstance(method, str) else None
     return None if make is None else make(alpha)
+
+
+def host_slope(method: Any) -> str | None:
+    """The name under which the compiled Norse backward takes ``threshold(u, method,
+    alpha)``'s slope in its loop (`spikeckpt.adapters.jit_loops.NORSE_SLOPES`): ``"super"``
+    (its slope reads no ``alpha``), else None (the kernel then takes the slope as above)."""
+    return "super" if method == "super" else None
 
 
 def _super(alpha: Any) -> SpikeGrad:
