@@ -74,3 +74,21 @@ def test_a_fused_lif_cell_trains_as_norses_loop(method: str) -> None:
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
     for a, b in zip(net.parameters(), wrapped.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("method", ["super", "tanh", "triangle"])
+def test_the_slope_without_a_tensor_of_ones_is_norses(method: str, dtype: torch.dtype) -> None:
+    """A Norse spike's slope (`surrogate_grad` given no gradient, overwriting the membranes
+    it may) is Norse's backward for a gradient of ones, bitwise."""
+
+    def spike(x: torch.Tensor) -> torch.Tensor:
+        return threshold(x, method, 0.3)
+
+    spike.written_grad = lambda: written_norse_grad(method, 0.3)  # type: ignore[attr-defined]
+    torch.manual_seed(2)
+    mem = torch.randn(10, 4, 30, dtype=dtype) * 2
+    thr = torch.tensor(0.4, dtype=dtype)
+    want = vjp(spike, mem - thr, torch.ones_like(mem))
+    assert torch.equal(surrogate_grad(spike, mem.clone(), thr, None), want)
+    assert torch.equal(surrogate_grad(spike, mem, thr, None, overwrite=True), want)

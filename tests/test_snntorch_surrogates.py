@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from spikeckpt.adapters.kernels import scales, vjp
+from spikeckpt.adapters.kernels import scales, surrogate_grad, vjp
 from spikeckpt.adapters.snntorch_surrogates import written_grad
 
 surrogate = pytest.importorskip("snntorch.surrogate")
@@ -68,3 +68,22 @@ def _mine(slope: float = 25.0) -> Callable[[Tensor], Tensor]:
 )
 def test_other_spike_functions_keep_their_own_backward(spike: Callable[[Tensor], Tensor]) -> None:
     assert written_grad(spike) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(SURROGATES))
+def test_the_slope_without_a_tensor_of_ones_is_the_same(name: str, dtype: torch.dtype) -> None:
+    """`surrogate_grad` given no gradient (the slope: ones broadcast from one value) and
+    allowed to overwrite the membranes gives the values of a gradient of ones, bitwise."""
+    spike = SURROGATES[name]()
+    written = written_grad(spike)
+    torch.manual_seed(1)
+    mem = torch.randn(12, 3, 40, dtype=dtype) * 3
+    thr = torch.tensor(0.5, dtype=dtype)
+    want = surrogate_grad(spike, mem, thr, torch.ones_like(mem), written)
+    kept = mem.clone()
+    got = surrogate_grad(spike, mem, thr, None, written, overwrite=True)
+    again = surrogate_grad(spike, kept, thr, None, written)
+    for other in (want, again):  # sigmoid's exp overflows: NaN at the same places
+        assert torch.equal(got.isnan(), other.isnan())
+        assert torch.equal(got.nan_to_num(0.0), other.nan_to_num(0.0))

@@ -174,7 +174,7 @@ class NorseExKernel(NorseFieldsKernel):
         keep_v = 1 - ys  # d v' / d v_d
         # d v_d / d v = 1 + c_m * (e - 1): the exponential's slope less the leak's
         e_less_1 = exp_slope_less_one(p, v_ds, ys, v0)
-        slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
+        slope = surrogate_grad(self.spike, v_ds, p.v_th, None)
         # d v' / d s = v_reset - v_d (in place on the saved tensor at the last backward)
         drop = v_ds.neg_().add_(p.v_reset) if consume else p.v_reset - v_ds
         g_x = torch.empty_like(ys) if need_z else None  # dL/d i_j per step

@@ -83,8 +83,8 @@ def refractory_terms(
     the spike (``lif_step``'s ``z.detach()``)."""
     zero = torch.as_tensor(0.0)  # Norse's heaviside: gt(x, 0) in x's dtype
     masks = torch.gt(rho_in, zero).to(v_ds.dtype)
-    slope_rho = surrogate_grad(spike, rho_in, zero, torch.ones_like(rho_in))
-    slope = surrogate_grad(spike, v_ds, q.v_th, torch.ones_like(v_ds))
+    slope_rho = surrogate_grad(spike, rho_in, zero, None)
+    slope = surrogate_grad(spike, v_ds, q.v_th, None)
     spikes = torch.gt(v_ds - q.v_th, zero).to(v_ds.dtype)  # z, before the mask
     open_ = 1 - masks
     # rho' = (1 - z') relu(rho - m) + z' rho_reset, z' = (1 - m) z

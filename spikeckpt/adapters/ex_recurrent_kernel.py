@@ -142,7 +142,7 @@ class NorseExRecurrentKernel(NorseCellKernel):
         want = _wanted(tensors, need_params)
         c_m, c_s, c_a = ex_rates(p, self.dt, self.adaptive)
         e_less_1 = exp_slope_less_one(p, v_ds, ys, v0)
-        slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
+        slope = surrogate_grad(self.spike, v_ds, p.v_th, None)
         keep_v = 1 - ys  # d v' / d v_d
         drop = p.v_reset - v_ds  # d v' / d z'
         g_jump = torch.empty_like(ys)  # dL/d i_j per step: the products' outputs

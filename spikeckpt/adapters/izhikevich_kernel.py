@@ -131,7 +131,7 @@ class NorseIzhikevichKernel(NorseFieldsKernel):
             torch.add((1 - ys[:-1]) * v_ds[:-1], ys[:-1] * p.c, out=v_in[1:])
         # d (sq * v**2 + mn * v) / d v
         slope_in = v_in.mul_(2).mul_(p.sq).add_(p.mn)
-        slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
+        slope = surrogate_grad(self.spike, v_ds, p.v_th, None)
         # per step: v' = (1 - s) v_d + s c, u' = (1 - s) u_d + s (u_d + d), s =
         # threshold(v_d - v_th), s not detached: dL/d v_d = g_v (1 - s + slope (c - v_d))
         # + g_u slope d + g_y slope

@@ -630,21 +630,34 @@ def reduce_product(a: Tensor, b: Tensor, like: Tensor) -> Tensor:
 
 
 def surrogate_grad(
-    spike: Spike, mem: Tensor, thr: Tensor, grad: Tensor, written: SpikeGrad | None = None
+    spike: Spike,
+    mem: Tensor,
+    thr: Tensor,
+    grad: Tensor | None,
+    written: SpikeGrad | None = None,
+    overwrite: bool = False,
 ) -> Tensor:
-    """``grad`` (dL/d spike, ``(k, B, ...)``) through ``spike`` at ``mem - thr``: the
-    surrogate's backward written out (``written``, or the one ``spike`` carries as
+    """``grad`` (dL/d spike, ``(k, B, ...)``; None: ones, the spike's slope, without a
+    tensor of ones where the backward is written out) through ``spike`` at ``mem - thr``:
+    the surrogate's backward written out (``written``, or the one ``spike`` carries as
     ``spike.written_grad()``: Norse's), or its own backward by autograd (elementwise) a few
-    steps at a time; a new tensor."""
+    steps at a time. A new tensor; with ``overwrite`` (``mem`` is the caller's, read for
+    the last time) it may be ``mem``, overwritten."""
     find = None
     if written is None:
         find = getattr(spike, "written_grad", None)  # the spike's own (Norse's), read now
         written = find() if find is not None else None
     if written is not None:
-        with torch.no_grad():  # as autograd's backward: no graph (a learnable threshold's)
-            u = mem - thr
-            if find is None or u.dtype == grad.dtype:
+        u_dtype = torch.result_type(mem, thr)
+        if find is None or u_dtype == (mem.dtype if grad is None else grad.dtype):
+            with torch.no_grad():  # as autograd's backward: no graph (a learnable threshold's)
+                in_place = overwrite and u_dtype == mem.dtype
+                u = torch.sub(mem, thr, out=mem) if in_place else mem - thr
+                if grad is None:  # ones, as one value broadcast: the same values, no tensor
+                    grad = torch.ones((), dtype=mem.dtype, device=mem.device).expand(u.shape)
                 return written(u, grad)
+    if grad is None:
+        grad = torch.ones_like(mem)
     pieces = _pieces(mem)
     if len(pieces) == 1:
         return vjp(spike, mem - thr, grad)
@@ -1082,7 +1095,7 @@ class NorseKernel:
         keep_i = None if c_s is None else 1 + c_s  # None exactly when box
         deriv = None
         if not li and self.spike is not None:
-            deriv = surrogate_grad(self.spike, v_d, p.v_th, torch.ones_like(v_d))
+            deriv = surrogate_grad(self.spike, v_d, p.v_th, None)
         g_v, g_i = g_final[0], (None if box else g_final[1])
         one_minus_cm = 1 - c_m
         host = norse_backward_on_host(

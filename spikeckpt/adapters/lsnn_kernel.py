@@ -156,7 +156,9 @@ class NorseLSNNKernel(NorseCellKernel):
         want = _wanted(tensors, need_params)
         c_m, c_s, c_a = _rates(p, self.dt)
         k = ys.shape[0]
-        slope = surrogate_grad(self.spike, us, torch.zeros((), dtype=us.dtype), torch.ones_like(us))
+        slope = surrogate_grad(
+            self.spike, us, torch.zeros((), dtype=us.dtype), None, overwrite=consume
+        )
         keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
         g_jump = torch.empty_like(ys)  # dL/d i' per step: the products' outputs
         carry_z, carry_v, carry_i, carry_b = (
@@ -252,7 +254,9 @@ class NorseLSNNFeedForwardKernel(NorseFieldsKernel):
         p = self.p()
         c_m, c_s, c_a = _rates(p, self.dt)
         k = ys.shape[0]
-        slope = surrogate_grad(self.spike, us, torch.zeros((), dtype=us.dtype), torch.ones_like(us))
+        slope = surrogate_grad(
+            self.spike, us, torch.zeros((), dtype=us.dtype), None, overwrite=consume
+        )
         g_x = torch.empty_like(ys) if need_z else None  # dL/d i' per step
         carry_v, carry_i, carry_b = (torch.zeros_like(ys[0]) if g is None else g for g in g_final)
         for t in range(k - 1, -1, -1):

@@ -265,7 +265,7 @@ class RecurrentKernel(SurrogateKernel):
         # or the spike function's own, gets each step's gradient, as in the loop (a user's
         # may clip it: slope * g differed; fast_sigmoid's divides: not bitwise)
         slope = (
-            surrogate_grad(self.spike, mems[1:], thr, torch.ones_like(mems[1:]), self.spike_grad)
+            surrogate_grad(self.spike, mems[1:], thr, None, self.spike_grad)
             if scales(self.spike_grad)
             else None
         )
@@ -585,7 +585,7 @@ class NorseRecurrentKernel(NorseCellKernel):
         per_step = {name: torch.zeros_like(ys) for name, read in reads.items() if read}
         c_m = self.dt * p.tau_mem_inv
         c_s = -self.dt * p.tau_syn_inv
-        slope = surrogate_grad(self.spike, v_ds, p.v_th, torch.ones_like(v_ds))
+        slope = surrogate_grad(self.spike, v_ds, p.v_th, None, overwrite=consume)
         g_jump = torch.empty_like(ys)  # dL/d j_t
         steps = cast(Any, tuple(per_step.get(name) for name in ("vd", "i", "v", "s")))
         host = lif_recurrent_backward_on_host(

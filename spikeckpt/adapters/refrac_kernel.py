@@ -150,8 +150,8 @@ class NorseRefracKernel(NorseFieldsKernel):
         zero = torch.as_tensor(0.0)
         rho_in = torch.cat([rho0[None], rhos[:-1]])  # rho entering each step
         masks = torch.gt(rho_in, zero).to(v_ds.dtype)  # m
-        slope_rho = surrogate_grad(self.spike, rho_in, zero, torch.ones_like(rho_in))
-        slope = surrogate_grad(self.spike, v_ds, q.v_th, torch.ones_like(v_ds))
+        slope_rho = surrogate_grad(self.spike, rho_in, zero, None)
+        slope = surrogate_grad(self.spike, v_ds, q.v_th, None)
         spikes = torch.gt(v_ds - q.v_th, zero).to(v_ds.dtype)  # z, before the mask
         open_ = 1 - masks
         # rho' = (1 - z') relu(rho - m) + z' rho_reset, z' = (1 - m) z

@@ -146,7 +146,7 @@ class NorseIAFKernel(_SimpleKernel):
         v_ns, ys = saved  # (k, B, ...) v before the reset, the spikes
         p = self.p()
         k = ys.shape[0]
-        slope = surrogate_grad(self.spike, v_ns, p.v_th, torch.ones_like(v_ns))
+        slope = surrogate_grad(self.spike, v_ns, p.v_th, None)
         drop = v_ns.neg_().add_(p.v_reset) if consume else p.v_reset - v_ns  # d v' / d s
         # d v' / d v_n = (1 - s) + slope * (v_reset - v_n); the outputs' share slope * g_y
         through = torch.mul(slope, drop).add_(1 - ys)
@@ -345,7 +345,7 @@ class NorseCobaKernel(_SimpleKernel):
         to_v = (-((p.g_l + g_es) + g_is)).mul_(c_v).add_(1)
         to_e, to_i = (p.e_rev_E - v_in).mul_(c_v), (p.e_rev_I - v_in).mul_(c_v)
         del v_in
-        slope = surrogate_grad(self.spike, v_ds, p.v_thresh, torch.ones_like(v_ds))
+        slope = surrogate_grad(self.spike, v_ds, p.v_thresh, None)
         drop = v_ds.neg_().add_(p.v_reset) if consume else p.v_reset - v_ds  # d v' / d s
         # d v' / d v_d = (1 - s) + slope * (v_reset - v_d); the outputs' share slope * g_y
         outer = None if g_y is None else slope * g_y
