@@ -1,0 +1,168 @@
+"""``nn.MaxPool2d`` over a layer-wise chunk through torch's channels-last kernel
+(`spikeckpt.adapters.pooling`): the values, and the gradients through the positions they came
+from, bitwise torch's own (ties, NaNs, padding, ``ceil_mode``), and the pools it does not take
+(overlapping windows, dilation, indices returned, a subclass) left to the module."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import snntorch as snn
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import spikeckpt as sc
+from spikeckpt.adapters import pooling
+from spikeckpt.adapters.pooling import fast_max_pool
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import norse.torch as norse
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 6),
+    c=st.integers(1, 5),
+    h=st.integers(3, 13),
+    w=st.integers(3, 13),
+    kernel=st.integers(1, 3),
+    extra=st.integers(0, 1),
+    pad=st.booleans(),
+    ceil=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    odd=st.sampled_from(["none", "nan", "inf"]),
+    seed=st.integers(0, 2**16),
+)
+def test_values_and_gradients_are_torchs_bitwise(
+    n: int,
+    c: int,
+    h: int,
+    w: int,
+    kernel: int,
+    extra: int,
+    pad: bool,
+    ceil: bool,
+    dtype: torch.dtype,
+    odd: str,
+    seed: int,
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    padding = kernel // 2 if pad else 0
+    module = nn.MaxPool2d(kernel, kernel + extra, padding=padding, ceil_mode=ceil)
+    pool = fast_max_pool(module)
+    assert pool is not None
+    # few distinct values: many ties in a window, the first one's position wins
+    x = (torch.randint(0, 3, (n, c, h, w), generator=g) * 0.5).to(dtype)
+    if odd != "none":
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = float(odd)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = F.max_pool2d(a, kernel, kernel + extra, padding, ceil_mode=ceil), pool(b)
+    assert got is not None and got.is_contiguous()
+    assert _same(got, want)
+    weights = torch.randn(want.shape, generator=g, dtype=dtype)
+    want.backward(weights)
+    got.backward(weights)
+    assert a.grad is not None and b.grad is not None
+    assert _same(b.grad, a.grad)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.MaxPool2d(3, 2),  # windows overlap: an input may sum two gradients
+        nn.MaxPool2d(2, dilation=2),
+        nn.MaxPool2d(2, return_indices=True),
+        type("MyPool", (nn.MaxPool2d,), {})(2),
+        nn.AvgPool2d(2),
+    ],
+    ids=["overlap", "dilation", "indices", "subclass", "avg"],
+)
+def test_pools_it_does_not_take_are_left_to_the_module(module: nn.Module) -> None:
+    assert fast_max_pool(module) is None
+
+
+def test_inputs_it_does_not_take_are_left_to_the_module() -> None:
+    pool = fast_max_pool(nn.MaxPool2d(2))
+    assert pool is not None
+    assert pool(torch.rand(2, 6, 6, dtype=torch.float32)) is None  # (C, H, W)
+    assert pool(torch.rand(1, 2, 6, 6, dtype=torch.bfloat16)) is None
+
+
+def test_a_conv_net_trains_layerwise_as_the_loop_through_the_fast_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """snnTorch's tutorial-7 shape (Conv -> MaxPool -> Leaky, twice) on sparse spikes: the
+    pools see whole windows of equal values; the wrapped run's spikes are the loop's, its
+    gradients at round-off, and every chunk pooled through the fast path."""
+    calls = []
+    apply = pooling._MaxPool2d.apply
+    monkeypatch.setattr(pooling._MaxPool2d, "apply", lambda *a: calls.append(1) or apply(*a))
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(2, 6, 3),
+        nn.MaxPool2d(2),
+        snn.Leaky(beta=0.9, init_hidden=True),
+        nn.Conv2d(6, 8, 3),
+        nn.MaxPool2d(2),
+        snn.Leaky(beta=0.9, init_hidden=True),
+        nn.Flatten(),
+        nn.Linear(8 * 2 * 2, 5),
+        snn.Leaky(beta=0.9, init_hidden=True, output=True),
+    )
+    x = (torch.rand(13, 3, 2, 14, 14) < 0.1).float()
+
+    def loop() -> Tensor:
+        from snntorch import utils
+
+        utils.reset(net)
+        return torch.stack([net(x_t)[0] for x_t in x])
+
+    want = loop()
+    want.sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    seq = sc.wrap(net, granularity="layer", chunk=4)
+    got = seq(x)[0]
+    got.sum().backward()
+    assert torch.equal(got, want)
+    assert len(calls) >= 2 * 4 * 2  # two pools, four chunks, forward and recomputation
+    for a, p in zip(grads, net.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+
+
+def test_a_norse_conv_net_layerwise_is_the_loop() -> None:
+    torch.manual_seed(1)
+    net = norse.SequentialState(
+        nn.Conv2d(1, 4, 3),
+        nn.MaxPool2d(2),
+        norse.LIFCell(),
+        nn.Flatten(),
+        nn.Linear(64, 3),
+        norse.LICell(),
+    )
+    x = (torch.rand(9, 2, 1, 10, 10) < 0.3).float()
+    state, outs = None, []
+    for x_t in x:
+        y, state = net(x_t, state)
+        outs.append(y)
+    torch.stack(outs).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    out = sc.wrap(net, granularity="layer", chunk=3)(x)[0]
+    assert torch.equal(out, torch.stack(outs))
+    out.pow(2).sum().backward()
+    for a, p in zip(grads, net.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
