@@ -492,6 +492,7 @@ def norse_backward_on_host(
 
 
 def norse_backward_lean_on_host(
+    pre: Tensor,
     g_z: Tensor,
     g_y: Tensor | None,
     g_mem: Tensor | None,
@@ -502,16 +503,16 @@ def norse_backward_lean_on_host(
     carries: tuple[Tensor | None, Tensor | None],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`NorseKernel`'s backward where no parameter field needs a gradient, from the membranes
-    before each reset alone: ``(dL/dz, dL/dv, dL/di)`` at the chunk's start
-    (`jit_loops.norse_backward_lean_jit`). ``g_z`` ``(k, B, ...)`` contiguous: the buffer
-    ``dL/dz`` goes to, holding the membranes before each reset (unread for ``"li"``, which
-    reads none); ``params`` as `norse_backward_on_host`'s; ``slope`` a
+    before each reset ``pre`` ``(k, B, ...)`` alone (unread for ``"li"``, which reads
+    none): ``(dL/dz, dL/dv, dL/di)`` at the chunk's start
+    (`jit_loops.norse_backward_lean_jit`); ``dL/dz`` goes to ``g_z``, which may be ``pre``
+    (both contiguous). ``params`` as `norse_backward_on_host`'s; ``slope`` a
     `jit_loops.NORSE_SLOPES` name. The caller ran the chunk through `norse_forward_on_host`
     with these fields, so the compiled loop is there."""
     k, shape = g_z.shape[0], g_z.shape[1:]
     stacked = _stacked(shape, g_z, *params)
     assert stacked is not None, "the forward's check passed with these fields"
-    assert g_z.is_contiguous(), "the kept membranes are rows of one buffer"
+    assert pre.is_contiguous() and g_z.is_contiguous(), "the kept membranes: one buffer"
 
     def rows(t: Tensor | None) -> np.ndarray:
         given = g_z if t is None else t.detach().to(g_z.dtype).contiguous()
@@ -522,7 +523,7 @@ def norse_backward_lean_on_host(
         if carry is not None:
             out.copy_(carry.expand(shape))
     jit_loops.norse_backward_lean_jit(
-        rows(None),
+        rows(pre),
         rows(g_y),
         g_y is not None,
         rows(g_mem),

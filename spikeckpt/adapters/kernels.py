@@ -22,7 +22,7 @@ threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.fused import Emit, Emitted, EmittedGrad
 from spikeckpt.engine.grad import grad as engine_grad
 from spikeckpt.engine.meter import unmetered
+from spikeckpt.errors import ConfigError
 
 __all__ = [
     "LeakyKernel",
@@ -1012,9 +1013,8 @@ class NorseKernel:
         i = leaves[1] if self.mode != "box" else None
         spiking = self.mode != "li"
         params = (c_m, p.v_leak, p.v_th if spiking else None, p.v_reset if spiking else None, c_s)
-        slope = self._lean_slope(keep and not (want_mem or want_y), into, emit)
-        if slope is not None:
-            lean = self._forward_lean(v, i, z, params, cast(Tensor, into), slope)
+        if keep and not want_mem and emit is None and self._lean_slope(into is not None):
+            lean = self._forward_lean(v, i, z, params, into, want_y)
             if lean is not None:
                 return lean
         hold = keep or want_mem
@@ -1070,8 +1070,8 @@ class NorseKernel:
         emit: Emit = None,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
         g_mem = per_leaf(g_mem, emit, 1, 0)[0]  # the membrane's (leaf 0)
-        if isinstance(saved, _LeanSaved):
-            return self._backward_lean(saved, g_y, g_final, g_mem, need_z, consume)
+        if len(saved) == 1:  # `_forward_lean`'s
+            return self._backward_lean(saved[0], g_y, g_final, g_mem, need_z, consume)
         vs, is_, z, y = saved  # (k + 1, B, ...) states, the input chunk, the outputs
         p = self.p()
         dt = self.dt
@@ -1198,16 +1198,16 @@ class NorseKernel:
         grads = [(getattr(p, f), makers[f]) for f in self.fields]
         return g_z, [g_v, *g_i_state], _grads_for(grads, need_params)
 
-    def _lean_slope(self, keeps_only: bool, into: Tensor | None, emit: Emit) -> str | None:
-        """The spike's slope (a `jit_loops.NORSE_SLOPES` name) where this chunk may keep
-        only its membranes before each reset, over ``into`` (`_LeanSaved`): a recomputation
-        for a backward that wants ``saved`` alone (``keeps_only``), no field of ``p``
-        learnable, a slope the compiled backward takes; else None."""
-        if not keeps_only or into is None or emit is not None:
-            return None
+    def _lean_slope(self, recomputing: bool) -> str | None:
+        """The spike's slope (a `jit_loops.NORSE_SLOPES` name) where a chunk may keep only
+        its membranes before each reset (`_forward_lean`): no field of ``p`` learnable, a
+        slope the compiled backward takes (``"li"``: none, and only in a ``recomputing``
+        chunk, whose input buffer it may take); else None."""
         if any(_requires_grad(getattr(self.p(), f)) for f in self.fields):
             return None
-        if self.mode == "li" or self.spike is None:
+        if self.mode == "li":
+            return "none" if recomputing else None
+        if self.spike is None:
             return "none"
         find = getattr(self.spike, "host_slope", None)
         return find() if find is not None else None
@@ -1218,60 +1218,58 @@ class NorseKernel:
         i: Tensor | None,
         z: Tensor,
         params: tuple[Tensor | float | None, ...],
-        into: Tensor,
-        slope: str,
-    ) -> tuple[list[Tensor], None, None, _LeanSaved] | None:
-        """`forward` keeping the membranes before each reset over ``into[1:]`` (``z``'s
-        rows; nothing for ``"li"``, whose backward reads no values), or None where the
-        compiled loop does not run."""
-        pre = None if self.mode == "li" else into[1:]
-        host = norse_forward_on_host(v, i, z, params, self.mode, self.subtract, False, pre, False)
+        into: Tensor | None,
+        want_y: bool,
+    ) -> tuple[list[Tensor], Tensor | None, None, tuple[Tensor]] | None:
+        """`forward` keeping only the membranes before each reset ``(k, B, ...)``, over
+        ``into[1:]`` (``z``'s rows) where given, else in a new tensor, as a 1-tuple
+        (``"li"``: ``into[1:]`` unwritten, its backward reads no values, only its buffer),
+        or None where the compiled loop does not run."""
+        pre = into[1:] if into is not None else torch.empty_like(z)
+        written = None if self.mode == "li" else pre
+        host = norse_forward_on_host(
+            v, i, z, params, self.mode, self.subtract, False, written, want_y
+        )
         if host is None:
             return None
-        vs, is_, _ = host
+        vs, is_, y = host
         final = [t[0] for t in (vs, is_) if t is not None]
-        return final, None, None, _LeanSaved(pre, z.shape, z.dtype, slope)
+        return final, y, None, (pre,)
 
     def _backward_lean(
         self,
-        saved: _LeanSaved,
+        pre: Tensor,
         g_y: Tensor | None,
         g_final: list[Tensor | None],
         g_mem: Tensor | None,
         need_z: bool,
         consume: bool,
     ) -> tuple[Tensor | None, list[Tensor | None], list[Tensor | None]]:
-        """`backward` from `_LeanSaved` (no field needs a gradient): one compiled pass
-        (`norse_backward_lean_on_host`), ``dL/dz`` over the kept membranes."""
+        """`backward` from `_forward_lean`'s membranes (no field needs a gradient): one
+        compiled pass (`norse_backward_lean_on_host`), ``dL/dz`` over them with
+        ``consume``."""
         p = self.p()
+        slope = self._lean_slope(True)
+        if slope is None:
+            raise ConfigError(
+                "a Norse cell's spike method or a learnable field changed between the forward "
+                "and the backward pass of one step; change them between training steps"
+            )
         c_m = self.dt * p.tau_mem_inv
         box, li = self.mode == "box", self.mode == "li"
         keep_i = None if box else 1 + -self.dt * p.tau_syn_inv
-        pre = saved.pre
-        if pre is not None and not consume:
-            pre = pre.clone()
         g_z, g_v, g_i = norse_backward_lean_on_host(
-            pre if pre is not None else torch.empty(saved.size, dtype=saved.dtype),
+            pre,
+            pre if consume else torch.empty_like(pre),
             g_y,
             g_mem,
             (None if li else p.v_th, None if li else p.v_reset, 1 - c_m, c_m, keep_i),
-            saved.slope,
+            slope,
             self.mode,
             self.subtract,
             (g_final[0], None if box else g_final[1]),
         )
         return g_z if need_z else None, [g_v] if box else [g_v, g_i], []
-
-
-class _LeanSaved(NamedTuple):
-    """What `NorseKernel` keeps for a backward that needs no field's gradient: the
-    membranes before each reset ``(k, B, ...)`` over the chunk's input (None for
-    ``"li"``), the input's size and dtype, and the spike's slope."""
-
-    pre: Tensor | None
-    size: torch.Size
-    dtype: torch.dtype
-    slope: str
 
 
 def _requires_grad(t: Any) -> bool:
