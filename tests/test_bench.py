@@ -424,3 +424,17 @@ def test_every_benchmark_script_prints_its_help(
             module.main()
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_bench_conv_rows_match_the_loops_gradient(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench_conv.py`` on two of its models, small: every row's first convolution's
+    gradient within round-off of the model's own loop's (its last column)."""
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--T", "5", "--batch", "2", "--rounds", "1", "--only", "tutorial 7", "Norse N"]
+        code = _benchmark("bench_conv").main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.count("|") == 8]
+    assert code == 0 and len(rows) == 2 + 2 * 4  # a header, its rule, four rows per model
+    assert all(float(row.split("|")[-2]) < 1e-5 for row in rows[2:])
