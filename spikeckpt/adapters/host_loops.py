@@ -394,13 +394,12 @@ def norse_forward_on_host(
     rows = k + 1 if hold else 1
     vs = v.new_empty((rows, *shape))
     is_ = v.new_empty((rows, *shape)) if i is not None else vs  # "box": never written
-    y = v.new_empty((k if want_y else 1, *shape))
+    y = v.new_empty((k if want_y or pre is None else 1, *shape))  # one row: pre's loop only
     if hold:
         vs[0] = v
         if i is not None:
             is_[0] = i
-    outs = y.numpy().reshape(y.shape[0], -1)
-    jit_loops.norse_forward_jit(
+    arrays = (
         _flat(v, shape),
         _flat(i, shape) if i is not None else _flat(v, shape),
         z.detach().numpy().reshape(k, -1),
@@ -409,10 +408,12 @@ def norse_forward_on_host(
         subtract,
         vs.detach().numpy().reshape(rows, -1),
         is_.detach().numpy().reshape(rows, -1),
-        outs,
-        outs if pre is None else pre.detach().numpy().reshape(k, -1),  # unread without pre
-        pre is not None,
+        y.numpy().reshape(y.shape[0], -1),
     )
+    if pre is None:
+        jit_loops.norse_forward_jit(*arrays)
+    else:
+        jit_loops.norse_forward_pre_jit(*arrays, pre.detach().numpy().reshape(k, -1))
     return vs, (is_ if i is not None else None), y if want_y else None
 
 

@@ -1222,14 +1222,11 @@ class NorseKernel:
         want_y: bool,
     ) -> tuple[list[Tensor], Tensor | None, None, tuple[Tensor]] | None:
         """`forward` keeping only the membranes before each reset ``(k, B, ...)``, over
-        ``into[1:]`` (``z``'s rows) where given, else in a new tensor, as a 1-tuple
-        (``"li"``: ``into[1:]`` unwritten, its backward reads no values, only its buffer),
-        or None where the compiled loop does not run."""
+        ``into[1:]`` (``z``'s rows) where given, else in a new tensor, as a 1-tuple (``"li"``'s
+        backward reads no values there, only the buffer), or None where the compiled loop
+        does not run."""
         pre = into[1:] if into is not None else torch.empty_like(z)
-        written = None if self.mode == "li" else pre
-        host = norse_forward_on_host(
-            v, i, z, params, self.mode, self.subtract, False, written, want_y
-        )
+        host = norse_forward_on_host(v, i, z, params, self.mode, self.subtract, False, pre, want_y)
         if host is None:
             return None
         vs, is_, y = host
