@@ -1,5 +1,4 @@
-"""``nn.MaxPool2d`` through torch's channels-last kernel, in the step of
-`spikeckpt.adapters.generic.StatelessAdapter` (a layer-wise chunk, or a step of the stack).
+"""``nn.MaxPool2d`` over a layer-wise chunk through torch's channels-last kernel.
 
 A convolutional SNN block pools each step's feature maps (``Conv2d -> MaxPool2d -> neuron``).
 On the CPU torch's max pooling over a contiguous ``(N, C, H, W)`` tensor walks each output
