@@ -417,6 +417,20 @@ def norse_forward_on_host(
     return vs, (is_ if i is not None else None), y if want_y else None
 
 
+def _carry_buffers(
+    like: Tensor, carries: tuple[Tensor | None, Tensor | None]
+) -> tuple[Tensor, Tensor]:
+    """The compiled Norse backwards' carry buffers ``(v, i)``, each shaped as a step of
+    ``like`` ``(k, B, ...)``: fresh, zeros or the given final state's gradient (a gradient
+    handed in is never written over)."""
+    shape = like.shape[1:]
+    buffers = like.new_zeros(shape), like.new_zeros(shape)
+    for out, carry in zip(buffers, carries, strict=True):
+        if carry is not None:
+            out.copy_(carry.expand(shape))
+    return buffers
+
+
 def norse_backward_on_host(
     v_d: Tensor,
     y: Tensor,
@@ -460,10 +474,7 @@ def norse_backward_on_host(
     g_u = g_vd if mode == "li" else (torch.empty_like(v_d) if keep_u else scratch)
     g_in = g_vd if mode == "box" else torch.empty_like(v_d)
     assert g_vd is not None and g_u is not None and g_vn_all is not None and g_in is not None
-    out_v, out_i = v_d.new_zeros(shape), v_d.new_zeros(shape)
-    for out, carry in zip((out_v, out_i), carries, strict=True):
-        if carry is not None:
-            out.copy_(carry.expand(shape))
+    out_v, out_i = _carry_buffers(v_d, carries)
     jit_loops.norse_backward_jit(
         flat[0],
         flat[1],
@@ -519,10 +530,7 @@ def norse_backward_lean_on_host(
         given = g_z if t is None else t.detach().to(g_z.dtype).contiguous()
         return given.numpy().reshape(k, -1)
 
-    out_v, out_i = g_z.new_zeros(shape), g_z.new_zeros(shape)
-    for out, carry in zip((out_v, out_i), carries, strict=True):
-        if carry is not None:
-            out.copy_(carry.expand(shape))
+    out_v, out_i = _carry_buffers(g_z, carries)
     jit_loops.norse_backward_lean_jit(
         rows(pre),
         rows(g_y),

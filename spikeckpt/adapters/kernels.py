@@ -1225,7 +1225,7 @@ class NorseKernel:
         ``into[1:]`` (``z``'s rows) where given, else in a new tensor, as a 1-tuple (``"li"``'s
         backward reads no values there, only the buffer), or None where the compiled loop
         does not run."""
-        pre = into[1:] if into is not None else torch.empty_like(z)
+        pre = into[1:] if into is not None else z.new_empty(z.shape)  # contiguous
         host = norse_forward_on_host(v, i, z, params, self.mode, self.subtract, False, pre, want_y)
         if host is None:
             return None
