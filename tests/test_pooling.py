@@ -79,6 +79,29 @@ def test_values_and_gradients_are_torchs_bitwise(
     assert _same(b.grad, a.grad)
 
 
+def test_it_keeps_the_positions_alone_in_32_bits() -> None:
+    """The pooled output's backward holds one 32-bit position per output (torch's own keeps
+    its input and 64-bit positions): N-MNIST's first block, 8 steps of batch 4."""
+    pool = fast_max_pool(nn.MaxPool2d(2))
+    assert pool is not None
+    x = torch.rand(32, 12, 30, 30, requires_grad=True)
+    kept: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = pool(x)
+    assert y is not None
+    assert [(t.dtype, t.shape) for t in kept] == [(torch.int32, y.shape)]
+    y.sum().backward()
+    want = torch.zeros_like(x).view(32, 12, -1)
+    where = F.max_pool2d(x.detach(), 2, return_indices=True)[1].view(32, 12, -1)
+    want.scatter_(2, where, 1.0)
+    assert x.grad is not None and torch.equal(x.grad, want.view_as(x))
+
+
 @pytest.mark.parametrize(
     "module",
     [
@@ -101,12 +124,14 @@ def test_inputs_it_does_not_take_are_left_to_the_module() -> None:
     assert pool(torch.rand(1, 2, 6, 6, dtype=torch.bfloat16)) is None
 
 
-def test_a_conv_net_trains_layerwise_as_the_loop_through_the_fast_pool(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("granularity", ["layer", "stack"])
+def test_a_conv_net_trains_as_the_loop_through_the_fast_pool(
+    granularity: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """snnTorch's tutorial-7 shape (Conv -> MaxPool -> Leaky, twice) on sparse spikes: the
     pools see whole windows of equal values; the wrapped run's spikes are the loop's, its
-    gradients at round-off, and every chunk pooled through the fast path."""
+    gradients at round-off, and every chunk (layer-wise) or step (the stack, `Uniform(4)`)
+    pooled through the fast path."""
     calls = []
     apply = pooling._MaxPool2d.apply
     monkeypatch.setattr(pooling._MaxPool2d, "apply", lambda *a: calls.append(1) or apply(*a))
@@ -134,11 +159,15 @@ def test_a_conv_net_trains_layerwise_as_the_loop_through_the_fast_pool(
     want.sum().backward()
     grads = [p.grad.clone() for p in net.parameters()]
     net.zero_grad(set_to_none=True)
-    seq = sc.wrap(net, granularity="layer", chunk=4)
+    if granularity == "layer":
+        seq = sc.wrap(net, granularity="layer", chunk=4)
+    else:
+        seq = sc.wrap(net, plan=sc.plans.Uniform(4), compile=False)
     got = seq(x)[0]
     got.sum().backward()
     assert torch.equal(got, want)
-    assert len(calls) >= 2 * 4 * 2  # two pools, four chunks, forward and recomputation
+    # two pools, four chunks or 13 steps, forward and recomputation
+    assert len(calls) >= 2 * (4 if granularity == "layer" else 13) * 2
     for a, p in zip(grads, net.parameters(), strict=True):
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
 

@@ -38,15 +38,18 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from spikeckpt.adapters.pooling import fast_max_pool
 from spikeckpt.adapters.protocol import (
     AdapterFor,
     LayerAdapter,
     Registration,
     State,
+    no_hooks,
     plain_container,
     unsupported,
 )
 from spikeckpt.adapters.returns import state_order_problem
+from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
 from spikeckpt.engine.rng import kept_generators
 from spikeckpt.engine.tree import tree_map
@@ -197,18 +200,24 @@ def _side_effects_off() -> bool:
 
 class StatelessAdapter(LayerAdapter):
     """A layer without state: ``y_t = module(x_t)`` (running statistics updated only in the
-    first evaluation of each step)."""
+    first evaluation of each step; a plain ``nn.MaxPool2d`` without hooks through torch's
+    channels-last kernel, `spikeckpt.adapters.pooling`: the same values and gradients)."""
 
     stateful = False
 
     def __init__(self, module: nn.Module, path: str = "") -> None:
         super().__init__(module, path)
         self._stats = [m for m in module.modules() if isinstance(m, RUNNING_STATS_TYPES)]
+        self._pool = fast_max_pool(module)
 
     def init_state(self, x_t: Tensor) -> State:
         return ()
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+        if self._pool is not None and not is_compiling() and no_hooks(self.module):
+            pooled = self._pool(x_t)
+            if pooled is not None:
+                return (), pooled
         if self._stats and _side_effects_off():
             with frozen_running_stats(self._stats):
                 return (), self.module(x_t)

@@ -47,7 +47,6 @@ from torch import Tensor, nn
 from spikeckpt.adapters.affine import LinearChunk, SparseLimit, sparse_positions
 from spikeckpt.adapters.gather import GatherLinear, Transposed
 from spikeckpt.adapters.generic import PER_SAMPLE_TYPES, StatelessAdapter
-from spikeckpt.adapters.pooling import fast_max_pool
 from spikeckpt.adapters.protocol import LayerAdapter, backward_hooked, no_hooks
 from spikeckpt.adapters.recurrent_kernel import NorseCellKernel
 from spikeckpt.adapters.sequential import Block
@@ -98,8 +97,6 @@ def _synapse(
     after them (a BatchNorm normalising each step's batch, a Dropout drawing) run on every
     step as usual."""
     batched = [None if per_step else _batched_inner(layer) for layer in synapses]
-    # a MaxPool2d through torch's channels-last kernel: the same values and positions, faster
-    pools = [None if inner is None else fast_max_pool(inner.module) for inner in batched]
 
     def one_step(x_t: Tensor) -> Tensor:
         """Every layer on one step, each on the one before's new output (the loop's calls)."""
@@ -135,14 +132,12 @@ def _synapse(
     def run(x: Tensor, start: int, stop: int | None = None) -> Tensor:
         """Layers ``start`` to ``stop`` (the last) over ``x (k, B, ...)``."""
         k, b = x.shape[0], x.shape[1]
-        for layer, inner, pool in list(zip(synapses, batched, pools, strict=True))[start:stop]:
+        for layer, inner in list(zip(synapses, batched, strict=True))[start:stop]:
             if isinstance(layer, TimeLiftedAdapter) and inner is not None:
                 layer.check_time_local(x[0])
                 x = inner.step((), x)[1]
             elif inner is not None:
-                flat = x.reshape(k * b, *x.shape[2:])
-                y = pool(flat) if pool is not None and no_hooks(inner.module) else None
-                y = inner.step((), flat)[1] if y is None else y
+                _, y = inner.step((), x.reshape(k * b, *x.shape[2:]))
                 x = y.reshape(k, b, *y.shape[1:])
             else:
                 x = torch.stack([layer.step((), x_t)[1] for x_t in x.unbind(0)])

@@ -1,4 +1,5 @@
-"""``nn.MaxPool2d`` over a layer-wise chunk through torch's channels-last kernel.
+"""``nn.MaxPool2d`` through torch's channels-last kernel, in the step of
+`spikeckpt.adapters.generic.StatelessAdapter` (a layer-wise chunk, or a step of the stack).
 
 A convolutional SNN block pools each step's feature maps (``Conv2d -> MaxPool2d -> neuron``).
 On the CPU torch's max pooling over a contiguous ``(N, C, H, W)`` tensor walks each output
@@ -10,7 +11,8 @@ the positions they came from are the same, bitwise; the positions index each pla
 way in both layouts. The backward puts each gradient at its position through torch's own
 backward in the contiguous layout: where windows do not overlap, every input receives at
 most one gradient, so the result is torch's, bitwise, and nothing but the positions is kept
-(torch's own backward keeps the input too).
+(torch's own backward keeps the input too), as 32-bit integers where a plane's positions fit
+(half of torch's 64-bit ones; the conversion replaces the copy into the contiguous layout).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ __all__ = ["fast_max_pool"]
 _ATEN = torch.ops.aten
 
 Pair = tuple[int, int]
+
+#: the backward's slices of a chunk's rows (see `_MaxPool2d.backward`)
+_SLICES = 8
 
 
 def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
@@ -71,7 +76,9 @@ class _MaxPool2d(torch.autograd.Function):
         y, where = _ATEN.max_pool2d_with_indices(rows, kernel, stride, padding, dilation, ceil_mode)
         del rows
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(where.contiguous())
+            small = x.shape[-2] * x.shape[-1] <= torch.iinfo(torch.int32).max
+            kept = torch.int32 if small else torch.int64
+            ctx.save_for_backward(where.to(kept, memory_format=torch.contiguous_format))
         ctx.args = (x.shape, kernel, stride, padding, dilation, ceil_mode)
         return y.contiguous()
 
@@ -79,6 +86,15 @@ class _MaxPool2d(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (where,) = ctx.saved_tensors
         shape, *args = ctx.args
-        like = g.new_empty(shape)  # read for its shape and layout only
-        grad = _ATEN.max_pool2d_with_indices_backward(g.contiguous(), like, *args, where)
+        g = g.contiguous()
+        grad = g.new_empty(shape)  # torch's backward zeroes it, then writes the gradients
+        like = g.new_zeros(()).expand(shape)  # read for its shape alone: no memory
+        # a slice of the rows at a time: torch's backward reads 64-bit positions, and their
+        # copies stay an eighth of the 32-bit ones kept
+        step = -(-shape[0] // _SLICES)
+        for start in range(0, shape[0], step):
+            rows = slice(start, start + step)
+            _ATEN.max_pool2d_with_indices_backward.grad_input(
+                g[rows], like[rows], *args, where[rows].to(torch.int64), grad_input=grad[rows]
+            )
         return grad, None, None, None, None, None
