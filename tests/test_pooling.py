@@ -102,6 +102,35 @@ def test_it_keeps_the_positions_alone_in_32_bits() -> None:
     assert x.grad is not None and torch.equal(x.grad, want.view_as(x))
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_both_backwards_are_torchs_bitwise_over_slices(
+    compiled: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled backward (32-bit positions read as they are) and torch's (a slice of the
+    rows at a time, its positions widened) over a chunk pooled in several slices: values and
+    gradients torch's own, signed zeros, NaN and infinite gradients included."""
+    if not compiled:
+        monkeypatch.setattr(pooling, "_scatter_jit", None)
+    monkeypatch.setattr(pooling, "SLICE_BYTES", 3 * 4 * 10 * 10 * 8)  # 3 rows a slice
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randint(0, 3, (10, 4, 10, 10), generator=g) * 0.5).to(dtype)
+    x[1, 2, 3, 4] = float("nan")
+    module = nn.MaxPool2d(2, padding=1, ceil_mode=True)
+    pool = fast_max_pool(module)
+    assert pool is not None
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = module(a), pool(b)
+    assert got is not None and _same(got, want)
+    weights = torch.randn(want.shape, generator=g, dtype=dtype)
+    weights[0, 0, 0, :3] = torch.tensor([-0.0, float("nan"), float("-inf")], dtype=dtype)
+    want.backward(weights)
+    got.backward(weights)
+    assert a.grad is not None and b.grad is not None
+    assert _same(b.grad, a.grad)
+    assert torch.equal(b.grad.signbit(), a.grad.signbit())
+
+
 @pytest.mark.parametrize(
     "module",
     [
