@@ -110,7 +110,9 @@ def test_both_backwards_are_torchs_bitwise_over_slices(
     """The compiled backward (32-bit positions read as they are) and torch's (a slice of the
     rows at a time, its positions widened) over a chunk pooled in several slices: values and
     gradients torch's own, signed zeros, NaN and infinite gradients included."""
-    if not compiled:
+    if compiled:
+        assert pooling._scatter_jit is not None  # Numba is a dependency
+    else:
         monkeypatch.setattr(pooling, "_scatter_jit", None)
     monkeypatch.setattr(pooling, "SLICE_BYTES", 3 * 4 * 10 * 10 * 8)  # 3 rows a slice
     g = torch.Generator().manual_seed(5)
