@@ -133,6 +133,21 @@ def test_both_backwards_are_torchs_bitwise_over_slices(
     assert torch.equal(b.grad.signbit(), a.grad.signbit())
 
 
+def test_a_negated_view_of_a_gradient_is_read() -> None:
+    """A gradient handed over as a negated view (torch's lazy negation, no NumPy array of its
+    own) gives torch's gradient."""
+    pool = fast_max_pool(nn.MaxPool2d(2))
+    assert pool is not None
+    x = torch.rand(2, 3, 6, 6)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    weights = torch.randn(2, 3, 3, 3)
+    y = pool(b)
+    assert y is not None
+    y.backward(torch._neg_view(weights))
+    F.max_pool2d(a, 2).backward(-weights)
+    assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize(
     "module",
     [
@@ -141,8 +156,10 @@ def test_both_backwards_are_torchs_bitwise_over_slices(
         nn.MaxPool2d(2, return_indices=True),
         type("MyPool", (nn.MaxPool2d,), {})(2),
         nn.AvgPool2d(2),
+        nn.MaxPool2d(2, stride=(2,)),  # torch broadcasts one number in a tuple
+        nn.MaxPool2d(2, stride=()),  # torch: the kernel
     ],
-    ids=["overlap", "dilation", "indices", "subclass", "avg"],
+    ids=["overlap", "dilation", "indices", "subclass", "avg", "stride-1-tuple", "stride-empty"],
 )
 def test_pools_it_does_not_take_are_left_to_the_module(module: nn.Module) -> None:
     assert fast_max_pool(module) is None

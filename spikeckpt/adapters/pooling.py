@@ -60,6 +60,8 @@ def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
     kernel = _pair(m.kernel_size)
     stride = _pair(m.stride) if m.stride is not None else kernel  # torch sets it; a None: kernel
     padding, dilation = _pair(m.padding), _pair(m.dilation)
+    if any(len(pair) != 2 for pair in (kernel, stride, padding, dilation)):
+        return None  # torch also takes one number in a tuple, or no stride: the module's call
     if dilation != (1, 1) or any(s < k for s, k in zip(stride, kernel, strict=True)):
         return None
     args = (kernel, stride, padding, dilation, bool(m.ceil_mode))
@@ -115,7 +117,7 @@ class _MaxPool2d(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (where,) = ctx.saved_tensors
         shape, *args = ctx.args
-        g = g.contiguous()
+        g = g.contiguous().resolve_neg()  # (a negated view has no NumPy array)
         if _scatter_jit is not None and not g.requires_grad:
             grad = g.new_zeros(shape)  # torch's backward: zeros, each gradient added
             planes = shape[0] * shape[1]
