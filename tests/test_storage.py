@@ -90,6 +90,46 @@ def test_round_trip_of_index_lists_over_several_blocks(
 
 @settings(max_examples=80, deadline=None)
 @given(
+    numel=st.one_of(st.integers(0, 300), st.integers(BLOCK - 3, BLOCK + 40)),
+    density=densities,
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+    spoil=st.sampled_from([None, 2.0, -0.0, float("nan"), 0.5]),
+    compiled=st.booleans(),
+)
+def test_the_compiled_scans_count_as_numpy_does(
+    numel: int,
+    density: float,
+    dtype: torch.dtype,
+    seed: int,
+    spoil: float | None,
+    compiled: bool,
+) -> None:
+    """`count_binary` (one pass, no mask) gives the count of non-zeros and the binary test
+    as torch does; `_scan_numpy`'s compiled pass the mask and count of its NumPy passes
+    (``-0.0``, NaN, 2 and 0.5 make a tensor not binary)."""
+    from spikeckpt.storage import scan_jit
+
+    x = spikes((numel,), density, dtype, seed)
+    if spoil is not None and numel and dtype.is_floating_point:
+        x[seed % numel] = spoil
+    with pytest.MonkeyPatch.context() as patch:
+        if compiled:
+            assert scan_jit.ones_masked is not None and scan_jit.bits_counted is not None
+        else:
+            patch.setattr(scan_jit, "ones_masked", None)
+            patch.setattr(scan_jit, "bits_counted", None)
+        counted = codecs.count_binary(x)
+        found = codecs._scan_numpy(x)
+    patch_free = codecs._scan_torch(x)
+    assert counted == (int(torch.count_nonzero(x)), patch_free is not None)
+    assert (found is None) == (patch_free is None)
+    if found is not None and patch_free is not None:
+        assert found[1] == patch_free[1] and torch.equal(found[0], patch_free[0])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
     numel=st.one_of(st.integers(0, 300), st.integers(BLOCK - 3, 2 * BLOCK + 40)),
     density=densities,
     dtype=st.sampled_from(DTYPES),

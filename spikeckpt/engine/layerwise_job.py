@@ -26,7 +26,7 @@ from spikeckpt.engine.rng import RngState
 from spikeckpt.engine.stats import LayerwiseStats
 from spikeckpt.errors import ConfigError, UsageError
 from spikeckpt.storage.base import tensor_nbytes
-from spikeckpt.storage.codecs import Packed, binary_mask, pack, unpack
+from spikeckpt.storage.codecs import Packed, binary_mask, count_binary, pack, unpack
 from spikeckpt.storage.tiers import make_store
 
 __all__ = ["DIRECT_BACKWARD", "GATHER_MIN_OUTPUTS", "GROUP_SHARE", "LayerwiseJob"]
@@ -391,17 +391,20 @@ class LayerwiseJob(Job):
             st.dense_bytes += inp.numel() * inp.dtype.itemsize
             st.codecs["reference"] = st.codecs.get("reference", 0) + 1
             return None
-        # one pass over the train: the binary test, the count of ones and the mask to pack
-        found = binary_mask(inp)
-        st.ones += found[1] if found is not None else int(torch.count_nonzero(inp))
         st.elements += inp.numel()
         st.dense_bytes += _nbytes(inp)
-        if found is None:
-            st.binary = False
-        if b == 0 or not record:
+        if b == 0 or not record:  # counted, not stored: no mask to make
+            ones, binary = count_binary(inp)
+            st.ones += ones
+            st.binary = st.binary and binary
             if b == 0:
                 st.codecs["reference"] = st.codecs.get("reference", 0) + 1
             return None
+        # one pass over the train: the binary test, the count of ones and the mask to pack
+        found = binary_mask(inp)
+        st.ones += found[1] if found is not None else int(torch.count_nonzero(inp))
+        if found is None:
+            st.binary = False
         stored: Packed | Tensor
         if self.store.kind == "device":
             stored, nbytes, codec = inp, _nbytes(inp), "device"

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.errors import ConfigError, NotBinaryError
+from spikeckpt.storage import scan_jit
 from spikeckpt.storage.base import tensor_nbytes
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "binary_mask",
     "bitpack",
     "bitunpack",
+    "count_binary",
     "dtype_size",
     "is_binary",
     "not_binary_message",
@@ -283,11 +285,33 @@ def _scan_numpy(tensor: Tensor) -> tuple[Tensor, int] | None:
         return None
     mask = torch.empty(raw.size, dtype=torch.bool)
     ones = mask.numpy()
+    if scan_jit.ones_masked is not None:  # one pass (three below)
+        n_ones, n_raw = scan_jit.ones_masked(raw, one, ones)
+        return (mask, int(n_ones)) if n_ones == n_raw else None
     np.equal(raw, one, out=ones)
     n_ones = int(np.count_nonzero(ones))
     if n_ones != np.count_nonzero(raw):
         return None
     return mask, n_ones
+
+
+def count_binary(tensor: Tensor) -> tuple[int, bool]:
+    """``(the count of non-zero elements, whether tensor is exactly binary)``, where the
+    caller needs no mask (a train that is counted, not stored): on the CPU one compiled pass
+    over its bits, nothing allocated."""
+    if tensor.device.type == "cpu" and tensor.dtype in NUMPY_DTYPES:
+        flat = tensor.detach().reshape(-1)
+        view = _BITS_VIEW.get(flat.dtype)
+        raw = (flat.view(view) if view is not None else flat).numpy()
+        if scan_jit.bits_counted is not None and flat.dtype != torch.bool:
+            n_ones, n_raw = scan_jit.bits_counted(raw, _one_bits(flat.dtype))
+            if n_ones == n_raw:
+                return int(n_ones), True
+            return int(torch.count_nonzero(tensor)), False  # values: -0.0 is zero
+    found = scan_binary(tensor)
+    if found is not None:
+        return found[1], True
+    return int(torch.count_nonzero(tensor)), False
 
 
 def _one_bits(dtype: torch.dtype) -> int:

@@ -1,0 +1,58 @@
+"""The codecs' scan of a CPU tensor's bits in one compiled pass (Numba), where NumPy takes
+three (`spikeckpt.storage.codecs._scan_numpy`: the mask of ones, its count, the count of
+non-zero bit patterns): each element read once, the same counts and mask. None without Numba
+(the NumPy passes run)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["bits_counted", "ones_masked"]
+
+numba: ModuleType | None
+try:  # pragma: no branch - numba is a dependency; a platform without its wheels runs NumPy
+    import numba
+except ImportError:  # pragma: no cover
+    numba = None
+
+
+def _jit(function: Callable[..., Any]) -> Any:
+    """``function`` compiled (lazily, per dtype, cached on disk), or None without Numba."""
+    if numba is None:  # pragma: no cover
+        return None
+    return numba.njit(cache=True, nogil=True, boundscheck=False)(function)
+
+
+def _ones_masked(
+    raw: np.ndarray, one: int, mask: np.ndarray
+) -> tuple[int, int]:  # pragma: no cover
+    """``mask[i] = raw[i] == one`` over the ``(n,)`` bit patterns ``raw``; returns ``(the
+    count of ones, the count of non-zero patterns)``: equal where ``raw`` is exactly binary."""
+    ones = 0
+    nonzero = 0
+    for i in range(raw.shape[0]):
+        bits = raw[i]
+        is_one = bits == one
+        mask[i] = is_one
+        ones += is_one
+        nonzero += bits != 0
+    return ones, nonzero
+
+
+def _bits_counted(raw: np.ndarray, one: int) -> tuple[int, int]:  # pragma: no cover
+    """`_ones_masked`'s counts without the mask."""
+    ones = 0
+    nonzero = 0
+    for i in range(raw.shape[0]):
+        bits = raw[i]
+        ones += bits == one
+        nonzero += bits != 0
+    return ones, nonzero
+
+
+ones_masked = _jit(_ones_masked)
+bits_counted = _jit(_bits_counted)
