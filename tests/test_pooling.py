@@ -5,7 +5,10 @@ from, bitwise torch's own (ties, NaNs, padding, ``ceil_mode``), and the pools it
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import snntorch as snn
@@ -22,6 +25,16 @@ from spikeckpt.adapters.pooling import fast_max_pool
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import norse.torch as norse
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _small_inputs_taken() -> Iterator[None]:
+    """These tests' small maps through the fast path (it declines inputs under
+    `pooling.MIN_ELEMENTS` elements or `pooling.MIN_CHANNELS` channels, tested below)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pooling, "MIN_ELEMENTS", 0)
+        patch.setattr(pooling, "MIN_CHANNELS", 1)
+        yield
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -168,6 +181,16 @@ def test_pools_it_does_not_take_are_left_to_the_module(module: nn.Module) -> Non
 def test_inputs_it_does_not_take_are_left_to_the_module() -> None:
     pool = fast_max_pool(nn.MaxPool2d(2))
     assert pool is not None
+    # channels-last: torch keeps that layout for the output and the gradient, whose sums the
+    # layer before adds in their order (a conv's bias gradient 1.2e-7 off otherwise: h24)
+    assert pool(torch.rand(2, 6, 8, 8).contiguous(memory_format=torch.channels_last)) is None
+    assert pool(torch.rand(2, 6, 8, 8).transpose(2, 3)) is None
+    with pytest.MonkeyPatch.context() as patch:  # the thresholds this module lowers
+        patch.setattr(pooling, "MIN_ELEMENTS", 1 << 15)
+        patch.setattr(pooling, "MIN_CHANNELS", 4)
+        assert pool(torch.rand(1, 12, 24, 24)) is None  # the Function costs more than it saves
+        assert pool(torch.rand(1, 1, 700, 700)) is None  # one channel: no rows to compare
+        assert pool(torch.rand(16, 12, 30, 30)) is not None  # a step of tutorial 7's stack
     assert pool(torch.rand(2, 6, 6, dtype=torch.float32)) is None  # (C, H, W)
     assert pool(torch.rand(1, 2, 6, 6, dtype=torch.bfloat16)) is None
 
@@ -243,3 +266,78 @@ def test_a_norse_conv_net_layerwise_is_the_loop() -> None:
     out.pow(2).sum().backward()
     for a, p in zip(grads, net.parameters(), strict=True):
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+
+
+def test_a_channels_last_model_keeps_the_loops_gradients_bitwise() -> None:
+    """A model and input in channels-last (``net.to(memory_format=torch.channels_last)``),
+    the stack with `BPTT`: torch's pool runs (its layouts), every gradient bitwise the
+    loop's (h24's repro: the fast pool's contiguous gradient summed the conv's bias in another
+    order, 1.19e-7 off)."""
+    from snntorch import utils
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Conv2d(2, 8, 3, padding=1), nn.MaxPool2d(2),
+            snn.Leaky(beta=0.7, init_hidden=True, threshold=0.3), nn.Flatten(),
+            nn.Linear(8 * 5 * 5, 5), snn.Leaky(beta=0.7, init_hidden=True, output=True),
+        )  # fmt: skip
+        return net.to(memory_format=torch.channels_last)
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.rand(6, 1, 2, 10, 10, generator=g) < 0.4).float()
+    x = torch.stack([t.contiguous(memory_format=torch.channels_last) for t in x])
+    w = torch.randn(6, 1, 5, generator=g)
+    loop_net, wrapped_net = model(), model()
+    utils.reset(loop_net)
+    (torch.stack([loop_net(x_t)[0] for x_t in x]) * w).sum().backward()
+    (sc.wrap(wrapped_net, plan=sc.plans.BPTT())(x)[0] * w).sum().backward()
+    for (name, a), b in zip(loop_net.named_parameters(), wrapped_net.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_second_derivative_is_refused_by_torch() -> None:
+    """The backward is written for first derivatives (``once_differentiable``): a graph of it
+    is refused with torch's error, never a wrong second derivative."""
+    pool = fast_max_pool(nn.MaxPool2d(2))
+    assert pool is not None
+    x = torch.rand(2, 4, 6, 6, requires_grad=True)
+    y = pool(x)
+    assert y is not None
+    (g,) = torch.autograd.grad((y**2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+_COMPILED_STEP = """
+import warnings
+warnings.simplefilter("ignore")
+import torch, snntorch as snn
+from torch import nn
+import spikeckpt as sc
+from spikeckpt.adapters import pooling
+pooling.MIN_ELEMENTS, pooling.MIN_CHANNELS = 0, 1
+torch.manual_seed(0)
+net = nn.Sequential(nn.Conv2d(1, 4, 5), nn.MaxPool2d(2), snn.Leaky(beta=0.5, init_hidden=True))
+seq = sc.wrap(net)
+x = (torch.rand(4, 2, 1, 12, 12) < 0.3).float()
+
+@torch.compile(backend="eager")
+def train_step(x):
+    seq(x).sum().backward()
+
+train_step(x)
+print("grad", float(net[0].weight.grad.abs().sum()))
+"""
+
+
+def test_a_compiled_training_step_runs_the_pools_first_backward() -> None:
+    """``torch.compile`` of a step that calls the wrapped net and its backward, in a fresh
+    process (the pool's compiled backward is loaded at its first call there): dynamo's frame
+    hook must not trace Numba's loading (h24: an internal dynamo error before)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILED_STEP], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) > 0

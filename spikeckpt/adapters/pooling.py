@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _pair
 
 from spikeckpt.adapters import jit_loops
@@ -42,6 +43,14 @@ Pair = tuple[int, int]
 SLICE_BYTES = 1 << 20
 
 
+#: the least input taken (elements, channels): below, the Function's fixed cost (about 50
+#: us) outweighs the channels-last kernel's gain (1 x 12 x 24 x 24: 72 us against torch's 33;
+#: 4 x 12 x 24 x 24 even; 16 x 32 x 10 x 10 162 against 266), and one channel has no rows to
+#: compare at once (1 x 1 x 700 x 700: 1.2x torch's time)
+MIN_ELEMENTS = 1 << 15
+MIN_CHANNELS = 4
+
+
 def _rows_per_slice(x: Tensor) -> int:
     """Rows of ``x`` ``(N, ...)`` per slice of at most `SLICE_BYTES` (at least one)."""
     row = x[0].numel() * x.element_size()
@@ -52,8 +61,10 @@ def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
     """``module`` through the channels-last kernel (`_MaxPool2d`), or None where it is not
     a plain ``nn.MaxPool2d`` (torch's class and ``forward``) returning values alone over
     windows that do not overlap (stride at least the kernel, no dilation). The function
-    returns None for an input it does not take (not a CPU float32 / float64 batch of
-    ``(N, C, H, W)`` with ``N > 0``): the caller then calls the module."""
+    returns None for an input it does not take (not a contiguous CPU float32 / float64 batch
+    of ``(N, C, H, W)`` with at least `MIN_ELEMENTS` elements and `MIN_CHANNELS` channels: a
+    channels-last input keeps torch's channels-last output and gradient, whose sums the layer
+    before adds in their order): the caller then calls the module."""
     if type(module) is not nn.MaxPool2d or "forward" in vars(module) or module.return_indices:
         return None
     m: Any = module
@@ -69,7 +80,7 @@ def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
     def pool(x: Tensor) -> Tensor | None:
         if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in (torch.float32, torch.float64):
             return None
-        if not x.shape[0]:
+        if x.numel() < MIN_ELEMENTS or x.shape[1] < MIN_CHANNELS or not x.is_contiguous():
             return None
         return _MaxPool2d.apply(x, *args)
 
@@ -114,15 +125,17 @@ class _MaxPool2d(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
+    @torch.compiler.disable  # a compiled step's backward must not trace Numba's first call
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (where,) = ctx.saved_tensors
         shape, *args = ctx.args
         g = g.contiguous().resolve_neg()  # (a negated view has no NumPy array)
-        if _scatter_jit is not None and not g.requires_grad:
+        if _scatter_jit is not None:
             grad = g.new_zeros(shape)  # torch's backward: zeros, each gradient added
             planes = shape[0] * shape[1]
             _scatter_jit(
-                g.detach().numpy().reshape(planes, -1),
+                g.numpy().reshape(planes, -1),
                 where.numpy().reshape(planes, -1),
                 grad.numpy().reshape(planes, -1),
             )
