@@ -30,6 +30,7 @@ __all__ = [
     "lif_recurrent_back_carried_jit",
     "lif_recurrent_back_step_jit",
     "lif_recurrent_step_jit",
+    "lsnn_recurrent_back_step_jit",
     "lsnn_recurrent_step_jit",
     "norse_backward_lean_jit",
     "norse_forward_pre_jit",
@@ -903,3 +904,55 @@ def lsnn_recurrent_step_jit(
             spk_b[c] = s
             u_b[c] = u
             vr_b[c] = after
+
+
+@_jit
+def lsnn_recurrent_back_step_jit(
+    g_y: np.ndarray,
+    g_mem: np.ndarray,
+    given: tuple[bool, bool],
+    carries: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    slope: np.ndarray,
+    y: np.ndarray,
+    params: np.ndarray,
+    g_jump: np.ndarray,
+) -> None:  # pragma: no cover - runs compiled
+    """One step of `NorseLSNNKernel.backward`'s loop beside its product with the recurrent
+    weight, its operations in their order: ``g_s = g_y + carry_z``, ``g_v = g_mem + carry_v``
+    (in place, where given), ``g_u = slope * g_s``, ``g_vd = g_v * (1 - y) + g_u``, ``g_bd =
+    carry_b - g_u``, ``carry_i`` into ``g_jump``, then ``carry_v = g_vd - g_vd * c_m``,
+    ``carry_i = g_vd * c_m + (carry_i + carry_i * c_s)``, ``carry_b = g_bd - g_bd * c_a`` in
+    place (every carry holds values: the torch loop starts from zeros).
+
+    Args:
+        g_y, g_mem, slope, y, g_jump: ``(n,)`` (``n = B * H``), the step's rows (``g_y``,
+            ``g_mem``: unread where ``given`` says they are None).
+        given: whether ``g_y`` and ``g_mem`` hold values.
+        carries: ``(carry_z, carry_v, carry_i, carry_b)``, ``(n,)`` each: ``carry_z`` (the
+            step's spike gradient from the next step's product) overwritten by ``g_s``.
+        params: ``(3, H)``: ``c_m``, ``c_s``, ``c_a``.
+    """
+    one = y.dtype.type(1)
+    carry_z, carry_v, carry_i, carry_b = carries
+    n, h = y.shape[0], params.shape[1]
+    if given[0]:
+        for j in range(n):
+            carry_z[j] = g_y[j] + carry_z[j]
+    if given[1]:
+        for j in range(n):
+            carry_v[j] = g_mem[j] + carry_v[j]
+    c_m, c_s, c_a = params[0], params[1], params[2]
+    for start in range(0, n, h):
+        stop = start + h
+        g_s, g_v = carry_z[start:stop], carry_v[start:stop]
+        g_i, g_b = carry_i[start:stop], carry_b[start:stop]
+        slope_b, y_b, jump_b = slope[start:stop], y[start:stop], g_jump[start:stop]
+        for c in range(h):
+            g_u = slope_b[c] * g_s[c]
+            g_vd = g_v[c] * (one - y_b[c]) + g_u
+            g_bd = g_b[c] - g_u
+            carried = g_i[c]
+            jump_b[c] = carried
+            g_v[c] = g_vd - g_vd * c_m[c]
+            g_i[c] = g_vd * c_m[c] + (carried + carried * c_s[c])
+            g_b[c] = g_bd - g_bd * c_a[c]

@@ -43,7 +43,10 @@ from spikeckpt.adapters.kernels import (
     per_leaf,
     surrogate_grad,
 )
-from spikeckpt.adapters.recurrent_host import lsnn_recurrent_forward_on_host
+from spikeckpt.adapters.recurrent_host import (
+    lsnn_recurrent_backward_on_host,
+    lsnn_recurrent_forward_on_host,
+)
 from spikeckpt.adapters.recurrent_kernel import NorseCellKernel, cell_fits, fed_back_grad
 from spikeckpt.engine.fused import Emit, EmittedGrad
 
@@ -155,16 +158,46 @@ class NorseLSNNKernel(NorseCellKernel):
         tensors = [w_in, w_rec]
         want = _wanted(tensors, need_params)
         c_m, c_s, c_a = _rates(p, self.dt)
-        k = ys.shape[0]
         slope = surrogate_grad(
             self.spike, us, torch.zeros((), dtype=us.dtype), None, overwrite=consume
         )
-        keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
         g_jump = torch.empty_like(ys)  # dL/d i' per step: the products' outputs
+        # on the CPU each step's elementwise part compiled (`recurrent_host`), bitwise
+        carries = lsnn_recurrent_backward_on_host(
+            g_y, g_final, g_mem, slope, ys, w_rec, (c_m, c_s, c_a), g_jump
+        )
+        if carries is None:
+            carries = self._backward_loop(g_y, g_final, g_mem, slope, ys, (c_m, c_s, c_a), g_jump)
+        del slope
+        grads: list[Tensor | None] = [None, None]
+        if want[0]:
+            grads[0] = self.inputs.weight_grad(g_jump, (held[0], held[1], held[2]), w_in)
+        if want[1]:
+            grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
+        g_x = (g_jump @ w_in) if need_z else None
+        return g_x, list(carries), _aligned(tensors, grads, need_params)
+
+    def _backward_loop(
+        self,
+        g_y: Tensor | None,
+        g_final: Sequence[Tensor | None],
+        g_mem: Tensor | None,
+        slope: Tensor,
+        ys: Tensor,
+        rates: tuple[Tensor, Tensor, Tensor],
+        g_jump: Tensor,
+    ) -> list[Tensor]:
+        """`backward`'s loop from the last step to the first in torch (where the compiled one,
+        `lsnn_recurrent_backward_on_host`, declines): fills ``g_jump`` ``(k, B, H)``, returns
+        the carries into the states before the chunk ``[spikes, membrane, current,
+        threshold]``."""
+        c_m, c_s, c_a = rates
+        w_rec = self.tensors()[2]
+        keep_v = 1 - ys  # the reset's factor of v_d (the spike detached)
         carry_z, carry_v, carry_i, carry_b = (
             torch.zeros_like(ys[0]) if g is None else g for g in g_final
         )
-        for t in range(k - 1, -1, -1):
+        for t in range(ys.shape[0] - 1, -1, -1):
             g_s = carry_z if g_y is None else g_y[t] + carry_z
             g_v = carry_v if g_mem is None else g_mem[t] + carry_v
             g_u = slope[t] * g_s  # z' = threshold(u), u = v_d - b_d
@@ -175,14 +208,7 @@ class NorseLSNNKernel(NorseCellKernel):
             carry_v = g_vd - g_vd * c_m  # v_d = v + c_m * ((v_leak - v) + i)
             carry_i = g_vd * c_m + (g_jump[t] + g_jump[t] * c_s)  # and i_d = i + c_s * i
             carry_b = g_bd - g_bd * c_a  # b_d = b + c_a * (v_th - b)
-        del slope, keep_v
-        grads: list[Tensor | None] = [None, None]
-        if want[0]:
-            grads[0] = self.inputs.weight_grad(g_jump, (held[0], held[1], held[2]), w_in)
-        if want[1]:
-            grads[1] = fed_back_grad(g_jump, spk0.to(ys.dtype), ys)
-        g_x = (g_jump @ w_in) if need_z else None
-        return g_x, [carry_z, carry_v, carry_i, carry_b], _aligned(tensors, grads, need_params)
+        return [carry_z, carry_v, carry_i, carry_b]
 
 
 class NorseLSNNFeedForwardKernel(NorseFieldsKernel):

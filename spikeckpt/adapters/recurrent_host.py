@@ -9,7 +9,7 @@ longer than the products (``LIFRecurrentCell``, measured: ``aten::copy_`` and th
 multiplies and subtracts 125 ms of a 460 ms training step). Here the products stay torch's
 (the same calls on the same tensors, so the same sums) and the elementwise part of a step is
 one compiled pass (`spikeckpt.adapters.jit_loops`: ``lif_recurrent_*``,
-``lsnn_recurrent_step_jit``, ``recurrent_leaky_step_jit``): the same IEEE operations in the
+``lsnn_recurrent_*``, ``recurrent_leaky_step_jit``): the same IEEE operations in the
 same order, so spikes, states and gradients are bitwise those of the kernels' torch loops,
 which run wherever these functions decline (no Numba, CUDA, other dtypes, a field wider than
 a neuron's, a state in another layout, while ``torch.compile`` traces).
@@ -30,6 +30,7 @@ from spikeckpt.adapters import host_loops, jit_loops
 __all__ = [
     "lif_recurrent_backward_on_host",
     "lif_recurrent_forward_on_host",
+    "lsnn_recurrent_backward_on_host",
     "lsnn_recurrent_forward_on_host",
     "recurrent_leaky_forward_on_host",
 ]
@@ -351,3 +352,65 @@ def lsnn_recurrent_forward_on_host(
         out = (run.ys[t], run.flat[0], *run.kept_at(t))
         jit_loops.lsnn_recurrent_step_jit(run.flat[1:], fed, rec, run.stacked, out)
     return [run.spk, *run.states]
+
+
+def lsnn_recurrent_backward_on_host(
+    g_y: Tensor | None,
+    g_final: Sequence[Tensor | None],
+    g_mem: Tensor | None,
+    slope: Tensor,
+    ys: Tensor,
+    w_rec: Tensor,
+    params: tuple[Tensor, Tensor, Tensor],
+    g_jump: Tensor,
+) -> list[Tensor] | None:
+    """Run `NorseLSNNKernel.backward`'s loop from the last step to the first: dL/d each
+    step's current jump (the current's carry entering the step) into ``g_jump`` ``(k, B,
+    H)``. Returns the gradients of the states before the chunk ``[spikes, membrane, current,
+    threshold]``, or None (nothing written) where it does not run.
+
+    Args:
+        g_y, g_mem: the spikes' and the membranes' gradients ``(k, B, H)``, or None.
+        g_final: the final states' gradients (``[spikes, membrane, current, threshold]``,
+            each broadcastable to a step, or None: zeros, as the torch loop starts).
+        slope: the surrogate's derivative at each step ``(k, B, H)``; ``ys``: the spikes.
+        params: ``(c_m, c_s, c_a)`` (``dt * tau_mem_inv``, ``-dt * tau_syn_inv``, ``dt *
+            tau_adapt_inv``).
+    """
+    k = ys.shape[0]
+    if not (host_loops.USE_JIT and k) or ys.dim() != 3 or not _writable(g_jump, *g_final):
+        return None
+    given = [t for t in (g_y, g_mem, *g_final) if t is not None]
+    arrays = host_loops._host_arrays(ys, slope, g_jump, w_rec, *given)
+    if arrays is None or any(t.shape != ys.shape for t in (g_y, g_mem) if t is not None):
+        return None
+    if any(not host_loops._steps_fit(ys[0], t) for t in g_final if t is not None):
+        return None
+    stacked = _per_neuron(params, ys[0])
+    if stacked is None:
+        return None
+    # the torch loop's first product reads the current's carry as given (zeros for None)
+    first_i = torch.zeros_like(ys[0]) if g_final[2] is None else g_final[2]
+    carry_z, carry_v, carry_i, carry_b = (_flat_copy(t, ys[0]) for t in g_final)
+    carries = [t.numpy().reshape(-1) for t in (carry_z, carry_v, carry_i, carry_b)]
+    ys_rows = _rows(ys, arrays[0])
+    g_y_rows, g_mem_rows, slope_rows = (_rows(t, ys_rows) for t in (g_y, g_mem, slope))
+    jump_rows = _rows(g_jump, ys_rows)
+    flags = (g_y is not None, g_mem is not None)
+    for t in range(k - 1, -1, -1):
+        # the product reads the current's carry entering step t (the first: as given)
+        carry_z = (first_i if t == k - 1 else carry_i) @ w_rec
+        jit_loops.lsnn_recurrent_back_step_jit(
+            g_y_rows[t], g_mem_rows[t], flags, tuple(carries), slope_rows[t], ys_rows[t], stacked,
+            jump_rows[t],
+        )  # fmt: skip
+        carries[0] = _writable_flat(carry_z, ys[0])  # the next step's g_s, in place
+    return [carry_z, carry_v, carry_i, carry_b]
+
+
+def _writable_flat(tensor: Tensor, like: Tensor) -> np.ndarray:
+    """``tensor`` as a ``(n,)`` array the compiled step may overwrite: a view of it where it
+    is contiguous and of ``like``'s shape, else a copy broadcast to that shape."""
+    if tensor.shape != like.shape or not tensor.is_contiguous():
+        tensor = _flat_copy(tensor, like)
+    return tensor.detach().numpy().reshape(-1)
