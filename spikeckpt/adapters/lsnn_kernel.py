@@ -17,7 +17,9 @@ membrane, current, adaptive threshold)::
 The recurrent product needs the previous spikes, so it stays a product per step; the input's
 is gathered over a sparse chunk where it may be (`InputGather`). The backward runs the
 adjoint recurrence by hand: the spike's gradient reaches the state only through the next
-step's recurrent product (the reset and the adaptation take the spike detached).
+step's recurrent product (the reset and the adaptation take the spike detached). On the CPU
+both passes run each step's elementwise part compiled beside torch's products
+(`spikeckpt.adapters.recurrent_host`), bitwise the torch loops.
 
 The feed-forward step, from ``(v, i, b)``, is the same but for the current, ``i' = i_d +
 x_t``, and the spike, which Norse does not detach there: the reset and the adaptation pass
