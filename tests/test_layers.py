@@ -1,6 +1,6 @@
 """The package's layering, read from the source with ``ast`` (imports inside functions too).
 
-Layers, bottom-up (docs/concepts.md, "Architecture"): errors and units < plans (no torch) <
+Layers, bottom-up (docs/concepts.md, "Architecture"): errors, units and numba_jit < plans (no torch) <
 storage < engine < adapters and models < planning < wrapping < lightning, data, bench < cli.
 A module imports only its own layer and those below; sibling packages of one layer do not
 import each other; there is no import cycle; the package root holds the public API only.
@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "spikeckpt"
 LAYERS: tuple[tuple[str, int], ...] = (
     ("spikeckpt.errors", 0),
     ("spikeckpt.units", 0),
+    ("spikeckpt.numba_jit", 0),
     ("spikeckpt.plans", 1),
     ("spikeckpt.storage", 2),
     ("spikeckpt.engine", 3),

@@ -183,7 +183,9 @@ def _positions(
                     kept[j] = v
                     ones &= v == 1
                     j += 1
-    for i in range(words.shape[0] * 8, mask.shape[0]):  # the last bytes, past the words
+    # the last bytes, past the words: the same body (one loop over both, testing i < n, took
+    # 1.15x)
+    for i in range(words.shape[0] * 8, mask.shape[0]):
         if mask[i]:
             r = i // n_in
             rows[j] = r

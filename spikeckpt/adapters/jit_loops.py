@@ -16,11 +16,9 @@ is read-only). Without Numba these functions are None and the NumPy loop runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any
-
 import numpy as np
+
+from spikeckpt.numba_jit import jit
 
 __all__ = [
     "BLOCK",
@@ -43,18 +41,7 @@ __all__ = [
 #: in the L1 cache while the chunk's steps run over them
 BLOCK = 256
 
-numba: ModuleType | None
-try:  # pragma: no branch - numba is a dependency; a platform without its wheels runs NumPy
-    import numba
-except ImportError:  # pragma: no cover
-    numba = None
-
-
-def _jit(function: Callable[..., Any]) -> Any:
-    """``function`` compiled (lazily, per dtype, cached on disk), or None without Numba."""
-    if numba is None:  # pragma: no cover
-        return None
-    return numba.njit(cache=True, nogil=True, boundscheck=False)(function)
+_jit = jit  # the library's njit (`spikeckpt.numba_jit`)
 
 
 #: reset codes of the compiled loops: none, subtract ``thr``, to zero after the step's input

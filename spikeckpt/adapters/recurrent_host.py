@@ -183,6 +183,36 @@ def lif_recurrent_forward_on_host(
     return [run.spk, *run.states]
 
 
+def _backward_fits(
+    ys: Tensor,
+    slope: Tensor,
+    g_jump: Tensor,
+    w_rec: Tensor,
+    per_step_grads: tuple[Tensor | None, Tensor | None],
+    g_final: Sequence[Tensor | None],
+    params: Sequence[Tensor],
+    written: Sequence[Tensor] = (),
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(ys as (k, B * H) rows, the fields stacked per neuron)`` where a compiled recurrent
+    backward runs over the chunk's spikes ``ys`` ``(k, B, H)``, else None: no Numba, an empty
+    chunk, states not ``(B, H)``, a buffer it writes (``g_jump``, ``written``, the final
+    states' gradients) not contiguous, tensors not all CPU and of one float dtype, the
+    per-step gradients ``(g_y, g_mem)`` not ``(k, B, H)``, a final state's gradient or a
+    field wider than a step's or a neuron's."""
+    if not (host_loops.USE_JIT and ys.shape[0]) or ys.dim() != 3:
+        return None
+    if not _writable(g_jump, *written, *g_final):
+        return None
+    given = [t for t in (*per_step_grads, *g_final) if t is not None]
+    arrays = host_loops._host_arrays(ys, slope, g_jump, w_rec, *given, *written)
+    if arrays is None or any(t.shape != ys.shape for t in per_step_grads if t is not None):
+        return None
+    if any(not host_loops._steps_fit(ys[0], t) for t in g_final if t is not None):
+        return None
+    stacked = _per_neuron(params, ys[0])
+    return None if stacked is None else (_rows(ys, arrays[0]), stacked)
+
+
 def lif_recurrent_backward_on_host(
     g_y: Tensor | None,
     g_final: Sequence[Tensor | None],
@@ -209,22 +239,11 @@ def lif_recurrent_backward_on_host(
         params: ``(c_m, c_s)`` (``dt * tau_mem_inv``, ``-dt * tau_syn_inv``).
     """
     k = ys.shape[0]
-    shape = ys.shape[1:]
-    given = [t for t in (g_y, g_mem, *g_final) if t is not None]
-    if not (host_loops.USE_JIT and k) or len(shape) != 2:
-        return None
-    if not _writable(g_jump, *per_step, *g_final):
-        return None
     written = [t for t in per_step if t is not None]
-    arrays = host_loops._host_arrays(ys, slope, g_jump, w_rec, *given, *written)
-    if arrays is None or any(t.shape != ys.shape for t in (g_y, g_mem) if t is not None):
+    fits = _backward_fits(ys, slope, g_jump, w_rec, (g_y, g_mem), g_final, params, written)
+    if fits is None:
         return None
-    if any(not host_loops._steps_fit(ys[0], t) for t in g_final if t is not None):
-        return None
-    stacked = _per_neuron(params, ys[0])
-    if stacked is None:
-        return None
-    ys_rows = _rows(ys, arrays[0])
+    ys_rows, stacked = fits
     carry_v, carry_i = (_flat_copy(t, ys[0]) for t in g_final[1:])
     g_j = torch.empty_like(carry_v)
     carry_z: Tensor | None = g_final[0]
@@ -378,22 +397,14 @@ def lsnn_recurrent_backward_on_host(
             tau_adapt_inv``).
     """
     k = ys.shape[0]
-    if not (host_loops.USE_JIT and k) or ys.dim() != 3 or not _writable(g_jump, *g_final):
+    fits = _backward_fits(ys, slope, g_jump, w_rec, (g_y, g_mem), g_final, params)
+    if fits is None:
         return None
-    given = [t for t in (g_y, g_mem, *g_final) if t is not None]
-    arrays = host_loops._host_arrays(ys, slope, g_jump, w_rec, *given)
-    if arrays is None or any(t.shape != ys.shape for t in (g_y, g_mem) if t is not None):
-        return None
-    if any(not host_loops._steps_fit(ys[0], t) for t in g_final if t is not None):
-        return None
-    stacked = _per_neuron(params, ys[0])
-    if stacked is None:
-        return None
+    ys_rows, stacked = fits
     # the torch loop's first product reads the current's carry as given (zeros for None)
     first_i = torch.zeros_like(ys[0]) if g_final[2] is None else g_final[2]
     carry_z, carry_v, carry_i, carry_b = (_flat_copy(t, ys[0]) for t in g_final)
     carries = [t.numpy().reshape(-1) for t in (carry_z, carry_v, carry_i, carry_b)]
-    ys_rows = _rows(ys, arrays[0])
     g_y_rows, g_mem_rows, slope_rows = (_rows(t, ys_rows) for t in (g_y, g_mem, slope))
     jump_rows = _rows(g_jump, ys_rows)
     flags = (g_y is not None, g_mem is not None)

@@ -5,26 +5,11 @@ non-zero bit patterns): each element read once, the same counts and mask. None w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any
-
 import numpy as np
 
+from spikeckpt.numba_jit import jit
+
 __all__ = ["bits_counted", "ones_masked"]
-
-numba: ModuleType | None
-try:  # pragma: no branch - numba is a dependency; a platform without its wheels runs NumPy
-    import numba
-except ImportError:  # pragma: no cover
-    numba = None
-
-
-def _jit(function: Callable[..., Any]) -> Any:
-    """``function`` compiled (lazily, per dtype, cached on disk), or None without Numba."""
-    if numba is None:  # pragma: no cover
-        return None
-    return numba.njit(cache=True, nogil=True, boundscheck=False)(function)
 
 
 def _ones_masked(
@@ -54,5 +39,5 @@ def _bits_counted(raw: np.ndarray, one: int) -> tuple[int, int]:  # pragma: no c
     return ones, nonzero
 
 
-ones_masked = _jit(_ones_masked)
-bits_counted = _jit(_bits_counted)
+ones_masked = jit(_ones_masked)
+bits_counted = jit(_bits_counted)
