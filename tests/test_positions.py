@@ -28,7 +28,7 @@ def _both(x: Tensor, weight: Tensor) -> tuple[object, object]:
     k=st.integers(1, 6),
     b=st.integers(1, 5),
     n_in=st.integers(1, 37),
-    density=st.sampled_from([0.0, 0.02, 0.1, 0.3]),
+    density=st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]),
     graded=st.booleans(),
     odd=st.sampled_from(["none", "nan", "inf", "-0"]),
     dtype=st.sampled_from([torch.float32, torch.float64]),
