@@ -5,6 +5,7 @@ from, bitwise torch's own (ties, NaNs, padding, ``ceil_mode``), and the pools it
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import warnings
@@ -20,6 +21,7 @@ from torch.nn import functional as F
 
 import spikeckpt as sc
 from spikeckpt.adapters import pooling
+from spikeckpt.adapters.generic import StatelessAdapter
 from spikeckpt.adapters.pooling import fast_max_pool
 
 with warnings.catch_warnings():
@@ -341,3 +343,16 @@ def test_a_compiled_training_step_runs_the_pools_first_backward() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) > 0
+
+
+def test_a_bare_pool_adapter_pickles_and_pools_the_same() -> None:
+    """The adapter keeps its pool as a partial of a module-level function: pickled and
+    loaded, it pools through the fast kernel, bitwise the module's own values."""
+    adapter = StatelessAdapter(nn.MaxPool2d(2))
+    loaded = pickle.loads(pickle.dumps(adapter))
+    assert loaded._pool is not None
+    x = torch.randn(4, 8, 32, 32)  # 32,768 elements, 8 channels: the fast kernel's
+    x.requires_grad_(True)
+    _, pooled = loaded.step((), x)
+    assert "_MaxPool2d" in type(pooled.grad_fn).__name__
+    assert torch.equal(pooled, F.max_pool2d(x, 2))

@@ -20,6 +20,7 @@ so the result is torch's, bitwise.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ def _rows_per_slice(x: Tensor) -> int:
     return max(1, SLICE_BYTES // max(row, 1))
 
 
-def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
+def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor | None] | None:
     """``module`` through the channels-last kernel (`_MaxPool2d`), or None where it is not
     a plain ``nn.MaxPool2d`` (torch's class and ``forward``) returning values alone over
     windows that do not overlap (stride at least the kernel, no dilation). The function
@@ -75,16 +76,18 @@ def fast_max_pool(module: nn.Module) -> Callable[[Tensor], Tensor] | None:
         return None  # torch also takes one number in a tuple, or no stride: the module's call
     if dilation != (1, 1) or any(s < k for s, k in zip(stride, kernel, strict=True)):
         return None
-    args = (kernel, stride, padding, dilation, bool(m.ceil_mode))
+    # a partial of a module-level function: an adapter holding it pickles (a closure did not)
+    return functools.partial(_pool, args=(kernel, stride, padding, dilation, bool(m.ceil_mode)))
 
-    def pool(x: Tensor) -> Tensor | None:
-        if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in (torch.float32, torch.float64):
-            return None
-        if x.numel() < MIN_ELEMENTS or x.shape[1] < MIN_CHANNELS or not x.is_contiguous():
-            return None
-        return _MaxPool2d.apply(x, *args)
 
-    return pool  # type: ignore[return-value]
+def _pool(x: Tensor, args: tuple[Pair, Pair, Pair, Pair, bool]) -> Tensor | None:
+    """`fast_max_pool`'s function: ``x`` pooled by `_MaxPool2d` with ``args``, or None."""
+    if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in (torch.float32, torch.float64):
+        return None
+    if x.numel() < MIN_ELEMENTS or x.shape[1] < MIN_CHANNELS or not x.is_contiguous():
+        return None
+    out: Tensor = _MaxPool2d.apply(x, *args)
+    return out
 
 
 class _MaxPool2d(torch.autograd.Function):
