@@ -1398,3 +1398,21 @@ def test_a_top_neuron_returning_more_than_its_membrane_stays_fused() -> None:
     seq = sc.wrap(net, granularity="layer", chunk=4)
     seq(x)
     assert [b.neuron for b in seq.last_stats.blocks] == ["fused", "fused"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5), (25, 16, 512), (7, 300, 2)])
+def test_spikes_cast_through_bytes_are_torchs_cast(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """`as_spikes` (a boolean tensor cast through a ``uint8`` view where it is large): the
+    values, dtype and shape of ``.to(dtype)``, a strided view included."""
+    from spikeckpt.adapters.kernels import CAST_VIA_BYTES, as_spikes
+
+    fired = torch.rand(shape) < 0.3
+    for t in (fired, fired.transpose(0, -1), fired[::2]):
+        got, want = as_spikes(t, dtype), t.to(dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert (fired.numel() >= CAST_VIA_BYTES) == (shape != (3, 5))  # both paths tested
+    floats = torch.rand(shape)  # not boolean: cast as given
+    assert torch.equal(as_spikes(floats, dtype), floats.to(dtype))

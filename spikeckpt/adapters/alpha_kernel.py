@@ -33,6 +33,7 @@ from spikeckpt.adapters.kernels import (
     Spike,
     SpikeGrad,
     SurrogateKernel,
+    as_spikes,
     emitted,
     is_unit,
     per_leaf,
@@ -110,7 +111,7 @@ class AlphaKernel(SurrogateKernel):
         mems, fires = [mem], [fired]
         excs, inhs, sums = [exc], [inh], []
         for z_t in z.unbind(0):
-            r = fired.to(mem.dtype)
+            r = as_spikes(fired, mem.dtype)
             e = a * exc + z_t
             i = b * inh - z_t
             total = e + i
@@ -135,7 +136,7 @@ class AlphaKernel(SurrogateKernel):
                 inhs.append(inh)
         y = None
         if want_y:
-            s = torch.stack(fires[1:]).float()
+            s = as_spikes(torch.stack(fires[1:]))
             y = s if is_unit(graded) else s * graded
         mem_all = torch.stack(mems) if keep or want_mem else None
         exc_all, inh_all = [

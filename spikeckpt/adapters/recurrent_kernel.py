@@ -32,6 +32,7 @@ from spikeckpt.adapters.kernels import (
     _same_layout,
     _subtraction_is_exact,
     _wanted,
+    as_spikes,
     clamp_grad,
     emitted,
     is_unit,
@@ -225,7 +226,7 @@ class RecurrentKernel(SurrogateKernel):
                 torch.gt(mem - thr, 0, out=fires[t + 1])
             # snnTorch's spike: heaviside (float32) times the factor, a tensor of its own: a
             # matrix product's sums may round differently on a view at another alignment
-            spk = fires[t + 1].float() * graded
+            spk = as_spikes(fires[t + 1]) * graded
             ys[t] = spk
         saved = (mems, syns, fires, spk0, ys) if keep else None
         final = [spk, mem.clone() if mems is not None else mem]
