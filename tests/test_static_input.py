@@ -235,5 +235,8 @@ def test_a_dropout_switched_on_after_wrapping_draws_at_every_step() -> None:
     utils.reset(net)
     torch.manual_seed(7)
     _, got = seq(img.expand(T, *img.shape))
-    assert torch.equal(got, want)
-    assert torch.equal(net[2].running_mean, want_mean)
+    # at round-off, not bitwise: the chunk's product over the drawn steps may round otherwise
+    # than the loop's per-step products (MKL on an AMD EPYC, by the input's address: it failed
+    # once in 2 full runs there); the bug's membranes were 4.1 off
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(net[2].running_mean, want_mean, rtol=1e-5, atol=1e-6)
