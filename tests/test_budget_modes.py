@@ -88,7 +88,8 @@ def test_plans_saved_under_autocast_are_restored_under_autocast() -> None:
         seq = sc.wrap(_net(), granularity="stack", readout="sum")
         seq.set_planner(loaded)
         assert _peak(seq, x, y, autocast) <= BUDGET
-        assert seq.last_stats.plan == planned[autocast], autocast
+        if autocast:  # the saved plan itself; float32 measures afresh (timed: its own choice)
+            assert seq.last_stats.plan == planned[autocast]
         assert loaded.probes == (0 if autocast else 1), autocast  # reused, or measured
 
 
