@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.adapters import jit_loops
-from spikeckpt.adapters.gather import Transposed, gather, gather_weight_grad
+from spikeckpt.adapters.gather import Transposed, finite, gather, gather_weight_grad
 from spikeckpt.adapters.protocol import no_hooks
 from spikeckpt.engine.amp import autocast_on
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
@@ -95,8 +95,10 @@ def weight_positions(
 ) -> Positions | None:
     """The non-zeros of ``x`` as `sparse_positions` gives them, where ``x @ weight.T`` may
     gather over them (CPU, the weight's dtype, no grad, no autocast, at most ``limit``'s share
-    of ones), else None. Under ``torch.autocast`` the loop's product runs in the reduced dtype
-    (a bf16 product, rounded to bf16): a float32 gather would give other values and dtype."""
+    of ones, a finite weight), else None. Under ``torch.autocast`` the loop's product runs in
+    the reduced dtype (a bf16 product, rounded to bf16): a float32 gather would give other
+    values and dtype. A weight with a NaN or an infinity makes the loop's product NaN where
+    the input is zero (``0 * nan``), which a gather over the non-zeros skips."""
     shape = x.shape
     if (
         x.device.type != "cpu"
@@ -110,7 +112,7 @@ def weight_positions(
     ):
         return None
     share = limit.share(weight.shape[0])
-    if share <= 0:
+    if share <= 0 or not finite(weight):
         return None
     n_rows = shape[:-1].numel()
     if isinstance(x, SparseChunk):

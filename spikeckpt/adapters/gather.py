@@ -10,6 +10,7 @@ beyond the kept transpose of a small weight.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = [
     "GatherLinear",
     "Transposed",
     "column_order",
+    "finite",
     "gather",
     "gather_weight_grad",
 ]
@@ -62,6 +64,14 @@ class Transposed:
 
     def clear(self) -> None:
         self.value = None
+
+
+def finite(tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds no NaN and no infinity, from its sum (one pass, nothing
+    allocated; a sum that overflows says no: the caller then takes the dense product, the
+    loop's own). A gather skips the zeros a dense product multiplies: ``0 * inf`` and ``0 *
+    nan`` are NaN there."""
+    return math.isfinite(float(tensor.detach().sum()))
 
 
 def gather(
@@ -114,8 +124,15 @@ def gather_weight_grad(
     and returned: column ``j`` sums the rows of ``grad (n_rows, out)`` where input ``j`` is
     non-zero (bags over the input's columns, rows ascending in each), for a block of output
     rows at a time; each block's bags come out ``(in, block)`` and are added through the
-    transposed view of the sum's rows (no transposed copy)."""
+    transposed view of the sum's rows (no transposed copy). A ``grad`` with a NaN or an
+    infinity takes the dense product over the input rebuilt from its non-zeros: the loop's
+    ``grad.T @ flat`` multiplies it by the zeros too (``inf * 0`` is NaN)."""
     out, n_in = weight_shape
+    if not finite(grad):
+        flat = grad.new_zeros(grad.shape[0], n_in)
+        flat[rows.long(), cols.long()] = 1.0 if values is None else values.to(grad.dtype)
+        product = grad.t().mm(flat)
+        return product if target is None else target.add_(product)
     order = column_order(cols, n_in)
     counts = torch.bincount(cols, minlength=n_in)
     rows = rows[order]
