@@ -9,7 +9,7 @@ import numpy as np
 
 from spikeckpt.numba_jit import jit
 
-__all__ = ["bits_counted", "ones_masked"]
+__all__ = ["bits_counted", "bits_counted_rows", "ones_masked"]
 
 
 def _ones_masked(
@@ -39,5 +39,23 @@ def _bits_counted(raw: np.ndarray, one: int) -> tuple[int, int]:  # pragma: no c
     return ones, nonzero
 
 
+def _bits_counted_rows(
+    raw: np.ndarray, starts: np.ndarray, n: int, one: int
+) -> tuple[int, int]:  # pragma: no cover
+    """`_bits_counted` over the rows ``raw[start : start + n]`` for each of ``starts`` (a
+    tensor whose rows are contiguous and no flat view reads: a chunk of a permuted input,
+    read where it lies, not copied)."""
+    ones = 0
+    nonzero = 0
+    for start in starts:
+        row = raw[start : start + n]  # indices from 0: no wraparound test, vectorized
+        for i in range(n):
+            bits = row[i]
+            ones += bits == one
+            nonzero += bits != 0
+    return ones, nonzero
+
+
 ones_masked = jit(_ones_masked)
 bits_counted = jit(_bits_counted)
+bits_counted_rows = jit(_bits_counted_rows)
