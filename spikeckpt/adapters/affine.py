@@ -124,7 +124,7 @@ def weight_positions(
     strided = _positions_at_jit is not None and x.dtype in (torch.float32, torch.float64)
     if strided and x.dim() > 2 and not merged(x, 0, x.dim() - 1) and merged(x, 1, x.dim() - 1):
         # no (rows, in) view, a (k, rows, in) one: read where it lies
-        return _listed_strided(x, x.view(shape[0], -1, shape[-1]), share)
+        return _listed_strided(x, share)
     flat = x.reshape(n_rows, shape[-1])
     # through a boolean view and NumPy: counted and listed at a third of torch.nonzero's cost
     # here (200 against 430 us for 25 x 16 x 512), the same positions in the same order
@@ -133,7 +133,7 @@ def weight_positions(
     if count > share * flat.numel():
         return None
     if _positions_jit is not None and flat.dtype in (torch.float32, torch.float64):
-        return n_rows, *_listed(flat, nonzero, count)
+        return n_rows, *_listed(flat.reshape(-1).numpy(), nonzero, count, shape[-1])
     found = np.flatnonzero(nonzero)
     if flat.numel() < 2**31:  # 32-bit positions: half the bytes (embedding_bag takes them)
         found = found.astype(np.int32)
@@ -146,45 +146,87 @@ def weight_positions(
     return n_rows, rows, where - rows * shape[-1], values
 
 
-def _listed(flat: Tensor, nonzero: np.ndarray, count: int) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(rows, columns, values or None for ones)`` of the ``count`` non-zeros of ``flat``
-    ``(rows, in)`` (float32 / float64; ``nonzero`` its boolean array), in order, in one
-    compiled pass (`_positions`): 32-bit positions where they fit, as `weight_positions`'s
-    NumPy listing gives them, 1.4-2.8x faster (a chunk of 21 x 32 x 700 at 5% ones: 0.25
-    against 0.71 ms on an AMD EPYC, allocations included)."""
-    values = flat.reshape(-1).numpy()
-    index = np.int32 if flat.numel() < 2**31 else np.int64
-    # the columns' array lists the positions first, one past the count (`_positions`)
+def _listed(
+    values: np.ndarray, nonzero: np.ndarray, count: int, n_in: int, kernel: Any = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(rows, columns, values or None for ones)`` of the ``count`` non-zeros of the boolean
+    array ``nonzero`` (row-major, ``in = n_in`` columns), in order, in one compiled pass
+    (``kernel``: `_positions` reading ``values`` flat, the default, or `_positions_at`):
+    32-bit positions where they fit, as `weight_positions`'s NumPy listing gives them,
+    1.4-2.8x faster (a chunk of 21 x 32 x 700 at 5% ones: 0.25 against 0.71 ms on an AMD
+    EPYC, allocations included). ``values``: float32 / float64."""
+    index = np.int32 if nonzero.size < 2**31 else np.int64
+    # the columns' array lists the positions first, one past the count (`_marked`)
     rows, cols = np.empty(count, index), np.empty(count + 1, index)
     kept = np.empty(count, values.dtype)
     mask = nonzero.reshape(-1).view(np.uint8)
     words = mask[: mask.size // 8 * 8].view(np.uint64)
-    ones = _positions_jit(mask, words, values, flat.shape[-1], rows, cols, kept)
+    ones = (kernel or _positions_jit)(mask, words, values, n_in, rows, cols, kept)
     listed = torch.from_numpy(kept)
     return torch.from_numpy(rows), torch.from_numpy(cols[:count]), None if ones else listed
 
 
-def _listed_strided(x: Tensor, three: Tensor, share: float) -> Positions | None:
+def _listed_strided(x: Tensor, share: float) -> Positions | None:
     """`weight_positions` of a chunk ``x (k, B, ..., in)`` that no ``(rows, in)`` view reads
-    (a chunk of a permuted or batch-first input), read where it lies: the mask of non-zeros
-    made by torch in row-major order, the values read at the positions alone (`_positions_at`); the
-    same positions, values and index dtype as `_listed` of the chunk's copy, without that
-    copy (the planner measured it as working memory: 1.7x shorter layer-wise chunks for a
-    batch-first input); ``three``: ``x`` viewed as ``(k, rows, in)``. None above
-    ``share``'s count of non-zeros."""
-    n_in = x.shape[-1]
+    but a ``(k, rows, in)`` one does (a chunk of a permuted or batch-first input), read where
+    it lies: the mask of non-zeros made by torch in row-major order, the values read at the
+    positions alone (`_positions_at`); the same positions, values and index dtype as
+    `_listed` of the chunk's copy, without that copy (the planner measured it as working
+    memory: 1.7x shorter layer-wise chunks for a batch-first input). None above ``share``'s
+    count of non-zeros."""
     nonzero = x.bool().numpy().reshape(-1)  # row-major (a copy where torch kept x's order)
     count = int(np.count_nonzero(nonzero))
     if count > share * x.numel():
         return None
-    index = np.int32 if x.numel() < 2**31 else np.int64
-    rows, cols = np.empty(count, index), np.empty(count, index)
-    kept = np.empty(count, torch.empty((), dtype=x.dtype).numpy().dtype)
-    flat_mask = nonzero.view(np.uint8)
-    words = flat_mask[: flat_mask.size // 8 * 8].view(np.uint64)
-    ones = _positions_at_jit(flat_mask, words, three.numpy(), n_in, rows, cols, kept)
-    listed = None if ones else torch.from_numpy(kept)
-    return x.shape[:-1].numel(), torch.from_numpy(rows), torch.from_numpy(cols), listed
+    three = x.view(x.shape[0], -1, x.shape[-1]).numpy()
+    return x.shape[:-1].numel(), *_listed(three, nonzero, count, x.shape[-1], _positions_at_jit)
+
+
+def _marked(mask: np.ndarray, words: np.ndarray, found: np.ndarray) -> int:  # pragma: no cover
+    """The positions ``i`` of the non-zeros of ``mask`` (0 / 1 bytes; ``words``: its first
+    bytes as 64-bit words, eight skipped at once where all are zero) into ``found`` (one
+    longer than their count), in order; returns their count. No branch per byte: each byte
+    of a non-zero word is written and the count advanced by the byte (a branch per byte
+    mispredicts at a few percent ones, 2.5x the time at 5% of 21 x 32 x 700 on an EPYC)."""
+    j = 0
+    for w in range(words.shape[0]):
+        if words[w] != 0:
+            for b in range(8):  # a constant count: unrolled (a range of w * 8.. took 1.45x)
+                i = w * 8 + b
+                found[j] = i  # kept where the byte is 1 (the count moves past it), else rewritten
+                j += mask[i]
+    for i in range(words.shape[0] * 8, mask.shape[0]):  # the last bytes, past the words
+        found[j] = i
+        j += mask[i]
+    return j
+
+
+_marked_jit = jit_loops._jit(_marked)
+
+
+def _positions(
+    mask: np.ndarray,
+    words: np.ndarray,
+    values: np.ndarray,
+    n_in: int,
+    rows: np.ndarray,
+    cols: np.ndarray,
+    kept: np.ndarray,
+) -> bool:  # pragma: no cover - runs compiled
+    """The ``n`` non-zeros of ``mask`` (as `_marked` takes it): each one's row ``i // n_in``,
+    column and value ``values[i]`` into ``rows``, ``cols`` and ``kept`` (``n``, ``n + 1``,
+    ``n``), in order. Returns whether every value is 1. The positions are listed into
+    ``cols`` first (`_marked`), then split into row and column in place."""
+    ones = True
+    for k in range(_marked_jit(mask, words, cols)):
+        i = cols[k]
+        r = i // n_in
+        rows[k] = r
+        cols[k] = i - r * n_in
+        v = values[i]
+        kept[k] = v
+        ones &= v == 1
+    return ones
 
 
 def _positions_at(
@@ -199,71 +241,14 @@ def _positions_at(
     """`_positions` reading each non-zero's value from ``values`` ``(k, B, n_in)`` (any
     strides) at its step, row and column."""
     per_step = values.shape[1]
-    j = 0
     ones = True
-    for w in range(words.shape[0]):
-        if words[w] != 0:
-            for b in range(8):
-                i = w * 8 + b
-                if mask[i]:
-                    r = i // n_in
-                    c = i - r * n_in
-                    rows[j] = r
-                    cols[j] = c
-                    t = r // per_step
-                    v = values[t, r - t * per_step, c]
-                    kept[j] = v
-                    ones &= v == 1
-                    j += 1
-    for i in range(words.shape[0] * 8, mask.shape[0]):
-        if mask[i]:
-            r = i // n_in
-            c = i - r * n_in
-            rows[j] = r
-            cols[j] = c
-            t = r // per_step
-            v = values[t, r - t * per_step, c]
-            kept[j] = v
-            ones &= v == 1
-            j += 1
-    return ones
-
-
-def _positions(
-    mask: np.ndarray,
-    words: np.ndarray,
-    values: np.ndarray,
-    n_in: int,
-    rows: np.ndarray,
-    cols: np.ndarray,
-    kept: np.ndarray,
-) -> bool:  # pragma: no cover - runs compiled
-    """The ``n`` non-zeros of ``mask`` (0 / 1 bytes; ``words``: its first bytes as 64-bit
-    words, eight skipped at once where all are zero): each one's row ``i // n_in``, column and
-    value ``values[i]`` into ``rows``, ``cols`` and ``kept`` (``n``, ``n + 1``, ``n``), in
-    order. Returns whether every value is 1.
-
-    Two passes: the positions ``i`` into ``cols`` without a branch per byte (each byte of a
-    non-zero word written, the count advanced by the byte: a branch per byte mispredicts at a
-    few percent ones, 2.5x the time at 5% of 21 x 32 x 700 on an EPYC), then each position
-    split into row and column and its value read, in place."""
-    j = 0
-    for w in range(words.shape[0]):
-        if words[w] != 0:
-            for b in range(8):  # a constant count: unrolled (a range of w * 8.. took 1.45x)
-                i = w * 8 + b
-                cols[j] = i  # kept where the byte is 1 (the count moves past it), else rewritten
-                j += mask[i]
-    for i in range(words.shape[0] * 8, mask.shape[0]):  # the last bytes, past the words
-        cols[j] = i
-        j += mask[i]
-    ones = True
-    for k in range(j):
+    for k in range(_marked_jit(mask, words, cols)):
         i = cols[k]
         r = i // n_in
         rows[k] = r
         cols[k] = i - r * n_in
-        v = values[i]
+        t = r // per_step
+        v = values[t, r - t * per_step, cols[k]]
         kept[k] = v
         ones &= v == 1
     return ones
