@@ -242,13 +242,17 @@ def _positions_at(
     strides) at its step, row and column."""
     per_step = values.shape[1]
     ones = True
+    t = 0  # the step of row r, and its first row: rows ascend, no division per non-zero
+    first = 0
     for k in range(_marked_jit(mask, words, cols)):
         i = cols[k]
         r = i // n_in
         rows[k] = r
         cols[k] = i - r * n_in
-        t = r // per_step
-        v = values[t, r - t * per_step, cols[k]]
+        while r - first >= per_step:
+            t += 1
+            first += per_step
+        v = values[t, r - first, cols[k]]
         kept[k] = v
         ones &= v == 1
     return ones
