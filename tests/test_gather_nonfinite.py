@@ -6,6 +6,7 @@ gradient (``inf * 0``), so the NaNs of outputs and gradients are the loop's."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import snntorch as snn
@@ -14,7 +15,12 @@ from torch import Tensor, nn
 
 import spikeckpt as sc
 from spikeckpt.adapters.gather import finite, gather_weight_grad
+from tests.norse_cells import counted_gathers, norse_loop
 from tests.snn_loops import gather_calls, leaky_loop
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import norse.torch as nt
 
 
 def _net(n_in: int, hidden: int) -> nn.Sequential:
@@ -93,3 +99,45 @@ def test_gather_weight_grad_with_an_infinity_is_the_dense_product() -> None:
                 assert torch.equal(result.isnan(), want.isnan())
                 assert torch.equal(result.isinf(), want.isinf())
                 torch.testing.assert_close(result.nan_to_num(), (want + base).nan_to_num())
+
+
+def test_a_weight_made_nan_through_data_between_calls_is_not_gathered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A weight's finiteness is summed once per pass of the engine: a NaN written through
+    ``.data`` between two calls (no version bump) is seen by the next call, which then keeps
+    the dense product, as the loop's NaN membranes."""
+    net = _net(40, 1024)[:2]
+    x = _x(6, 2, 40)
+    x[:, :, 3] = 0
+    seq = sc.wrap(net, granularity="layer", chunk=3, output="mem")
+    calls = gather_calls(monkeypatch)
+    assert seq(x).isfinite().all() and calls
+    version = net[0].weight._version
+    net[0].weight.data[:, 3] = float("nan")
+    assert net[0].weight._version == version  # unseen by a cache keyed on the version alone
+    calls.clear()
+    got = seq(x)
+    _, want = leaky_loop(copy.deepcopy(net), x)
+    assert not calls and want.isnan().all() and got.isnan().all()
+
+
+def test_a_norse_cells_input_weight_made_nan_between_calls_is_not_gathered() -> None:
+    """The same for a Norse recurrent cell's own input product (its kernel's gather): the
+    second call, after a NaN written through ``.data`` in an input column that never fires,
+    gives the loop's spikes and does not gather."""
+    torch.manual_seed(0)
+    cell = nt.LIFRecurrentCell(40, 64)
+    with torch.no_grad():
+        cell.input_weights.mul_(20)
+    x = _x(8, 2, 40)
+    x[:, :, 3] = 0
+    seq = sc.wrap(nt.SequentialState(cell), granularity="layer", chunk=4)
+    with counted_gathers() as calls:
+        seq(x)
+        assert calls
+        cell.input_weights.data[:, 3] = float("nan")
+        calls.clear()
+        got = seq(x)[0]
+    assert not calls
+    assert torch.equal(got, norse_loop(copy.deepcopy(nt.SequentialState(cell)), x))

@@ -300,7 +300,7 @@ def _kernel_matches_step(
     return True
 
 
-def _cleanup(block: Block, *caches: Transposed) -> Callable[[], None]:
+def _cleanup(block: Block, *caches: Transposed | SparseLimit) -> Callable[[], None]:
     def cleanup() -> None:
         for layer in (*block.synapses, block.neuron):
             layer.cleanup()
@@ -308,6 +308,11 @@ def _cleanup(block: Block, *caches: Transposed) -> Callable[[], None]:
             cache.clear()
 
     return cleanup
+
+
+def _kernel_limits(kernel: object) -> tuple[SparseLimit, ...]:
+    """The gather limit of a Norse cell's own input product (its cleanup drops its sums)."""
+    return (kernel.inputs.limit,) if isinstance(kernel, NorseCellKernel) else ()
 
 
 def _plain_linear(synapses: Sequence[LayerAdapter]) -> nn.Linear | None:
@@ -385,7 +390,7 @@ def layer_blocks(blocks: Sequence[Block], exact: bool = False) -> list[LayerBloc
                 membrane=block.neuron.membrane,
                 draws_random=_draws_random(block),
                 params=params,
-                cleanup=_cleanup(block, transposed),
+                cleanup=_cleanup(block, transposed, limit, *_kernel_limits(kernel)),
                 sparse_synapse=None
                 if exact
                 else _sparse_synapse(block.synapses, sink, transposed, limit),
