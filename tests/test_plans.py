@@ -203,6 +203,41 @@ def test_choose_never_exceeds_the_budget(
         assert isinstance(plan, BPTT)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    T=st.integers(1, 2500),
+    S=st.integers(1, 1000),
+    A=st.integers(1, 1000),
+    fraction=st.floats(0.0, 1.2),
+    forward=st.sampled_from([0.0, 0.3, 1.0]),
+    segment=st.sampled_from([0.0, 1.0, 40.0]),
+)
+def test_the_uniform_search_finds_what_a_sweep_over_every_interval_finds(
+    T: int, S: int, A: int, fraction: float, forward: float, segment: float
+) -> None:
+    """`choose`'s Uniform candidate, from O(sqrt(T)) intervals, is the fastest fitting
+    interval of all ``T`` (the shortest of ties), with the same cost."""
+    from spikeckpt.plans.choose import _uniform
+
+    costs = CostModel(forward=forward, segment=segment)
+    budget = int(fraction * (S + T * A))
+    best = None
+    for interval in range(1, T + 1):
+        cost = Uniform(interval).cost(T, state_bytes=S, step_bytes=A, costs=costs)
+        if cost.peak_bytes <= budget and (best is None or cost.time < best[1].time):
+            best = (interval, cost)
+    found = _uniform(T, S, A, budget, costs)
+    assert [(c.plan.interval, c.cost) for c in found] == ([] if best is None else [best])
+
+
+def test_choose_plans_ten_million_steps() -> None:
+    """`choose` at T = 10^7 with 5% of BPTT's bytes, as ``spikeckpt plan --T 10000000``
+    (which swept every Uniform interval: minutes; now O(sqrt(T)) of them)."""
+    T, S, A = 10**7, 64 << 10, 100 << 10
+    plan = plans.choose(T, S, A, (S + T * A) // 20, remote=True)
+    assert plan == Uniform(476191)
+
+
 def test_choose_prefers_faster_plans_and_reports_alternatives() -> None:
     ranked = plans.rank(1000, 1, 1, 1001 // 20, costs=CostModel(write=4, read=4))
     assert ranked, "something fits at 5% of BPTT"

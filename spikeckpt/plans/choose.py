@@ -39,9 +39,19 @@ def _grid(limit: int, points: int = 48) -> list[int]:
     return sorted(values)
 
 
+def _uniform_intervals(T: int) -> list[int]:
+    """The intervals worth trying for ``T`` steps, ascending: each count of segments ``n``'s
+    shortest interval ``ceil(T / n)`` (O(sqrt(T)) of them). A longer interval with the same
+    ``n`` holds more taped steps and recomputes more (``T + (n - 1) k`` evaluations), so it
+    never fits where the shortest does not nor runs faster; the fastest fitting interval,
+    the shortest of ties, is the one a sweep over every interval finds."""
+    root = math.isqrt(T) + 1
+    return sorted(set(range(1, min(T, root) + 1)) | {-(-T // n) for n in range(1, root + 1)})
+
+
 def _uniform(T: int, S: int, A: int, budget: int, costs: CostModel) -> list[Candidate]:
     best: Candidate | None = None
-    for interval in range(1, T + 1):
+    for interval in _uniform_intervals(T):
         cost = Uniform(interval).cost(T, state_bytes=S, step_bytes=A, costs=costs)
         if cost.peak_bytes <= budget and (best is None or cost.time < best.cost.time):
             best = Candidate(Uniform(interval), cost)
