@@ -132,21 +132,31 @@ def _first_layer(model: nn.Module) -> nn.Module:
 
 
 def refuse_integer_input(model: nn.Module, x: Any) -> None:
-    """An integer or bool dense input to a first ``Linear`` or convolution with floating
-    weights (tonic's ``ToFrame`` gives ``int16`` event counts): torch's dtype error comes from
-    deep inside the run and does not say to cast."""
+    """An integer or bool input to a first ``Linear`` or convolution with floating weights
+    (tonic's ``ToFrame`` gives ``int16`` event counts; a train packed from ``x.bool()``
+    unpacks to ``bool``): torch's dtype error comes from deep inside the run and does not say
+    to cast. ``x`` is dense or packed (a ``SpikeTrain``: its ``dtype`` is the one it unpacks to)."""
     first = _first_layer(model)
     weight = getattr(first, "weight", None)
-    if not isinstance(x, Tensor) or is_packed(x) or x.is_floating_point() or x.is_complex():
+    packed = is_packed(x)
+    if not (packed or isinstance(x, Tensor)):
+        return
+    if x.dtype.is_floating_point or x.dtype.is_complex:
         return
     if not isinstance(first, nn.Linear | nn.modules.conv._ConvNd):
         return
     if not isinstance(weight, Tensor) or not weight.is_floating_point():
         return
+    fix = (
+        f"pack a {weight.dtype} train (SpikeTrain.from_dense(dense.to({weight.dtype})), or "
+        "sparse.float() for a torch.sparse_coo train)"
+        if packed
+        else f"pass x.float() (or x.to({weight.dtype})); tonic's ToFrame gives int16 event counts"
+    )
+    what = "the packed train x unpacks to" if packed else "x is"
     raise ConfigTypeError(
-        f"x is {x.dtype} and the first layer ({type(first).__name__}) computes in "
-        f"{weight.dtype}: pass x.float() (or x.to({weight.dtype})); tonic's ToFrame gives "
-        "int16 event counts"
+        f"{what} {x.dtype} and the first layer ({type(first).__name__}) computes in "
+        f"{weight.dtype}: {fix}"
     )
 
 

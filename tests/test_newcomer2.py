@@ -274,6 +274,23 @@ def test_integer_frames_are_refused_naming_the_cast(dtype: torch.dtype) -> None:
     assert sc.wrap(_fc_net())(x.float()).shape == (T, B, K)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool])
+def test_integer_packed_trains_are_refused_naming_the_cast(dtype: torch.dtype) -> None:
+    """A train packed from ``x.bool()`` (or a ``uint8`` ``torch.sparse_coo`` train) unpacks
+    to that dtype: the dense tensor got the `ConfigTypeError` above, the packed one torch's
+    ``RuntimeError: mat1 and mat2 must have the same dtype, but got Bool and Float`` from
+    inside the run (both granularities)."""
+    torch.manual_seed(0)
+    dense = _spikes((T, B, C))
+    for x in (sc.SpikeTrain.from_dense(dense.to(dtype)), dense.to(dtype).to_sparse()):
+        for granularity in ("stack", "layer"):
+            seq = sc.wrap(_fc_net(), granularity=granularity)
+            with pytest.raises(sc.ConfigTypeError, match=rf"unpacks to {dtype}.*from_dense"):
+                seq(x)
+    packed = sc.SpikeTrain.from_dense(dense)
+    assert torch.equal(sc.wrap(_fc_net())(packed), sc.wrap(_fc_net())(dense))
+
+
 def test_scan_names_the_layout_when_a_batch_first_input_changes_the_state() -> None:
     torch.manual_seed(0)
     fc, lif = nn.Linear(C, 16), snn.Leaky(0.9)
