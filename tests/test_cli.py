@@ -132,6 +132,8 @@ ARGUMENT_ERRORS = [
     (["bench", "--density", "2"], "must be a probability in [0, 1]"),
     (["bench", "--repeats", "0"], "argument --repeats: must be at least 1"),
     (["data", "synth", "--dataset", "mnist", "--root", "x"], "invalid choice: 'mnist'"),
+    (["data", "synth", "--dataset", "shd", "--root", "x", "--seed", "-1"],
+     "argument --seed: must be at least 0, got '-1'"),
 ]  # fmt: skip
 
 

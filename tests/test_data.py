@@ -30,7 +30,7 @@ from spikeckpt.data import (  # noqa: E402
 from spikeckpt.data.datasets import NMNIST  # noqa: E402
 from spikeckpt.data.frames import EventsToSpikes  # noqa: E402
 from spikeckpt.data.synthetic import MARKER, SHD_KEYS, encode_nmnist_events  # noqa: E402
-from spikeckpt.errors import SpikeckptError  # noqa: E402
+from spikeckpt.errors import ConfigError, SpikeckptError  # noqa: E402
 
 
 def _offline() -> bool:
@@ -146,6 +146,16 @@ def test_writer_refuses_to_overwrite_real_data(tmp_path: Path) -> None:
     (tmp_path / "SHD" / "shd_train.h5").write_bytes(b"real")
     with pytest.raises(FileExistsError, match="refusing to overwrite"):
         write_synthetic_shd(tmp_path, samples=4)
+
+
+@pytest.mark.parametrize("writer", [write_synthetic_shd, write_synthetic_nmnist])
+def test_writer_refuses_a_negative_seed_before_writing(tmp_path: Path, writer: Any) -> None:
+    """NumPy's ``default_rng(-1)`` said only "expected non-negative integer" (``spikeckpt
+    data synth --seed -1`` printed that, naming no argument), after the data folder and its
+    marker file were written."""
+    with pytest.raises(ConfigError, match=r"seed must be an integer >= 0, got -1"):
+        writer(tmp_path, samples=2, seed=-1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_writer_is_deterministic(tmp_path: Path) -> None:

@@ -104,6 +104,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number: write an integer >= 0, e.g. 0"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Budget:
     """A device budget given as bytes, or as a share of what plain BPTT needs."""

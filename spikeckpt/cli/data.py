@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from spikeckpt.cli._args import output_folder, positive_int
+from spikeckpt.cli._args import non_negative_int, output_folder, positive_int
 
 #: How to use the files each dataset's writer leaves, printed after writing them.
 _USE = {
@@ -57,7 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="test recordings (default: samples/4)",
     )
-    synth.add_argument("--seed", type=int, default=0, help="random seed")
+    synth.add_argument(
+        "--seed", type=non_negative_int, default=0, help="random seed (an integer >= 0)"
+    )
     synth.add_argument(
         "--include-empty", action="store_true", help="make sample 0 of each split empty"
     )

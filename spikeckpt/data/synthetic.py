@@ -71,6 +71,13 @@ def _write_marker(location: Path, settings: dict[str, object]) -> None:
     (location / MARKER).write_text(json.dumps(settings, indent=2) + "\n")
 
 
+def _check_seed(seed: int) -> None:
+    """NumPy's ``default_rng`` takes a seed >= 0 and says only "expected non-negative
+    integer", after the folder and its marker were made: refuse it first, naming it."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+
+
 def _split_sizes(samples: int, test_samples: int | None) -> tuple[int, int]:
     if samples < 1:
         raise ConfigError(f"samples must be >= 1, got {samples}")
@@ -178,6 +185,7 @@ def write_synthetic_shd(
     ``SPIKECKPT_SYNTHETIC.json``. Refuses to overwrite real SHD files. Returns ``root/SHD``.
     """
     n_train, n_test = _split_sizes(samples, test_samples)
+    _check_seed(seed)
     if duration_s <= 0:
         raise ConfigError(f"duration_s must be > 0 seconds, got {duration_s}")
     location = Path(root).expanduser() / "SHD"
@@ -291,6 +299,7 @@ def write_synthetic_nmnist(
     synthetic folder. Refuses to overwrite real N-MNIST data. Returns ``root/NMNIST``.
     """
     n_train, n_test = _split_sizes(samples, test_samples)
+    _check_seed(seed)
     if not 0 < duration_us <= _MAX_NMNIST_US:
         raise ConfigError(f"duration_us must lie in (0, {_MAX_NMNIST_US}], got {duration_us}")
     location = Path(root).expanduser() / "NMNIST"
