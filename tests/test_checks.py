@@ -131,6 +131,19 @@ def test_disk_directory_must_exist_be_a_folder_and_be_writable(tmp_path: Path) -
         check_storage("disk", 42)  # type: ignore[arg-type]
 
 
+def test_disk_directory_with_a_tilde_names_expanduser(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``directory="~/ckpt"`` (an existing ``$HOME/ckpt``) was refused as missing, with the
+    advice ``os.makedirs('~/ckpt')``, which makes a folder named ``~`` in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(StorageError, match=r"'~' is not expanded.*os\.path\.expanduser") as info:
+        check_storage("disk", "~/ckpt")
+    assert "os.makedirs" not in str(info.value) and str(tmp_path / "ckpt") in str(info.value)
+    check_storage("disk", os.path.expanduser("~/ckpt"))
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes anywhere")
 def test_read_only_directory_is_a_storage_error(tmp_path: Path) -> None:
     folder = tmp_path / "ro"

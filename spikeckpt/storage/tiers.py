@@ -79,6 +79,12 @@ def check_storage(
             "folder whose parents are folders for the disk tier's files; or use "
             "storage='host' to keep checkpoints in RAM"
         )
+    if not os.path.exists(path) and os.path.expanduser(path) != path:
+        # os.makedirs(path), the advice below, would make a folder named '~' here
+        raise StorageError(
+            f"directory={path!r} does not exist: '~' is not expanded in a path: pass "
+            f"os.path.expanduser({path!r}) ({os.path.expanduser(path)!r})"
+        )
     if not os.path.exists(path):
         raise StorageError(
             f"directory={path!r} does not exist: create it first (e.g. os.makedirs({path!r})) "
