@@ -344,6 +344,25 @@ def test_demo_budget_too_small_exits_3_before_training(
 
 @needs_demo_extras
 @pytest.mark.slow
+def test_demo_default_share_below_the_smallest_budget_trains_within_that(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At T = 10 (``--dt-us 100000``) the default 25% of BPTT's activations is below what any
+    plan fits (the callback keeps a 5% margin): the demo was refused by its own default. It
+    now says so and trains within the smallest budget the refusal names; the step keeps it."""
+    argv = ["demo", "--root", str(tmp_path), "--synthetic", "--samples", "4", "--epochs", "1",
+            "--dt-us", "100000", "--no-progress", "--out", str(tmp_path / "o")]  # fmt: skip
+    status, out, _ = _exit(argv, capsys)
+    said = " ".join(out.split())
+    assert status == 0, said[-2000:]
+    assert "25% of BPTT's activations" in said and "training within that instead" in said
+    assert "epoch 1/1" in said and (tmp_path / "o" / "demo.png").exists()
+    budget = said.split("Budget ")[1].split(":")[0]  # the budget the table was kept within
+    assert budget in said.split("smallest budget a training step of T=10 fits (")[1]
+
+
+@needs_demo_extras
+@pytest.mark.slow
 def test_demo_training_accuracy_is_computed_like_validation_accuracy(tmp_path: Path) -> None:
     """With a learning rate of 0 the weights stay put: the training accuracy shown at the end
     of an epoch (the epoch's running mean) equals the accuracy computed on the same recordings

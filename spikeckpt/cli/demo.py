@@ -41,7 +41,7 @@ from spikeckpt.cli._args import (
     output_folder,
     positive_int,
 )
-from spikeckpt.errors import ConfigError
+from spikeckpt.errors import BudgetTooSmall, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -559,6 +559,22 @@ def budget_parts(model: Any, x: Any) -> tuple[int, int]:
     return fixed, bptt
 
 
+#: fits tried with a share of BPTT's activations as the budget: the share's bytes, then the
+#: smallest budget each refusal names (a refusal before the first optimizer step)
+_SHARE_ATTEMPTS = 3
+
+
+def _share_raised(chosen: Budget, budget_bytes: int, minimum_bytes: int, *, T: int) -> str:
+    """The line that says a share's budget was below the smallest that fits, and what runs."""
+    from spikeckpt.units import format_bytes
+
+    return (
+        f"{chosen} of BPTT's activations ({format_bytes(budget_bytes)} in all) is below the "
+        f"smallest budget a training step of T={T} fits ({format_bytes(minimum_bytes)}): "
+        f"training within that instead (give --budget BYTES to be refused rather)"
+    )
+
+
 def _as_budget(value: Budget | int | str | None) -> Budget:
     if value is None:
         return DEFAULT_BUDGET
@@ -712,6 +728,7 @@ def _run(
     model = classifier_class()(network)
     batch = next(iter(data.train_dataloader()))
     fixed, bptt = budget_parts(model, batch[0])
+    T0 = int(batch[0].shape[0])
     if chosen_budget.bytes is not None:
         budget_bytes = chosen_budget.bytes
         how = f"--budget; plain BPTT would need {format_bytes(fixed + bptt)}, estimated"
@@ -724,26 +741,38 @@ def _run(
         )
     console.print(f"device budget for a training step: {format_bytes(budget_bytes)} ({how})")
 
-    callback = MemoryBudget(budget_bytes, storage="host", verbose=False)
-    bar = _progress_callback(console, live=progress and console.is_terminal)
-    trainer = pl.Trainer(
-        accelerator=device,
-        devices=1,
-        max_epochs=epochs,
-        callbacks=[callback, bar],
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        num_sanity_val_steps=0,
-        default_root_dir=str(out),
-    )
+    def trainer_within(budget_bytes: int) -> tuple[pl.Trainer, MemoryBudget, Any]:
+        callback = MemoryBudget(budget_bytes, storage="host", verbose=False)
+        bar = _progress_callback(console, live=progress and console.is_terminal)
+        trainer = pl.Trainer(
+            accelerator=device,
+            devices=1,
+            max_epochs=epochs,
+            callbacks=[callback, bar],
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            default_root_dir=str(out),
+        )
+        return trainer, callback, bar
+
     started = time.perf_counter()
-    try:
-        trainer.fit(model, datamodule=data)
-    except BaseException:
-        bar.stop(clear=True)  # a refusal, an error, Ctrl-C: no stale bar, the cursor back
-        raise
+    for attempt in range(_SHARE_ATTEMPTS):
+        trainer, callback, bar = trainer_within(budget_bytes)
+        try:
+            trainer.fit(model, datamodule=data)
+            break
+        except BudgetTooSmall as error:
+            bar.stop(clear=True)
+            if chosen_budget.share is None or trainer.global_step or attempt + 1 == _SHARE_ATTEMPTS:
+                raise
+            console.print(_share_raised(chosen_budget, budget_bytes, error.minimum_bytes, T=T0))
+            budget_bytes = error.minimum_bytes
+        except BaseException:
+            bar.stop(clear=True)  # a refusal, an error, Ctrl-C: no stale bar, the cursor back
+            raise
     bar.stop()
     console.print(f"trained {epochs} epoch(s) in {time.perf_counter() - started:.0f} s")
 
