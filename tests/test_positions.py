@@ -136,6 +136,22 @@ def test_a_chunk_no_flat_view_reads_is_listed_and_counted_as_its_copy(
         assert torch.equal(got[3].signbit(), want[3].signbit())
 
 
+@pytest.mark.parametrize(
+    ("shape", "order"),
+    [((0, 4, 30), (1, 0, 2)), ((2, 0, 4, 30), (2, 0, 1, 3)), ((5, 4, 0), (1, 0, 2))],
+)
+def test_an_empty_batch_first_chunk_is_listed_as_its_copy(
+    shape: tuple[int, ...], order: tuple[int, ...]
+) -> None:
+    """A permuted chunk with no elements (no rows, or no input features: its ``(k, rows,
+    in)`` view is ambiguous) lists as its copy does (no features raised in the view)."""
+    x = torch.zeros(shape).permute(order)
+    weight = torch.randn(300, x.shape[-1])
+    got, want = (weight_positions(t, weight, SparseLimit()) for t in (x, x.contiguous()))
+    assert got is not None and want is not None and got[0] == want[0] == x.shape[:-1].numel()
+    assert all(a.numel() == c.numel() == 0 for a, c in zip(got[1:3], want[1:3], strict=True))
+
+
 def test_a_batch_first_chunk_is_not_copied() -> None:
     """Listing and counting a chunk of a permuted input allocate far less than its float
     copy (which the planner measured as working memory: it gave batch-first inputs 1.7x

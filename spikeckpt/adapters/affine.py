@@ -136,7 +136,8 @@ def weight_positions(
         rows = x.positions.div(shape[-1], rounding_mode="floor")
         return n_rows, rows, x.positions - rows * shape[-1], None
     strided = _positions_at_jit is not None and x.dtype in (torch.float32, torch.float64)
-    if strided and x.dim() > 2 and not merged(x, 0, x.dim() - 1) and merged(x, 1, x.dim() - 1):
+    strided = strided and x.dim() > 2 and x.numel() > 0
+    if strided and not merged(x, 0, x.dim() - 1) and merged(x, 1, x.dim() - 1):
         # no (rows, in) view, a (k, rows, in) one: read where it lies
         return _listed_strided(x, share)
     flat = x.reshape(n_rows, shape[-1])
