@@ -150,6 +150,7 @@ def test_an_empty_batch_first_chunk_is_listed_as_its_copy(
     got, want = (weight_positions(t, weight, SparseLimit()) for t in (x, x.contiguous()))
     assert got is not None and want is not None and got[0] == want[0] == x.shape[:-1].numel()
     assert all(a.numel() == c.numel() == 0 for a, c in zip(got[1:3], want[1:3], strict=True))
+    assert count_binary(x) == count_binary(x.contiguous()) == (0, True)
 
 
 def test_a_batch_first_chunk_is_not_copied() -> None:

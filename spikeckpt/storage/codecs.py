@@ -357,7 +357,7 @@ def merged(tensor: Tensor, start: int, stop: int) -> bool:
 def _view_as(tensor: Tensor, shape: tuple[int, ...]) -> Tensor | None:
     """``tensor`` as a flat ``(-1,)`` or ``(k, -1, n)`` view (``shape``), or None where that
     needs a copy."""
-    if tensor.dim() == 0:
+    if tensor.dim() == 0 or not tensor.numel():
         return tensor.reshape(shape) if shape == (-1,) else None
     if shape == (-1,):
         return tensor.view(shape) if merged(tensor, 0, tensor.dim()) else None
