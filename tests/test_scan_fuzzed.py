@@ -232,3 +232,26 @@ def test_a_tuple_of_time_first_tensors_is_refused_naming_the_per_step_pairs() ->
     ys, v = sc.scan(step, pairs, torch.zeros(2, 4), plan=P.Uniform(3))
     ys_ref, v_ref = _loop(step, pairs, torch.zeros(2, 4))
     assert torch.equal(ys, torch.stack(ys_ref)) and torch.equal(v, v_ref)
+
+
+def test_a_packed_train_among_per_step_inputs_is_refused_naming_it() -> None:
+    """``scan(step, (train, current), ...)`` with a packed ``SpikeTrain``: the refusal read
+    "per-step input 0 is not a pytree * like input 0" (input 0 against itself, its structure
+    printed as ``*``); a ``str`` leaf in input 0 read the same."""
+    w = torch.randn(3, 4, requires_grad=True)
+    spikes, current = (torch.rand(10, 2, 3) < 0.3).float(), torch.randn(10, 2, 4)
+    train = sc.SpikeTrain.from_dense(spikes)
+
+    def step(v: Tensor, x_t: Any) -> tuple[Tensor, Tensor]:
+        s, c = x_t
+        v = 0.9 * v + s @ w + c
+        return v, v
+
+    for inputs, t in (((train, current), 0), ((current, train), 1), ([train], 0)):
+        with pytest.raises(sc.ConfigTypeError, match=rf"input {t} holds a packed train.*dense"):
+            sc.scan(step, inputs, torch.zeros(2, 4), plan=P.Uniform(3))
+    with pytest.raises(sc.ConfigTypeError, match=r"input 0 holds a str where a tensor"):
+        sc.scan(step, [(spikes[0], "c")], torch.zeros(2, 4), plan=P.Uniform(3))
+    pairs = list(zip(train.dense(), current, strict=True))
+    ys, _ = sc.scan(step, pairs, torch.zeros(2, 4), plan=P.Uniform(3))
+    assert torch.equal(ys, torch.stack(_loop(step, pairs, torch.zeros(2, 4))[0]))

@@ -258,7 +258,7 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
         for t, item in enumerate(inputs):
             leaves = in_def.flatten(item)
             if leaves is None or not all(isinstance(x, Tensor) for x in leaves):
-                raise ConfigTypeError(f"per-step input {t} is not {in_def.describe()} like input 0")
+                raise ConfigTypeError(_not_a_step_input(t, in_def, item, leaves))
             for column, leaf in zip(columns, leaves, strict=False):
                 _same_step_shape(column, leaf, t, len(inputs))
                 column.append(leaf)
@@ -266,6 +266,28 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
     raise ConfigTypeError(
         f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
         f"got {type(inputs).__name__}"
+    )
+
+
+def _not_a_step_input(t: int, in_def: TreeDef, item: Any, leaves: list[Any] | None) -> str:
+    """Why per-step input ``t`` (``item``, its ``leaves`` flattened as input 0's or None) of a
+    sequence is refused: another structure than input 0's, or a leaf that is not a tensor (a
+    packed train among per-step inputs: input 0's own structure then read "a pytree *")."""
+    others = [x for x in leaves or [] if not isinstance(x, Tensor)]
+    if leaves is None and is_packed(item):
+        others = [item]
+    if not others:
+        return f"per-step input {t} is not {in_def.describe()} like input 0"
+    if is_packed(others[0]):
+        return (
+            f"per-step input {t} holds a packed train ({type(others[0]).__name__}): a packed "
+            "train is a whole time-first input (T, ...) and goes in alone, "
+            "scan(step, train, ...); beside other inputs, pass per-step pairs of dense "
+            "steps: list(zip(train.dense(), current))"
+        )
+    return (
+        f"per-step input {t} holds a {type(others[0]).__name__} where a tensor is expected: each "
+        "step's input is a tensor or a pytree (tuple, list, dict, NamedTuple) of tensors"
     )
 
 
