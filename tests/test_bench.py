@@ -8,7 +8,11 @@ import inspect
 import io
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,8 @@ from spikeckpt.bench.measure import Measurement, calibrate, scratch_directory
 from spikeckpt.bench.search import max_length
 from spikeckpt.bench.strategies import STRATEGIES, Workload, available, parse_strategies
 from spikeckpt.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -438,3 +444,23 @@ def test_bench_conv_rows_match_the_loops_gradient(capsys: pytest.CaptureFixture[
     rows = [line for line in capsys.readouterr().out.splitlines() if line.count("|") == 8]
     assert code == 0 and len(rows) == 2 + 2 * 4  # a header, its rule, four rows per model
     assert all(float(row.split("|")[-2]) < 1e-5 for row in rows[2:])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX")
+def test_bench_killed_by_sigterm_leaves_no_folder(tmp_path: Path) -> None:
+    """``timeout 60 spikeckpt bench ...`` (or ``kill``) left an empty ``spikeckpt-bench-*``
+    folder in the temporary folder at each run: the bench made it with ``TemporaryDirectory``,
+    whose cleanup SIGTERM's default action skips (the disk stores inside remove their own)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    argv = [sys.executable, "-m", "spikeckpt", "bench", "--T", "400", "--repeats", "3",
+            "--strategies", "double-disk,uniform", "--out", str(tmp_path / "out")]  # fmt: skip
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the costs are measured: the bench's folders exist by now
+            if line.startswith("measured costs"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("spikeckpt")) == []

@@ -219,9 +219,12 @@ def measure(
 
 @contextlib.contextmanager
 def scratch_directory(parent: str | None = None) -> Iterator[str]:
-    """A temporary folder for the disk tier, deleted afterwards."""
-    with tempfile.TemporaryDirectory(prefix="spikeckpt-bench-", dir=parent) as folder:
-        yield folder
+    """The parent folder of the disk tier's stores (default: the system temporary folder).
+
+    Each store makes its own private folder there and removes it, on SIGTERM too (the disk
+    tier's handler); a folder of the bench's own around them outlived a ``kill`` or
+    ``timeout``: an empty ``spikeckpt-bench-*`` was left at each."""
+    yield parent if parent is not None else tempfile.gettempdir()
 
 
 def calibrate(workload: Workload, directory: str, *, steps: int = 64) -> plans.CostModel:
