@@ -274,6 +274,17 @@ def test_from_indices_checks_its_positions() -> None:
         SpikeTrain.from_indices(torch.tensor([6, 5]), (3, 4))
     with pytest.raises(ValueError, match="cannot hold packed spikes"):
         SpikeTrain.from_indices(torch.tensor([1]), (3, 4), torch.complex64)
+    # float positions were truncated silently (0.7 -> 0); a bool mask read as positions 0 and 1
+    with pytest.raises(TypeError, match=r"integer tensor of flat indices, got torch\.float32"):
+        SpikeTrain.from_indices(torch.tensor([0.7, 3.2]), (3, 4))
+    mask = torch.zeros(12, dtype=torch.bool)
+    mask[[0, 5]] = True
+    with pytest.raises(TypeError, match=r"got torch\.bool.*from_dense\(mask"):
+        SpikeTrain.from_indices(mask, (3, 4))
+    assert torch.equal(
+        SpikeTrain.from_indices(torch.tensor([0, 5], dtype=torch.int32), (3, 4)).dense(),
+        mask.reshape(3, 4).float(),
+    )
 
 
 # ------------------------------------------------------------------------------ cost, moving, pickling

@@ -161,6 +161,12 @@ class SpikeTrain:
         _check_shape(shape)
         if not packable_dtype(dtype):
             raise ConfigError(f"dtype {dtype} cannot hold packed spikes: use bool, int or float")
+        if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
+            # .to(long) truncated floats (0.7 -> 0) silently; a bool mask read as positions 0/1
+            raise ConfigTypeError(
+                f"positions must be an integer tensor of flat indices, got {positions.dtype}; "
+                "a 0/1 mask of the train goes in as SpikeTrain.from_dense(mask.reshape(shape))"
+            )
         device = positions.device if device is None else torch.device(device)
         positions = positions.reshape(-1).to(device=device, dtype=torch.long)
         numel = shape_numel(shape)
