@@ -11,12 +11,12 @@ import warnings
 import pytest
 import snntorch as snn
 import torch
+from norse_cells import counted_gathers, norse_loop
+from snn_loops import gather_calls, leaky_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
 from spikeckpt.adapters.gather import finite, gather_weight_grad
-from tests.norse_cells import counted_gathers, norse_loop
-from tests.snn_loops import gather_calls, leaky_loop
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
