@@ -571,7 +571,7 @@ def _share_raised(chosen: Budget, budget_bytes: int, minimum_bytes: int, *, T: i
     return (
         f"{chosen} of BPTT's activations ({format_bytes(budget_bytes)} in all) is below the "
         f"smallest budget a training step of T={T} fits ({format_bytes(minimum_bytes)}): "
-        f"training within that instead (give --budget BYTES to be refused rather)"
+        "training within that instead (a --budget in bytes is refused rather than raised)"
     )
 
 
