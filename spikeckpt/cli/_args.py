@@ -91,30 +91,27 @@ def split_value_problem(argv: list[str], options: set[str]) -> str | None:
     return None
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
+def _whole_at_least(text: str, minimum: int, example: int) -> int:
+    """``text`` as an integer >= ``minimum``, else argparse's error naming the fix."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number: write a positive integer, e.g. 100"
+            f"{text!r} is not a whole number: write an integer >= {minimum}, e.g. {example}"
         ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    return _whole_at_least(text, 1, 100)
 
 
 def non_negative_int(text: str) -> int:
     """An argparse type: a whole number >= 0 (a seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number: write an integer >= 0, e.g. 0"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
-    return value
+    return _whole_at_least(text, 0, 0)
 
 
 @dataclass(frozen=True)
