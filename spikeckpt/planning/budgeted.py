@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import Tensor
@@ -49,6 +49,7 @@ from spikeckpt.planning.layer_working import (
     device_bytes,
     scaled_sizes,
 )
+from spikeckpt.planning.measured import Measured, roomier
 from spikeckpt.planning.probe import (
     Probe,
     compute_device,
@@ -71,7 +72,7 @@ from spikeckpt.plans.account import (
 )
 from spikeckpt.plans.choose import minimum_budget
 from spikeckpt.plans.intervals import fill, needs_intervals
-from spikeckpt.plans.layerwise import BlockSizes, MeasuredWorking, layerwise_cost
+from spikeckpt.plans.layerwise import layerwise_cost
 from spikeckpt.units import format_bytes, parse_bytes
 
 __all__ = ["BudgetPlanner"]
@@ -82,43 +83,6 @@ VERIFY_ROUNDS = 4
 #: rounds of `BudgetPlanner._planning_bytes` (its probes measure more lengths as the budget
 #: grows; each round runs them once)
 PLANNING_ROUNDS = 3
-
-
-class _Measured(NamedTuple):
-    """What a `BudgetPlanner` measured for one input shape, scaled to its batch."""
-
-    T: int
-    batch: int
-    probe: Probe
-    blocks: list[BlockSizes] | None
-    working: MeasuredWorking | None
-    seconds: tuple[float, float] | None
-    on_device: bool
-    costs: CostModel
-    sizes: StepSizes
-    note: str | None
-    #: device bytes held while it plans (input, state, ``.grad`` held): the probes' room
-    held: int = 0
-    #: the parameters' ``.grad`` was held when the call began (accumulating gradients)
-    grads_held: bool = False
-    #: autocast's cached casts of the parameters (`cached_cast_bytes`), unseen by later probes
-    casts: int = 0
-
-    @property
-    def remote_here(self) -> bool:
-        """Whether a stack plan's remote checkpoints count in the device's memory: the device
-        tier, the host of a CPU run, or a CPU step that draws (each checkpoint keeps the
-        generator's state in memory)."""
-        return self.on_device or self.probe.rng_bytes > 0
-
-    @property
-    def layer_base(self) -> StepBytes:
-        """The layer-wise step beside its working set: input and outputs, ``.grad`` when the
-        step counts it and it is held from before the call (the working set's running sums
-        become ``.grad`` when it is None, and are added into one held: both held then), and
-        autocast's cached casts of the weights, held beside the whole step as ``.grad``."""
-        s, held = self.sizes, self.sizes.held_grads + self.casts
-        return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=held)
 
 
 class BudgetPlanner:
@@ -226,9 +190,11 @@ class BudgetPlanner:
         key = (T, batch)
         self.choices.switch(autocast_mode(compute_device(model, x).type))
         here = self._input_here(model, x)
-        longer = self._planned_longer(T, batch) if key not in self.choices else None
-        if longer is not None and here <= longer.step.input:
-            self.choices[key] = longer  # a plan of a longer length keeps the budget
+        planned = self.choices.get(key)
+        if planned is None or here > planned.step.input:
+            longer = self._planned_longer(T, batch, here)
+            if longer is not None:
+                self.choices[key] = longer  # a plan of a longer length keeps the budget
         # an input larger than planned with (denser, a full tensor for a view: 1.4-15x over)
         missing = key not in self.choices or here > self.choices[key].step.input
         if self.reduce_max is not None:
@@ -248,8 +214,9 @@ class BudgetPlanner:
         if missing or choice is None:
             # the probes' gradients are not yours, nor are their draws from your layers' own
             # generators (a BPTT() with a budget differed from the loop by the probes' draws)
+            roomy = any(c.batch == batch for c in self.choices.values())
             with tensor_hooks_held(params), kept_generators(model):
-                choice = self._plan(model, x, state, T, batch)
+                choice = self._plan(model, x, state, T, batch, roomy=roomy)
             self.choices[key] = choice
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
@@ -261,11 +228,12 @@ class BudgetPlanner:
             return 0
         return input_nbytes(x) + input_grad_nbytes(x)
 
-    def _planned_longer(self, T: int, batch: int) -> PlanChoice | None:
-        """The choice planned (not reused) for the shortest longer length within
-        `REUSE_SPAN` of ``T`` at this batch, or None."""
-        planned = {(c.T, c.batch): c for c in self.choices.values()}
-        key = longer_within(planned, T, batch)
+    def _planned_longer(self, T: int, batch: int, here: int) -> PlanChoice | None:
+        """The choice planned (not reused) for the shortest length from ``T`` up to
+        `REUSE_SPAN` times it at this batch whose input holds at least ``here`` bytes (a
+        re-plan's roomier one: `Measured.roomy`), or None."""
+        planned = {(c.T, c.batch): c for c in self.choices.values() if here <= c.step.input}
+        key = longer_within(planned, T, batch, own=True)
         return planned[key] if key is not None else None
 
     def _check_stored_trains(self, model: Planned) -> None:
@@ -319,10 +287,24 @@ class BudgetPlanner:
         fast = stack.modeled.time * (1 + LAYERWISE_TIME_TOLERANCE)
         return layer.chunk if layer is not None and layer.modeled.time <= fast else None
 
-    def _plan(self, model: Planned, x: Any, state: Any, T: int, batch: int) -> PlanChoice:
-        """Probe the model and choose, so that the step's planned peak fits the budget."""
+    def _plan(
+        self, model: Planned, x: Any, state: Any, T: int, batch: int, *, roomy: bool = False
+    ) -> PlanChoice:
+        """Probe the model and choose, so that the step's planned peak fits the budget;
+        ``roomy`` (a batch size planned before): for a longer, denser input where that is
+        about as fast (`Measured.roomy`), so that the batches around this one reuse it."""
         state = shaped_state(model, x, state)
         m = self._measure(model, x, state, T, batch)
+        choice = self._choose(model, m)
+        if choice is None:
+            self._refuse_all(model, x, state, m)
+        if choice.granularity == "stack":
+            self._warn_if_slow(m)
+        return roomier(choice, self._choose(model, m.roomy())) if roomy else choice
+
+    def _choose(self, model: Planned, m: Measured) -> PlanChoice | None:
+        """Layer-wise where it fits and is about as fast as the stack's plan, else the stack's
+        plan that fits, else None."""
         stack = self._stack_choice(m) if model.granularity != "layer" else None
         layer = self._layer_best(m, model.chunk)
         if layer is not None and (
@@ -330,12 +312,9 @@ class BudgetPlanner:
             or layer.modeled.time <= stack.modeled.time * (1 + LAYERWISE_TIME_TOLERANCE)
         ):
             return layer
-        if stack is not None:
-            self._warn_if_slow(m)
-            return stack
-        self._refuse_all(model, x, state, m)
+        return stack
 
-    def _warn_if_slow(self, m: _Measured) -> None:
+    def _warn_if_slow(self, m: Measured) -> None:
         """Warn ([`SlowPlanWarning`][spikeckpt.errors.SlowPlanWarning]) where the plan chosen
         for this budget is modeled above `SLOW_FACTOR` times BPTT's time, naming a budget
         modeled within `QUICK_FACTOR` (a plan given was asked for: no warning)."""
@@ -349,7 +328,7 @@ class BudgetPlanner:
 
     def _measure(
         self, model: Planned, x: Any, state: Any, T: int, batch: int, *, share: bool = True
-    ) -> _Measured:
+    ) -> Measured:
         """Probe the model (and its layer-wise blocks when they may run), held under the
         budget, agreed across ranks (``share``; else this rank's alone, measured as a
         distributed call measures them), scaled to ``batch``."""
@@ -362,7 +341,7 @@ class BudgetPlanner:
         room = max(self.budget_bytes - held, 0)
         probe = probe_model(model, x, state, model.storage, max_bytes=room)
 
-        def measured(probe: Probe, blocks: Any, working: Any, seconds: Any) -> _Measured:
+        def measured(probe: Probe, blocks: Any, working: Any, seconds: Any) -> Measured:
             if blocks is not None:
                 blocks = [scaled_sizes(b, batch, probe.batch) for b in blocks]
             if working is not None:
@@ -376,7 +355,7 @@ class BudgetPlanner:
             )
             refuse_stateless(sizes.state)
             sizes = replace(sizes, grads_held=self.grads_held)
-            return _Measured(
+            return Measured(
                 T=T,
                 batch=batch,
                 probe=probe,
@@ -427,7 +406,7 @@ class BudgetPlanner:
             x_bytes = self.reduce_max(x_bytes)
         return measured(probe, blocks, working, seconds)
 
-    def _stack_plan(self, m: _Measured) -> Any:
+    def _stack_plan(self, m: Measured) -> Any:
         """The plan given, its open intervals filled from the probe (None for ``"auto"``)."""
         plan = self.plan
         if isinstance(plan, str) or not isinstance(plan, plans.Plan):
@@ -443,7 +422,7 @@ class BudgetPlanner:
             )
         return plan
 
-    def _stack_choice(self, m: _Measured) -> PlanChoice | None:
+    def _stack_choice(self, m: Measured) -> PlanChoice | None:
         """The fastest stack plan whose step fits (the plan given, when it fits), or None."""
         given = self._stack_plan(m)
         try:
@@ -478,7 +457,7 @@ class BudgetPlanner:
         )
 
     def _layer_best(
-        self, m: _Measured, chunk: int | None, *, probed: bool = True
+        self, m: Measured, chunk: int | None, *, probed: bool = True
     ) -> PlanChoice | None:
         """Layer-wise with the largest chunk (up to ``chunk``) whose modeled (calibrated) peak
         fits, or None; a chunk given must fit itself. ``probed``: the budget held the
@@ -526,7 +505,7 @@ class BudgetPlanner:
         )
 
     def _stack_need(
-        self, model: Planned, x: Any, state: Any, m: _Measured
+        self, model: Planned, x: Any, state: Any, m: Measured
     ) -> tuple[StepBytes, int, StepSizes]:
         """The stack's step beside its activations, the least activations it needs (of
         the plan given, or of any plan) and the sizes they come from. The probes were held under this budget; the work is
@@ -546,7 +525,7 @@ class BudgetPlanner:
         found = check_step(T, sizes, given, 1 << 62, remote_on_device=m.remote_here, costs=m.costs)
         return replace(found.step, activations=0), found.step.activations, sizes
 
-    def _refuse_all(self, model: Planned, x: Any, state: Any, m: _Measured) -> NoReturn:
+    def _refuse_all(self, model: Planned, x: Any, state: Any, m: Measured) -> NoReturn:
         """Nothing fits: name the smallest budget that does (layer-wise: the lengths a probe
         held under the named budget measures are checked)."""
         T, batch = m.T, m.batch
@@ -613,7 +592,7 @@ class BudgetPlanner:
         return self.total_for(need) if self.total_for is not None else need
 
     def _held_under(
-        self, model: Planned, x: Any, state: Any, m: _Measured, beside: int, smallest: int
+        self, model: Planned, x: Any, state: Any, m: Measured, beside: int, smallest: int
     ) -> int:
         """The layer-wise ``smallest`` (bytes beside ``beside``) that a call given ``beside +
         smallest`` plans with: its probes, held under that budget, may stop at fewer chunk

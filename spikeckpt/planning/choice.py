@@ -243,9 +243,13 @@ def model_signature(model: Planned) -> tuple[Any, ...]:
 REUSE_SPAN = 1.25
 
 
-def longer_within(planned: Iterable[ShapeKey], T: int, batch: int) -> ShapeKey | None:
-    """The shortest planned ``(T', batch)`` with ``T < T' <= REUSE_SPAN * T`` (None: none)."""
-    near = [key for key in planned if key[1] == batch and T < key[0] <= T * REUSE_SPAN]
+def longer_within(
+    planned: Iterable[ShapeKey], T: int, batch: int, *, own: bool = False
+) -> ShapeKey | None:
+    """The shortest planned ``(T', batch)`` with ``T < T' <= REUSE_SPAN * T`` (``own``:
+    ``T <= T'``; None: none)."""
+    least = T if own else T + 1  # lengths are whole steps
+    near = [key for key in planned if key[1] == batch and least <= key[0] <= T * REUSE_SPAN]
     return min(near) if near else None
 
 
