@@ -784,12 +784,13 @@ def _run(
         f"{choice.recompute_factor:.2f} step evaluations per step, {choice.time_factor:.2f}x "
         "BPTT's time)"
     )
-    others = [c for key, c in planner.choices.items() if key != (T, B)]
+    # keyed by the calls' own shapes (a plan made for a longer or denser input serves them)
+    others = [(key, c) for key, c in planner.choices.items() if key != (T, B)]
     if others:
         console.print(
             "  and for the other training batch shapes it met (a smaller last batch; "
             "validation and test run without gradients, unplanned): "
-            + "; ".join(f"T={c.T}, batch {c.batch}: {c.plan!r}" for c in others)
+            + "; ".join(f"T={key[0]}, batch {key[1]}: {c.plan!r}" for key, c in others)
         )
 
     test = trainer.test(model, datamodule=data, verbose=False)

@@ -214,7 +214,8 @@ class BudgetPlanner:
         if missing or choice is None:
             # the probes' gradients are not yours, nor are their draws from your layers' own
             # generators (a BPTT() with a budget differed from the loop by the probes' draws)
-            roomy = any(c.batch == batch for c in self.choices.values())
+            seen = [length for length, size in self.choices if size == batch]
+            roomy = (bool(seen), any(length != T for length in seen))
             with tensor_hooks_held(params), kept_generators(model):
                 choice = self._plan(model, x, state, T, batch, roomy=roomy)
             self.choices[key] = choice
@@ -288,11 +289,19 @@ class BudgetPlanner:
         return layer.chunk if layer is not None and layer.modeled.time <= fast else None
 
     def _plan(
-        self, model: Planned, x: Any, state: Any, T: int, batch: int, *, roomy: bool = False
+        self,
+        model: Planned,
+        x: Any,
+        state: Any,
+        T: int,
+        batch: int,
+        *,
+        roomy: tuple[bool, bool] = (False, False),
     ) -> PlanChoice:
         """Probe the model and choose, so that the step's planned peak fits the budget;
-        ``roomy`` (a batch size planned before): for a longer, denser input where that is
-        about as fast (`Measured.roomy`), so that the batches around this one reuse it."""
+        ``roomy``: (a batch size planned before, at another length too): for a denser (and
+        longer) input where that is about as fast (`Measured.roomy`), so that the batches
+        around this one reuse it."""
         state = shaped_state(model, x, state)
         m = self._measure(model, x, state, T, batch)
         choice = self._choose(model, m)
@@ -300,7 +309,7 @@ class BudgetPlanner:
             self._refuse_all(model, x, state, m)
         if choice.granularity == "stack":
             self._warn_if_slow(m)
-        return roomier(choice, self._choose(model, m.roomy())) if roomy else choice
+        return roomier(choice, self._choose(model, m.roomy(roomy[1]))) if roomy[0] else choice
 
     def _choose(self, model: Planned, m: Measured) -> PlanChoice | None:
         """Layer-wise where it fits and is about as fast as the stack's plan, else the stack's

@@ -1,10 +1,10 @@
 """What a budget planner measured for one input shape, and the roomier shape a re-plan plans
 for.
 
-A batch size planned before and planned again (data padded per batch to its longest sample,
-batches of differing spike counts: tonic's ``PadTensors`` on SHD) is planned for a longer,
-denser input (`roomy`) where that plan is about as fast: the batches after it reuse it instead
-of probing again. Measured on synthetic SHD (700-256-20, batch 32, ``dt_us=1000``, a 12 MiB
+A batch size planned before and planned again (batches of differing spike counts; data padded
+per batch to its longest sample: tonic's ``PadTensors`` on SHD) is planned for a denser input
+(`roomy`), and where that batch size met another length before, a longer one, where that plan
+is about as fast: the batches after it reuse it instead of probing again. Measured on synthetic SHD (700-256-20, batch 32, ``dt_us=1000``, a 12 MiB
 budget): 10 of the first 18 batches probed (0.4-0.7 s each, 71% of the run's time); now 2.
 """
 
@@ -76,12 +76,12 @@ class Measured(NamedTuple):
         s, held = self.sizes, self.sizes.held_grads + self.casts
         return StepBytes(input=s.input, outputs=s.outputs(self.T), gradients=held)
 
-    def roomy(self) -> Measured:
-        """The same measurements for `ROOMY_STEPS_PERCENT` more steps (at least one) and an
-        input of `ROOMY_DENSITY` times the density: what a plan must hold to serve the
-        batches around this one (a plan for ``T'`` steps runs a call of up to `REUSE_SPAN`
-        times fewer; one for an input of ``n`` bytes, any input up to ``n``)."""
-        T = roomy_length(self.T)
+    def roomy(self, longer: bool) -> Measured:
+        """The same measurements for an input of `ROOMY_DENSITY` times the density and,
+        ``longer``, `ROOMY_STEPS_PERCENT` more steps (at least one): what a plan must hold to
+        serve the batches around this one (a plan for ``T'`` steps runs a call of up to
+        `REUSE_SPAN` times fewer; one for an input of ``n`` bytes, any input up to ``n``)."""
+        T = roomy_length(self.T) if longer else self.T
         nbytes = math.ceil(self.sizes.input * T / self.T * ROOMY_DENSITY)
         return self._replace(T=T, sizes=replace(self.sizes, input=nbytes))
 
