@@ -32,9 +32,7 @@ EXPECTED: dict[str, list[str]] = {
     "lightning_shd.py": [
         "SHD (synthetic files): 40 training recordings, T=100",
         "callback.plans['net']",
-        # T=100, or the roomier T=110 of a re-plan (a denser batch: Measured.roomy)
-        "  Uniform(interval=",
-        ", B=16: modeled peak",
+        "  Uniform(interval=25) for T=100, B=16: modeled peak",
         "measured peak of the first training step:",
     ],
     "norse_wrap.py": [

@@ -190,11 +190,7 @@ class BudgetPlanner:
         key = (T, batch)
         self.choices.switch(autocast_mode(compute_device(model, x).type))
         here = self._input_here(model, x)
-        planned = self.choices.get(key)
-        if planned is None or here > planned.step.input:
-            longer = self._planned_longer(T, batch, here)
-            if longer is not None:
-                self.choices[key] = longer  # a plan of a longer length keeps the budget
+        self._reuse_longer(T, batch, here)
         # an input larger than planned with (denser, a full tensor for a view: 1.4-15x over)
         missing = key not in self.choices or here > self.choices[key].step.input
         if self.reduce_max is not None:
@@ -228,6 +224,15 @@ class BudgetPlanner:
         if x.device != compute_device(model, x):
             return 0
         return input_nbytes(x) + input_grad_nbytes(x)
+
+    def _reuse_longer(self, T: int, batch: int, here: int) -> None:
+        """Where no plan for ``(T, batch)`` holds an input of ``here`` bytes, take one planned
+        for a longer length that does (a plan of a longer length keeps the budget)."""
+        planned = self.choices.get((T, batch))
+        if planned is None or here > planned.step.input:
+            longer = self._planned_longer(T, batch, here)
+            if longer is not None:
+                self.choices[(T, batch)] = longer
 
     def _planned_longer(self, T: int, batch: int, here: int) -> PlanChoice | None:
         """The choice planned (not reused) for the shortest length from ``T`` up to
