@@ -190,6 +190,8 @@ class BudgetPlanner:
         key = (T, batch)
         self.choices.switch(autocast_mode(compute_device(model, x).type))
         here = self._input_here(model, x)
+        if self.reduce_max is not None:  # every rank takes the same plan of a longer length
+            here = self.reduce_max(here)
         self._reuse_longer(T, batch, here)
         # an input larger than planned with (denser, a full tensor for a view: 1.4-15x over)
         missing = key not in self.choices or here > self.choices[key].step.input
