@@ -37,7 +37,7 @@ from spikeckpt.engine.outer_compile import eager_under_compile
 from spikeckpt.engine.phase import refuse_power_iteration, uncached_parametrizations
 from spikeckpt.engine.scan import Storage, scan
 from spikeckpt.engine.stats import ScanStats
-from spikeckpt.engine.step import no_own_draws
+from spikeckpt.engine.step import no_own_draws, readout_params
 from spikeckpt.errors import (
     ConfigError,
     ConfigTypeError,
@@ -202,9 +202,16 @@ class CheckpointedSequence(Remade):
     def parameters_for_scan(self) -> list[Tensor]:
         """The tensors the engine differentiates: the model's parameters, the tensors requiring
         grad that its layers hold outside them (Norse's ``p``, tensor attributes such as a
-        neuron's ``self.beta = torch.full(..., requires_grad=True)``) and ``params``."""
+        neuron's ``self.beta = torch.full(..., requires_grad=True)``), those a callable
+        readout reaches (its own readout matrix or head) and ``params``."""
         seen: dict[int, Tensor] = {}
-        for t in [*self.module.parameters(), *self.adapter.extra_params(), *self.extra_params]:
+        own = readout_params(self.readout)
+        for t in [
+            *self.module.parameters(),
+            *self.adapter.extra_params(),
+            *self.extra_params,
+            *own,
+        ]:
             seen.setdefault(id(t), t)
         return not_behind(list(seen.values()))
 

@@ -302,7 +302,7 @@ def scan(
         for leaf in timed[0]:
             if not is_packed(leaf):
                 require_binary(leaf, "scan inputs (spikes=True)")
-    param_list = default_params(step, params)
+    param_list = default_params(step, params, readout if callable(readout) else None)
     options = ScanOptions(plan, storage, readout, budget, directory, pack_tape)
     leaves = tree_flatten(state)[0]
     with uncached_parametrizations():  # each step computes its parametrized weights

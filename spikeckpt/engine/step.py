@@ -32,6 +32,7 @@ from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError
 __all__ = [
     "StepFn",
     "default_params",
+    "readout_params",
     "no_own_draws",
     "reachable_generators",
     "time_leaves",
@@ -138,12 +139,14 @@ class StepFn:
             )
         if check:
             self._check_state(t, new, xs)
-            if not self.scanned_closures and torch.is_grad_enabled():
-                self._warn_closures(user, xs, new)
         ys = self._flat_y(t, y, check)
+        acc = [] if self.fold is None else self._folded(t, leaves[n:], y)
+        if check and not self.scanned_closures and torch.is_grad_enabled():
+            # the fold's accumulator too: a readout matrix of its own not in ``params``
+            self._warn_closures(leaves, xs, new + acc)
         if self.fold is None:
             return new, ys
-        return new + self._folded(t, leaves[n:], y), []
+        return new + acc, []
 
     def _folded(self, t: int, acc_leaves: list[Tensor], y: Any) -> list[Tensor]:
         """The callable readout's new accumulator leaves after step ``t``."""
@@ -308,12 +311,18 @@ def unshaped(leaves: list[Any]) -> bool:
 # ----------------------------------------------------------------------------- parameters
 
 
-def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
+def default_params(step: Any, params: Sequence[Tensor] | None, fold: Any = None) -> list[Tensor]:
     """The distinct tensors requiring grad among ``params`` (default: those reachable from
-    ``step``, see `reachable`); guards the running statistics of the normalisation
-    layers ``step`` reaches (`guard_running_stats`); a leaf behind another's graph is left
-    out (`not_behind`)."""
+    ``step`` and from a callable readout ``fold``, see `reachable`); guards the running
+    statistics of the normalisation layers they reach (`guard_running_stats`); a leaf behind
+    another's graph is left out (`not_behind`). The fold runs inside each step, recomputed
+    with it: a readout matrix or head module of its own is differentiated like the step's
+    (before 2026-11-29 it was left at ``.grad`` None, and a BatchNorm there counted each
+    recomputed step again)."""
     found, modules = reachable(step)
+    if fold is not None:
+        more, fold_modules = reachable(fold)
+        found, modules = [*found, *more], [*modules, *fold_modules]
     guard_running_stats(modules)
     if torch.is_grad_enabled():
         refuse_power_iteration(modules)
@@ -326,6 +335,12 @@ def default_params(step: Any, params: Sequence[Tensor] | None) -> list[Tensor]:
         if p.requires_grad:
             unique.setdefault(id(p), p)
     return not_behind(list(unique.values()))
+
+
+def readout_params(readout: Any) -> list[Tensor]:
+    """The tensors requiring grad that a callable readout reaches (its own readout matrix or
+    head module: see `reachable`); none for a named readout."""
+    return reachable(readout)[0] if callable(readout) else []
 
 
 @functools.cache
