@@ -68,6 +68,7 @@ __all__ = [
     "own_loop_error",
     "probe",
     "positional_params",
+    "refuse_graph_attributes",
     "refuse_kept_state",
     "users_subclass",
     "probing",
@@ -249,6 +250,9 @@ class CustomLayerAdapter(StatelessAdapter):
         with refuse_kept_state(self.module, self.path):
             return super().step(state, x_t)
 
+    def check(self) -> None:
+        refuse_graph_attributes(self.module, self.path)
+
 
 def _attributes(
     module: nn.Module, allowed: frozenset[str], buffers: bool
@@ -270,6 +274,38 @@ def users_subclass(module: nn.Module, library: str) -> bool:
     """Whether ``module``'s class is a subclass of yours of ``library``'s (``"snntorch"``,
     ``"norse"``), defined outside it."""
     return (type(module).__module__ or "").split(".")[0] != library
+
+
+def refuse_graph_attributes(
+    module: nn.Module, path: str, allowed: frozenset[str] = frozenset()
+) -> None:
+    """Raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] when ``module``
+    (or a submodule) holds a tensor that carries an autograd graph made before the call: an
+    attribute or buffer computed from a parameter outside the step (``self.beta =
+    torch.sigmoid(raw)``). Its graph can be backpropagated once, and a plan that recomputes
+    steps needs it at every segment (before 2026-11-29 the call asked for ``params=[raw]``,
+    and with it the backward failed with an error about hooks and ``init_hidden``, or
+    torch's "backward through the graph a second time"). Checked at every call: the
+    attribute may be assigned after wrapping. ``allowed``: names a framework writes during
+    a call (snnTorch's ``mem``, which your own loop may have left holding its graph)."""
+    for m in module.modules():
+        items = [*m.__dict__.items(), *m._buffers.items()]
+        for name, v in items:
+            if name.startswith("_") or name in allowed or not isinstance(v, Tensor):
+                continue
+            if v.grad_fn is None:
+                continue
+            raise unsupported(
+                m,
+                path,
+                f"its attribute {name!r} holds an autograd graph made before the call (a "
+                f"tensor computed from a parameter once: self.{name} = torch.sigmoid(raw) "
+                "assigned before the call does so); a checkpointed run recomputes steps and "
+                "can take gradients through that graph only once; compute it at each step "
+                "instead: keep the raw value as an nn.Parameter and apply the function in "
+                "forward, or register it as a parametrization (torch.nn.utils.parametrize."
+                f"register_parametrization(module, {name!r}, nn.Sigmoid()))",
+            )
 
 
 @contextlib.contextmanager
@@ -386,6 +422,12 @@ class StatefulAdapter(LayerAdapter):
             ),
             None,
         )
+
+    #: attributes the framework writes during a call (`refuse_graph_attributes` skips them)
+    written: frozenset[str] = frozenset()
+
+    def check(self) -> None:
+        refuse_graph_attributes(self.module, self.path, self.written)
 
     @property
     def starts_from_none(self) -> bool:

@@ -294,6 +294,7 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         return self.state_cls(*(getattr(self.module, name) for name in self.fields))
 
     def check(self) -> None:
+        _check_buffers(self)  # also one assigned after wrapping (lif.beta = sigmoid(raw))
         graded = getattr(self.module, "graded_spikes_factor", None)
         if isinstance(graded, Tensor):  # read at this forward (``.data`` writes since)
             read_unit_again(graded)
@@ -333,6 +334,8 @@ class UsersNeuronAdapter(StatefulAdapter):
     ``forward(input_, s1, ..., sk) -> (spk, s1, ..., sk)``, stepped by arity as any module of
     yours; what snnTorch's helpers write on the module (``self.mem``, ``self.reset``) is
     cleared after each call, anything more kept on it is refused, naming it."""
+
+    written = frozenset(_WRITTEN)
 
     def init_state(self, x_t: Tensor) -> State:
         try:
