@@ -298,7 +298,9 @@ def unseen_leaves(roots: Sequence[Any], known: Sequence[Any], limit: int = 20000
 def in_layout(grad: Tensor | None, param: Tensor) -> Tensor | None:
     """``grad`` in ``param``'s layout (a copy where its strides differ: a small weight's sum
     kept transposed), so that autograd takes it as ``.grad`` (a ``.grad`` None) instead of
-    copying it after the run: the copy is made here, where the working-set probe sees it."""
-    if grad is None or grad.stride() == param.stride():
+    copying it after the run: the copy is made here, where the working-set probe sees it.
+    A sparse gradient (``nn.Embedding(sparse=True)``) is handed over as it is, as autograd
+    takes it (a copy into the strided layout failed before 2026-11-29)."""
+    if grad is None or grad.layout != torch.strided or grad.stride() == param.stride():
         return grad
     return torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)
