@@ -52,7 +52,7 @@ from spikeckpt.adapters.returns import state_order_problem
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
 from spikeckpt.engine.rng import kept_generators
-from spikeckpt.engine.tree import tree_map
+from spikeckpt.engine.tree import tree_leaves, tree_map
 from spikeckpt.errors import UnsupportedLayerError
 
 __all__ = [
@@ -391,6 +391,17 @@ def _optional_states_hint(module: nn.Module, out: Any) -> str:
     )
 
 
+#: why a neuron of yours that changes the state it is given in place cannot be stepped
+_STATE_IN_PLACE = (
+    "its forward changes the state it is given in place (mem.mul_(beta), mem += x, "
+    "mem[...] = ...): a checkpointed run hands the same stored state to a step again when "
+    "it recomputes it (and the shape probe's zeros to step 0), so the state would be the "
+    "changed one (before 2026-11-29: other outputs than your loop's with plan=BPTT(), "
+    "torch's 'a leaf Variable that requires grad is being used in an in-place operation' "
+    "otherwise); compute a new tensor instead: mem = mem * beta + x"
+)
+
+
 def _zeros_like_tree(tree: Any) -> Any:
     return tree_map(lambda t: torch.zeros_like(t) if isinstance(t, Tensor) else t, tree)
 
@@ -436,7 +447,11 @@ class StatefulAdapter(LayerAdapter):
 
     def _call(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         m = self.module
+        given = [t for t in tree_leaves(state) if isinstance(t, Tensor)]
+        versions = [t._version for t in given]
         out = m(x_t, state) if self.n_state == 1 else m(x_t, *state)
+        if any(t._version != v for t, v in zip(given, versions, strict=True)):
+            raise unsupported(m, self.path, _STATE_IN_PLACE)
         if not isinstance(out, tuple) or len(out) != self.n_state + 1:
             got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
             args = (
