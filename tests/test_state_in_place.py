@@ -86,3 +86,18 @@ def test_in_place_on_its_own_tensor_is_the_loops(cfg):
     torch.testing.assert_close(out, _loop(_net(CopyLIF), x))
     for p, q in zip(ref.parameters(), net.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("plan", [sc.plans.Revolve(2), sc.plans.Uniform(4)])
+def test_scan_step_changing_its_state_in_place_is_told(plan):
+    torch.manual_seed(0)
+    fc, x = nn.Linear(6, 5), torch.rand(12, 3, 6)
+
+    def step(v, x_t):
+        v.mul_(0.9).add_(fc(x_t))
+        s = _Spike.apply(v - 1.0)
+        return v - s.detach(), s
+
+    with pytest.raises(sc.UsageError, match=r"in place.*v = v \* 0.9 \+ x"):
+        out, _ = sc.scan(step, x, torch.zeros(3, 5), plan=plan)
+        out.sum().backward()

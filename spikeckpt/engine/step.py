@@ -27,7 +27,7 @@ from spikeckpt.engine.phase import guard_running_stats, refuse_power_iteration
 from spikeckpt.engine.readout import ReadoutFn
 from spikeckpt.engine.rng import refuse_own_generators
 from spikeckpt.engine.tree import TreeDef, tree_flatten, tree_map
-from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError
+from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError, UsageError
 
 __all__ = [
     "StepFn",
@@ -38,6 +38,18 @@ __all__ = [
     "time_leaves",
     "unshaped",
 ]
+
+
+#: torch's message for an in-place op on a leaf requiring grad (the engine's state leaves)
+_IN_PLACE_ON_LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
+
+_STATE_IN_PLACE = (
+    "spikeckpt.scan: the step changes the state it is given in place (v.mul_(0.9), v += x, "
+    "v[...] = ...): a checkpointed run hands the states it stored to recomputed steps, as "
+    "leaves requiring grad, which must stay as they were (before 2026-11-29 this surfaced as "
+    "torch's 'a leaf Variable that requires grad is being used in an in-place operation'); "
+    "compute a new tensor instead: v = v * 0.9 + x"
+)
 
 
 class StepFn:
@@ -116,7 +128,12 @@ class StepFn:
                 self._warn_closures(user, xs, tree_flatten(out)[0], no_grad_path=True)
                 out = tree_map(lambda v: v.detach() if isinstance(v, Tensor) else v, out)
         else:
-            out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
+            try:
+                out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
+            except RuntimeError as err:
+                if _IN_PLACE_ON_LEAF in str(err) and any(t.requires_grad for t in user):
+                    raise UsageError(_STATE_IN_PLACE) from err
+                raise
         if check and not (isinstance(out, tuple) and len(out) == 2):
             got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
             raise ConfigTypeError(
