@@ -113,19 +113,29 @@ def _synapse(
             lead += 1
         return lead
 
+    def own(x: Tensor) -> Tensor:
+        """``x`` for the first layer: a copy where that layer writes its input in place
+        (``nn.Dropout(inplace=True)``, ``nn.ReLU(inplace=True)``, read at each call): the
+        chunk is the stored spikes, handed over as a leaf when the block is recomputed, which
+        torch refuses to change in place (before 2026-11-29: "a view of a leaf Variable that
+        requires grad is being used in an in-place operation"); the loop's layer changed the
+        neuron's fresh output, which a copy is too."""
+        first = synapses[0].module if synapses else None
+        return x.clone() if getattr(first, "inplace", False) is True else x
+
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
         if per_step:
             steps = x.unbind(0)
-            return torch.stack([one_step(as_fresh(x_t) if fresh else x_t) for x_t in steps])
+            return torch.stack([one_step(own(as_fresh(x_t) if fresh else x_t)) for x_t in steps])
         lead = static_lead() if one_step_repeated(x) else 0
         if not lead:
-            return run(x, 0)
+            return run(own(x), 0)
         # a static input (every step the same tensor): the leading layers' values are step
         # 0's at every step; a BatchNorm after them normalises (and counts) each step, and
         # its backward sees each step's gradient, as in the loop (summed first, it rounded
         # off up to 4e-4 of the largest gradient over T = 300 steps of small groups)
-        z0 = run(x[:1], 0, lead)
+        z0 = run(own(x[:1]), 0, lead)
         z = z0.expand(x.shape[0], *z0.shape[1:])
         return z.contiguous() if lead == len(synapses) else run(z, lead)
 
