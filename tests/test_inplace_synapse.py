@@ -69,3 +69,17 @@ def test_inplace_layer_after_a_neuron_is_the_loops(kind, cfg):
     torch.testing.assert_close(xs.grad, xr.grad)
     for p, q in zip(ref.parameters(), net.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+class _Double(nn.Module):
+    def forward(self, x):
+        return x.mul_(2.0)  # a layer of yours writing its input in place
+
+
+@pytest.mark.parametrize("cfg", [dict(granularity="layer"), dict(granularity="layer", exact=True)])
+def test_own_layer_writing_its_input_in_place_is_told(cfg):
+    torch.manual_seed(0)
+    x = torch.rand(10, 3, 8) * 2
+    seq = sc.wrap(_net(_Double()), **cfg)
+    with pytest.raises(sc.UsageError, match=r"'2', '3' changes its input in place.*granularity='stack'"):
+        seq(x).sum().backward()

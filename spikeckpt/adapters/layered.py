@@ -56,6 +56,7 @@ from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
+from spikeckpt.errors import UsageError
 
 __all__ = ["layer_blocks", "with_current_modes"]
 
@@ -125,6 +126,21 @@ def _synapse(
 
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
+        try:
+            return chunk(x)
+        except RuntimeError as err:
+            if not any(m in str(err) for m in _IN_PLACE_MESSAGES):
+                raise
+            paths = ", ".join(repr(layer.path) for layer in synapses)
+            raise UsageError(
+                f"layer-wise run: a layer among {paths} changes its input in place (x.mul_(2) "
+                "in a layer of yours): a recomputed block gets its stored input spikes back as "
+                "a tensor torch will not let it change (torch said: "
+                f"{str(err).splitlines()[0]!r}); compute out of place (x = x * 2), or wrap with "
+                "granularity='stack', which runs it as your loop does"
+            ) from err
+
+    def chunk(x: Tensor) -> Tensor:
         if per_step:
             steps = x.unbind(0)
             return torch.stack([one_step(own(as_fresh(x_t) if fresh else x_t)) for x_t in steps])
@@ -154,6 +170,13 @@ def _synapse(
         return x
 
     return synapse
+
+
+#: torch's messages for an in-place op on a leaf requiring grad or on one of several views
+_IN_PLACE_MESSAGES = (
+    "is being used in an in-place operation",
+    "is a view and is being modified inplace",
+)
 
 
 def _pure(module: nn.Module) -> bool:
