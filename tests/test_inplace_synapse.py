@@ -15,7 +15,7 @@ from torch import nn
 import spikeckpt as sc
 
 
-def _net(layer: nn.Module) -> nn.Sequential:
+def _net(layer: nn.Module | list[nn.Module]) -> nn.Sequential:
     snn = pytest.importorskip("snntorch")
     from snntorch import surrogate
 
@@ -24,7 +24,7 @@ def _net(layer: nn.Module) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(8, 12),
         snn.Leaky(0.9, init_hidden=True, spike_grad=g, learn_beta=True),
-        layer,
+        *(layer if isinstance(layer, list) else [layer]),
         nn.Linear(12, 4),
         snn.Leaky(0.8, init_hidden=True, spike_grad=g),
     )
@@ -39,6 +39,7 @@ def _loop(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 
 LAYERS = {
     "dropout": lambda: nn.Dropout(0.3, inplace=True),
+    "flatten_dropout": lambda: [nn.Flatten(1), nn.Dropout(0.3, inplace=True)],
     "relu": lambda: nn.ReLU(inplace=True),
     "hardtanh": lambda: nn.Hardtanh(0.0, 0.5, inplace=True),
 }
@@ -81,5 +82,7 @@ def test_own_layer_writing_its_input_in_place_is_told(cfg):
     torch.manual_seed(0)
     x = torch.rand(10, 3, 8) * 2
     seq = sc.wrap(_net(_Double()), **cfg)
-    with pytest.raises(sc.UsageError, match=r"'2', '3' changes its input in place.*granularity='stack'"):
+    with pytest.raises(
+        sc.UsageError, match=r"'2', '3' changes its input in place.*granularity='stack'"
+    ):
         seq(x).sum().backward()

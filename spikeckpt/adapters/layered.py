@@ -115,14 +115,19 @@ def _synapse(
         return lead
 
     def own(x: Tensor) -> Tensor:
-        """``x`` for the first layer: a copy where that layer writes its input in place
-        (``nn.Dropout(inplace=True)``, ``nn.ReLU(inplace=True)``, read at each call): the
+        """``x`` for the first layer: a copy where a layer writes its input in place
+        (``nn.Dropout(inplace=True)``, ``nn.ReLU(inplace=True)``, read at each call; also
+        after a view such as ``nn.Flatten``, so any layer of the block counts): the
         chunk is the stored spikes, handed over as a leaf when the block is recomputed, which
         torch refuses to change in place (before 2026-11-29: "a view of a leaf Variable that
         requires grad is being used in an in-place operation"); the loop's layer changed the
         neuron's fresh output, which a copy is too."""
-        first = synapses[0].module if synapses else None
-        return x.clone() if getattr(first, "inplace", False) is True else x
+        writes = any(
+            getattr(m, "inplace", False) is True
+            for layer in synapses
+            for m in layer.module.modules()
+        )
+        return x.clone() if writes else x
 
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
