@@ -101,3 +101,22 @@ def test_scan_step_changing_its_state_in_place_is_told(plan):
     with pytest.raises(sc.UsageError, match=r"in place.*v = v \* 0.9 \+ x"):
         out, _ = sc.scan(step, x, torch.zeros(3, 5), plan=plan)
         out.sum().backward()
+
+
+def test_readout_accumulating_in_place_is_told():
+    torch.manual_seed(0)
+    fc, x = nn.Linear(6, 5), torch.rand(12, 3, 6)
+
+    def step(v, x_t):
+        v = 0.9 * v + fc(x_t)
+        return v, torch.tanh(v)
+
+    def fold(acc, y, t):
+        if acc is None:
+            return y.clone()
+        acc += y
+        return acc
+
+    with pytest.raises(sc.UsageError, match=r"readout changes its accumulator in place"):
+        out, _ = sc.scan(step, x, torch.zeros(3, 5), plan=sc.plans.Uniform(4), readout=fold)
+        out.sum().backward()

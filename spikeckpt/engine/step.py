@@ -52,6 +52,14 @@ _STATE_IN_PLACE = (
 )
 
 
+_ACC_IN_PLACE = (
+    "spikeckpt.scan: the callable readout changes its accumulator in place (acc += y_t, "
+    "acc.add_(y_t)): the accumulator is carried as state, and a checkpointed run hands "
+    "stored states to recomputed steps as leaves requiring grad, which must stay as they "
+    "were; return a new tensor instead: acc = acc + y_t"
+)
+
+
 class StepFn:
     """The user's step on flat leaves: ``(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
 
@@ -169,7 +177,12 @@ class StepFn:
         """The callable readout's new accumulator leaves after step ``t``."""
         assert self.fold is not None
         acc = None if t == 0 else self.acc_def.unflatten(acc_leaves)  # type: ignore[union-attr]
-        acc = self.fold(acc, y, t)
+        try:
+            acc = self.fold(acc, y, t)
+        except RuntimeError as err:
+            if _IN_PLACE_ON_LEAF in str(err) and any(a.requires_grad for a in acc_leaves):
+                raise UsageError(_ACC_IN_PLACE) from err
+            raise
         new: list[Any] | None
         if self.acc_def is None:
             new, self.acc_def = tree_flatten(acc)
