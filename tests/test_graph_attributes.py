@@ -26,9 +26,10 @@ class MyLIF(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.beta = torch.tensor(0.9)
+        self._gain = torch.tensor(1.0)
 
     def forward(self, x, mem):
-        mem = self.beta * mem + x
+        mem = self.beta * mem + self._gain * x
         spk = (mem > 1).float() + mem - mem.detach()
         return spk, mem - spk.detach()
 
@@ -64,6 +65,14 @@ def test_own_neuron_attribute_with_a_graph_is_refused(cfg, params):
     net[1].beta = torch.sigmoid(raw)
     with pytest.raises(sc.UnsupportedLayerError, match="'beta'.*parametrization"):
         seq(_x())
+
+
+def test_private_attribute_with_a_graph_is_refused():
+    raw = nn.Parameter(torch.tensor(0.0))
+    net = nn.Sequential(nn.Linear(8, 6), MyLIF())
+    net[1]._gain = torch.exp(raw)
+    with pytest.raises(sc.UnsupportedLayerError, match="'_gain'.*graph made before the call"):
+        sc.wrap(net, plan=sc.plans.Revolve(2), params=[raw])(_x())
 
 
 def test_leaf_attribute_and_norse_parameters_still_run():

@@ -291,7 +291,7 @@ def refuse_graph_attributes(
     for m in module.modules():
         items = [*m.__dict__.items(), *m._buffers.items()]
         for name, v in items:
-            if name.startswith("_") or name in allowed or not isinstance(v, Tensor):
+            if name in allowed or not isinstance(v, Tensor):  # also self._beta = ...
                 continue
             if v.grad_fn is None:
                 continue
