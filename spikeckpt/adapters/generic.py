@@ -68,6 +68,7 @@ __all__ = [
     "own_loop_error",
     "probe",
     "positional_params",
+    "WRITTEN_BY_CLASS",
     "refuse_graph_attributes",
     "refuse_kept_state",
     "users_subclass",
@@ -276,6 +277,18 @@ def users_subclass(module: nn.Module, library: str) -> bool:
     return (type(module).__module__ or "").split(".")[0] != library
 
 
+#: attribute names a framework's modules write during every call, by class (the framework
+#: adapters fill it: snnTorch's neurons keep their state on themselves, ``self.mem``, which
+#: your own loop run before the wrapped one leaves holding its graph)
+WRITTEN_BY_CLASS: dict[type, frozenset[str]] = {}
+
+
+def _written_by(module: nn.Module) -> frozenset[str]:
+    """The names `WRITTEN_BY_CLASS` gives ``module``'s class (or a base of it)."""
+    found = [names for cls, names in WRITTEN_BY_CLASS.items() if isinstance(module, cls)]
+    return frozenset().union(*found)
+
+
 def refuse_graph_attributes(
     module: nn.Module, path: str, allowed: frozenset[str] = frozenset()
 ) -> None:
@@ -290,8 +303,9 @@ def refuse_graph_attributes(
     a call (snnTorch's ``mem``, which your own loop may have left holding its graph)."""
     for m in module.modules():
         items = [*m.__dict__.items(), *m._buffers.items()]
+        skipped = allowed | _written_by(m)
         for name, v in items:
-            if name in allowed or not isinstance(v, Tensor):  # also self._beta = ...
+            if name in skipped or not isinstance(v, Tensor):  # also self._beta = ...
                 continue
             if v.grad_fn is None:
                 continue

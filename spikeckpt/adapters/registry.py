@@ -107,6 +107,7 @@ def supported_summary() -> str:
 def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
     """The adapter for ``module`` (at dotted ``path`` in the model), or raise
     [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (its message ends with the list of supported layers)."""
+    _load_framework_adapters(module)
     try:
         for entry in registered_adapters():
             if entry.predicate(module):
@@ -182,6 +183,14 @@ def _is_snntorch(module: nn.Module) -> bool:
 
 def _is_norse(module: nn.Module) -> bool:
     return _from_package(module, "norse")
+
+
+def _load_framework_adapters(module: nn.Module) -> None:
+    """Import the snnTorch adapters where ``module`` holds an snnTorch neuron, inside a
+    module of yours too: they tell the generic checks which attributes snnTorch writes on
+    its neurons at every call (``generic.WRITTEN_BY_CLASS``)."""
+    if any(_is_snntorch(m) for m in module.modules()):
+        from spikeckpt.adapters import snntorch as _snn  # noqa: F401
 
 
 def _snntorch_factory(module: nn.Module, path: str) -> LayerAdapter:

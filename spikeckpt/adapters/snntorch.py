@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.alpha_kernel import AlphaKernel
 from spikeckpt.adapters.generic import (
+    WRITTEN_BY_CLASS,
     StatefulAdapter,
     StatelessAdapter,
     positional_params,
@@ -327,6 +328,10 @@ def clear_written(
 _WRITTEN: tuple[str, ...] = tuple(
     dict.fromkeys([*(f for _, c, _ in _SPECS for f in c._fields), *_SCRATCH])  # type: ignore[attr-defined]
 )
+
+
+# a neuron inside a module of yours is checked by that module's adapter: its state skipped
+WRITTEN_BY_CLASS[snn.SpikingNeuron] = frozenset(_WRITTEN)
 
 
 class UsersNeuronAdapter(StatefulAdapter):
