@@ -461,7 +461,9 @@ class StatefulAdapter(LayerAdapter):
 
     def _call(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         m = self.module
-        given = [t for t in tree_leaves(state) if isinstance(t, Tensor)]
+        # an inference tensor (torch.inference_mode: Lightning's validation) has no version
+        # counter, and a run without autograd hands no stored state to a recomputed step
+        given = [t for t in tree_leaves(state) if isinstance(t, Tensor) and not t.is_inference()]
         versions = [t._version for t in given]
         out = m(x_t, state) if self.n_state == 1 else m(x_t, *state)
         if any(t._version != v for t, v in zip(given, versions, strict=True)):
