@@ -83,6 +83,24 @@ def test_own_layer_writing_its_input_in_place_is_told(cfg):
     x = torch.rand(10, 3, 8) * 2
     seq = sc.wrap(_net(_Double()), **cfg)
     with pytest.raises(
-        sc.UsageError, match=r"'2', '3' changes its input in place.*granularity='stack'"
+        sc.UnsupportedLayerError, match=r"'2', '3' changes its input in place.*granularity='stack'"
     ):
         seq(x).sum().backward()
+
+
+def test_auto_runs_a_layer_writing_its_input_in_place_in_the_stack():
+    """``granularity="auto"`` picked layer-wise for it and raised the error above, where the
+    stack (``granularity="stack"``) runs it as the loop does: its probe now finds it and
+    the stack runs."""
+    torch.manual_seed(0)
+    x = torch.rand(10, 3, 8) * 2
+    ref, net = _net(_Double()), _net(_Double())
+    expected = _loop(ref, x)
+    expected.pow(2).sum().backward()
+    seq = sc.wrap(net, granularity="auto")
+    out = seq(x)
+    out.pow(2).sum().backward()
+    assert seq.last_stats.granularity == "stack"
+    assert torch.equal(out, expected)
+    for p, q in zip(ref.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)

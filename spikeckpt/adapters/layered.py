@@ -56,7 +56,7 @@ from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
-from spikeckpt.errors import UsageError
+from spikeckpt.errors import UnsupportedLayerError
 
 __all__ = ["layer_blocks", "with_current_modes"]
 
@@ -137,7 +137,7 @@ def _synapse(
             if not any(m in str(err) for m in _IN_PLACE_MESSAGES):
                 raise
             paths = ", ".join(repr(layer.path) for layer in synapses)
-            raise UsageError(
+            raise UnsupportedLayerError(
                 f"layer-wise run: a layer among {paths} changes its input in place (x.mul_(2) "
                 "in a layer of yours): a recomputed block gets its stored input spikes back as "
                 "a tensor torch will not let it change (torch said: "

@@ -13,6 +13,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+import torch
+
 from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, chunk_length
 from spikeckpt.errors import ConfigTypeError, UnsupportedLayerError
@@ -127,6 +129,24 @@ def layerwise_candidate(
         # one chunk step alone exceeds what the probe may hold: measuring the step (at a
         # chunk of 1 at least) would break the budget, and no layer-wise run fits it
         return None
+    try:  # the probe runs blocks forward and backward: a layer may refuse layer-wise there
+        return _measured_layered(model, x, blocks, sizes, device, fuse, max_bytes)
+    except UnsupportedLayerError:  # a layer writing its input in place: the stack runs it
+        if required:
+            raise
+        return None
+
+
+def _measured_layered(
+    model: Planned,
+    x: Any,
+    blocks: Any,
+    sizes: list[Any],
+    device: torch.device,
+    fuse: bool,
+    max_bytes: int | None,
+) -> Layered:
+    """`layerwise_candidate`'s blocks with their measured working set and times."""
     working = layerwise_working_bytes(
         blocks,
         x,
