@@ -183,3 +183,26 @@ def test_forward_mode_ad_is_refused_clearly(plan: Any) -> None:
     x = torch.rand(T, B, 5)
     with fwad.dual_level(), pytest.raises(sc.UsageError, match="loss.backward"):
         sc.wrap(model, plan=plan)(fwad.make_dual(x, torch.ones_like(x)))
+
+
+def test_parameters_assigned_after_wrapping_layerwise_name_load_state_dict_without_assign() -> None:
+    """``load_state_dict(sd, assign=True)`` right after wrapping (no call yet) was refused
+    saying a parameter was "replaced after the first forward"; the blocks are built when
+    wrapping. The refusal names assign=True, and the way it gives (without assign) runs as
+    the loop does."""
+    trained, x = net(), spikes()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.2)
+    saved = {k: v.clone() for k, v in trained.state_dict().items()}
+    seq = sc.wrap(net(), plan=Uniform(5), granularity="layer")
+    seq.load_state_dict(saved, assign=True)
+    with pytest.raises(sc.ConfigError, match=r"assign=True.*load_state_dict without assign=True"):
+        seq(x)
+    model = net()
+    seq = sc.wrap(model, plan=Uniform(5), granularity="layer", output="mem")
+    seq.load_state_dict(saved)
+    loss(seq(x)).backward()
+    loss(loop(trained, x)).backward()
+    for p, q in zip(model.parameters(), trained.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)

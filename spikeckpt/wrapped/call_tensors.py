@@ -93,7 +93,8 @@ def swapped_params(module: nn.Module, known: frozenset[int] | set[int]) -> list[
 def refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
     """Layer-wise blocks hold the parameters they were built with; refuse a forward whose
     model holds other tensors that require grad (``torch.func.functional_call``, or a
-    parameter replaced after the first forward) instead of failing on them later."""
+    parameter replaced since the blocks were built: ``load_state_dict(..., assign=True)``
+    after wrapping) instead of failing on them later."""
     held = [p for b in blocks for p in b.params]
     # a parameter behind a computed one (raw of a Norse p field 0.2 + sigmoid(raw)) is held
     moved = swapped_params(module, {id(p) for p in (*held, *leaves_behind(held))})
@@ -102,6 +103,9 @@ def refuse_swapped(module: nn.Module, blocks: list[LayerBlock]) -> None:
             f"granularity='layer': the model's parameters {', '.join(moved[:4])} are not the "
             "tensors its layer-wise blocks were built with (torch.func.functional_call or "
             "torch.nn.utils.stateless swap them in for one call; or a parameter was replaced "
-            "after the first forward). Use granularity='stack' (exact under functional_call), "
-            "or wrap the model again after replacing parameters."
+            "since the blocks were built, when wrapping or at the first forward: "
+            "load_state_dict(..., assign=True), module.weight = nn.Parameter(...)). Use "
+            "granularity='stack' (exact under functional_call), load_state_dict without "
+            "assign=True (it copies into the parameters the blocks hold), or wrap the model "
+            "again after replacing parameters."
         )
