@@ -56,6 +56,7 @@ from spikeckpt.engine.grad import GradSink, tensor_hooks_held
 from spikeckpt.engine.inputs import SparseChunk, as_fresh, one_step_repeated
 from spikeckpt.engine.layerwise import LayerBlock
 from spikeckpt.engine.meter import unmetered
+from spikeckpt.engine.step import in_place_error
 from spikeckpt.errors import UnsupportedLayerError
 
 __all__ = ["layer_blocks", "with_current_modes"]
@@ -114,27 +115,26 @@ def _synapse(
             lead += 1
         return lead
 
-    def own(x: Tensor) -> Tensor:
-        """``x`` for the first layer: a copy where a layer writes its input in place
-        (``nn.Dropout(inplace=True)``, ``nn.ReLU(inplace=True)``, read at each call; also
-        after a view such as ``nn.Flatten``, so any layer of the block counts): the
-        chunk is the stored spikes, handed over as a leaf when the block is recomputed, which
-        torch refuses to change in place (before 2026-11-29: "a view of a leaf Variable that
-        requires grad is being used in an in-place operation"); the loop's layer changed the
-        neuron's fresh output, which a copy is too."""
-        writes = any(
+    def writes_in_place() -> bool:
+        """Whether a layer of the block writes its input in place (``nn.Dropout(inplace=
+        True)``, ``nn.ReLU(inplace=True)``, read at each call; also after a view such as
+        ``nn.Flatten``, so any layer of the block counts): the chunk is the stored spikes,
+        handed over as a leaf when the block is recomputed, which torch refuses to change in
+        place (before 2026-11-29: "a view of a leaf Variable that requires grad is being used
+        in an in-place operation"); the loop's layer changed the neuron's fresh output, which
+        a copy is too."""
+        return any(
             getattr(m, "inplace", False) is True
             for layer in synapses
             for m in layer.module.modules()
         )
-        return x.clone() if writes else x
 
     def synapse(x: Tensor) -> Tensor:
         """The synaptic input of a whole chunk ``x (k, B, ...)`` -> ``(k, B, ...)``."""
         try:
-            return chunk(x)
+            return chunk(x, Tensor.clone if writes_in_place() else _same)
         except RuntimeError as err:
-            if not any(m in str(err) for m in _IN_PLACE_MESSAGES):
+            if not in_place_error(err):
                 raise
             paths = ", ".join(repr(layer.path) for layer in synapses)
             raise UnsupportedLayerError(
@@ -145,7 +145,9 @@ def _synapse(
                 "granularity='stack', which runs it as your loop does"
             ) from err
 
-    def chunk(x: Tensor) -> Tensor:
+    def chunk(x: Tensor, own: Callable[[Tensor], Tensor]) -> Tensor:
+        """`synapse`'s work; ``own``: what the first layer gets of its input (a copy where
+        a layer writes in place)."""
         if per_step:
             steps = x.unbind(0)
             return torch.stack([one_step(own(as_fresh(x_t) if fresh else x_t)) for x_t in steps])
@@ -177,11 +179,8 @@ def _synapse(
     return synapse
 
 
-#: torch's messages for an in-place op on a leaf requiring grad or on one of several views
-_IN_PLACE_MESSAGES = (
-    "is being used in an in-place operation",
-    "is a view and is being modified inplace",
-)
+def _same(x: Tensor) -> Tensor:
+    return x
 
 
 def _pure(module: nn.Module) -> bool:

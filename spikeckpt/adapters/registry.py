@@ -13,6 +13,7 @@ Norse's lazily, when one of their layers is found); those that adapt children re
 
 from __future__ import annotations
 
+import sys
 from typing import Any, cast
 
 from torch import Tensor, nn
@@ -189,7 +190,8 @@ def _load_framework_adapters(module: nn.Module) -> None:
     """Import the snnTorch adapters where ``module`` holds an snnTorch neuron, inside a
     module of yours too: they tell the generic checks which attributes snnTorch writes on
     its neurons at every call (``generic.WRITTEN_BY_CLASS``)."""
-    if any(_is_snntorch(m) for m in module.modules()):
+    loaded = "spikeckpt.adapters.snntorch" in sys.modules  # adapter_for recurses: once
+    if not loaded and any(_is_snntorch(m) for m in module.modules()):
         from spikeckpt.adapters import snntorch as _snn  # noqa: F401
 
 

@@ -32,6 +32,7 @@ from spikeckpt.errors import ConfigError, ConfigTypeError, UnlistedParamsError, 
 __all__ = [
     "StepFn",
     "default_params",
+    "in_place_error",
     "readout_params",
     "no_own_draws",
     "reachable_generators",
@@ -40,8 +41,20 @@ __all__ = [
 ]
 
 
-#: torch's message for an in-place op on a leaf requiring grad (the engine's state leaves)
-_IN_PLACE_ON_LEAF = "a leaf Variable that requires grad is being used in an in-place operation"
+#: torch's messages for an in-place op on a leaf requiring grad (the engine's stored states,
+#: a block's stored input spikes) or on a view of one
+_IN_PLACE_MESSAGES = (
+    "is being used in an in-place operation",
+    "is a view and is being modified inplace",
+)
+
+
+def in_place_error(err: RuntimeError) -> bool:
+    """Whether ``err`` is torch refusing an in-place change of a leaf that requires grad (or
+    of a view of one): what a step, readout or layer that writes the tensor it is given
+    meets when the engine hands it a stored tensor again."""
+    return any(message in str(err) for message in _IN_PLACE_MESSAGES)
+
 
 _STATE_IN_PLACE = (
     "spikeckpt.scan: the step changes the state it is given in place (v.mul_(0.9), v += x, "
@@ -139,7 +152,7 @@ class StepFn:
             try:
                 out = self.step(self.state_def.unflatten(user), self.in_def.unflatten(xs))
             except RuntimeError as err:
-                if _IN_PLACE_ON_LEAF in str(err) and any(t.requires_grad for t in user):
+                if in_place_error(err) and any(t.requires_grad for t in user):
                     raise UsageError(_STATE_IN_PLACE) from err
                 raise
         if check and not (isinstance(out, tuple) and len(out) == 2):
@@ -180,7 +193,7 @@ class StepFn:
         try:
             acc = self.fold(acc, y, t)
         except RuntimeError as err:
-            if _IN_PLACE_ON_LEAF in str(err) and any(a.requires_grad for a in acc_leaves):
+            if in_place_error(err) and any(a.requires_grad for a in acc_leaves):
                 raise UsageError(_ACC_IN_PLACE) from err
             raise
         new: list[Any] | None

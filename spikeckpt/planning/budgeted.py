@@ -213,9 +213,9 @@ class BudgetPlanner:
             # the probes' gradients are not yours, nor are their draws from your layers' own
             # generators (a BPTT() with a budget differed from the loop by the probes' draws)
             seen = [length for length, size in self.choices if size == batch]
-            roomy = (bool(seen), any(length != T for length in seen))
+            longer = any(length != T for length in seen)
             with tensor_hooks_held(params), kept_generators(model):
-                choice = self._plan(model, x, state, T, batch, roomy=roomy)
+                choice = self._plan(model, x, state, T, batch, roomy=bool(seen), longer=longer)
             self.choices[key] = choice
         self.last = choice
         return Decision(choice.granularity, choice.plan, choice.chunk, choice=choice)
@@ -303,12 +303,13 @@ class BudgetPlanner:
         T: int,
         batch: int,
         *,
-        roomy: tuple[bool, bool] = (False, False),
+        roomy: bool = False,
+        longer: bool = False,
     ) -> PlanChoice:
         """Probe the model and choose, so that the step's planned peak fits the budget;
-        ``roomy``: (a batch size planned before, at another length too): for a denser (and
-        longer) input where that is about as fast (`Measured.roomy`), so that the batches
-        around this one reuse it."""
+        ``roomy`` (a batch size planned before): for a denser input (``longer``: a batch size
+        met at another length too, and longer) where that is about as fast
+        (`Measured.roomy`), so that the batches around this one reuse it."""
         state = shaped_state(model, x, state)
         m = self._measure(model, x, state, T, batch)
         choice = self._choose(model, m)
@@ -316,7 +317,7 @@ class BudgetPlanner:
             self._refuse_all(model, x, state, m)
         if choice.granularity == "stack":
             self._warn_if_slow(m)
-        return roomier(choice, self._choose(model, m.roomy(roomy[1]))) if roomy[0] else choice
+        return roomier(choice, self._choose(model, m.roomy(longer))) if roomy else choice
 
     def _choose(self, model: Planned, m: Measured) -> PlanChoice | None:
         """Layer-wise where it fits and is about as fast as the stack's plan, else the stack's
