@@ -41,10 +41,11 @@ _FINALIZE_CODE = weakref.finalize.__call__.__code__
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs inside a ``weakref.finalize`` callback or a ``__del__`` method."""
+    """Whether ``frame`` runs inside a ``weakref.finalize`` callback, a ``__del__`` method or
+    the unraisable hook (an exception raised in any of them is swallowed)."""
     while frame is not None:
         code = frame.f_code
-        if code is _FINALIZE_CODE or code.co_name == "__del__":
+        if code in _SWALLOWING_CODES or code.co_name == "__del__":
             return True
         frame = frame.f_back
     return False
@@ -101,4 +102,9 @@ class Interrupts:
         """Deliver SIGINT to the main thread again in a moment (from a helper thread)."""
         timer = threading.Timer(0.005, _thread.interrupt_main)
         timer.daemon = True
-        timer.start()
+        timer.start()  # it may fire before this returns: `_handle` then sees the hook's frame
+
+
+#: Code whose frames swallow what is raised in them: ``weakref.finalize`` callbacks and the
+#: unraisable hook (a SIGINT handled while it starts the timer would be lost there).
+_SWALLOWING_CODES = frozenset({_FINALIZE_CODE, Interrupts._unraisable.__code__})
