@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from spikeckpt.engine.grad import GradSink
-from spikeckpt.engine.phase import recomputing
+from spikeckpt.engine.phase import in_backward
 
 __all__ = [
     "GATHER_BLOCK",
@@ -44,17 +44,18 @@ class Transposed:
     """A small weight transposed, ``(in, out)`` contiguous, made once per forward pass of the
     engine and dropped by the block's cleanup at the end of the pass (a weight changed between
     passes, even through ``.data``, is transposed afresh): only weights of at most
-    `KEEP_ELEMENTS` elements, so it costs at most 1 MiB, and not while the engine recomputes
-    (its backward holds the chunk's working set: the transpose is then made per chunk, for
-    the gather only)."""
+    `KEEP_ELEMENTS` elements, so it costs at most 1 MiB, and not in the engine's backward
+    phase (it holds the chunk's working set: the transpose is then made per chunk, for the
+    gather only). A probe's forward pass keeps it as the run's does (the planner measures
+    it: unseen, a 512 x 512 weight's 1 MiB took a planned chunk to 1.14x its budget)."""
 
     def __init__(self) -> None:
         self.value: Tensor | None = None
         self.key: tuple[int, int] = (0, 0)
 
     def of(self, weight: Tensor) -> Tensor | None:
-        """``weight.T`` contiguous, or None (a large weight, or recomputing)."""
-        if weight.numel() > KEEP_ELEMENTS or recomputing():
+        """``weight.T`` contiguous, or None (a large weight, or the backward phase)."""
+        if weight.numel() > KEEP_ELEMENTS or in_backward():
             self.value = None
             return None
         key = (weight.data_ptr(), weight._version)

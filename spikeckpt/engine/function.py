@@ -157,7 +157,7 @@ class Job:
         end where that stream ends), recompute phase on, the forward's autocast state."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(backward_draws(self.cuda_devices))
-            stack.enter_context(recompute_phase())
+            stack.enter_context(recompute_phase(backward=True))
             for kind, enabled, dtype in self.autocast:
                 stack.enter_context(
                     torch.autocast(kind, dtype, enabled, cache_enabled=self.autocast_cache)

@@ -22,6 +22,7 @@ __all__ = [
     "RUNNING_STATS_TYPES",
     "frozen_running_stats",
     "guard_running_stats",
+    "in_backward",
     "recompute_phase",
     "recomputing",
     "refuse_power_iteration",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("spikeckpt_recomputing", default=False)
+_BACKWARD: ContextVar[bool] = ContextVar("spikeckpt_backward", default=False)
 
 
 def recomputing() -> bool:
@@ -36,17 +38,27 @@ def recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
+def in_backward() -> bool:
+    """``True`` inside the engine's backward phase (``recompute_phase(backward=True)``); a
+    probe's forward pass is `recomputing` (it changes nothing) but holds what the forward
+    pass holds."""
+    return _BACKWARD.get()
+
+
 @contextlib.contextmanager
-def recompute_phase() -> Iterator[None]:
-    """Mark the code inside as recomputation (the engine's backward phase); parametrized
-    weights are computed afresh at each access there (`uncached_parametrizations`: a backward
-    inside ``parametrize.cached()`` would otherwise reuse one recomputed segment's weight,
-    and its freed graph, in the next)."""
+def recompute_phase(*, backward: bool = False) -> Iterator[None]:
+    """Mark the code inside as recomputation (the engine's backward phase with ``backward``,
+    else a probe); parametrized weights are computed afresh at each access there
+    (`uncached_parametrizations`: a backward inside ``parametrize.cached()`` would otherwise
+    reuse one recomputed segment's weight, and its freed graph, in the next)."""
     token = _RECOMPUTING.set(True)
+    mark = _BACKWARD.set(True) if backward else None
     try:
         with uncached_parametrizations():
             yield
     finally:
+        if mark is not None:
+            _BACKWARD.reset(mark)
         _RECOMPUTING.reset(token)
 
 

@@ -38,7 +38,8 @@ from spikeckpt.plans.layerwise import (
     steepest_chord,
 )
 from spikeckpt.storage.base import tensor_nbytes
-from spikeckpt.storage.spiketrain import SpikeTrain
+from spikeckpt.storage.codecs import shape_numel
+from spikeckpt.storage.spiketrain import SpikeTrain, concat_steps
 
 __all__ = [
     "LAYERWISE_PROBE_CHUNKS",
@@ -411,6 +412,50 @@ def _first_steps(x: Any, n: int, *, samples: int, device: torch.device, start: i
     return chunk_of(x, start, start + n, device)[:, :samples].detach().clone()
 
 
+def _packed_steps(
+    x: Any, n: int, *, samples: int, device: torch.device, start: int = 0
+) -> SpikeTrain:
+    """Steps ``start <= t < start + n`` of the first ``samples`` samples of the packed train
+    ``x``, a packed train of their own on ``device`` in ``x``'s codec, packed a step at a time
+    (`_group_steps`: a bit-packed group ends on a whole byte): never the whole chunk dense. A
+    probe's chunk ``k`` made its ``2 k`` steps dense first (5.7 MB at chunk 32 of a
+    700-256-20 net at batch 32, packed 0.18 MB), and the probe's limit counted them beside
+    the run: under a 10 MiB budget it stopped at chunk 20, and the plan took chunk 32 where
+    63 fits."""
+    codec = x.codec if isinstance(x, SpikeTrain) else x.train.codec
+    group = _group_steps(samples * shape_numel(x.shape[2:]))
+    trains = []
+    for a in range(0, n, group):
+        steps = _first_steps(x, min(group, n - a), samples=samples, device=device, start=start + a)
+        trains.append(SpikeTrain.from_dense(steps, codec=codec))
+        del steps
+    return concat_steps(trains)
+
+
+def _group_steps(per_step: int) -> int:
+    """Fewest steps of ``per_step`` elements whose bits fill whole bytes."""
+    return 8 // math.gcd(per_step, 8)
+
+
+def _packed_bytes(x: Any, n: int, samples: int, ones: int, step_bytes: int) -> int:
+    """At most what `_packed_steps` holds for ``n`` steps with at most ``ones`` ones among
+    them (``step_bytes``: one dense step of the samples): the train it makes, held twice
+    while it concatenates, beside one whole step of the batch unpacked twice (`_first_steps`)
+    and the group it packs (the group dense, its mask and, for an index list, its ones'
+    positions: 40 bytes per one at most), and 1 KiB for the small tensors' alignment."""
+    codec = x.codec if isinstance(x, SpikeTrain) else x.train.codec
+    per_step = samples * shape_numel(x.shape[2:])
+    group = min(n, _group_steps(per_step))
+    whole = 2 * step_bytes * int(x.shape[1]) // samples
+    if codec == "bitpack":
+        train = -(-n * per_step // 8)
+        packing = group * (step_bytes + per_step // 4)
+    else:
+        train = 2 * ones + 8 * (n * (-(-per_step // 65536)) + 1)
+        packing = group * (step_bytes + per_step) + 40 * min(ones, group * per_step)
+    return 2 * train + whole + packing + 1024
+
+
 def _densest_start(ones: Tensor | None, chunk: int, n: int) -> int:
     """Where a probe of ``n`` steps at ``chunk`` starts: at the chunk of the run (chunks from
     step 0) with the most ones, or the one before it where the train ends first, given the
@@ -487,15 +532,22 @@ def _probe_residuals(
         with torch.random.fork_rng(devices=devices), recompute_phase():
             for k in chunks:
                 n = min(T, 2 * k)
-                if not limit.allows(k, n * step_bytes):
+                start = _densest_start(ones, k, n)
+                xs: Any
+                input_bytes = n * step_bytes
+                if packed:  # never differentiated; packed a step at a time (never dense)
+                    most = int(ones[start : start + n].sum()) if ones is not None else input_bytes
+                    input_bytes = _packed_bytes(x, n, samples, most, step_bytes)
+                if not limit.allows(k, input_bytes):
                     break
-                xs: Any = dense(n, start=_densest_start(ones, k, n)).requires_grad_(input_grad)
-                states = states_for(xs[0].detach())
+                if packed:
+                    xs = _packed_steps(x, n, samples=samples, device=device, start=start)
+                else:
+                    xs = dense(n, start=start).requires_grad_(input_grad)
+                states = states_for(xs.step(0) if packed else xs[0].detach())
                 # again: an initial state may mark one requiring grad (Norse's IAFCell: its v
                 # is p.v_reset, requires_grad)
                 _frozen(leaves, training)
-                if packed:  # never differentiated
-                    xs = SpikeTrain.from_dense(xs, codec=getattr(x, "codec", "auto"))
                 run = partial(
                     layerwise_scan,
                     blocks,
@@ -511,7 +563,7 @@ def _probe_residuals(
                 held = device_bytes(states, device)  # made outside the run's meter
                 peak, untaped = _run_peak(run, xs, states, wrt, device)
                 del xs, states
-                limit.record(k, peak + held, n * step_bytes, held)
+                limit.record(k, peak + held, input_bytes, held)
                 all_untaped = all_untaped and untaped
                 modeled = layerwise_cost(n, k, sizes, remote=remote).peak_bytes
                 residuals.append((k, peak - (modeled - k * work)))

@@ -39,7 +39,8 @@ type; ``torch.load`` needs no ``weights_only=False`` (the class is registered as
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ from spikeckpt.storage.codecs import (
     shape_numel,
 )
 
-__all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train"]
+__all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train", "concat_steps"]
 
 SPIKE_TRAIN_CODECS = ("auto", "bitpack", "index")
 _HALF = BLOCK // 2
@@ -534,6 +535,35 @@ def _block_starts(blocks: int, per_step: int, n: int, device: torch.device) -> T
     block = torch.arange(blocks, device=device)
     per_step = max(per_step, 1)
     return (block // per_step) * n + (block % per_step) * BLOCK + _HALF
+
+
+def concat_steps(trains: Sequence[SpikeTrain]) -> SpikeTrain:
+    """The trains one after the other in time, ``(sum T_i, B, ...)``: one codec, dtype,
+    device and step shape; bit-packed ones whole bytes each but the last (``T_i * B * ...``
+    a multiple of 8). Payloads are concatenated, never unpacked."""
+    if not trains:
+        raise ConfigError("concat_steps needs at least one train")
+    first = trains[0]
+    for t in trains[1:]:
+        if (t.codec, t.dtype, t.device, t.shape[1:]) != (
+            first.codec, first.dtype, first.device, first.shape[1:]
+        ):  # fmt: skip
+            raise ConfigError(
+                "concat_steps needs one codec, dtype, device and step shape: "
+                f"{first.codec} {first.dtype} {first.device} {tuple(first.shape[1:])} against "
+                f"{t.codec} {t.dtype} {t.device} {tuple(t.shape[1:])}"
+            )
+    if first.codec == "bitpack" and any(shape_numel(t.shape) % 8 for t in trains[:-1]):
+        raise ConfigError("concat_steps: a bit-packed train before the last ends inside a byte")
+    shape = (sum(t.T for t in trains), *first.shape[1:])
+    ones = sum(t.ones for t in trains)
+    data = torch.cat([t._data for t in trains])
+    if first.codec == "bitpack":
+        return SpikeTrain("bitpack", shape, first.dtype, data, None, ones)
+    counts = torch.cat([cast(Tensor, t._offsets).diff() for t in trains])
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.long)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return SpikeTrain("index", shape, first.dtype, data, offsets, ones)
 
 
 def _blocks_per_step(n: int) -> int:
