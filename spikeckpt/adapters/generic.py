@@ -52,7 +52,7 @@ from spikeckpt.adapters.returns import state_order_problem
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
 from spikeckpt.engine.rng import kept_generators
-from spikeckpt.engine.tree import tree_leaves, tree_map
+from spikeckpt.engine.tree import tree_leaves, tree_map, tree_structure
 from spikeckpt.errors import UnsupportedLayerError
 
 __all__ = [
@@ -493,25 +493,87 @@ class StatefulAdapter(LayerAdapter):
             # checks the (y, state) protocol, and that the forward does not loop over time
             _refuse_an_own_time_loop(self, lambda: probe(self._call, None, x_t), x_t)
             return None
-        errors = []
+        errors: list[Exception] = []
         # only the shape is learnt: a 0-d zero broadcasts in most neuron updates; then x-shaped
         for z in (x_t.new_zeros(()), torch.zeros_like(x_t)):
             guess = z if self.n_state == 1 else tuple(z for _ in range(self.n_state))
-            try:
-                s, _ = probe(self._call, guess, x_t)
-            except UnsupportedLayerError:
-                raise
-            except Exception as err:  # the guess does not fit the module
-                errors.append(err)
-                continue
-            return _zeros_like_tree(s)
+            found = self._zero_state(guess, x_t, errors)
+            if found is not None:
+                self._refuse_another_start_from_none(found, x_t)
+                return _zeros_like_tree(found[0])
+        none_hint = ""
+        if self._steps_from_none(x_t) is not None:
+            none_hint = (
+                "; it accepts state=None (building its state at step 0, as a loop passing None "
+                "runs it): give its state argument the default None, forward(x, state=None), "
+                "as Norse's cells do"
+            )
         raise unsupported(
             self.module,
             self.path,
             f"it has no initial_state(x) method and calling it with zero states failed "
-            f"({errors[-1]!r}); give it an initial_state(x) method, or pass state=... to the "
-            "wrapped forward",
+            f"({errors[-1]!r}){none_hint}; or give it an initial_state(x) method, or pass "
+            "state=... to the wrapped forward",
         ) from errors[-1]
+
+    def _zero_state(
+        self, guess: State, x_t: Tensor, errors: list[Exception]
+    ) -> tuple[State, Any] | None:
+        """The (state, y) of one probed step from ``guess``, or None where it does not fit.
+        A state returned in another structure than the guess (a tensor given, a tuple back:
+        ``v, i = state`` unpacked the guess along its first axis, the batch) is probed again
+        from zeros in the returned structure: the first fit was a coincidence of shapes
+        (batch 2 for a 2-tuple)."""
+        for _ in range(2):
+            try:
+                s, y = probe(self._call, guess, x_t)
+            except UnsupportedLayerError:
+                raise
+            except Exception as err:  # the guess does not fit the module
+                errors.append(err)
+                return None
+            if tree_structure(s) == tree_structure(guess):
+                return s, y
+            guess = _zeros_like_tree(s)
+        errors.append(ValueError("the state it returns changes structure from step to step"))
+        return None
+
+    def _steps_from_none(self, x_t: Tensor) -> tuple[State, Any] | None:
+        """The (state, y) of one probed step from ``state=None``, or None where it fails."""
+        try:
+            return cast(tuple[State, Any], probe(self._call, None, x_t))
+        except UnsupportedLayerError:
+            raise
+        except Exception:  # the module needs a state
+            return None
+
+    def _refuse_another_start_from_none(self, from_zeros: tuple[State, Any], x_t: Tensor) -> None:
+        """Refuse a module whose state argument has no default but which also steps from
+        ``None`` to other values than from zeros: its loop may well pass None at step 0 (Norse's
+        convention, ``state: Optional[...]``), and a run started from zeros would then give
+        other outputs, silently."""
+        from_none = self._steps_from_none(x_t)
+        if from_none is None:
+            return
+        a, b = tree_leaves(from_zeros), tree_leaves(from_none)
+        same = len(a) == len(b) and all(
+            isinstance(u, Tensor)
+            and isinstance(v, Tensor)
+            and u.shape == v.shape
+            and torch.equal(u, v)
+            for u, v in zip(a, b, strict=True)
+        )
+        if not same:
+            raise unsupported(
+                self.module,
+                self.path,
+                "its state argument has no default, so its state would start as zeros, but "
+                "called with state=None it builds another state at step 0 (one step from None "
+                "returns other values than one from zeros): say which start your loop uses. "
+                "Give the state argument the default None, forward(x, state=None), to start "
+                "from None as Norse's cells do; or an initial_state(x) method returning the "
+                "state to start from, or pass state=... to the wrapped forward",
+            )
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         return self._call(state, x_t)
