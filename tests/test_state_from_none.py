@@ -90,3 +90,46 @@ def test_a_tuple_state_without_a_none_branch_still_starts_from_zeros() -> None:
     zeros = (torch.zeros(2, 4), torch.zeros(2, 4))
     out = sc.wrap(net, plan=sc.plans.Uniform(2))(x)
     assert torch.equal(out, _loop(net, x, zeros))
+
+
+class SynLIF(nn.Module):
+    """Two required states, each built from None (its loop passes None, None)."""
+
+    def forward(self, x: Tensor, syn: Tensor | None, mem: Tensor | None) -> Any:
+        syn = torch.zeros_like(x) if syn is None else syn
+        mem = torch.full_like(x, -0.5) if mem is None else mem
+        syn = 0.8 * syn + x
+        mem = 0.9 * mem + 0.1 * syn
+        z = (mem > 0.3).to(mem.dtype)
+        mem = mem - 0.3 * z
+        return z * mem, syn, mem
+
+
+class SynLIFWithInitialState(SynLIF):
+    def initial_state(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.zeros_like(x), torch.full_like(x, -0.5)
+
+
+def _loop2(net: nn.Sequential, x: Tensor) -> Tensor:
+    syn = mem = None
+    ys = []
+    for t in range(x.shape[0]):
+        y, syn, mem = net[1](net[0](x[t]), syn, mem)
+        ys.append(y)
+    return torch.stack(ys)
+
+
+def test_several_states_built_from_none_are_refused_naming_initial_state() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 4), SynLIF())
+    with pytest.raises(
+        sc.UnsupportedLayerError, match=r"initial_state\(x\) method returning the 2"
+    ):
+        sc.wrap(net, plan=sc.plans.Uniform(2))(torch.randn(6, 3, 5))
+
+
+def test_the_advised_initial_state_runs_as_the_loop_passing_nones() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 4), SynLIFWithInitialState())
+    x = torch.randn(6, 3, 5)
+    assert torch.equal(sc.wrap(net, plan=sc.plans.Uniform(2))(x), _loop2(net, x))

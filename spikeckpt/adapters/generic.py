@@ -502,7 +502,7 @@ class StatefulAdapter(LayerAdapter):
                 self._refuse_another_start_from_none(found, x_t)
                 return _zeros_like_tree(found[0])
         none_hint = ""
-        if self._steps_from_none(x_t) is not None:
+        if self.n_state == 1 and self._steps_from_none(x_t) is not None:
             none_hint = (
                 "; it accepts state=None (building its state at step 0, as a loop passing None "
                 "runs it): give its state argument the default None, forward(x, state=None), "
@@ -539,9 +539,11 @@ class StatefulAdapter(LayerAdapter):
         return None
 
     def _steps_from_none(self, x_t: Tensor) -> tuple[State, Any] | None:
-        """The (state, y) of one probed step from ``state=None``, or None where it fails."""
+        """The (state, y) of one probed step from ``state=None`` (each state None, for
+        several), or None where it fails."""
+        nones = None if self.n_state == 1 else (None,) * self.n_state
         try:
-            return cast(tuple[State, Any], probe(self._call, None, x_t))
+            return cast(tuple[State, Any], probe(self._call, nones, x_t))
         except UnsupportedLayerError:
             raise
         except Exception:  # the module needs a state
@@ -563,17 +565,27 @@ class StatefulAdapter(LayerAdapter):
             and torch.equal(u, v)
             for u, v in zip(a, b, strict=True)
         )
-        if not same:
-            raise unsupported(
-                self.module,
-                self.path,
+        if same:
+            return
+        if self.n_state == 1:
+            problem = (
                 "its state argument has no default, so its state would start as zeros, but "
                 "called with state=None it builds another state at step 0 (one step from None "
                 "returns other values than one from zeros): say which start your loop uses. "
                 "Give the state argument the default None, forward(x, state=None), to start "
                 "from None as Norse's cells do; or an initial_state(x) method returning the "
-                "state to start from, or pass state=... to the wrapped forward",
+                "state to start from, or pass state=... to the wrapped forward"
             )
+        else:
+            problem = (
+                f"its {self.n_state} state arguments would start as zeros, but called with "
+                "None for each it builds other states at step 0 (one step from None returns "
+                "other values than one from zeros): say which start your loop uses. Give it an "
+                f"initial_state(x) method returning the {self.n_state} states your loop starts "
+                "from (it is called with the first step's input), or pass state=... to the "
+                "wrapped forward"
+            )
+        raise unsupported(self.module, self.path, problem)
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         return self._call(state, x_t)
