@@ -501,6 +501,15 @@ class StatefulAdapter(LayerAdapter):
             if found is not None:
                 self._refuse_another_start_from_none(found, x_t)
                 return _zeros_like_tree(found[0])
+        loop = self._own_time_loop()
+        if loop is not None:
+            raise own_loop_error(
+                self.module,
+                self.path,
+                f"{loop}: it seems to take the whole sequence (one call with a step's input "
+                f"{tuple(x_t.shape)} and zero states failed: {errors[-1]!r}), while spikeckpt "
+                "calls it once per time step with x[t]",
+            ) from errors[-1]
         none_hint = ""
         if self.n_state == 1 and self._steps_from_none(x_t) is not None:
             none_hint = (
@@ -512,9 +521,28 @@ class StatefulAdapter(LayerAdapter):
             self.module,
             self.path,
             f"it has no initial_state(x) method and calling it with zero states failed "
-            f"({errors[-1]!r}){none_hint}; or give it an initial_state(x) method, or pass "
-            "state=... to the wrapped forward",
+            f"({errors[-1]!r}){none_hint}; {'or ' if none_hint else ''}give it an "
+            "initial_state(x) method, or pass state=... to the wrapped forward",
         ) from errors[-1]
+
+    def _own_time_loop(self) -> str | None:
+        """Where the module's forward loops (``for step in range(seq_len)``) over neurons it
+        holds, how to say so: a layer of yours written for the whole sequence."""
+        code = _code_of(self.module.forward)
+        loop = (
+            _time_loop(code, code.co_varnames[0] if code.co_argcount else "self") if code else None
+        )
+        inside: list[str] = []
+        tops: list[str] = []
+        for name, child in self.module.named_modules():
+            if child is self.module or state_arity(child) < 1:
+                continue
+            if not any(name.startswith(top + ".") for top in tops):  # not one inside another
+                tops.append(name)
+                inside.append(f"{name} ({type(child).__name__})")
+        if loop is None or not inside:
+            return None
+        return f"{loop}, running the neurons it holds ({', '.join(inside[:4])}) in that loop"
 
     def _zero_state(
         self, guess: State, x_t: Tensor, errors: list[Exception]
