@@ -180,8 +180,9 @@ class StepFn:
         ys = self._flat_y(t, y, check)
         acc = [] if self.fold is None else self._folded(t, leaves[n:], y)
         if check and not self.scanned_closures and torch.is_grad_enabled():
-            # the fold's accumulator too: a readout matrix of its own not in ``params``
-            self._warn_closures(leaves, xs, new + acc)
+            # the outputs (a head applied to the spikes) and the fold's accumulator too: a
+            # readout matrix of its own not in ``params``
+            self._warn_closures(leaves, xs, new + ys + acc)
         if self.fold is None:
             return new, ys
         return new + acc, []
