@@ -586,14 +586,7 @@ class StatefulAdapter(LayerAdapter):
         if from_none is None:
             return
         a, b = tree_leaves(from_zeros), tree_leaves(from_none)
-        same = len(a) == len(b) and all(
-            isinstance(u, Tensor)
-            and isinstance(v, Tensor)
-            and u.shape == v.shape
-            and torch.equal(u, v)
-            for u, v in zip(a, b, strict=True)
-        )
-        if same:
+        if len(a) == len(b) and all(_same_leaf(u, v) for u, v in zip(a, b, strict=True)):
             return
         if self.n_state == 1:
             problem = (
@@ -617,6 +610,19 @@ class StatefulAdapter(LayerAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         return self._call(state, x_t)
+
+
+def _same_leaf(u: Any, v: Any) -> bool:
+    """Whether two probed leaves are equal: tensors of one shape and equal values, or equal
+    other values (a ``None`` kept in a state)."""
+    if isinstance(u, Tensor) or isinstance(v, Tensor):
+        return (
+            isinstance(u, Tensor)
+            and isinstance(v, Tensor)
+            and u.shape == v.shape
+            and torch.equal(u, v)
+        )
+    return u is v or type(u) is type(v) and bool(u == v)
 
 
 def _refuse_an_own_time_loop(adapter: LayerAdapter, call: Callable[[], Any], x_t: Tensor) -> Any:
