@@ -583,10 +583,12 @@ class StatefulAdapter(LayerAdapter):
         convention, ``state: Optional[...]``), and a run started from zeros would then give
         other outputs, silently."""
         from_none = self._steps_from_none(x_t)
-        if from_none is None:
+        if from_none is None or _same_steps(from_zeros, from_none):
             return
-        a, b = tree_leaves(from_zeros), tree_leaves(from_none)
-        if len(a) == len(b) and all(_same_leaf(u, v) for u, v in zip(a, b, strict=True)):
+        again = self._steps_from_none(x_t)
+        if again is None or not _same_steps(from_none, again):
+            # None reads a state the module keeps from its last call (snnTorch's neurons
+            # given mem=None): not a start of its own, and its loop passes the states
             return
         if self.n_state == 1:
             problem = (
@@ -610,6 +612,12 @@ class StatefulAdapter(LayerAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         return self._call(state, x_t)
+
+
+def _same_steps(a: Any, b: Any) -> bool:
+    """Whether two probed ``(state, y)`` are equal leaf by leaf (`_same_leaf`)."""
+    u, v = tree_leaves(a), tree_leaves(b)
+    return len(u) == len(v) and all(_same_leaf(p, q) for p, q in zip(u, v, strict=True))
 
 
 def _same_leaf(u: Any, v: Any) -> bool:
