@@ -549,3 +549,12 @@ def test_demo_in_a_clean_checkout(tmp_path: Path) -> None:
     assert rows, f"the table does not show {plan.group(1)} whole:\n{out}"
     assert all(len(line) <= 80 for line in out.splitlines()), out
     assert "test accuracy" in out and "plot: spikeckpt-out/demo.png" in out
+
+
+def test_plan_and_bench_help_say_what_their_budget_covers() -> None:
+    """`plan`/`bench` --budget covers checkpoints and tapes alone (docs/cli.md), unlike
+    wrap(budget=) and MemoryBudget; the help said "device budget" only (h29)."""
+    for prog in ("spikeckpt plan", "spikeckpt bench"):
+        flat = " ".join(_parsers()[prog].format_help().split())
+        assert "checkpoints and tapes alone" in flat, prog
+        assert "whole training step" in flat, prog

@@ -116,8 +116,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=budget,
         default=None,
         help=(
-            "device budget the planned scan strategies are chosen for: bytes (8MiB) or a share "
-            "of BPTT's modeled peak (5%%); default: the modeled peak of Uniform(sqrt(T))"
+            "device budget the planned scan strategies are chosen for, their checkpoints and "
+            "tapes alone (wrap(budget=) and MemoryBudget count the whole training step): "
+            "bytes (8MiB) or a share of BPTT's modeled peak (5%%); default: the modeled peak "
+            "of Uniform(sqrt(T))"
         ),
     )
     group = parser.add_mutually_exclusive_group()

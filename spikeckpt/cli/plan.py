@@ -61,7 +61,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=budget,
         required=True,
         metavar="BUDGET",
-        help="device budget: bytes (1GiB, 500MB) or a share of plain BPTT's need (5%%)",
+        help=(
+            "device bytes for the plan's checkpoints and tapes alone (wrap(budget=) and "
+            "MemoryBudget count the whole training step, so the same number buys less "
+            "there): bytes (1GiB, 500MB) or a share of plain BPTT's need (5%%)"
+        ),
     )
     parser.add_argument(
         "--state-bytes", type=byte_size, metavar="BYTES", help="S: bytes of one state (64KiB)"
