@@ -304,3 +304,26 @@ def test_scan_names_the_layout_when_a_batch_first_input_changes_the_state() -> N
         sc.scan(step, x, torch.zeros(B, 16), plan=sc.plans.Uniform(4))
     ys, _ = sc.scan(step, x.transpose(0, 1), torch.zeros(B, 16), plan=sc.plans.Uniform(4))
     assert ys.shape == (T, B, 16)
+
+
+def test_scan_names_the_fix_for_a_counter_kept_in_the_state() -> None:
+    """A Python int kept in the state (a step counter) was refused with 'every state leaf
+    must be a tensor; state[1] is int' alone (h28); the message now names the tensor to
+    start from, which runs as the loop."""
+    torch.manual_seed(0)
+    fc, lif = nn.Linear(C, 16), snn.Leaky(0.9)
+
+    def step(state: tuple[Tensor, Tensor], x_t: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        mem, count = state
+        spk, mem = lif(fc(x_t), mem)
+        return (mem, count + 1), spk
+
+    x = _spikes((T, B, C))
+    with pytest.raises(
+        sc.ConfigTypeError, match=r"state\[1\] is int: start it as torch\.tensor\(0\)"
+    ):
+        sc.scan(step, x, (torch.zeros(B, 16), 0), plan=sc.plans.Uniform(4))
+    ys, (_, count) = sc.scan(
+        step, x, (torch.zeros(B, 16), torch.tensor(0)), plan=sc.plans.Uniform(4)
+    )
+    assert int(count) == T and ys.shape == (T, B, 16)

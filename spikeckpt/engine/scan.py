@@ -397,8 +397,11 @@ def _run(
     names = [f"state{n}" for n in state_def.names]
     for name, leaf in zip(names, state_leaves, strict=False):
         if not isinstance(leaf, Tensor):
+            fix = "start it as a tensor"
+            if isinstance(leaf, (bool, int, float)):  # a counter kept in the state
+                fix = f"start it as torch.tensor({leaf!r}) and return a tensor from the step"
             raise ConfigTypeError(
-                f"every state leaf must be a tensor; {name} is {type(leaf).__name__}"
+                f"every state leaf must be a tensor; {name} is {type(leaf).__name__}: {fix}"
             )
     for leaf in in_leaves:
         if leaf.shape[0] != T:
