@@ -203,11 +203,9 @@ def test_ctrl_c_inside_a_finalizer_is_raised_after_it() -> None:
     assert interrupts.received
 
 
-def test_ctrl_c_swallowed_by_a_weakref_callback_comes_back(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """One that Python did swallow (a callback frame the handler cannot recognise) reaches
-    ``sys.unraisablehook``, which delivers SIGINT again: raised in the main code, unprinted."""
+def _ctrl_c_from_a_weakref_callback_comes_back(capsys: pytest.CaptureFixture[str]) -> None:
+    """Raise KeyboardInterrupt in a ``weakref.ref`` callback under `Interrupts`: Python swallows
+    it there; it must come back in the main code, unprinted."""
 
     class Thing:
         pass
@@ -229,19 +227,20 @@ def test_ctrl_c_swallowed_by_a_weakref_callback_comes_back(
     assert "Exception ignored" not in capsys.readouterr().err
 
 
+def test_ctrl_c_swallowed_by_a_weakref_callback_comes_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One that Python did swallow (a callback frame the handler cannot recognise) reaches
+    ``sys.unraisablehook``, which delivers SIGINT again: raised in the main code, unprinted."""
+    _ctrl_c_from_a_weakref_callback_comes_back(capsys)
+
+
 def test_ctrl_c_given_back_while_the_unraisable_hook_still_runs_is_not_lost(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """On a loaded machine the timer that gives a swallowed Ctrl-C back can fire before
     ``Timer.start`` has returned inside ``sys.unraisablehook`` (seen in CI): raised there, it
     was swallowed a second time. The first timer here fires at once, inside the hook."""
-
-    class Thing:
-        pass
-
-    def callback(_: object) -> None:
-        raise KeyboardInterrupt
-
     timers: list[str] = []
 
     class FiresAtOnceFirst(threading.Timer):
@@ -253,16 +252,5 @@ def test_ctrl_c_given_back_while_the_unraisable_hook_still_runs_is_not_lost(
             super().start()
 
     monkeypatch.setattr(threading, "Timer", FiresAtOnceFirst)
-    interrupts = Interrupts()
-    interrupts.install()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            thing = Thing()
-            reference = weakref.ref(thing, callback)
-            del thing
-            _spin()
-        assert reference() is None
-    finally:
-        interrupts.restore()
+    _ctrl_c_from_a_weakref_callback_comes_back(capsys)
     assert len(timers) == 2  # the signal handled in the hook asked for it once more
-    assert "Exception ignored" not in capsys.readouterr().err

@@ -43,7 +43,7 @@ class TrainWindow:
     of ``stop - start`` steps (no copy).
 
     Has the part of [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain]'s contract the engine uses:
-    ``shape``, ``T``, ``dtype``, ``device``, ``nbytes``, ``step``, ``chunk``,
+    ``shape``, ``T``, ``dtype``, ``codec``, ``device``, ``nbytes``, ``step``, ``chunk``,
     ``chunk_positions`` and ``step_ones``.
     """
 
@@ -71,6 +71,11 @@ class TrainWindow:
     @property
     def dtype(self) -> torch.dtype:
         return self.train.dtype
+
+    @property
+    def codec(self) -> str:
+        """The train's codec (``"bitpack"`` or ``"index"``)."""
+        return self.train.codec
 
     @property
     def device(self) -> torch.device:

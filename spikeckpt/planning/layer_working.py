@@ -39,7 +39,7 @@ from spikeckpt.plans.layerwise import (
 )
 from spikeckpt.storage.base import tensor_nbytes
 from spikeckpt.storage.codecs import shape_numel
-from spikeckpt.storage.spiketrain import SpikeTrain, concat_steps
+from spikeckpt.storage.spiketrain import SpikeTrain, concat_steps, packed_nbytes
 
 __all__ = [
     "LAYERWISE_PROBE_CHUNKS",
@@ -422,12 +422,11 @@ def _packed_steps(
     700-256-20 net at batch 32, packed 0.18 MB), and the probe's limit counted them beside
     the run: under a 10 MiB budget it stopped at chunk 20, and the plan took chunk 32 where
     63 fits."""
-    codec = x.codec if isinstance(x, SpikeTrain) else x.train.codec
     group = _group_steps(samples * shape_numel(x.shape[2:]))
     trains = []
     for a in range(0, n, group):
         steps = _first_steps(x, min(group, n - a), samples=samples, device=device, start=start + a)
-        trains.append(SpikeTrain.from_dense(steps, codec=codec))
+        trains.append(SpikeTrain.from_dense(steps, codec=x.codec))
         del steps
     return concat_steps(trains)
 
@@ -443,16 +442,14 @@ def _packed_bytes(x: Any, n: int, samples: int, ones: int, step_bytes: int) -> i
     while it concatenates, beside one whole step of the batch unpacked twice (`_first_steps`)
     and the group it packs (the group dense, its mask and, for an index list, its ones'
     positions: 40 bytes per one at most), and 1 KiB for the small tensors' alignment."""
-    codec = x.codec if isinstance(x, SpikeTrain) else x.train.codec
     per_step = samples * shape_numel(x.shape[2:])
     group = min(n, _group_steps(per_step))
     whole = 2 * step_bytes * int(x.shape[1]) // samples
-    if codec == "bitpack":
-        train = -(-n * per_step // 8)
-        packing = group * (step_bytes + per_step // 4)
-    else:
-        train = 2 * ones + 8 * (n * (-(-per_step // 65536)) + 1)
-        packing = group * (step_bytes + per_step) + 40 * min(ones, group * per_step)
+    train = packed_nbytes(x.codec, (n, samples, *x.shape[2:]), ones)
+    index = x.codec == "index"
+    packing = group * (step_bytes + (per_step if index else per_step // 4))  # dense, mask
+    if index:  # the ones' positions
+        packing += 40 * min(ones, group * per_step)
     return 2 * train + whole + packing + 1024
 
 

@@ -59,7 +59,7 @@ from spikeckpt.storage.codecs import (
     shape_numel,
 )
 
-__all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train", "concat_steps"]
+__all__ = ["SPIKE_TRAIN_CODECS", "SpikeTrain", "as_spike_train", "concat_steps", "packed_nbytes"]
 
 SPIKE_TRAIN_CODECS = ("auto", "bitpack", "index")
 _HALF = BLOCK // 2
@@ -571,7 +571,11 @@ def _blocks_per_step(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK
 
 
-def _index_nbytes(shape: torch.Size | tuple[int, ...], ones: int) -> int:
+def packed_nbytes(codec: str, shape: torch.Size | tuple[int, ...], ones: int) -> int:
+    """Bytes a train of ``shape`` ``(T, B, ...)`` with ``ones`` ones holds in ``codec``
+    (``"bitpack"`` or ``"index"``): payload plus offsets, as `SpikeTrain.nbytes` counts."""
+    if codec == "bitpack":
+        return (shape_numel(shape) + 7) // 8
     blocks = int(shape[0]) * _blocks_per_step(shape_numel(shape[1:]))
     return 2 * ones + 8 * (blocks + 1)
 
@@ -579,8 +583,8 @@ def _index_nbytes(shape: torch.Size | tuple[int, ...], ones: int) -> int:
 def _choose(codec: str, shape: torch.Size | tuple[int, ...], ones: int) -> str:
     if codec != "auto":
         return codec
-    bitpack = (shape_numel(shape) + 7) // 8
-    return "index" if _index_nbytes(shape, ones) < bitpack else "bitpack"
+    index = packed_nbytes("index", shape, ones)
+    return "index" if index < packed_nbytes("bitpack", shape, ones) else "bitpack"
 
 
 def _index_encode(positions: Tensor, steps: int, n: int) -> tuple[Tensor, Tensor]:
