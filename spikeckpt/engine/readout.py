@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import Tensor
 
+from spikeckpt.engine.ordered_sum import add_steps_in_order
 from spikeckpt.errors import ConfigError
 
 __all__ = [
@@ -55,6 +56,11 @@ def widened(y: Tensor) -> Tensor:
     """``y`` in float32 when it is a reduced-precision float (`NARROW_FLOATS`), else itself:
     a sum's running value."""
     return y.float() if y.dtype in NARROW_FLOATS else y
+
+
+def _taped(outs: Sequence[Tensor]) -> bool:
+    """Whether autograd records the chunk's sums (an output needs a gradient)."""
+    return torch.is_grad_enabled() and any(o.requires_grad for o in outs)
 
 
 def check_readout(readout: Any) -> None:
@@ -98,6 +104,9 @@ class Reducer:
         #: ``"max"`` / ``"min"``: per output leaf, the step ``(B, ...)`` int64 whose value the
         #: extremum is (kept after `outputs` for the backward pass)
         self.index: list[Tensor] = []
+        #: ``"sum"`` / ``"mean"``: whether ``acc`` holds this reducer's own tensors (made by
+        #: `emit_chunk`, added into in place), not a step's output (`emit`'s first step)
+        self.owned = False
 
     def emit(self, t: int, ys: Sequence[Tensor]) -> None:
         """Take the outputs ``ys`` (each ``(B, ...)``) of step ``t``."""
@@ -154,13 +163,24 @@ class Reducer:
         if self.kind in _EXTREMA:
             self._extremum(t0, outs)
             return
+        fresh = self.acc is None
+        if self.kind in ("sum", "mean") and (fresh or self.owned) and not _taped(outs):
+            if fresh:  # the first step, copied: the running sums are added into in place
+                self.dtypes = [o.dtype for o in outs]
+                self.acc = [o[0].to(widened(o[:0]).dtype, copy=True) for o in outs]
+                self.owned = True
+                outs = [o[1:] for o in outs]
+            assert self.acc is not None
+            for acc, o in zip(self.acc, outs, strict=True):
+                add_steps_in_order(acc, o)
+            return
         steps = [o.unbind(0) for o in outs]
         for i, ys in enumerate(zip(*steps, strict=True)):
             self.emit(t0 + i, ys)
 
     def outputs(self) -> list[Tensor]:
         """The readout's outputs (and forget them)."""
-        acc, self.acc = self.acc or [], None
+        acc, self.acc, self.owned = self.acc or [], None, False
         if self.kind == "mean":
             acc = [a / self.T for a in acc]
         if self.kind in ("sum", "mean"):
