@@ -246,6 +246,14 @@ def _opened(job: Job) -> int:
     return serial
 
 
+def _owned(t: Any) -> Any:
+    """``t``, copied when it is a view: a job's output may be a row of a chunk (a layer-wise
+    final state ``mem[-1]``, an ``unbind`` row), which kept the whole ``(k, B, ...)`` chunk alive
+    and which autograd refuses to change in place (``state.v.detach_()``, ``out -= m``), where
+    the plain loop's tensors allow it."""
+    return t.clone() if isinstance(t, Tensor) and t._is_view() else t
+
+
 class _RunFunction(torch.autograd.Function):
     """Inputs: (job, *tensors); outputs: whatever ``job.forward`` returns."""
 
@@ -259,7 +267,7 @@ class _RunFunction(torch.autograd.Function):
         ctx.save_for_backward(*(tensors[i] for i in job.referenced))
         weakref.finalize(ctx, job.close)  # free stores (disk files) when the graph is dropped
         ctx.serial = _opened(job)
-        return tuple(outs)
+        return tuple(_owned(t) for t in outs)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:

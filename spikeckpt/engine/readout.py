@@ -163,6 +163,13 @@ class Reducer:
         if self.kind in _EXTREMA:
             self._extremum(t0, outs)
             return
+        if self.kind == "last":
+            # a copy of the last row: ``unbind``'s views kept the whole (k, B, ...) chunk alive,
+            # and autograd refuses an in-place op on them (``out -= out.max(...)``), which the
+            # plain loop's ``torch.stack(...)[-1]`` allows
+            if outs and t0 + outs[0].shape[0] == self.T:
+                self.acc = [o[-1].clone() for o in outs]
+            return
         fresh = self.acc is None
         if self.kind in ("sum", "mean") and (fresh or self.owned) and not _taped(outs):
             if fresh:  # the first step, copied: the running sums are added into in place
