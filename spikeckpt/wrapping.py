@@ -25,6 +25,7 @@ from spikeckpt.adapters.layered import layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for, model_key
 from spikeckpt.adapters.sequential import Block, split_blocks
+from spikeckpt.adapters.time_lifted import sequence_dropouts
 from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
@@ -43,6 +44,7 @@ from spikeckpt.errors import (
     ConfigTypeError,
     UnlistedParamsError,
     UnsupportedLayerError,
+    warn_in_callers_code,
 )
 from spikeckpt.planning.decide import BudgetPlanner, Decision, Planner, timed_decision
 from spikeckpt.storage.tiers import check_storage
@@ -614,7 +616,9 @@ def wrap(
             on any device (`spikeckpt.adapters.layered`), the neuron fused. (Random draws: with
             Dropout in two or more blocks, layer-wise draws a chunk's masks block by block,
             not in the loop's order: other masks than the loop's under the same seed, with
-            gradients exact for them; the stack granularity draws in the loop's order.)
+            gradients exact for them; the stack granularity draws in the loop's order. A model
+            called on the whole sequence, Norse's ``Lift``/``LIF`` stacks, draws each Dropout's
+            masks for every step first: with Dropout at two or more positions, wrap warns.)
 
     Every forward keeps its [`ScanStats`][spikeckpt.engine.stats.ScanStats] in
     ``seq.last_stats``. An unknown keyword is a ``TypeError`` here, not at the first forward.
@@ -661,6 +665,9 @@ def wrap(
         exact=exact,
     )
     seq.follows_call = follows_call
+    dropouts = sequence_dropouts(model)
+    if dropouts is not None:
+        warn_in_callers_code(dropouts)
     return seq
 
 

@@ -24,7 +24,7 @@ from spikeckpt.adapters.generic import StatelessAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, State, unsupported
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats
 
-__all__ = ["TimeLiftedAdapter", "mixes_time"]
+__all__ = ["TimeLiftedAdapter", "mixes_time", "sequence_dropouts"]
 
 
 class TimeLiftedAdapter(LayerAdapter):
@@ -103,3 +103,45 @@ def mixes_time(layer: StatelessAdapter, x_t: Tensor) -> str | None:
     else:
         same = torch.equal(both, apart)
     return None if same else "its output on two steps at once differs from its output on each"
+
+
+def _runs_whole_sequences(module: nn.Module) -> bool:
+    """Whether ``module``'s own call runs its layers one after the other over the whole
+    sequence: an ``nn.Sequential`` / Norse ``SequentialState`` with a Norse sequence module
+    (``LIF``, ``LI``, ...) or ``Lift`` among its layers (Norse's ``vgg``/``mobilenet``)."""
+    try:
+        from norse.torch.module.lift import Lift
+        from norse.torch.module.snn import SNN, SNNRecurrent
+    except ImportError:  # pragma: no cover (Norse not installed)
+        return False
+    if not isinstance(module, nn.Sequential) and type(module).__name__ != "SequentialState":
+        return False
+    return any(isinstance(c, (SNN, SNNRecurrent, Lift)) for c in module.children())
+
+
+def sequence_dropouts(module: nn.Module) -> str | None:
+    """A warning for a model called on the whole sequence (`_runs_whole_sequences`) with
+    Dropout at two or more positions; None otherwise.
+
+    Its own call ``model(x)`` draws the first Dropout's masks for every step, then the next
+    one's; the wrapped model runs step by step, each step drawing at every position in turn:
+    other masks than ``model(x)`` under the same seed (gradients exact for the masks drawn).
+    One Dropout draws the same masks either way."""
+    if not _runs_whole_sequences(module):
+        return None
+    drops = [
+        name or "<root>"
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    if len(drops) < 2:
+        return None
+    return (
+        f"spikeckpt: Dropout at {len(drops)} positions ({', '.join(drops[:4])}) of a model "
+        "called on the whole sequence (Lift / LIF layers): model(x) draws each Dropout's "
+        "masks for every step before the next layer's, the wrapped model steps over time "
+        "and draws them step by step, so in training mode it uses other masks than model(x) "
+        "under the same seed (its gradients are exact for the masks it draws). To compare "
+        "with model(x), set p=0 or call model.eval(); to get the same masks, keep Dropout at "
+        "one position"
+    )
