@@ -40,6 +40,16 @@ def test_two_dropouts_warn_naming_them() -> None:
         sc.wrap(_vgg_like(2))
 
 
+def test_nested_sequences_warn_too() -> None:
+    """Norse's mobilenet: ``ConvBNReLU`` is an ``nn.Sequential`` of ``Lift`` and ``LIF()``."""
+    torch.manual_seed(0)
+    block = nn.Sequential(Lift(nn.Linear(16, 16)), LIF())
+    net = nn.Sequential(block, Lift(nn.Dropout(0.2)), nn.Sequential(Lift(nn.Linear(16, 4)), LIF()))
+    net.append(Lift(nn.Dropout(0.2)))
+    with pytest.warns(UserWarning, match="Dropout at 2 positions"):
+        sc.wrap(net)
+
+
 def test_one_dropout_runs_as_model_call_without_warning() -> None:
     x = torch.rand(12, 3, 16) * 3
     expected = _grads(_vgg_like(1), x)

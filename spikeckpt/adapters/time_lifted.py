@@ -107,16 +107,18 @@ def mixes_time(layer: StatelessAdapter, x_t: Tensor) -> str | None:
 
 def _runs_whole_sequences(module: nn.Module) -> bool:
     """Whether ``module``'s own call runs its layers one after the other over the whole
-    sequence: an ``nn.Sequential`` / Norse ``SequentialState`` with a Norse sequence module
-    (``LIF``, ``LI``, ...) or ``Lift`` among its layers (Norse's ``vgg``/``mobilenet``)."""
+    sequence: it holds an ``nn.Sequential`` / Norse ``SequentialState`` (itself or nested, as
+    Norse's ``vgg`` and ``mobilenet``) with a Norse sequence module (``LIF``, ``LI``, ...) or
+    ``Lift`` among its layers."""
     try:
         from norse.torch.module.lift import Lift
         from norse.torch.module.snn import SNN, SNNRecurrent
     except ImportError:  # pragma: no cover (Norse not installed)
         return False
-    if not isinstance(module, nn.Sequential) and type(module).__name__ != "SequentialState":
-        return False
-    return any(isinstance(c, (SNN, SNNRecurrent, Lift)) for c in module.children())
+    return any(
+        isinstance(m, nn.Sequential) and any(isinstance(c, (SNN, SNNRecurrent, Lift)) for c in m)
+        for m in module.modules()
+    )
 
 
 def sequence_dropouts(module: nn.Module) -> str | None:
