@@ -433,6 +433,35 @@ def test_synthetic_true_writes_and_uses_files(
     assert len(nm.test_set) == 2 and nm.is_synthetic
 
 
+@pytest.mark.parametrize("module", [SHDDataModule, NMNISTDataModule])
+def test_synthetic_samples_given_rewrites_synthetic_files_of_another_size(
+    module: type, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """synthetic_samples=12 on a root holding synthetic files of 4 recordings: the module used
+    to train on the 4 (an INFO line alone); it now rewrites them with 12, and says so. Without
+    synthetic_samples, or with synthetic=False, the files there are used as they are."""
+    kwargs: dict[str, Any] = {"dt_us": 20_000, "val_fraction": 0.0, "batch_size": 4}
+    first = module(tmp_path, synthetic=True, synthetic_samples=4, **kwargs)
+    first.setup()
+    assert len(first.train_set) == 4
+    for as_found in (
+        module(tmp_path, synthetic=True, **kwargs),
+        module(tmp_path, synthetic_samples=12, **kwargs),
+    ):
+        as_found.setup()
+        assert len(as_found.train_set) == 4
+    asked = module(tmp_path, synthetic=True, synthetic_samples=12, **kwargs)
+    with caplog.at_level(logging.WARNING, logger="spikeckpt.data"):
+        asked.setup()
+    assert len(asked.train_set) == 12
+    assert "of 4 training recordings, not synthetic_samples=12" in caplog.text
+
+
+def test_synthetic_samples_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="synthetic_samples must be >= 1"):
+        SHDDataModule(tmp_path, synthetic=True, synthetic_samples=0)
+
+
 # ------------------------------------------------------------------------------ training
 
 

@@ -74,6 +74,8 @@ class _EventDataModule(L.LightningDataModule):
 
     dataset_name: ClassVar[DatasetName]
     num_classes: ClassVar[int]
+    #: training recordings written with ``synthetic=True`` when ``synthetic_samples`` is None
+    default_synthetic_samples: ClassVar[int]
 
     def __init__(
         self,
@@ -87,7 +89,7 @@ class _EventDataModule(L.LightningDataModule):
         val_fraction: float,
         seed: int,
         synthetic: bool,
-        synthetic_samples: int,
+        synthetic_samples: int | None,
         cache_dir: str | Path | None,
         download: bool,
         pin_memory: bool,
@@ -109,6 +111,8 @@ class _EventDataModule(L.LightningDataModule):
             raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+        if synthetic_samples is not None and synthetic_samples < 1:
+            raise ConfigError(f"synthetic_samples must be >= 1, got {synthetic_samples}")
         self.root = Path(root).expanduser()
         self.dt_us = dt_us
         self.duration_us = duration_us
@@ -118,7 +122,12 @@ class _EventDataModule(L.LightningDataModule):
         self.val_fraction = val_fraction
         self.seed = seed
         self.synthetic = synthetic
-        self.synthetic_samples = synthetic_samples
+        #: whether ``synthetic_samples`` was given: then synthetic files of another size are
+        #: rewritten (with None, whatever synthetic set is there is used)
+        self._samples_asked = synthetic_samples is not None
+        self.synthetic_samples: int = (
+            self.default_synthetic_samples if synthetic_samples is None else synthetic_samples
+        )
         self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
         self.download = download
         self.pin_memory = pin_memory
@@ -177,7 +186,8 @@ class _EventDataModule(L.LightningDataModule):
 
     def _ensure_files(self) -> None:
         present = all(files_present(self.dataset_name, self.root, train) for train in (True, False))
-        if present:
+        stale = self._stale_synthetic() if present else None
+        if present and stale is None:
             if self.is_synthetic:
                 log.info("using synthetic %s files in %s", self.dataset_name, self.location)
             return
@@ -188,12 +198,27 @@ class _EventDataModule(L.LightningDataModule):
         except FileExistsError:
             return  # incomplete real data there: let tonic and the error message handle it
         log.warning(
-            "%s files not found under %s: wrote %d synthetic training recordings there "
-            "(synthetic=True) and using them",
-            self.dataset_name,
+            "%s: %s; wrote %d synthetic training recordings there (synthetic=True) and using them",
             written,
+            stale or f"{self.dataset_name} files not found",
             self.synthetic_samples,
         )
+
+    def _stale_synthetic(self) -> str | None:
+        """Why the synthetic files present must be rewritten (``synthetic=True``): an
+        interrupted write, or another size than ``synthetic_samples`` asks for; else None."""
+        marker = synthetic_marker(self.location)
+        if not self.synthetic or marker is None:
+            return None
+        if marker.get("complete", True) is False:
+            return f"synthetic {self.dataset_name} files cut short"
+        held = marker.get("train_samples")
+        if self._samples_asked and held is not None and held != self.synthetic_samples:
+            return (
+                f"synthetic {self.dataset_name} files of {held} training recordings, not "
+                f"synthetic_samples={self.synthetic_samples}"
+            )
+        return None
 
     def setup(self, stage: str | None = None) -> None:
         """Open the train (split into train/val with ``seed``) and test sets."""
@@ -303,6 +328,9 @@ class SHDDataModule(_EventDataModule):
         val_fraction: share of the training file held out for validation, chosen with ``seed``.
         synthetic: if the files are absent, write synthetic ones (``synthetic_samples`` training
             recordings) under ``root`` and use them, instead of letting tonic download.
+        synthetic_samples: training recordings of the synthetic files (default 256; N-MNIST
+            200). Given, synthetic files of another size already there are rewritten with
+            it; None uses the synthetic files there as they are.
         cache_dir: cache framed samples there (tonic ``DiskCachedDataset``), one folder per
             setting of the transform and data file.
         download: let tonic try to download missing files (it fails offline); with False a
@@ -318,6 +346,7 @@ class SHDDataModule(_EventDataModule):
 
     dataset_name: ClassVar[DatasetName] = "shd"
     num_classes: ClassVar[int] = SHD_CLASSES
+    default_synthetic_samples: ClassVar[int] = 256
 
     def __init__(
         self,
@@ -331,7 +360,7 @@ class SHDDataModule(_EventDataModule):
         val_fraction: float = 0.1,
         seed: int = 0,
         synthetic: bool = False,
-        synthetic_samples: int = 256,
+        synthetic_samples: int | None = None,
         cache_dir: str | Path | None = None,
         download: bool = True,
         pin_memory: bool = False,
@@ -405,6 +434,7 @@ class NMNISTDataModule(_EventDataModule):
 
     dataset_name: ClassVar[DatasetName] = "nmnist"
     num_classes: ClassVar[int] = NMNIST_CLASSES
+    default_synthetic_samples: ClassVar[int] = 200
     sensor_size: ClassVar[tuple[int, int, int]] = (34, 34, 2)
 
     def __init__(
@@ -420,7 +450,7 @@ class NMNISTDataModule(_EventDataModule):
         val_fraction: float = 0.1,
         seed: int = 0,
         synthetic: bool = False,
-        synthetic_samples: int = 200,
+        synthetic_samples: int | None = None,
         cache_dir: str | Path | None = None,
         download: bool = True,
         pin_memory: bool = False,
