@@ -397,6 +397,45 @@ def test_an_shd_file_without_a_dataset_names_it(tmp_path: Path, dropped: str) ->
         SHDDataModule(tmp_path, download=False).setup()
 
 
+def _edit_shd_labels(path: Path, edit: Any) -> None:
+    import h5py
+
+    with h5py.File(path, "a") as f:
+        labels = edit(f["labels"][:])
+        del f["labels"]
+        f["labels"] = labels
+
+
+def test_an_shd_file_with_fewer_labels_than_recordings_is_refused(tmp_path: Path) -> None:
+    """tonic takes len(labels) samples: 16 recordings and 10 labels gave a module reading 10 of
+    them, without a word (h31 t3.py)."""
+    write_synthetic_shd(tmp_path, samples=16)
+    path = tmp_path / "SHD" / "shd_train.h5"
+    _edit_shd_labels(path, lambda labels: labels[:10])
+    with pytest.raises(DataFileError, match=f"{path} holds recordings and labels of different"):
+        SHDDataModule(tmp_path, download=False).setup()
+
+
+def test_an_shd_label_outside_the_classes_is_refused(tmp_path: Path) -> None:
+    write_synthetic_shd(tmp_path, samples=8)
+    path = tmp_path / "SHD" / "shd_train.h5"
+    _edit_shd_labels(path, lambda labels: np.where(np.arange(len(labels)) == 3, 25, labels))
+    with pytest.raises(DataFileError, match=r"outside SHD's classes 0..19 \(e.g. 25\)"):
+        SHDDataModule(tmp_path, download=False).setup()
+
+
+def test_a_damaged_shd_file_names_the_file(tmp_path: Path) -> None:
+    """An h5 whose middle is zeroed opens, then h5py raised a raw RuntimeError ('bad symbol
+    table node signature') naming no file."""
+    write_synthetic_shd(tmp_path, samples=8)
+    path = tmp_path / "SHD" / "shd_train.h5"
+    data = path.read_bytes()
+    path.write_bytes(data[:2000] + bytes(len(data) - 4000) + data[-2000:])
+    with pytest.raises(DataFileError, match=f"{path} is a damaged HDF5 file") as info:
+        SHDDataModule(tmp_path, download=False).setup()
+    assert "spikeckpt data synth" in str(info.value)
+
+
 def test_an_interrupted_synthetic_write_leaves_nothing_half_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.error import URLError
 
+import numpy as np
 import tonic
 
 from spikeckpt.data.errors import DataFileError, DataNotFoundError
@@ -28,7 +29,7 @@ from spikeckpt.data.files import (
     shd_files,
     shd_placeholder_hint,
 )
-from spikeckpt.data.synthetic import synthetic_marker
+from spikeckpt.data.synthetic import SHD_CLASSES, synthetic_marker
 
 __all__ = [
     "NMNIST",
@@ -144,25 +145,50 @@ SHD_DATASETS = ("spikes/times", "spikes/units", "labels", "extra/keys", "extra/s
 
 
 def refuse_missing_shd_keys(root: str | Path, train: bool) -> None:
-    """Raise `DataFileError` naming the datasets an SHD file lacks (tonic's raw h5py
-    ``KeyError`` says none, at opening or at the first sample). A file h5py cannot open is
-    left to tonic's own opening (`unreadable_message`)."""
+    """Raise `DataFileError` when an SHD file lacks a dataset tonic reads (tonic's raw h5py
+    ``KeyError`` names none, at opening or at the first sample), when its ``spikes/times``,
+    ``spikes/units`` and ``labels`` differ in length (tonic takes ``len(labels)`` samples and
+    drops the rest without a word, or fails with an ``IndexError`` at the end), when a label
+    is outside SHD's 20 classes, or when h5py fails inside the file (a damaged file opens but
+    raises a raw ``RuntimeError`` that names no file). A file h5py cannot open is left to
+    tonic's own opening (`unreadable_message`)."""
     import h5py
 
     path = location("shd", root) / shd_files(train)[0]
     try:
-        with h5py.File(path, "r") as f:
-            missing = [key for key in SHD_DATASETS if key not in f]
-            present = sorted(f.keys())
+        f = h5py.File(path, "r")
     except OSError:
         return
+    try:
+        with f:
+            missing = [key for key in SHD_DATASETS if key not in f]
+            present = sorted(f.keys())
+            lengths = {} if missing else {key: len(f[key]) for key in SHD_DATASETS[:3]}
+            labels = None if missing else np.asarray(f["labels"][:])
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        raise DataFileError(unreadable_message(root, train, err)) from err
+    fix = (
+        f"Fix: download {shd_files(train)[1]} again and unzip it there (docs/datasets.md), or "
+        "write synthetic files in the same format with "
+        f"`spikeckpt data synth --dataset shd --root {root}` (after moving this file away)."
+    )
     if missing:
         raise DataFileError(
             f"{path} lacks the dataset(s) {', '.join(missing)} that tonic's SHD reads (it "
             f"holds {', '.join(present) or 'nothing'} at the top): an SHD file holds "
-            f"{', '.join(SHD_DATASETS)}. Fix: download {shd_files(train)[1]} again and unzip it "
-            "there (docs/datasets.md), or write synthetic files in the same format with "
-            f"`spikeckpt data synth --dataset shd --root {root}` (after moving this file away)."
+            f"{', '.join(SHD_DATASETS)}. {fix}"
+        )
+    if len(set(lengths.values())) > 1:
+        sizes = ", ".join(f"{key} {n}" for key, n in lengths.items())
+        raise DataFileError(
+            f"{path} holds recordings and labels of different counts ({sizes}): every "
+            f"recording has its spike times, units and label. {fix}"
+        )
+    bad = labels[(labels < 0) | (labels >= SHD_CLASSES)] if labels is not None else labels
+    if bad is not None and bad.size:
+        raise DataFileError(
+            f"{path} holds {bad.size} label(s) outside SHD's classes 0..{SHD_CLASSES - 1} "
+            f"(e.g. {int(bad[0])}). {fix}"
         )
 
 
@@ -172,8 +198,10 @@ def unreadable_message(root: str | Path, train: bool, cause: BaseException) -> s
     reason = str(cause)
     if "signature not found" in reason:
         what = "is not an HDF5 file (h5py found no HDF5 signature in it)"
-    else:
+    elif isinstance(cause, OSError):
         what = f"cannot be opened as an HDF5 file ({type(cause).__name__}: {cause})"
+    else:
+        what = f"is a damaged HDF5 file: h5py fails inside it ({type(cause).__name__}: {cause})"
     return (
         f"{path} {what}: a download or unzip cut short, or another file under that name. "
         f"Fix: download {shd_files(train)[1]} again and unzip it there (docs/datasets.md), or "
