@@ -131,12 +131,30 @@ def _first_layer(model: nn.Module) -> nn.Module:
     return model
 
 
+#: layers that only reshape: an integer input stays integer through them
+_RESHAPES = (nn.Flatten, nn.Unflatten, nn.Identity)
+
+
+def _first_weighted_layer(model: nn.Module) -> nn.Module:
+    """The first layer of an ``nn.Sequential`` (nested ones too) that is not a reshape
+    (``Flatten``, ``Unflatten``, ``Identity``): where an input's dtype first meets weights."""
+    layers: list[nn.Module] = [model]
+    while layers:
+        first = layers.pop(0)
+        if isinstance(first, nn.Sequential):
+            layers[:0] = list(first)
+        elif not isinstance(first, _RESHAPES):
+            return first
+    return model
+
+
 def refuse_integer_input(model: nn.Module, x: Any) -> None:
     """An integer or bool input to a first ``Linear`` or convolution with floating weights
     (tonic's ``ToFrame`` gives ``int16`` event counts; a train packed from ``x.bool()``
     unpacks to ``bool``): torch's dtype error comes from deep inside the run and does not say
-    to cast. ``x`` is dense or packed (a ``SpikeTrain``: its ``dtype`` is the one it unpacks to)."""
-    first = _first_layer(model)
+    to cast. ``x`` is dense or packed (a ``SpikeTrain``: its ``dtype`` is the one it unpacks to).
+    Leading reshapes (``nn.Flatten()`` before the first ``Linear``) are looked through."""
+    first = _first_weighted_layer(model)
     weight = getattr(first, "weight", None)
     packed = is_packed(x)
     if not (packed or isinstance(x, Tensor)):

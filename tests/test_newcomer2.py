@@ -274,6 +274,22 @@ def test_integer_frames_are_refused_naming_the_cast(dtype: torch.dtype) -> None:
     assert sc.wrap(_fc_net())(x.float()).shape == (T, B, K)
 
 
+def test_integer_frames_behind_a_flatten_are_refused_naming_the_cast() -> None:
+    """tonic's N-MNIST frames ``(T, B, 2, 34, 34)`` int16 into ``nn.Flatten()`` then ``Linear``:
+    the check looked at the Flatten alone and torch's 'mat1 and mat2 must have the same dtype,
+    but got Short and Float' came from inside the run (h31 t2.py)."""
+    torch.manual_seed(0)
+    x = _spikes((T, B, 2, 3, 4)).to(torch.int16)
+    for granularity, front in (
+        ("stack", nn.Sequential(nn.Flatten(), nn.Identity())),
+        ("layer", nn.Flatten()),
+    ):
+        net = nn.Sequential(front, nn.Linear(24, 8), snn.Leaky(beta=0.9, init_hidden=True))
+        with pytest.raises(sc.ConfigTypeError, match=r"torch.int16 and the first layer \(Linear"):
+            sc.wrap(net, granularity=granularity)(x)
+        assert sc.wrap(net, granularity=granularity)(x.float()).shape == (T, B, 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool])
 def test_integer_packed_trains_are_refused_naming_the_cast(dtype: torch.dtype) -> None:
     """A train packed from ``x.bool()`` (or a ``uint8`` ``torch.sparse_coo`` train) unpacks
