@@ -190,6 +190,58 @@ def test_empty_recording_frames() -> None:
     assert fixed.shape == (50, 2, 34, 34)
 
 
+def _events(dtype: np.dtype, t: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    events = np.zeros(len(t), dtype=dtype)
+    events["t"] = np.sort(t)
+    if "y" in dtype.names:  # N-MNIST: 34 x 34 pixels, 2 polarities
+        for name, high in (("x", 34), ("y", 34), ("p", 2)):
+            events[name] = rng.integers(0, high, len(t))
+    else:  # SHD: 700 channels, the polarity tonic adds (1)
+        events["x"], events["p"] = rng.integers(0, 700, len(t)), 1
+    return events
+
+
+@pytest.mark.parametrize("dt_us", [1e6 / 300, 1e6 / 700, 333.3])
+def test_events_on_step_boundaries_count_once(dt_us: float) -> None:
+    """tonic's ToFrame ends window k at k*dt + dt and starts k+1 at (k+1)*dt, which differ in
+    the last bit for a dt_us that is not a whole number: an event on the boundary was counted
+    in two steps or in none (synthetic SHD test split at dt_us=1e6/300: 16,440 counts for
+    16,432 events; at 1e6/700: 16,416). Each event now lands in step t // dt_us."""
+    rng = np.random.default_rng(0)
+    t = np.concatenate([(np.arange(1, 400) * dt_us).astype(np.int64), rng.integers(0, 10**6, 200)])
+    for dtype, sensor in ((tonic.datasets.SHD.dtype, (700, 1, 1)), (NMNIST.dtype, (34, 34, 2))):
+        events = _events(dtype, t, rng)
+        frames = EventsToSpikes(sensor, dt_us=dt_us, binarize=False, flatten=True)(events)
+        assert frames.sum() == len(events)
+        per_step = np.bincount((events["t"] // dt_us).astype(np.int64), minlength=len(frames))
+        assert np.array_equal(frames.sum(axis=1), per_step)
+
+
+def test_events_to_spikes_matches_tonic_toframe_at_whole_dt() -> None:
+    """Same layout and counts as tonic's ToFrame where its windows are exact."""
+    rng = np.random.default_rng(1)
+    t = rng.integers(0, 300_000, 3000)
+    for dtype, sensor in ((tonic.datasets.SHD.dtype, (700, 1, 1)), (NMNIST.dtype, (34, 34, 2))):
+        events = _events(dtype, t, rng)
+        ours = EventsToSpikes(sensor, dt_us=1000, binarize=False)(events.copy())
+        stock = tonic.transforms.ToFrame(
+            sensor_size=sensor,
+            time_window=1000,
+            start_time=0,
+            end_time=int(t.max()) + 1,
+            include_incomplete=True,
+        )(events.copy())
+        assert np.array_equal(ours, stock.reshape(ours.shape).astype(np.float32))
+
+
+def test_events_outside_the_sensor_are_refused() -> None:
+    """A unit 800 of 700 raised tonic's bare IndexError; a negative one would wrap around."""
+    events = np.zeros(3, dtype=tonic.datasets.SHD.dtype)
+    events["t"], events["x"], events["p"] = [0, 10, 20], [3, 800, 5], 1
+    with pytest.raises(ConfigError, match=r"x outside the sensor's 0..699 \(e.g. x=800"):
+        EventsToSpikes((700, 1, 1), dt_us=1000)(events)
+
+
 # -------------------------------------------------------------------------- data modules
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tonic.transforms import ToFrame
 
 from spikeckpt.errors import ConfigError, NotBinaryError
 from spikeckpt.storage.spiketrain import SpikeTrain
@@ -43,9 +42,14 @@ def steps_for_events(last_event_us: float, dt_us: float) -> int:
 class EventsToSpikes:
     """Tonic transform: structured events -> float32 spike frames, time first.
 
-    Uses tonic's ``ToFrame(time_window=dt_us, start_time=0, ...)`` and handles what it does not:
-    empty recordings (ToFrame returns a float64 array of another shape for them), a fixed length,
-    and binarisation.
+    Bins like tonic's ``ToFrame(time_window=dt_us, start_time=0, ...)``, but exactly: event
+    ``t`` goes to step ``t // dt_us`` (floor division, no rounding), so each event lands in one
+    step. ToFrame places its windows at ``k * dt_us`` and ends them at ``k * dt_us + dt_us``,
+    which differ in the last bit when ``dt_us`` is not a whole number (``1e6 / 300``): an
+    event on a step boundary was counted in two steps, or in none. Also handles empty
+    recordings (ToFrame returns a float64 array of another shape for them), a fixed length,
+    binarisation, and refuses events outside the sensor (ToFrame's ``IndexError``, or a
+    negative index that wraps around).
 
     Args:
         sensor_size: tonic's ``(X, Y, P)``: ``(channels, 1, 1)`` for SHD, ``(34, 34, 2)`` N-MNIST.
@@ -80,26 +84,46 @@ class EventsToSpikes:
         if len(events) == 0:
             steps = 1 if self.duration_us is None else steps_for(self.duration_us, self.dt_us)
             return np.zeros((steps, *shape), dtype=np.float32)
+        t = events["t"]
         if self.duration_us is None:
-            last = float(events["t"].max())
-            steps, end = steps_for_events(last, self.dt_us), last + 1
+            steps = steps_for_events(float(t.max()), self.dt_us)
         else:
-            steps, end = steps_for(self.duration_us, self.dt_us), self.duration_us
-        to_frame = ToFrame(
-            sensor_size=self.sensor_size,
-            time_window=self.dt_us,
-            start_time=0,
-            end_time=end,
-            include_incomplete=True,
-        )
-        frames = to_frame(events)[:steps]  # int16 counts (T', P, X) or (T', P, Y, X)
-        frames = frames.reshape(len(frames), *shape)
-        if len(frames) < steps:  # guard against float rounding in tonic's slice count
-            pad = np.zeros((steps - len(frames), *shape), dtype=frames.dtype)
-            frames = np.concatenate([frames, pad])
+            steps = steps_for(self.duration_us, self.dt_us)
+        step = np.floor_divide(t, self.dt_us)  # exact for float dt_us too
+        keep = (step >= 0) & (step < steps)
+        index = self._frame_index(events, keep, has_y)
+        width = math.prod(shape)
+        flat = step[keep].astype(np.int64) * width + index
+        frames = np.zeros(steps * width, dtype=np.float32)
         if self.binarize:
-            frames = np.minimum(frames, 1)
-        return frames.astype(np.float32)
+            frames[flat] = 1.0
+        else:
+            np.add.at(frames, flat, 1.0)
+        return frames.reshape(steps, *shape)
+
+    def _frame_index(self, events: np.ndarray, keep: np.ndarray, has_y: bool) -> np.ndarray:
+        """Each kept event's index within one step's frame, laid out ``(P, Y, X)`` as
+        tonic's ``ToFrame``; refuses events outside ``sensor_size``."""
+        size_x, size_y, size_p = self.sensor_size
+        x = events["x"][keep].astype(np.int64)
+        y = events["y"][keep].astype(np.int64) if has_y else np.zeros_like(x)
+        p = events["p"][keep].astype(np.int64)
+        if size_p == 1:
+            if np.unique(p).size > 1:
+                raise ConfigError(
+                    f"events of {np.unique(p).size} polarities for a single-polarity sensor "
+                    f"{self.sensor_size}: give sensor_size=(x, y, 2), or drop the polarity"
+                )
+            p = np.zeros_like(p)
+        for name, values, size in (("x", x, size_x), ("y", y, size_y), ("p", p, size_p)):
+            bad = (values < 0) | (values >= size)
+            if bad.any():
+                raise ConfigError(
+                    f"{int(bad.sum())} event(s) with {name} outside the sensor's 0..{size - 1} "
+                    f"(e.g. {name}={int(values[bad][0])}; sensor_size {self.sensor_size}): the "
+                    "recording is damaged, or sensor_size is not the data set's"
+                )
+        return (p * size_y + y) * size_x + x
 
 
 @dataclass(frozen=True)
