@@ -361,6 +361,24 @@ def test_a_resumed_or_reloaded_fit_sees_the_batches_of_one_fit(
     assert torch.equal(resumed, whole) and torch.equal(reloaded, whole)
 
 
+def test_a_new_train_loader_each_epoch_reshuffles(shd_root: Path) -> None:
+    """``for epoch ...: for x, y in dm.train_dataloader()`` (a plain loop asking for the loader
+    each epoch) gave every epoch the same order: each loader started a new sampler at epoch
+    0. The loaders now share one sampler: the orders of one loader passed over again."""
+    kwargs: dict[str, Any] = {"dt_us": 50_000, "batch_size": 4, "download": False}
+    fresh = SHDDataModule(shd_root, **kwargs)
+    fresh.setup()
+    asked_each_epoch = [
+        torch.cat([y for _, y in fresh.train_dataloader()]).tolist() for _ in range(3)
+    ]
+    reused = SHDDataModule(shd_root, **kwargs)
+    reused.setup()
+    loader = reused.train_dataloader()
+    one_loader = [torch.cat([y for _, y in loader]).tolist() for _ in range(3)]
+    assert asked_each_epoch == one_loader
+    assert asked_each_epoch[0] != asked_each_epoch[1]
+
+
 def test_disk_cache_keyed_by_settings(shd_root: Path, tmp_path: Path) -> None:
     def first(dt_us: int) -> torch.Tensor:
         dm = SHDDataModule(shd_root, dt_us=dt_us, cache_dir=tmp_path, download=False)

@@ -134,6 +134,7 @@ class _EventDataModule(L.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+        self._train_sampler: EpochShuffle | None = None
 
     # ---------------------------------------------------------------- per-dataset parts
 
@@ -252,13 +253,22 @@ class _EventDataModule(L.LightningDataModule):
     @abstractmethod
     def _data_paths(self, split: str) -> list[str]: ...
 
+    def _shuffle(self, dataset: Dataset) -> EpochShuffle:
+        """The training sampler, one per training set: a loader asked for again (a plain loop
+        calling ``train_dataloader()`` each epoch) continues its epochs instead of starting
+        over at epoch 0, which gave every epoch the same order."""
+        sampler = self._train_sampler
+        if sampler is None or sampler.data_source is not dataset:
+            sampler = self._train_sampler = EpochShuffle(cast(Sized, dataset), self.seed)
+        return sampler
+
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         if dataset is None:
             raise UsageError(f"{type(self).__name__}.setup() must run before asking for data")
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=EpochShuffle(cast(Sized, dataset), self.seed) if shuffle else None,
+            sampler=self._shuffle(dataset) if shuffle else None,
             num_workers=self.num_workers,
             collate_fn=PackTimeFirst(self.packed) if self.packed else pad_time_first,
             worker_init_fn=seed_worker,
@@ -282,7 +292,9 @@ class _EventDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded) batches ``(x (T, B, ...) float32, y (B,) int64)``; with
-        ``packed`` ``x`` is a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] of that shape."""
+        ``packed`` ``x`` is a [`SpikeTrain`][spikeckpt.storage.spiketrain.SpikeTrain] of that shape.
+        The loaders share one sampler: each pass over any of them is the next epoch (Lightning
+        sets the epoch itself)."""
         return self._loader(self.train_set, shuffle=True)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
