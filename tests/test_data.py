@@ -506,6 +506,18 @@ def test_a_damaged_shd_file_names_the_file(tmp_path: Path) -> None:
     assert "spikeckpt data synth" in str(info.value)
 
 
+def test_an_nmnist_file_cut_short_names_the_file(tmp_path: Path) -> None:
+    """A .bin file cut mid-event (an unzip interrupted) gave NumPy's 'operands could not be
+    broadcast together with shapes (3647,) (3646,)' at its sample, naming no file."""
+    write_synthetic_nmnist(tmp_path, samples=4)
+    path = sorted((tmp_path / "NMNIST" / "Train").glob("**/*.bin"))[0]
+    path.write_bytes(path.read_bytes()[:-2])
+    dm = NMNISTDataModule(tmp_path, download=False, val_fraction=0.0, batch_size=4)
+    dm.setup()
+    with pytest.raises(DataFileError, match=f"{path} holds .* not a whole number of 5-byte"):
+        next(iter(dm.train_dataloader()))
+
+
 def test_an_interrupted_synthetic_write_leaves_nothing_half_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

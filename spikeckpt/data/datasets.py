@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.error import URLError
 
 import numpy as np
@@ -51,7 +52,24 @@ class NMNIST(tonic.datasets.NMNIST):
     ``root/NMNIST``, from it) and all of tonic's reading code; its ``_check_exists`` adds one case:
     the archive placeholder exists, the folder carries spikeckpt's ``SPIKECKPT_SYNTHETIC.json``
     marker, and at least one ``.bin`` file is present. Real data are checked exactly as by tonic.
+    Reading a sample, a ``.bin`` file that holds no whole number of events raises
+    `DataFileError` naming it.
     """
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        """tonic's sample, after checking that the ``.bin`` file holds whole 5-byte events:
+        a file cut short (an unzip interrupted) gave NumPy's 'operands could not be broadcast
+        together with shapes (3647,) (3646,)', naming no file."""
+        path = Path(self.data[index])
+        size = path.stat().st_size
+        if size % 5:
+            raise DataFileError(
+                f"{path} holds {size} bytes, not a whole number of 5-byte N-MNIST events: the "
+                "file is cut short (an interrupted download or unzip) or is no N-MNIST "
+                f"recording. Fix: unzip {'Train' if self.train else 'Test'}.zip there again "
+                "(docs/datasets.md), or delete the file."
+            )
+        return super().__getitem__(index)
 
     def _check_exists(self) -> bool:
         if super()._check_exists():
