@@ -39,7 +39,9 @@ from spikeckpt.errors import ConfigError, UsageError
 from spikeckpt.storage.spiketrain import SPIKE_TRAIN_CODECS, SpikeTrain
 
 log = logging.getLogger("spikeckpt.data")
-_CACHE_FORMAT = 1
+#: part of the disk-cache key: 2 since EventsToSpikes bins exactly (frames cached by format 1
+#: at a dt_us that is not a whole number could count a boundary event twice or not at all)
+_CACHE_FORMAT = 2
 
 
 class EpochShuffle(RandomSampler):
