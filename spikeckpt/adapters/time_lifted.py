@@ -15,6 +15,7 @@ draws per element, is not probed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -110,13 +111,23 @@ def _runs_whole_sequences(module: nn.Module) -> bool:
     sequence: it holds an ``nn.Sequential`` / Norse ``SequentialState`` (itself or nested, as
     Norse's ``vgg`` and ``mobilenet``) with a Norse sequence module (``LIF``, ``LI``, ...) or
     ``Lift`` among its layers."""
-    try:
-        from norse.torch.module.lift import Lift
-        from norse.torch.module.snn import SNN, SNNRecurrent
-    except ImportError:  # pragma: no cover (Norse not installed)
-        return False
-    return any(
-        isinstance(m, nn.Sequential) and any(isinstance(c, (SNN, SNNRecurrent, Lift)) for c in m)
+    # a model holding Norse's modules has imported Norse: never imported here for a model
+    # without them (importing it costs seconds and a torch.jit warning)
+    lift, snn = (
+        sys.modules.get("norse.torch.module.lift"),
+        sys.modules.get("norse.torch.module.snn"),
+    )
+    kinds = tuple(
+        kind
+        for kind in (
+            getattr(lift, "Lift", None),
+            getattr(snn, "SNN", None),
+            getattr(snn, "SNNRecurrent", None),
+        )
+        if isinstance(kind, type)
+    )
+    return bool(kinds) and any(
+        isinstance(m, nn.Sequential) and any(isinstance(c, kinds) for c in m)
         for m in module.modules()
     )
 

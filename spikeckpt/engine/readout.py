@@ -170,20 +170,28 @@ class Reducer:
             if outs and t0 + outs[0].shape[0] == self.T:
                 self.acc = [o[-1].clone() for o in outs]
             return
-        fresh = self.acc is None
-        if self.kind in ("sum", "mean") and (fresh or self.owned) and not _taped(outs):
-            if fresh:  # the first step, copied: the running sums are added into in place
-                self.dtypes = [o.dtype for o in outs]
-                self.acc = [o[0].to(widened(o[:0]).dtype, copy=True) for o in outs]
-                self.owned = True
-                outs = [o[1:] for o in outs]
-            assert self.acc is not None
-            for acc, o in zip(self.acc, outs, strict=True):
-                add_steps_in_order(acc, o)
+        if self.kind in ("sum", "mean") and self._summed_in_place(outs):
             return
         steps = [o.unbind(0) for o in outs]
         for i, ys in enumerate(zip(*steps, strict=True)):
             self.emit(t0 + i, ys)
+
+    def _summed_in_place(self, outs: Sequence[Tensor]) -> bool:
+        """Add the chunks ``outs`` (each ``(k, B, ...)``) to the running sums in place, in
+        time order (`add_steps_in_order`); False, adding nothing, where the sums are not this
+        reducer's own tensors (begun by `emit`) or autograd records them."""
+        fresh = self.acc is None
+        if not (fresh or self.owned) or _taped(outs):
+            return False
+        if fresh:  # the first step, copied: the running sums are added into in place
+            self.dtypes = [o.dtype for o in outs]
+            self.acc = [o[0].to(widened(o[:0]).dtype, copy=True) for o in outs]
+            self.owned = True
+            outs = [o[1:] for o in outs]
+        assert self.acc is not None
+        for acc, o in zip(self.acc, outs, strict=True):
+            add_steps_in_order(acc, o)
+        return True
 
     def outputs(self) -> list[Tensor]:
         """The readout's outputs (and forget them)."""
