@@ -40,6 +40,11 @@ class Step(nn.Module):
 
 seq = spikeckpt.wrap(Step(), plan=Double(8, 2), storage="disk", directory=sys.argv[1])
 x = torch.rand(400, 8, 64)
+# one call first: the JIT-compiled loops it loads are compiled now, not while the signal
+# comes (a KeyboardInterrupt raised inside Numba's compiler callback, a ctypes callback, is
+# printed and swallowed by Python there: "Exception ignored on calling ctypes callback")
+y, _ = seq(x[:40], state=torch.zeros(8, 64))
+y.sum().backward()
 print("ready", flush=True)
 while True:
     y, _ = seq(x, state=torch.zeros(8, 64))  # a (x, state) -> (y, state) module keeps its call
