@@ -254,3 +254,28 @@ def test_ctrl_c_given_back_while_the_unraisable_hook_still_runs_is_not_lost(
     monkeypatch.setattr(threading, "Timer", FiresAtOnceFirst)
     _ctrl_c_from_a_weakref_callback_comes_back(capsys)
     assert len(timers) == 2  # the signal handled in the hook asked for it once more
+
+
+def test_ctrl_c_swallowed_in_a_ctypes_callback_comes_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Numba's compiler calls back into Python through ctypes (llvmlite's object cache); a
+    KeyboardInterrupt raised in such a callback is printed and swallowed by Python ("Exception
+    ignored on calling ctypes callback function": a plain script's first Ctrl-C is lost while
+    Numba compiles). Under `Interrupts` it reaches ``sys.unraisablehook`` and comes back in the
+    main code, unprinted."""
+    import ctypes
+
+    def callback() -> None:
+        raise KeyboardInterrupt
+
+    through_c = ctypes.CFUNCTYPE(None)(callback)
+    interrupts = Interrupts()
+    interrupts.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            through_c()
+            _spin()
+    finally:
+        interrupts.restore()
+    assert "Exception ignored" not in capsys.readouterr().err
