@@ -23,9 +23,8 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.layered import layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
-from spikeckpt.adapters.registry import adapter_for, model_key
+from spikeckpt.adapters.registry import adapter_for, model_key, norse_sequence_dropouts
 from spikeckpt.adapters.sequential import Block, split_blocks
-from spikeckpt.adapters.time_lifted import sequence_dropouts
 from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
@@ -665,7 +664,7 @@ def wrap(
         exact=exact,
     )
     seq.follows_call = follows_call
-    dropouts = sequence_dropouts(model)
+    dropouts = norse_sequence_dropouts(model)
     if dropouts is not None:
         warn_in_callers_code(dropouts)
     return seq

@@ -76,7 +76,7 @@ from spikeckpt.engine import tree as pytree
 from spikeckpt.engine.rng import kept_generators
 from spikeckpt.errors import ConfigTypeError
 
-__all__ = ["NorseAdapter", "make_adapter", "move_params"]
+__all__ = ["NorseAdapter", "make_adapter", "move_params", "sequence_dropouts"]
 
 #: the chunk kernels of Norse's steps
 NorseChunkKernel = (
@@ -655,3 +655,34 @@ def norse_recurrent_kernel(
         return NorseRefracRecurrentKernel(tensors, key[0], spike, adaptive, usable)
     kernel = NorseLSNNKernel if key[2] == "lsnn" else NorseRecurrentKernel
     return kernel(tensors, key[0], _norse_spike(m), usable)
+
+
+def sequence_dropouts(module: nn.Module) -> str | None:
+    """A warning for a model called on the whole sequence (an ``nn.Sequential`` /
+    ``SequentialState``, itself or nested as Norse's ``vgg`` and ``mobilenet``, holding a
+    sequence module or a ``Lift``) with Dropout at two or more positions; None otherwise.
+
+    Its own call ``model(x)`` draws the first Dropout's masks for every step, then the next
+    one's; the wrapped model runs step by step, each step drawing at every position in turn:
+    other masks than ``model(x)`` under the same seed (gradients exact for the masks drawn).
+    One Dropout draws the same masks either way."""
+    whole = any(
+        isinstance(m, nn.Sequential) and any(isinstance(c, (*_SEQUENCE, Lift)) for c in m)
+        for m in module.modules()
+    )
+    drops = [
+        name or "<root>"
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    if not whole or len(drops) < 2:
+        return None
+    return (
+        f"spikeckpt: Dropout at {len(drops)} positions ({', '.join(drops[:4])}) of a model "
+        "called on the whole sequence (Lift / LIF layers): model(x) draws each Dropout's "
+        "masks for every step before the next layer's, the wrapped model steps over time "
+        "and draws them step by step, so in training mode it uses other masks than model(x) "
+        "under the same seed (its gradients are exact for the masks it draws). To compare "
+        "with model(x), set p=0 or call model.eval(); to get the same masks, keep Dropout at "
+        "one position"
+    )

@@ -32,6 +32,7 @@ __all__ = [
     "Registration",
     "adapter_for",
     "model_key",
+    "norse_sequence_dropouts",
     "register_adapter",
     "registered_adapters",
     "supported_summary",
@@ -193,6 +194,16 @@ def _load_framework_adapters(module: nn.Module) -> None:
     loaded = "spikeckpt.adapters.snntorch" in sys.modules  # adapter_for recurses: once
     if not loaded and any(_is_snntorch(m) for m in module.modules()):
         from spikeckpt.adapters import snntorch as _snn  # noqa: F401
+
+
+def norse_sequence_dropouts(module: nn.Module) -> str | None:
+    """The Norse adapters' `sequence_dropouts` warning for ``module``, or None; Norse is
+    imported only where ``module`` holds one of its layers."""
+    if not any(_is_norse(m) for m in module.modules()):
+        return None
+    from spikeckpt.adapters import norse as _norse
+
+    return _norse.sequence_dropouts(module)
 
 
 def _snntorch_factory(module: nn.Module, path: str) -> LayerAdapter:

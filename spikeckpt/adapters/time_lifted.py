@@ -15,7 +15,6 @@ draws per element, is not probed.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from spikeckpt.adapters.generic import StatelessAdapter
 from spikeckpt.adapters.protocol import LayerAdapter, State, unsupported
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats
 
-__all__ = ["TimeLiftedAdapter", "mixes_time", "sequence_dropouts"]
+__all__ = ["TimeLiftedAdapter", "mixes_time"]
 
 
 class TimeLiftedAdapter(LayerAdapter):
@@ -104,57 +103,3 @@ def mixes_time(layer: StatelessAdapter, x_t: Tensor) -> str | None:
     else:
         same = torch.equal(both, apart)
     return None if same else "its output on two steps at once differs from its output on each"
-
-
-def _runs_whole_sequences(module: nn.Module) -> bool:
-    """Whether ``module``'s own call runs its layers one after the other over the whole
-    sequence: it holds an ``nn.Sequential`` / Norse ``SequentialState`` (itself or nested, as
-    Norse's ``vgg`` and ``mobilenet``) with a Norse sequence module (``LIF``, ``LI``, ...) or
-    ``Lift`` among its layers."""
-    # a model holding Norse's modules has imported Norse: never imported here for a model
-    # without them (importing it costs seconds and a torch.jit warning)
-    lift, snn = (
-        sys.modules.get("norse.torch.module.lift"),
-        sys.modules.get("norse.torch.module.snn"),
-    )
-    kinds = tuple(
-        kind
-        for kind in (
-            getattr(lift, "Lift", None),
-            getattr(snn, "SNN", None),
-            getattr(snn, "SNNRecurrent", None),
-        )
-        if isinstance(kind, type)
-    )
-    return bool(kinds) and any(
-        isinstance(m, nn.Sequential) and any(isinstance(c, kinds) for c in m)
-        for m in module.modules()
-    )
-
-
-def sequence_dropouts(module: nn.Module) -> str | None:
-    """A warning for a model called on the whole sequence (`_runs_whole_sequences`) with
-    Dropout at two or more positions; None otherwise.
-
-    Its own call ``model(x)`` draws the first Dropout's masks for every step, then the next
-    one's; the wrapped model runs step by step, each step drawing at every position in turn:
-    other masks than ``model(x)`` under the same seed (gradients exact for the masks drawn).
-    One Dropout draws the same masks either way."""
-    if not _runs_whole_sequences(module):
-        return None
-    drops = [
-        name or "<root>"
-        for name, m in module.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-    ]
-    if len(drops) < 2:
-        return None
-    return (
-        f"spikeckpt: Dropout at {len(drops)} positions ({', '.join(drops[:4])}) of a model "
-        "called on the whole sequence (Lift / LIF layers): model(x) draws each Dropout's "
-        "masks for every step before the next layer's, the wrapped model steps over time "
-        "and draws them step by step, so in training mode it uses other masks than model(x) "
-        "under the same seed (its gradients are exact for the masks it draws). To compare "
-        "with model(x), set p=0 or call model.eval(); to get the same masks, keep Dropout at "
-        "one position"
-    )

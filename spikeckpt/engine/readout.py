@@ -52,10 +52,16 @@ _EXTREMA = ("max", "min")
 NARROW_FLOATS = (torch.float16, torch.bfloat16)
 
 
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a running sum of ``dtype`` outputs is kept in: float32 for the
+    reduced-precision floats (`NARROW_FLOATS`), else ``dtype``."""
+    return torch.float32 if dtype in NARROW_FLOATS else dtype
+
+
 def widened(y: Tensor) -> Tensor:
     """``y`` in float32 when it is a reduced-precision float (`NARROW_FLOATS`), else itself:
     a sum's running value."""
-    return y.float() if y.dtype in NARROW_FLOATS else y
+    return y.to(_sum_dtype(y.dtype))
 
 
 def _taped(outs: Sequence[Tensor]) -> bool:
@@ -185,7 +191,7 @@ class Reducer:
             return False
         if fresh:  # the first step, copied: the running sums are added into in place
             self.dtypes = [o.dtype for o in outs]
-            self.acc = [o[0].to(widened(o[:0]).dtype, copy=True) for o in outs]
+            self.acc = [o[0].to(_sum_dtype(o.dtype), copy=True) for o in outs]
             self.owned = True
             outs = [o[1:] for o in outs]
         assert self.acc is not None
