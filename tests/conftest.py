@@ -57,3 +57,20 @@ def _gather_rule_pinned(request: pytest.FixtureRequest, monkeypatch: pytest.Monk
         from spikeckpt.adapters import affine
 
         monkeypatch.setattr(affine, "BREAK_EVEN", PINNED_GATHER_RULE)
+
+
+@pytest.fixture
+def quiet_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's measured times pinned to what a quiet core measures for the tests' small
+    snnTorch net (24-32-5, batch 4; seconds): the probe's step costs and the layer-wise run's
+    seconds per step and per chunk. Tests that compare choices ``plan="auto"`` made from
+    separate measurements use it: those times are tens of microseconds, and a busy machine
+    (CI's two workers) measures them 0.3-5x apart, enough to choose another plan or a fourth
+    probe (found with every timer of the library scaled by a random factor in [1/5, 5])."""
+    from spikeckpt.engine.measure import Probe
+    from spikeckpt.planning import granularity
+    from spikeckpt.plans.simulate import CostModel
+
+    quiet = CostModel(forward=4.7e-4, backward=1.2e-3, write=1.9e-4, read=1.9e-4, segment=5.2e-4)
+    monkeypatch.setattr(Probe, "costs", lambda self: quiet)
+    monkeypatch.setattr(granularity, "layerwise_seconds", lambda *a, **k: (5e-5, 2e-3))

@@ -7,6 +7,7 @@ loop ``mem = lif.init_leaky(); for t: spk, mem = lif(cur, mem)`` on random T and
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +134,37 @@ def assert_no_graph(net: nn.Module) -> None:
     for m in net.modules():
         for v in [*m.__dict__.values(), *m._buffers.values()]:
             assert not (isinstance(v, torch.Tensor) and v.grad_fn is not None), type(m)
+
+
+@pytest.mark.parametrize("granularity", ["stack", "layer"])
+def test_a_wrapped_net_deep_copies_after_a_training_step(granularity: str) -> None:
+    """No ``init_hidden`` neuron keeps the call's final state with its graph (as your own loop
+    leaves ``lif.mem``), so ``copy.deepcopy(net)`` (a best-model copy, EMA/SWA weights)
+    works after a wrapped training step, where after the loop torch refuses it; the empty
+    ``mem`` left is documented (docs/wrapping.md), the final state comes with
+    ``return_state=True``."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(IN, N),
+        snn.Leaky(beta=0.9, init_hidden=True, learn_beta=True),
+        nn.Linear(N, 2),
+        snn.Leaky(beta=0.8, init_hidden=True, output=True),
+    )
+    x = (torch.rand(9, 3, IN, generator=torch.Generator().manual_seed(1)) < 0.5).float()
+    snn_utils.reset(net)
+    for x_t in x:
+        spk, _ = net(x_t)
+    spk.sum().backward()
+    with pytest.raises(RuntimeError, match="deepcopy"):  # torch's own refusal, after the loop
+        copy.deepcopy(net)
+    seq = sc.wrap(net, plan=Uniform(3), granularity=granularity)
+    (spk, mem), final = seq(x, return_state=True)
+    (spk.sum() + final[3].mem.sum()).backward()
+    torch.testing.assert_close(final[3].mem, mem[-1])
+    twin = copy.deepcopy(net)
+    assert net[3].mem.numel() == 0 and twin[3].mem.numel() == 0
+    for a, b in zip(twin.parameters(), net.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["explicit", "init_hidden"])

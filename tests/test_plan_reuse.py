@@ -16,12 +16,9 @@ import torch
 from torch import nn
 
 import spikeckpt as sc
-import spikeckpt.planning.granularity as granularity_probe
-from spikeckpt.engine.measure import Probe
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.planning.choice import REUSE_SPAN, longer_within
 from spikeckpt.planning.measured import roomy_length
-from spikeckpt.plans.simulate import CostModel
 
 snn = pytest.importorskip("snntorch")
 
@@ -182,26 +179,20 @@ def test_an_input_larger_than_the_one_planned_with_is_planned_again(T2: int) -> 
 
 
 @pytest.mark.parametrize("granularity", ["stack", "layer"])
-def test_batches_of_varying_length_and_density_reuse_a_roomier_plan(
-    granularity: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("quiet_costs")
+def test_batches_of_varying_length_and_density_reuse_a_roomier_plan(granularity: str) -> None:
     """Data padded per batch to its longest sample, each batch with its own spike count
     (synthetic SHD, 700-256-20, batch 32, a 12 MiB budget: 10 of the first 18 batches probed,
     0.4-0.7 s each, 71% of the run's time; now 2). A batch size planned before and planned
     again is planned for a longer, denser input where that is about as fast: the batches
     around it reuse that plan, each within the budget.
 
-    "About as fast" compares modeled times built from the probe's measured times, which for
-    this small net are tens of microseconds: where a backward call's fixed cost is measured
-    at 5x a step's forward or more (1.1x on a quiet core; CI's two busy workers got there
-    once), the roomier plan (shorter tapes) is rightly slower and a fourth probe runs; the
-    layer-wise run's measured cost of a chunk varies 12-80x a step's between runs on the dev
-    VM, and past about 100x the same happens. Both are pinned here to a quiet core's
-    figures, so that the test checks the reuse, not the machine's noise."""
-    quiet = CostModel(forward=1.0, backward=2.5, write=0.4, read=0.4, segment=1.1)
-    monkeypatch.setattr(Probe, "costs", lambda self: quiet)
-    per_step_and_chunk = (5e-5, 2e-3)  # seconds
-    monkeypatch.setattr(granularity_probe, "layerwise_seconds", lambda *a, **k: per_step_and_chunk)
+    "About as fast" compares modeled times built from the probe's measured times
+    (`quiet_costs`): where a backward call's fixed cost is measured at 5x a step's forward or
+    more (1.1x on a quiet core; CI's two busy workers got there once), the roomier plan
+    (shorter tapes) is rightly slower and a fourth probe runs; the layer-wise run's measured
+    cost of a chunk varies 12-80x a step's between runs on the dev VM, and past about 100x
+    the same happens."""
     net = _net()
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(88, 101, (14,), generator=gen).tolist()

@@ -207,6 +207,7 @@ def _plan_of(seq: sc.CheckpointedSequence, x: Tensor) -> str:
     return str(seq.last_stats.plan)
 
 
+@pytest.mark.usefixtures("quiet_costs")  # the two wraps measure apart: noise chose apart
 def test_a_budgeted_plan_is_chosen_again_once_frozen_layers_are_thawed() -> None:
     """Fine-tuning: a plan chosen while layers were frozen (fewer gradients) is not kept once
     they are thawed; it is the plan a fresh wrap chooses."""
