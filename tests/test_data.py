@@ -27,7 +27,7 @@ from spikeckpt.data import (  # noqa: E402
     write_synthetic_nmnist,
     write_synthetic_shd,
 )
-from spikeckpt.data.datasets import NMNIST  # noqa: E402
+from spikeckpt.data.datasets import NMNIST, open_dataset  # noqa: E402
 from spikeckpt.data.frames import EventsToSpikes  # noqa: E402
 from spikeckpt.data.synthetic import MARKER, SHD_KEYS, encode_nmnist_events  # noqa: E402
 from spikeckpt.errors import ConfigError, SpikeckptError  # noqa: E402
@@ -516,6 +516,54 @@ def test_an_nmnist_file_cut_short_names_the_file(tmp_path: Path) -> None:
     dm.setup()
     with pytest.raises(DataFileError, match=f"{path} holds .* not a whole number of 5-byte"):
         next(iter(dm.train_dataloader()))
+
+
+def _edit_shd_units(path: Path, sample: int, edit: Any) -> None:
+    import h5py
+
+    with h5py.File(path, "a") as f:
+        f["spikes/units"][sample] = edit(f["spikes/units"][sample])
+
+
+@pytest.mark.parametrize("damage", ["units_short", "unit_800"])
+def test_a_damaged_shd_recording_names_the_file_and_sample(tmp_path: Path, damage: str) -> None:
+    """A recording whose units are fewer than its times raised NumPy's 'operands could not be
+    broadcast together' from tonic's reader; a unit past 699, the binning's refusal: neither
+    named the file or the sample (h31). Through the loader's worker processes too."""
+    write_synthetic_shd(tmp_path, samples=8)
+    path = tmp_path / "SHD" / "shd_train.h5"
+    if damage == "units_short":
+        _edit_shd_units(path, 5, lambda units: units[:-3])
+    else:
+        _edit_shd_units(path, 5, lambda units: np.where(np.arange(len(units)) == 2, 800, units))
+    cause = (
+        r"its recording cannot be read \(ValueError: could not broadcast"
+        if damage == "units_short"
+        else r"1 event\(s\) with x outside the sensor's 0..699"
+    )
+    dataset = open_dataset("shd", tmp_path, train=True, download=False)
+    dataset.transform = EventsToSpikes((700, 1, 1), dt_us=4000)
+    assert dataset[4][0].shape[1:] == (700,)  # the others read as before
+    with pytest.raises(DataFileError, match=f"{path}, sample 5: {cause}") as info:
+        dataset[5]
+    assert "spikeckpt data synth" in str(info.value)
+    dm = SHDDataModule(tmp_path, download=False, val_fraction=0.0, batch_size=8, num_workers=2)
+    dm.setup()
+    with pytest.raises(DataFileError, match=f"{path}, sample 5"):
+        next(iter(dm.train_dataloader()))
+
+
+def test_an_nmnist_recording_off_the_sensor_names_the_file(tmp_path: Path) -> None:
+    """A .bin of whole 5-byte events whose x is past the 34x34 sensor (another file under an
+    N-MNIST name) raised the binning's refusal, naming no file."""
+    write_synthetic_nmnist(tmp_path, samples=4)
+    path = sorted((tmp_path / "NMNIST" / "Train").glob("**/*.bin"))[0]
+    path.write_bytes(bytes([200, 3, 0, 0, 10]) * 4)
+    dm = NMNISTDataModule(tmp_path, download=False, val_fraction=0.0, batch_size=4)
+    dm.setup()
+    with pytest.raises(DataFileError, match=f"{path}, sample .*x outside the sensor") as info:
+        next(iter(dm.train_dataloader()))
+    assert "Train.zip there again" in str(info.value)
 
 
 def test_an_interrupted_synthetic_write_leaves_nothing_half_written(

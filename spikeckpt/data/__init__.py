@@ -29,6 +29,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "pad_time_first": ("spikeckpt.data.frames", "tonic"),
     "PackTimeFirst": ("spikeckpt.data.frames", "tonic"),
     "NMNIST": ("spikeckpt.data.datasets", "tonic"),
+    "SHD": ("spikeckpt.data.datasets", "tonic"),
     "open_dataset": ("spikeckpt.data.datasets", "tonic"),
 }
 
@@ -40,6 +41,7 @@ __all__ = [
     "NMNIST",
     "NMNISTDataModule",
     "PackTimeFirst",
+    "SHD",
     "SHDDataModule",
     "open_dataset",
     "pad_time_first",

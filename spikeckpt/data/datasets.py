@@ -12,7 +12,8 @@ is no ``download=False``). The existence checks:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.error import URLError
@@ -31,9 +32,11 @@ from spikeckpt.data.files import (
     shd_placeholder_hint,
 )
 from spikeckpt.data.synthetic import SHD_CLASSES, synthetic_marker
+from spikeckpt.errors import ConfigError
 
 __all__ = [
     "NMNIST",
+    "SHD",
     "NMNIST_MIN_FILES",
     "files_present",
     "location",
@@ -42,6 +45,42 @@ __all__ = [
     "refuse_missing_shd_keys",
     "unreadable_message",
 ]
+
+
+#: what reading or binning a damaged sample raises: tonic's and NumPy's own errors (units
+#: shorter than times: "operands could not be broadcast"; a garbage ``.bin``: an IndexError)
+#: and `EventsToSpikes`'s refusal of events outside the sensor, none naming the file
+SAMPLE_ERRORS = (ValueError, IndexError, KeyError, ConfigError)
+
+
+@contextlib.contextmanager
+def sample_named(path: Path, index: int, fix: str) -> Iterator[None]:
+    """Re-raise what reading (and binning) sample ``index`` of ``path`` raises as a
+    `DataFileError` that names the file and the sample, the cause's message and ``fix``."""
+    try:
+        yield
+    except DataFileError:
+        raise
+    except ConfigError as err:  # its own message says what is wrong with the events
+        raise DataFileError(f"{path}, sample {index}: {err}. {fix}") from err
+    except SAMPLE_ERRORS as err:
+        raise DataFileError(
+            f"{path}, sample {index}: its recording cannot be read ({type(err).__name__}: "
+            f"{err}): the file is damaged. {fix}"
+        ) from err
+
+
+class SHD(tonic.datasets.SHD):
+    """``tonic.datasets.SHD`` whose damaged samples raise `DataFileError` naming the file and
+    the sample (tonic's reading raised NumPy's 'operands could not be broadcast together' for
+    a recording whose units are fewer than its times, the binning a unit past 699 without the
+    file). The class name stays: tonic derives the folder, ``root/SHD``, from it."""
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        path = Path(self.location_on_system) / self.data_filename
+        fix = shd_fix(path.parent.parent, train=self.filename == self.train_zip)
+        with sample_named(path, index, fix):
+            return super().__getitem__(index)
 
 
 class NMNIST(tonic.datasets.NMNIST):
@@ -66,10 +105,14 @@ class NMNIST(tonic.datasets.NMNIST):
             raise DataFileError(
                 f"{path} holds {size} bytes, not a whole number of 5-byte N-MNIST events: the "
                 "file is cut short (an interrupted download or unzip) or is no N-MNIST "
-                f"recording. Fix: unzip {'Train' if self.train else 'Test'}.zip there again "
-                "(docs/datasets.md), or delete the file."
+                f"recording. {self._fix()}"
             )
-        return super().__getitem__(index)
+        with sample_named(path, index, self._fix()):
+            return super().__getitem__(index)
+
+    def _fix(self) -> str:
+        split = "Train" if self.train else "Test"
+        return f"Fix: unzip {split}.zip there again (docs/datasets.md), or delete the file."
 
     def _check_exists(self) -> bool:
         if super()._check_exists():
@@ -142,7 +185,7 @@ def open_dataset(
     save_to = str(Path(root).expanduser())
     try:
         if name == "shd":
-            return tonic.datasets.SHD(save_to=save_to, train=train, transform=transform)
+            return SHD(save_to=save_to, train=train, transform=transform)
         return NMNIST(
             save_to=save_to,
             train=train,
@@ -185,11 +228,7 @@ def refuse_missing_shd_keys(root: str | Path, train: bool) -> None:
             labels = None if missing else np.asarray(f["labels"][:])
     except (OSError, RuntimeError, KeyError, ValueError) as err:
         raise DataFileError(unreadable_message(root, train, err)) from err
-    fix = (
-        f"Fix: download {shd_files(train)[1]} again and unzip it there (docs/datasets.md), or "
-        "write synthetic files in the same format with "
-        f"`spikeckpt data synth --dataset shd --root {root}` (after moving this file away)."
-    )
+    fix = shd_fix(root, train)
     if missing:
         raise DataFileError(
             f"{path} lacks the dataset(s) {', '.join(missing)} that tonic's SHD reads (it "
@@ -208,6 +247,15 @@ def refuse_missing_shd_keys(root: str | Path, train: bool) -> None:
             f"{path} holds {bad.size} label(s) outside SHD's classes 0..{SHD_CLASSES - 1} "
             f"(e.g. {int(bad[0])}). {fix}"
         )
+
+
+def shd_fix(root: str | Path, train: bool) -> str:
+    """The way out of a damaged SHD file of ``root``'s ``train`` or test split."""
+    return (
+        f"Fix: download {shd_files(train)[1]} again and unzip it there (docs/datasets.md), or "
+        "write synthetic files in the same format with "
+        f"`spikeckpt data synth --dataset shd --root {root}` (after moving this file away)."
+    )
 
 
 def unreadable_message(root: str | Path, train: bool, cause: BaseException) -> str:
