@@ -47,40 +47,51 @@ __all__ = [
 ]
 
 
-#: what reading or binning a damaged sample raises: tonic's and NumPy's own errors (units
-#: shorter than times: "operands could not be broadcast"; a garbage ``.bin``: an IndexError)
-#: and `EventsToSpikes`'s refusal of events outside the sensor, none naming the file
-SAMPLE_ERRORS = (ValueError, IndexError, KeyError, ConfigError)
-
-
 @contextlib.contextmanager
 def sample_named(path: Path, index: int, fix: str) -> Iterator[None]:
-    """Re-raise what reading (and binning) sample ``index`` of ``path`` raises as a
-    `DataFileError` that names the file and the sample, the cause's message and ``fix``."""
+    """Re-raise the binning's refusal of sample ``index`` of ``path`` (`EventsToSpikes`: events
+    outside the sensor, which name no file) as a `DataFileError` naming the file, the sample
+    and ``fix``; anything else raised passes unchanged."""
     try:
         yield
-    except DataFileError:
-        raise
     except ConfigError as err:  # its own message says what is wrong with the events
         raise DataFileError(f"{path}, sample {index}: {err}. {fix}") from err
-    except SAMPLE_ERRORS as err:
-        raise DataFileError(
-            f"{path}, sample {index}: its recording cannot be read ({type(err).__name__}: "
-            f"{err}): the file is damaged. {fix}"
-        ) from err
 
 
 class SHD(tonic.datasets.SHD):
     """``tonic.datasets.SHD`` whose damaged samples raise `DataFileError` naming the file and
-    the sample (tonic's reading raised NumPy's 'operands could not be broadcast together' for
-    a recording whose units are fewer than its times, the binning a unit past 699 without the
-    file). The class name stays: tonic derives the folder, ``root/SHD``, from it."""
+    the sample: a recording whose units are fewer than its times (tonic's reader raised
+    NumPy's 'could not broadcast input array'), one with a unit past 699 (the binning's
+    refusal, without the file). The class name stays: tonic derives the folder,
+    ``root/SHD``, from it."""
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
         path = Path(self.location_on_system) / self.data_filename
         fix = shd_fix(path.parent.parent, train=self.filename == self.train_zip)
-        with sample_named(path, index, fix):
-            return super().__getitem__(index)
+        try:
+            with sample_named(path, index, fix):
+                return super().__getitem__(index)
+        except (ValueError, IndexError) as err:  # tonic's reader, or a transform of yours
+            counts = _shd_sample_counts(path, index)
+            if counts is None or counts[0] == counts[1]:
+                raise
+            raise DataFileError(
+                f"{path}, sample {index}: its recording holds {counts[0]} spike times and "
+                f"{counts[1]} units (one unit per spike: tonic's reader failed with "
+                f"{type(err).__name__}: {err}). {fix}"
+            ) from err
+
+
+def _shd_sample_counts(path: Path, index: int) -> tuple[int, int] | None:
+    """``(spike times, units)`` held by recording ``index`` of the SHD file ``path``, or None
+    where they cannot be read."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return len(f["spikes/times"][index]), len(f["spikes/units"][index])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 class NMNIST(tonic.datasets.NMNIST):
