@@ -829,6 +829,44 @@ def test_layers_unfrozen_during_the_fit_count_their_gradients_and_state(tmp_path
     assert len(peaks.peaks) == 4 and all(peak <= total for peak, total in peaks.peaks)
 
 
+class _Averages(pl.Callback):
+    """EMAs of the model's weights (``AveragedModel``), made at the first batch's end."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.emas: list[Any] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        if not self.emas:
+            for k in range(self.n):
+                ema = AveragedModel(pl_module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+                setattr(self, f"ema{k}", ema)  # a callback's attribute, as users keep one
+                self.emas.append(ema)
+        for ema in self.emas:
+            ema.update_parameters(pl_module)
+
+
+def test_model_copies_other_callbacks_keep_count_with_the_model(tmp_path: Path) -> None:
+    # h33: three EMAs (AveragedModel) kept by a callback were counted nowhere: every step ran
+    # 1.19x over the budget, unmeasured and unplanned (one copy fitted by luck)
+    callback = MemoryBudget("1MiB", verbose=False, measure_batches=1000)
+    peaks, averages = _Peaks(callback), _Averages(3)
+    trainer = quiet_trainer([callback, averages, peaks], tmp_path, max_epochs=1)
+    model = SpikingClassifier()
+    trainer.fit(model, _loader(20, 4))
+    copies = sum(
+        t.untyped_storage().nbytes()
+        for ema in averages.emas
+        for t in (*ema.parameters(), *ema.buffers())
+    )
+    assert callback.overhead_bytes == model_bytes(model, trainer.optimizers) + copies
+    assert len(peaks.peaks) == 4 and all(peak <= total for peak, total in peaks.peaks)
+    # the measured steps hold the copies: the batches after they were made measure more
+    assert peaks.peaks[-1][0] >= copies
+
+
 class _SkipsRest(SpikingClassifier):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         return -1 if batch_idx == 1 else None  # Lightning: skip the rest of the epoch

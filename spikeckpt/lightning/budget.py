@@ -47,7 +47,13 @@ from spikeckpt.engine.function import (
 )
 from spikeckpt.engine.meter import MemoryMeter
 from spikeckpt.errors import ConfigError, SpikeckptError, UsageError
-from spikeckpt.lightning.resources import free_device_bytes, model_bytes, step_resident
+from spikeckpt.lightning.resources import (
+    callback_copies,
+    free_device_bytes,
+    model_bytes,
+    step_resident,
+    tensor_bytes,
+)
 from spikeckpt.planning import BudgetPlanner, PlanChoice
 from spikeckpt.plans.account import tier_note
 from spikeckpt.storage.base import TIER_KINDS
@@ -176,6 +182,8 @@ class MemoryBudget(Callback):
         self.total_bytes = 0
         self.overhead_bytes = 0
         self._trainable: tuple[Any, ...] = ()
+        #: bytes of the model copies other callbacks keep on the device (`callback_copies`)
+        self._copies = 0
         self.measured_peak_bytes: int | None = None
         self.retries = 0
         self.replans = 0
@@ -303,7 +311,8 @@ class MemoryBudget(Callback):
         if total is None:
             assert self.fraction is not None
             total = int(self.fraction * free_device_bytes(device))
-        overhead = model_bytes(pl_module, trainer.optimizers)
+        self._copies = self._copies_bytes(trainer, pl_module)
+        overhead = model_bytes(pl_module, trainer.optimizers) + self._copies
         usable = int(total * (1 - self.margin)) - overhead
         if trainer.world_size > 1:
             reduced = trainer.strategy.reduce(
@@ -388,6 +397,7 @@ class MemoryBudget(Callback):
             self._meter = MemoryMeter(pl_module.device)
             self._meter.__enter__()
             self._meter.track(step_resident(pl_module, trainer.optimizers, batch))
+            self._meter.track(callback_copies(_callbacks(trainer), pl_module, pl_module.device))
 
     def on_train_batch_end(
         self,
@@ -429,21 +439,31 @@ class MemoryBudget(Callback):
             self._to_measure = max(self._to_measure, again)
         return peak
 
+    def _copies_bytes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+        """Bytes of the model copies other callbacks keep on the device (an EMA's
+        ``AveragedModel``, SWA's average), counted with the model."""
+        return tensor_bytes(callback_copies(_callbacks(trainer), pl_module, pl_module.device))
+
     def _count_unfrozen(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Layers unfrozen (or frozen) since the fit started, or parameters added to an
         optimizer (Lightning's ``BackboneFinetuning``): their gradients and optimizer state
         are counted again, the planners' shares changed by the difference, and the steps from
-        here measured (one was 1.3x over its budget, unmeasured, before)."""
+        here measured (one was 1.3x over its budget, unmeasured, before). Likewise a model
+        copy another callback made or dropped (an EMA made at the first batch's end: three
+        of them ran every step 1.19x over the budget, unmeasured, before)."""
         trainable = _trainable(pl_module, trainer.optimizers)
-        if trainable == self._trainable or not self.planners:
+        copies = self._copies_bytes(trainer, pl_module)
+        if (trainable == self._trainable and copies == self._copies) or not self.planners:
             return
-        self._trainable = trainable
-        overhead, before = model_bytes(pl_module, trainer.optimizers), self.overhead_bytes
+        context = _UNFROZEN if trainable != self._trainable else _COPIES
+        self._trainable, self._copies = trainable, copies
+        overhead = model_bytes(pl_module, trainer.optimizers) + copies
+        before = self.overhead_bytes
         self.overhead_bytes = overhead
         share = -(-(overhead - before) // len(self.planners))
         said = f"state take {format_bytes(before)}"
         for planner in self.planners.values():
-            planner.replan(planner.budget_bytes - share, context=_UNFROZEN)
+            planner.replan(planner.budget_bytes - share, context=context)
             planner.context = planner.context.replace(said, f"state take {format_bytes(overhead)}")
         self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
         self._to_measure = max(self._to_measure, self._measured_after(self.measure_batches))
@@ -671,6 +691,11 @@ class MemoryBudget(Callback):
         return counted
 
 
+_COPIES = (
+    "; other callbacks keep copies of the model on the device (an EMA's AveragedModel, SWA's "
+    "average): they now count"
+)
+
 _UNFROZEN = (
     "; the model's trainable parameters changed during the fit (layers unfrozen, or added to "
     "an optimizer): their gradients and optimizer state now count"
@@ -773,3 +798,8 @@ def _tier_note(storages: set[str], device: torch.device) -> str | None:
     """On a CPU-only run, which memory the storage tiers are (None on a GPU)."""
     notes = [tier_note(storage, device.type) for storage in sorted(storages)]
     return "; ".join(n for n in notes if n) or None
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Any]:
+    """The trainer's callbacks (``Trainer.callbacks``, set when it is built)."""
+    return list(getattr(trainer, "callbacks", ()))

@@ -97,6 +97,31 @@ def step_resident(
     return tensors + batch_tensors(batch)
 
 
+def callback_copies(
+    callbacks: Iterable[Any], module: nn.Module, device: torch.device
+) -> list[torch.Tensor]:
+    """The tensors on ``device`` of the models other callbacks keep beside ``module``: an EMA
+    or SWA copy (``torch.optim.swa_utils.AveragedModel``; Lightning's
+    ``StochasticWeightAveraging``) held as a callback's attribute; their parameters and
+    buffers, less any that ``module`` holds itself (bytes the step's device holds throughout,
+    which the budget counts with the model's)."""
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    found: list[torch.Tensor] = []
+    for callback in callbacks:
+        for value in vars(callback).values():
+            if not isinstance(value, nn.Module) or value is module:
+                continue
+            for t in (*value.parameters(), *value.buffers()):
+                if t.device == device and t.untyped_storage().data_ptr() not in own:
+                    found.append(t)
+    return found
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors`` (each storage once)."""
+    return _tensor_bytes(tensors)
+
+
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
     """Every tensor in a batch (nested tuples, lists and dicts; a packed train's tensors)."""
     if isinstance(batch, torch.Tensor):
