@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from spikeckpt.adapters.pooling import fast_max_pool
 from spikeckpt.adapters.protocol import (
@@ -65,6 +66,7 @@ __all__ = [
     "StatefulAdapter",
     "StatelessAdapter",
     "frozen_running_stats",
+    "own_class",
     "own_loop_error",
     "probe",
     "positional_params",
@@ -271,10 +273,20 @@ def _attributes(
     return seen
 
 
+def own_class(module: nn.Module) -> type:
+    """``module``'s class as you wrote it: a module with a parametrization
+    (``torch.nn.utils.parametrize``) has a class torch made, ``Parametrized<Yours>``, whose
+    only base is yours."""
+    cls = type(module)
+    if parametrize.is_parametrized(module) and cls.__name__.startswith("Parametrized"):
+        return cls.__bases__[0]
+    return cls
+
+
 def users_subclass(module: nn.Module, library: str) -> bool:
     """Whether ``module``'s class is a subclass of yours of ``library``'s (``"snntorch"``,
     ``"norse"``), defined outside it."""
-    return (type(module).__module__ or "").split(".")[0] != library
+    return (own_class(module).__module__ or "").split(".")[0] != library
 
 
 #: attribute names a framework's modules write during every call, by class (the framework
@@ -405,6 +417,24 @@ def _optional_states_hint(module: nn.Module, out: Any) -> str:
     )
 
 
+def _refuse_states_as_one(
+    module: nn.Module, path: str, n_state: int, state: State, err: TypeError
+) -> None:
+    """Raise naming the fix when ``forward(x, v=None, a=None)`` (one state, by arity) failed
+    on the tuple its ``initial_state(x)`` returned, handed to it as that one state."""
+    if n_state != 1 or not isinstance(state, tuple) or len(state) < 2:
+        return
+    hint = _optional_states_hint(module, (None, *state))
+    if hint:
+        raise unsupported(
+            module,
+            path,
+            f"its forward failed ({type(err).__name__}: {err}) when called forward(x, state) "
+            f"with the {len(state)} states its initial_state(x) returns as that one state"
+            f"{hint}",
+        ) from err
+
+
 #: why a neuron of yours that changes the state it is given in place cannot be stepped
 _STATE_IN_PLACE = (
     "its forward changes the state it is given in place (mem.mul_(beta), mem += x, "
@@ -465,7 +495,11 @@ class StatefulAdapter(LayerAdapter):
         # counter, and a run without autograd hands no stored state to a recomputed step
         given = [t for t in tree_leaves(state) if isinstance(t, Tensor) and not t.is_inference()]
         versions = [t._version for t in given]
-        out = m(x_t, state) if self.n_state == 1 else m(x_t, *state)
+        try:
+            out = m(x_t, state) if self.n_state == 1 else m(x_t, *state)
+        except TypeError as err:
+            _refuse_states_as_one(m, self.path, self.n_state, state, err)
+            raise
         if any(t._version != v for t, v in zip(given, versions, strict=True)):
             raise unsupported(m, self.path, _STATE_IN_PLACE)
         if not isinstance(out, tuple) or len(out) != self.n_state + 1:
@@ -794,7 +828,7 @@ def _time_loop(code: types.CodeType, self_name: str, depth: int = 0) -> str | No
 
 def _foreign(module: nn.Module) -> bool:
     """Whether the module's class is not one of torch's own (a class of yours or a package's)."""
-    return (type(module).__module__ or "").split(".")[0] != "torch"
+    return (own_class(module).__module__ or "").split(".")[0] != "torch"
 
 
 def _stateful_descendants(

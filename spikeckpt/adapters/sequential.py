@@ -23,7 +23,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.generic import CustomLayerAdapter, StatefulAdapter, StatelessAdapter, probe
+from spikeckpt.adapters.generic import (
+    CustomLayerAdapter,
+    StatefulAdapter,
+    StatelessAdapter,
+    own_class,
+    probe,
+)
 from spikeckpt.adapters.protocol import (
     AdapterFor,
     LayerAdapter,
@@ -469,7 +475,7 @@ def _may_draw_random(module: nn.Module) -> bool:
             return True
         fwd = getattr(type(m), "forward", None)
         code = getattr(fwd, "__code__", None)
-        own = (type(m).__module__ or "").split(".")[0] != "torch"
+        own = (own_class(m).__module__ or "").split(".")[0] != "torch"
         if code is not None and own and _code_names(code) & _RANDOM_NAMES:
             return True
         spike = getattr(m, "spike_grad", None)  # snnTorch's: a noisy threshold of yours
