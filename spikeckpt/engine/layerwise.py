@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
-from spikeckpt.engine.blocks import LayerBlock
+from spikeckpt.engine.blocks import LayerBlock, check_block_states
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.function import run_job
 from spikeckpt.engine.inputs import TrainWindow, as_input, is_packed
@@ -214,6 +214,7 @@ def _checked_input(
         raise ConfigError(f"need one state per block ({len(blocks)}), got {len(states)}")
     if x.shape[0] == 0:
         raise ConfigError("inputs hold T=0 time steps; need T >= 1")
+    check_block_states(blocks, states)
     return x
 
 

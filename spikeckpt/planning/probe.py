@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from spikeckpt.engine import tree as pytree
-from spikeckpt.engine.blocks import blocks_params, stacked_outputs
+from spikeckpt.engine.blocks import blocks_params, check_block_states, stacked_outputs
 from spikeckpt.engine.fused import run_fused
 from spikeckpt.engine.inputs import TrainWindow, chunk_of, is_packed, step_of
 from spikeckpt.engine.layerwise import LayerBlock, layerwise_scan
@@ -179,6 +179,7 @@ def block_sizes(
     fuses (``fuse`` and a kernel that takes the step) is counted by its fused chunk's growth
     per step instead (`_fused_step_bytes`), its stored state with its spike leaves bit-packed.
     Changes nothing (RNG forked, no gradients)."""
+    check_block_states(blocks, states)
     params = [t for b in blocks for t in b.params]
     sizes: list[BlockSizes] = []
     h = x_t.detach()
