@@ -269,7 +269,8 @@ def _attributes(
                 seen[(id(m), k)] = _value_key(v)
         if buffers and not isinstance(m, RUNNING_STATS_TYPES):
             for k, v in m._buffers.items():
-                seen[(id(m), "buffer " + k)] = _value_key(v)
+                if k not in allowed:
+                    seen[(id(m), "buffer " + k)] = _value_key(v)
     return seen
 
 
@@ -362,7 +363,9 @@ def refuse_kept_state(
         "checkpointed run calls each step again during backward, so state kept on the "
         "module would be replayed out of order. Return the state instead: "
         "forward(x, state) -> (y, state), with state=None at t=0 (or an "
-        "initial_state(x) method)",
+        "initial_state(x) method); a value computed from parameters at each call "
+        "(self.beta = torch.sigmoid(raw)) goes in a local variable or a parametrization "
+        "(torch.nn.utils.parametrize.register_parametrization)",
     )
 
 
@@ -924,11 +927,28 @@ class HiddenStateAdapter(LayerAdapter):
             neuron.cleanup()
 
 
+class UsersStatefulAdapter(StatefulAdapter):
+    """A neuron of yours, ``forward(x, state) -> (y, state)``: each step checks that it keeps
+    nothing more on itself (``self.a = 0.9 * self.a + spk.detach()``, ``self.beta =
+    torch.sigmoid(raw)``), refused naming it: a recomputed step would read the value the
+    last step left there (before 2026-11-29 such a detached adaptation ran, its gradients
+    26-98% off the loop's, silently; one with a graph failed in the backward pass)."""
+
+    def __init__(self, module: nn.Module, path: str = "", n_state: int | None = None) -> None:
+        super().__init__(module, path, n_state)
+        #: what framework neurons inside it write on themselves (snnTorch's ``mem``, ``reset``)
+        self._managed = frozenset().union(*(_written_by(m) for m in module.modules()))
+
+    def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
+        with refuse_kept_state(self.module, self.path, self._managed):
+            return super().step(state, x_t)
+
+
 def _custom_factory(adapter_for: AdapterFor) -> Callable[[nn.Module, str], LayerAdapter]:
     def factory(module: nn.Module, path: str) -> LayerAdapter:
         n = state_arity(module)
         if n:
-            return StatefulAdapter(module, path, n)
+            return UsersStatefulAdapter(module, path, n)
         code = _code_of(module.forward)
         loop = (
             _time_loop(code, code.co_varnames[0] if code.co_argcount else "self") if code else None
@@ -1012,7 +1032,7 @@ def registrations(adapter_for: AdapterFor) -> list[Registration]:
         Registration(_is_rnn, _rnn_error, "torch.nn sequence RNNs"),
         Registration(
             _is_generic,
-            StatefulAdapter,
+            UsersStatefulAdapter,
             "your neurons",
             "any module of yours with forward(x, state) -> (y, state) or forward(x, s1, ..., "
             "sk) -> (y, s1, ..., sk), by arity (initial state from its initial_state(x) "

@@ -222,7 +222,7 @@ class SnnTorchNeuronAdapter(LayerAdapter):
         """One step through the module's own call (its bookkeeping included); a subclass of
         yours that keeps more on itself (``self.count = ...``) is refused, naming it."""
         if self._subclass:
-            with refuse_kept_state(self.module, self.path, self.managed, buffers=False):
+            with refuse_kept_state(self.module, self.path, self.managed):
                 return self._module_step(state, x_t)
         return self._module_step(state, x_t)
 
@@ -350,7 +350,7 @@ class UsersNeuronAdapter(StatefulAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         try:
-            with refuse_kept_state(self.module, self.path, frozenset(_WRITTEN), buffers=False):
+            with refuse_kept_state(self.module, self.path, frozenset(_WRITTEN)):
                 return super().step(state, x_t)
         finally:
             clear_written(self.module, _WRITTEN, x_t.device)
