@@ -111,3 +111,27 @@ def test_a_leak_in_a_local_variable_runs_as_the_loop_on_two_calls() -> None:
         seq(x).sum().backward()
         for p, g in zip(net.parameters(), want, strict=True):
             torch.testing.assert_close(p.grad, g)
+
+
+class HiddenMem(nn.Module):
+    """init_hidden-style neuron of yours: the membrane kept on the module, forward(x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mem = torch.zeros(())
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.mem = 0.9 * self.mem + x
+        spk = _Spike.apply(self.mem - 1.0)
+        self.mem = self.mem - spk.detach()
+        return spk
+
+
+def test_a_hidden_state_neuron_of_yours_layerwise_says_how_to_write_it() -> None:
+    net = nn.Sequential(nn.Linear(8, 6), HiddenMem())
+    with pytest.raises(
+        spikeckpt.UnsupportedLayerError, match=r"forward\(x, state\) -> \(y, state\)"
+    ):
+        spikeckpt.wrap(net, plan=plans.Uniform(3), granularity="layer")(torch.rand(9, 3, 8))
+    with pytest.raises(spikeckpt.UnsupportedLayerError, match=r"layer '1'.*self\.mem"):
+        spikeckpt.wrap(net, plan=plans.Uniform(3))(torch.rand(9, 3, 8))

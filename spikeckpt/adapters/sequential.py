@@ -395,7 +395,13 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
             _check_shared_norm(layer, norms, why)
             pending.append(layer)
     if not blocks:
-        raise unsupported(adapter.module, adapter.path, why + "the stack has no stateful layer")
+        raise unsupported(
+            adapter.module,
+            adapter.path,
+            why + "the stack has no stateful layer (no neuron spikeckpt knows: a neuron of yours "
+            "takes and returns its state, forward(x, state) -> (y, state); one that keeps it on "
+            "itself, self.mem = ..., is refused by granularity='stack', naming it)",
+        )
     if pending:
         names = ", ".join(repr(p.path) for p in pending)
         raise unsupported(
