@@ -135,3 +135,23 @@ def test_a_hidden_state_neuron_of_yours_layerwise_says_how_to_write_it() -> None
         spikeckpt.wrap(net, plan=plans.Uniform(3), granularity="layer")(torch.rand(9, 3, 8))
     with pytest.raises(spikeckpt.UnsupportedLayerError, match=r"layer '1'.*self\.mem"):
         spikeckpt.wrap(net, plan=plans.Uniform(3))(torch.rand(9, 3, 8))
+
+
+def test_a_norse_subclass_keeping_a_buffer_is_refused_naming_it() -> None:
+    norse = pytest.importorskip("norse.torch")
+
+    class AdaptLIF(norse.LIFCell):  # type: ignore[misc, name-defined]
+        """Norse's LIFCell with a detached adaptation in a registered buffer."""
+
+        def __init__(self, n: int) -> None:
+            super().__init__(p=norse.LIFParameters(v_th=torch.as_tensor(0.3)))
+            self.register_buffer("a", torch.zeros(n))
+
+        def forward(self, x: Tensor, state: object = None) -> tuple[Tensor, object]:
+            z, state = super().forward(x - 0.5 * self.a, state)
+            self.a = 0.9 * self.a + z.detach().mean(0)
+            return z, state
+
+    net = norse.SequentialState(nn.Linear(8, 6), AdaptLIF(6))
+    with pytest.raises(spikeckpt.UnsupportedLayerError, match=r"layer '1'.*buffer a"):
+        spikeckpt.wrap(net, plan=plans.Uniform(3))(torch.rand(9, 3, 8) * 3)

@@ -206,7 +206,7 @@ class NorseAdapter(LayerAdapter):
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         if self._subclass:  # one keeping more on itself is refused
-            with refuse_kept_state(self.module, self.path, buffers=False):
+            with refuse_kept_state(self.module, self.path):
                 return self._step(state, x_t)
         return self._step(state, x_t)
 
