@@ -155,3 +155,24 @@ def test_a_norse_subclass_keeping_a_buffer_is_refused_naming_it() -> None:
     net = norse.SequentialState(nn.Linear(8, 6), AdaptLIF(6))
     with pytest.raises(spikeckpt.UnsupportedLayerError, match=r"layer '1'.*buffer a"):
         spikeckpt.wrap(net, plan=plans.Uniform(3))(torch.rand(9, 3, 8) * 3)
+
+
+class AdaptingBlock(nn.Module):
+    """A one-step block of yours around an init_hidden=True Leaky, its detached adaptation in
+    a registered buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 6)
+        self.lif = snn.Leaky(0.9, init_hidden=True)
+        self.register_buffer("a", torch.zeros(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.lif(self.fc(x) - 0.5 * self.a)
+        self.a = 0.9 * self.a + s.detach().mean(0)
+        return s
+
+
+def test_a_block_of_yours_keeping_a_buffer_is_refused_naming_it() -> None:
+    with pytest.raises(spikeckpt.UnsupportedLayerError, match=r"layer '0'.*buffer a"):
+        spikeckpt.wrap(nn.Sequential(AdaptingBlock()), plan=plans.Uniform(3))(torch.rand(9, 3, 8))

@@ -905,7 +905,7 @@ class HiddenStateAdapter(LayerAdapter):
     def step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         # anything assigned on the block beside what its neurons' adapters manage (a spike
         # count kept for a rate regulariser) is state kept on it: refused
-        with refuse_kept_state(self.module, self.path, self._managed, buffers=False):
+        with refuse_kept_state(self.module, self.path, self._managed):
             return self._step(state, x_t)
 
     def _step(self, state: State, x_t: Tensor) -> tuple[State, Any]:
