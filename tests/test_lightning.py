@@ -867,6 +867,36 @@ def test_model_copies_other_callbacks_keep_count_with_the_model(tmp_path: Path) 
     assert peaks.peaks[-1][0] >= copies
 
 
+class _WithEMA(SpikingClassifier):
+    """An EMA of the wrapped model kept in the module, updated after each batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ema.update_parameters(self.net)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.net.parameters(), lr=1e-2)
+
+
+def test_an_average_kept_in_the_module_takes_no_share_of_the_budget(tmp_path: Path) -> None:
+    # its copy of the wrapped model was found as a second wrapped model: the budget was split
+    # in two and the trained model planned with half of it (Revolve(slots=8) where
+    # Uniform(20) fitted), though the average is never trained
+    callback = MemoryBudget("1MiB", verbose=False, measure_batches=1000)
+    peaks = _Peaks(callback)
+    model = _WithEMA()
+    quiet_trainer([callback, peaks], tmp_path, max_epochs=1).fit(model, _loader(20, 3))
+    assert list(callback.modules) == ["net"] and list(callback.planners) == ["net"]
+    assert callback.planners["net"].budget_bytes == callback.budget_bytes
+    assert callback.overhead_bytes >= model_bytes(model, [])  # the average's bytes counted
+    assert len(peaks.peaks) == 3 and all(peak <= total for peak, total in peaks.peaks)
+
+
 class _SkipsRest(SpikingClassifier):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         return -1 if batch_idx == 1 else None  # Lightning: skip the rest of the epoch

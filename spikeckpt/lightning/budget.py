@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim.swa_utils import AveragedModel
 
 from spikeckpt.engine.function import (
     close_runs_since,
@@ -248,10 +249,14 @@ class MemoryBudget(Callback):
         """The wrapped models of ``pl_module`` (`modules`), set to this callback's tier."""
         # a compiled model (torch.compile) holds the wrapped one as ``_orig_mod``: named as
         # the attribute the user set (callback.plans["net"], not "net._orig_mod")
+        # an average of the weights kept in the module (an EMA's AveragedModel) is updated
+        # without autograd, never trained: a share of the budget for its copy of the wrapped
+        # model halved the trained one's (its bytes count with the model's parameters)
+        averaged = {name for name, m in pl_module.named_modules() if isinstance(m, AveragedModel)}
         self.modules = {
             ".".join(part for part in name.split(".") if part != "_orig_mod") or "<root>": module
             for name, module in pl_module.named_modules()
-            if isinstance(module, CheckpointedSequence)
+            if isinstance(module, CheckpointedSequence) and not _inside(name, averaged)
         }
         if not self.modules and required:
             raise MemoryBudgetError(
@@ -803,3 +808,8 @@ def _tier_note(storages: set[str], device: torch.device) -> str | None:
 def _callbacks(trainer: pl.Trainer) -> list[Any]:
     """The trainer's callbacks (``Trainer.callbacks``, set when it is built)."""
     return list(getattr(trainer, "callbacks", ()))
+
+
+def _inside(name: str, parents: set[str]) -> bool:
+    """Whether the module named ``name`` lies inside one of the modules named ``parents``."""
+    return any(name == p or name.startswith(p + ".") for p in parents if p)
