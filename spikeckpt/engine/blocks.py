@@ -15,7 +15,7 @@ from spikeckpt.engine.direct import AffineChunk
 from spikeckpt.engine.fused import ChunkKernel
 from spikeckpt.engine.grad import GradSink, not_behind
 from spikeckpt.engine.inputs import SparseChunk
-from spikeckpt.errors import ConfigTypeError, UnsupportedLayerError
+from spikeckpt.errors import UnsupportedLayerError
 
 __all__ = ["LayerBlock", "blocks_params", "stacked_outputs"]
 
@@ -94,13 +94,6 @@ def check_block_states(blocks: Sequence[LayerBlock], states: Sequence[Any]) -> N
     """Refuse a state leaf that is not a tensor (a step counter kept as a Python ``int``),
     naming the block and the fix, as `scan` does for the stack."""
     for block, state in zip(blocks, states, strict=False):
-        for i, leaf in enumerate(pytree.tree_flatten(state)[0]):
-            if isinstance(leaf, Tensor):
-                continue
-            fix = "start it as a tensor"
-            if isinstance(leaf, (bool, int, float)):  # a counter kept in the state
-                fix = f"start it as torch.tensor({leaf!r}) and return a tensor from the step"
-            raise ConfigTypeError(
-                f"layer {block.name!r}: every state leaf must be a tensor; its state leaf "
-                f"{i} is {type(leaf).__name__}: {fix}"
-            )
+        leaves = pytree.tree_flatten(state)[0]
+        names = [f"its state leaf {i}" for i in range(len(leaves))]
+        pytree.refuse_non_tensor_leaves(leaves, names, where=f"layer {block.name!r}: ")

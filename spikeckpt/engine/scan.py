@@ -58,7 +58,14 @@ from spikeckpt.engine.step import (
     time_leaves,
     unshaped,
 )
-from spikeckpt.engine.tree import TreeDef, leaf_bytes, tree_flatten, tree_leaves, tree_map
+from spikeckpt.engine.tree import (
+    TreeDef,
+    leaf_bytes,
+    refuse_non_tensor_leaves,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+)
 from spikeckpt.errors import (
     ConfigError,
     ConfigTypeError,
@@ -395,14 +402,7 @@ def _run(
     in_leaves, in_def, T = timed
     state_leaves, state_def = tree_flatten(state)
     names = [f"state{n}" for n in state_def.names]
-    for name, leaf in zip(names, state_leaves, strict=False):
-        if not isinstance(leaf, Tensor):
-            fix = "start it as a tensor"
-            if isinstance(leaf, (bool, int, float)):  # a counter kept in the state
-                fix = f"start it as torch.tensor({leaf!r}) and return a tensor from the step"
-            raise ConfigTypeError(
-                f"every state leaf must be a tensor; {name} is {type(leaf).__name__}: {fix}"
-            )
+    refuse_non_tensor_leaves(state_leaves, names)
     for leaf in in_leaves:
         if leaf.shape[0] != T:
             raise ConfigError(f"all input leaves need the same T; got {leaf.shape[0]} and {T}")

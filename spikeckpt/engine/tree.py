@@ -20,9 +20,11 @@ from typing import Any
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from spikeckpt.errors import ConfigTypeError
 from spikeckpt.storage.base import tensor_nbytes
 
 __all__ = [
+    "refuse_non_tensor_leaves",
     "TreeDef",
     "is_float",
     "leaf_bytes",
@@ -237,3 +239,18 @@ def tree_map(fn: Any, tree: Any, *rest: Any) -> Any:
     if any(o is None for o in others):
         return pytree.tree_map(fn, tree, *rest)  # structures that differ in their leaves' types
     return treedef.unflatten([fn(*args) for args in zip(leaves, *others, strict=True)])
+
+
+def refuse_non_tensor_leaves(leaves: Sequence[Any], names: Sequence[str], where: str = "") -> None:
+    """Raise `ConfigTypeError` for the first of a state's ``leaves`` that is not a tensor,
+    naming it (``names``, one per leaf), ``where`` it is (a layer, or nothing) and the fix (a
+    counter kept as a Python number: start it as ``torch.tensor(n)``)."""
+    for name, leaf in zip(names, leaves, strict=False):
+        if isinstance(leaf, Tensor):
+            continue
+        fix = "start it as a tensor"
+        if isinstance(leaf, (bool, int, float)):  # a counter kept in the state
+            fix = f"start it as torch.tensor({leaf!r}) and return a tensor from the step"
+        raise ConfigTypeError(
+            f"{where}every state leaf must be a tensor; {name} is {type(leaf).__name__}: {fix}"
+        )
