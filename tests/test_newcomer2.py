@@ -4,11 +4,14 @@ against the plain loop (or refused with a clear error)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import Tensor, nn
 
 import spikeckpt as sc
+from spikeckpt.units import parse_bytes
 
 snn = pytest.importorskip("snntorch")
 
@@ -140,9 +143,24 @@ def test_a_budget_refused_after_two_runs_in_a_step_says_so(tmp_path: object) -> 
     )
     with (
         pytest.warns(UserWarning, match="ran 2 times"),
-        pytest.raises(sc.BudgetTooSmall, match=r"'net' ran 2 times in a training step"),
+        pytest.raises(sc.BudgetTooSmall, match=r"'net' ran 2 times in a training step") as info,
     ):
         trainer.fit(TwoViews(), DataLoader(batches, batch_size=None))
+    # its figures add up to the budget it names (they left out what the re-plans kept aside,
+    # e.g. 353.30 + 286.14 KiB named, 788.38 KiB the smallest budget, for a budget of 718 KiB)
+    message = str(info.value)
+    size = r"([\d.]+ (?:B|KiB|MiB))"
+    step, model, kept = (
+        parse_bytes(re.search(pattern, message).group(1))  # type: ignore[union-attr]
+        for pattern in (
+            rf"a step needs {size}",
+            rf"optimizer state take {size}",
+            rf"; {size} of its part kept aside for what the plans miss",
+        )
+    )
+    assert kept > 0
+    named = (step + model + kept) / (1 - 0.05)  # MemoryBudget's margin
+    assert named == pytest.approx(info.value.minimum_bytes, rel=1e-3)
 
 
 class TakeMembrane(nn.Module):

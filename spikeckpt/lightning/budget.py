@@ -87,11 +87,12 @@ _FINDER_IGNORES_BUDGET = (
 #: ``state_dict`` key (no module's name) of the bytes measured steps and out-of-memory
 #: re-plans took off each planner
 _CUT_KEY = "<measured cut bytes>"
-_MEASURED_OVER = "; measured steps came out over the plans"
+_MEASURED_OVER = "measured steps came out over the plans"
 _RESUMED_CUT = (
-    "; the fit this one resumes took that much off the plans (its measured steps came out "
-    "over them, or it ran out of memory and re-planned)"
+    "the fit this one resumes took it off the plans: its measured steps came out over them, "
+    "or it ran out of memory and re-planned"
 )
+_OOM_RETRY = "out of memory: re-planned with less"
 
 
 class MemoryBudget(Callback):
@@ -191,6 +192,9 @@ class MemoryBudget(Callback):
         self.tier_note: str | None = None
         self._probes_at_start = 0
         self._cut_bytes = 0  # per planner: taken off by measured steps over it and OOM retries
+        #: per wrapped model: why its part was cut, and what its refusals say of the cuts
+        self._cut_why: dict[str, list[str]] = {}
+        self._cut_said: dict[str, str] = {}
         self._pending: dict[str, Any] = {}
         self._to_measure = measure_batches
         self._cycle = 1  # the trainer's accumulate_grad_batches (batches per optimizer step)
@@ -335,17 +339,16 @@ class MemoryBudget(Callback):
         # what the fit this one resumes took off each planner's budget (measured steps over it,
         # out-of-memory re-plans): its saved plans were chosen with that much less
         self._cut_bytes = int(self._pending.get(_CUT_KEY, 0))
-        for name, module in self.modules.items():
-            planner = self._planner(trainer, device)
-            if self._cut_bytes:
-                planner.replan(planner.budget_bytes - self._cut_bytes, context=_RESUMED_CUT)
-            if name in self._pending:
-                planner.load_state_dict(self._pending[name])
-            module.set_planner(planner)
-            self.planners[name] = planner
-        self._pending = {}  # a checkpoint's state resumes one fit, not the fits after it
+        self._cut_why, self._cut_said = {}, {}
+        for name in self.modules:
+            self.planners[name] = self._planner(trainer, device)
         if self._cut_bytes:
-            self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
+            self._take_off({name: self._cut_bytes for name in self.planners}, _RESUMED_CUT)
+        for name, module in self.modules.items():
+            if name in self._pending:
+                self.planners[name].load_state_dict(self._pending[name])
+            module.set_planner(self.planners[name])
+        self._pending = {}  # a checkpoint's state resumes one fit, not the fits after it
         self._world_size = trainer.world_size
         self._trainable = _trainable(pl_module, trainer.optimizers)
         if self.verbose:
@@ -607,9 +610,7 @@ class MemoryBudget(Callback):
             p.budget_bytes - int(p.budget_bytes * self.retry_factor) for p in self.planners.values()
         ]
         self._cut_bytes += max(cuts, default=0)  # kept in the checkpoint, as measured cuts
-        for planner, cut in zip(self.planners.values(), cuts, strict=True):
-            planner.replan(planner.budget_bytes - cut)
-        self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
+        self._take_off(dict(zip(self.planners, cuts, strict=True)), _OOM_RETRY)
         self._runs_at_start = {name: p.runs for name, p in self.planners.items()}  # the retry's
         self._to_measure = max(self._to_measure, self._measured_after(self.measure_batches))
         gc.collect()
@@ -668,16 +669,16 @@ class MemoryBudget(Callback):
         missed = -(-(peak - planned + limit // 100) // n)  # per wrapped model, as the cuts
         cut = max(-(-(peak - limit + limit // 100) // n), missed - before)
         self._cut_bytes += cut
+        why = {}
         for name, planner in self.planners.items():
-            context = _MEASURED_OVER
+            why[name] = _MEASURED_OVER
             runs = planner.runs - self._runs_at_start.get(name, planner.runs)
             if runs > 1:  # each run planned alone, their tapes held together
-                context += (
-                    f" ({name!r} ran {runs} times in a training step, each run planned with "
-                    f"the whole budget: run it once per step, or allow for {runs} runs)"
+                why[name] += (
+                    f": {name!r} ran {runs} times in a training step, each run planned with "
+                    f"the whole budget: run it once per step, or allow for {runs} runs"
                 )
-            planner.replan(planner.budget_bytes - cut, context=context)
-        self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
+        self._take_off(dict.fromkeys(self.planners, cut), why)
         self.replans += 1
         self._to_measure = max(self._to_measure, self._measured_after(self.measure_batches))
         rank_zero_warn(
@@ -685,6 +686,26 @@ class MemoryBudget(Callback):
             f"{format_bytes(limit)} budget by {format_bytes(peak - limit)}; re-planning with "
             f"{format_bytes(self.budget_bytes)} for the wrapped models' steps"
         )
+
+    def _take_off(self, cuts: dict[str, int], why: str | dict[str, str]) -> None:
+        """Re-plan each wrapped model with ``cuts[name]`` bytes (a part of the budget) less.
+        Its refusals then say how much the cuts so far keep aside (``_cut_bytes``, which the
+        budget they name adds back) and ``why``, so that their figures add up."""
+        for name, planner in self.planners.items():
+            reason = why if isinstance(why, str) else why[name]
+            reasons = self._cut_why.setdefault(name, [])
+            if reason not in reasons:
+                reasons.append(reason)
+            said = self._cut_said.get(name)
+            if said:
+                planner.context = planner.context.replace(said, "")
+            said = (
+                f"; {format_bytes(self._cut_bytes)} of its part kept aside for what the plans "
+                f"miss ({'; '.join(reasons)})"
+            )
+            self._cut_said[name] = said
+            planner.replan(planner.budget_bytes - cuts[name], context=said)
+        self.budget_bytes = sum(p.budget_bytes for p in self.planners.values())
 
     def _counting(self, reduce: Callable[[int], int]) -> Callable[[int], int]:
         """Wrap a cross-rank reduction so the callback knows a collective ran this batch."""
