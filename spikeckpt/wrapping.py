@@ -21,7 +21,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from spikeckpt.adapters.layered import layer_blocks, with_current_modes
+from spikeckpt.adapters.layered import draws_apart, layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for, model_key, norse_sequence_dropouts
 from spikeckpt.adapters.sequential import Block, split_blocks
@@ -161,6 +161,7 @@ class CheckpointedSequence(Remade):
         self._own: tuple[tuple[Any, ...], Planner] | None = None
         self._blocks: list[Block] | None = None
         self._layer_blocks: list[LayerBlock] | None = None
+        self._warned_draws = False  # Dropout in two blocks run layer-wise: warned once
         self._blocks_exact = exact  # the ``exact`` the layer-wise blocks were made with
         #: the model's layers and options the adapter was made from (`_refresh`)
         self._key: tuple[Any, ...] = model_key(module)
@@ -397,6 +398,11 @@ class CheckpointedSequence(Remade):
         blocks = self.layer_blocks(True)
         assert blocks is not None and self._blocks is not None
         refuse_swapped(self.module, blocks)
+        auto = self.granularity == "auto"
+        apart = None if self._warned_draws else draws_apart(self._blocks, self.module, auto)
+        if apart is not None:
+            warn_in_callers_code(apart)
+            self._warned_draws = True  # once per wrapped model
         if torch.is_grad_enabled():
             refuse_power_iteration(list(self.module.modules()))
         states = self.block_states(state)
@@ -615,7 +621,7 @@ def wrap(
             on any device (`spikeckpt.adapters.layered`), the neuron fused. (Random draws: with
             Dropout in two or more blocks, layer-wise draws a chunk's masks block by block,
             not in the loop's order: other masks than the loop's under the same seed, with
-            gradients exact for them; the stack granularity draws in the loop's order. A model
+            gradients exact for them, and warns once; the stack draws in the loop's order. A model
             called on the whole sequence, Norse's ``Lift``/``LIF`` stacks, draws each Dropout's
             masks for every step first: with Dropout at two or more positions, wrap warns.)
 

@@ -526,3 +526,81 @@ def test_a_batchnorm_at_two_positions_is_refused_layerwise(where: str) -> None:
     seq(x)
     assert seq.last_decision.granularity == "stack"
     assert torch.equal(bn.running_mean, want)
+
+
+def _dropout_net(blocks: int) -> nn.Sequential:
+    """Linear -> Leaky [-> Dropout] per layer, Dropout after the first ``blocks`` neurons."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate([(8, 16), (16, 16), (16, 4)]):
+        layers += [nn.Linear(n_in, n_out), snn.Leaky(beta=0.9, threshold=0.3)]
+        if i < blocks:
+            layers.append(nn.Dropout(0.3))
+    return nn.Sequential(*layers)
+
+
+def _dropout_loop(net: nn.Sequential, x: Tensor) -> Tensor:
+    """The plain time loop over ``net`` (snnTorch neurons with explicit membranes)."""
+    mems: dict[int, Tensor] = {}
+    total = torch.zeros(())
+    for x_t in x:
+        h = x_t
+        for i, layer in enumerate(net):
+            if isinstance(layer, snn.Leaky):
+                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
+            else:
+                h = layer(h)
+        total = total + h.sum()
+    return total
+
+
+@pytest.mark.parametrize("granularity", ["layer", "auto", "stack"])
+def test_dropout_in_two_blocks_run_layerwise_warns_once(granularity: str) -> None:
+    """Dropout after two neurons: a layer-wise run draws each block's masks for a chunk of
+    steps before the next block's, so it used other masks than the plain loop under the same
+    seed (gradients 0.5-1.5 relative off the loop's on helper h28's N-MNIST net), silently,
+    also where ``granularity="auto"`` chose it. It now warns once per wrapped model, naming
+    the Dropouts and ``granularity='stack'``, which draws the loop's masks (checked here)."""
+    x = (torch.rand(30, 3, 8, generator=torch.Generator().manual_seed(1)) < 0.3).float()
+    loop = _dropout_net(2)
+    torch.manual_seed(5)
+    _dropout_loop(loop, x).backward()
+    net = _dropout_net(2)
+    seq = sc.wrap(net, granularity=granularity, readout="sum")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(5)
+        seq(x).sum().backward()
+        seq(x).sum()
+    said = [str(w.message) for w in caught if "Dropout in 2 blocks" in str(w.message)]
+    if granularity == "stack":
+        assert said == []
+        for a, b in zip(loop.parameters(), net.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+        return
+    assert seq.last_decision is not None and seq.last_decision.granularity == "layer"
+    assert len(said) == 1, said  # once per wrapped model
+    assert "('2', '5')" in said[0] and "granularity='stack'" in said[0]
+    assert ("'auto' chose layer-wise" in said[0]) == (granularity == "auto")
+    net.eval()  # no draws: no warning from a fresh wrap either
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sc.wrap(net, granularity=granularity, readout="sum")(x)
+    assert not [w for w in caught if "Dropout in" in str(w.message)]
+
+
+def test_dropout_in_one_block_layerwise_draws_the_loops_masks_without_a_warning() -> None:
+    """One block drawing: layer-wise draws its masks in the loop's order, so its gradients
+    are the loop's and nothing is warned."""
+    x = (torch.rand(30, 3, 8, generator=torch.Generator().manual_seed(1)) < 0.3).float()
+    loop = _dropout_net(1)
+    torch.manual_seed(5)
+    _dropout_loop(loop, x).backward()
+    net = _dropout_net(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(5)
+        sc.wrap(net, granularity="layer", chunk=7, readout="sum")(x).sum().backward()
+    assert not [w for w in caught if "Dropout in" in str(w.message)]
+    for a, b in zip(loop.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)

@@ -470,3 +470,31 @@ def _block_params(block: Block) -> list[Tensor]:
         for t in (*layer.module.parameters(), *layer.extra_params())
     }
     return list(params.values())
+
+
+def draws_apart(blocks: Sequence[Block], model: nn.Module, auto: bool) -> str | None:
+    """A warning for a layer-wise run of ``model`` in which two or more ``blocks`` draw
+    random numbers (Dropout in training mode), else None. Each block draws for a chunk of
+    steps before the next block runs, where your time loop draws at every position in turn
+    at each step: other masks under the same seed (gradients exact for the masks drawn).
+    One block drawing draws the loop's masks. ``auto``: ``granularity="auto"`` chose
+    layer-wise."""
+    drawing = [block for block in blocks if _draws_random(block)]
+    if len(drawing) < 2:
+        return None
+    names = {id(m): name for name, m in model.named_modules()}
+    found = [
+        names.get(id(s.module), type(s.module).__name__)
+        for block in drawing
+        for s in block.synapses
+        if isinstance(s.module, nn.modules.dropout._DropoutNd) and s.module.training
+    ]
+    chose = "granularity='auto' chose layer-wise" if auto else "granularity='layer'"
+    return (
+        f"spikeckpt: Dropout in {len(drawing)} blocks ({', '.join(map(repr, found[:4]))}) of a layer-wise "
+        f"run ({chose}): each block draws its masks for a chunk of steps before the next "
+        "block runs, where your time loop draws at every position in turn, so in training "
+        "mode the masks differ from your loop's under the same seed (the gradients are exact "
+        "for the masks drawn). For your loop's masks pass granularity='stack', or keep Dropout "
+        "in one block"
+    )
