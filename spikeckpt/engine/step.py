@@ -73,6 +73,14 @@ _ACC_IN_PLACE = (
 )
 
 
+def _described(state: Any) -> str:
+    """What a step returned as its state, for an error message (``a tuple of 9 tensors``)."""
+    try:
+        return tree_flatten(state)[1].describe()
+    except Exception:  # noqa: BLE001 - a message, never a second error
+        return type(state).__name__
+
+
 class StepFn:
     """The user's step on flat leaves: ``(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
 
@@ -172,8 +180,9 @@ class StepFn:
         if new is None:
             raise ConfigError(
                 f"step {t} returned a state that is not {self.state_def.describe()} like the "
-                f"initial state (got {type(new_state).__name__}); the state structure must not "
-                "change between steps"
+                f"initial state (got {_described(new_state)}); the state structure must not "
+                "change between steps: start from an initial state of the structure the step "
+                "returns"
             )
         if check:
             self._check_state(t, new, xs)
