@@ -233,11 +233,20 @@ class StatelessAdapter(LayerAdapter):
 _NO_VALUE = object()
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
 def _value_key(v: Any) -> Any:
     """What identifies an attribute's value between two looks: the object and, for a tensor,
-    its in-place version counter."""
+    its in-place version counter; a plain value (a number, a string, a ``torch.Size``) by
+    itself, so that writing the same value again (``self.batchSize = x.size(0)`` at every
+    call) is no change, at any batch size (ints above 256 are new objects at each call)."""
     if isinstance(v, Tensor):
         return (id(v), v._version)
+    if type(v) in _PLAIN:
+        return (type(v), v)
+    if type(v) in (tuple, torch.Size) and all(type(e) in _PLAIN for e in v):
+        return (type(v), tuple(v))
     return id(v)
 
 
