@@ -275,9 +275,34 @@ class StepFn:
             "wrap(model, ..., params=[tensor, ...]) (found by default: parameters of modules "
             "reachable from the step's self, closure, defaults and globals, and leaf tensors "
             "requiring grad held as attributes of those modules; registering the tensor as an "
-            "nn.Parameter also works).",
+            f"nn.Parameter also works).{_stale_attribute_hint(self.step, found)}",
             found,
         )
+
+
+def _stale_attribute_hint(step: Any, found: list[Tensor]) -> str:
+    """For unlisted tensors that are parameters of the modules ``step`` reaches: they were left
+    out of the default ``params`` because a tuple attribute of such a module holds tensors
+    computed from them (``m.state``, a NamedTuple an earlier call left with its graph); name
+    the attribute and the ways forward. Empty otherwise (an error path only)."""
+    _, modules = reachable(step)
+    own = {id(p) for m in modules for p in m.parameters()}
+    if not any(id(t) in own for t in found):
+        return ""
+    holders = [
+        f"{type(m).__name__}.{name}"
+        for m in modules
+        for name, value in vars(m).items()
+        if isinstance(value, tuple)
+        and any(isinstance(v, Tensor) and v.grad_fn is not None for v in value)
+    ]
+    where = ", ".join(holders[:3]) or "an attribute of a module the step reaches"
+    return (
+        " They are parameters of the modules the step reaches, left out because "
+        f"{where} holds tensors computed from them (a state an earlier call left there, with "
+        "its graph): clear it before the call (model.reset(), or set it to None), or pass "
+        "params=list(model.parameters())."
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
