@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import inspect
+import re
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -77,6 +78,7 @@ __all__ = [
     "probing",
     "registrations",
     "state_arity",
+    "unset_state_refusal",
 ]
 
 
@@ -231,11 +233,20 @@ class StatelessAdapter(LayerAdapter):
 _NO_VALUE = object()
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
 def _value_key(v: Any) -> Any:
     """What identifies an attribute's value between two looks: the object and, for a tensor,
-    its in-place version counter."""
+    its in-place version counter; a plain value (a number, a string, a ``torch.Size``) by
+    itself, so that writing the same value again (``self.batchSize = x.size(0)`` at every
+    call) is no change, at any batch size (ints above 256 are new objects at each call)."""
     if isinstance(v, Tensor):
         return (id(v), v._version)
+    if type(v) in _PLAIN:
+        return (type(v), v)
+    if type(v) in (tuple, torch.Size) and all(type(e) in _PLAIN for e in v):
+        return (type(v), tuple(v))
     return id(v)
 
 
@@ -250,11 +261,62 @@ class CustomLayerAdapter(StatelessAdapter):
     """
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
-        with refuse_kept_state(self.module, self.path):
-            return super().step(state, x_t)
+        try:
+            with refuse_kept_state(self.module, self.path):
+                return super().step(state, x_t)
+        except AttributeError as err:
+            refusal = unset_state_refusal(self.module, self.path, err)
+            if refusal is None:
+                raise
+            raise refusal from err
 
     def check(self) -> None:
         refuse_graph_attributes(self.module, self.path)
+
+
+def _assigned_in_forward(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s class's own ``forward`` assigns an attribute ``name``
+    (``self.v = ...``: its bytecode stores it)."""
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if code is None:
+        return False
+    return any(i.opname == "STORE_ATTR" and i.argval == name for i in dis.get_instructions(code))
+
+
+def unset_state_refusal(
+    module: nn.Module, path: str, err: AttributeError
+) -> UnsupportedLayerError | None:
+    """The refusal for a layer of yours whose ``forward`` read an attribute it assigns itself
+    before any call set it (``v = self.v`` unless ``init``, spikingtorch's ``CoarseLIF``):
+    state kept on the module, which your loop sets up at t=0 by an argument spikeckpt does
+    not pass. ``None`` when ``err`` is another missing attribute (a bug of its own)."""
+    found = re.search(r"'(\w+)' object has no attribute '(\w+)'", str(err))
+    if found is None:
+        return None
+    cls_name, name = found.groups()
+    for m in module.modules():
+        if type(m).__name__ != cls_name or name in m.__dict__:
+            continue
+        if not _assigned_in_forward(m, name):
+            continue
+        params = positional_params(m.forward)
+        optional = [p.name for p in (params[0][1:] if params else [])]
+        told = ""
+        if optional:
+            whose = "its default" if len(optional) == 1 else "their defaults"
+            told = f" (with {', '.join(optional)} left at {whose})"
+        setup = f", passing {optional[0]}=... at t=0" if optional else ""
+        return unsupported(
+            module,
+            path,
+            f"its forward read self.{name} before anything set it: it keeps its state on "
+            f"itself between calls (your loop sets it up first{setup}). spikeckpt calls a "
+            f"layer of yours once per step as forward(x){told}, and again for the steps it "
+            "recomputes in the backward pass, so state kept on the module would be replayed "
+            "out of order. Return the state instead: forward(x, state) -> (y, state), with "
+            "state=None at t=0 (or an initial_state(x) method)",
+        )
+    return None
 
 
 def _attributes(

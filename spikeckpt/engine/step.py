@@ -73,6 +73,14 @@ _ACC_IN_PLACE = (
 )
 
 
+def _described(state: Any) -> str:
+    """What a step returned as its state, for an error message (``a tuple of 9 tensors``)."""
+    try:
+        return tree_flatten(state)[1].describe()
+    except Exception:  # noqa: BLE001 - a message, never a second error
+        return type(state).__name__
+
+
 class StepFn:
     """The user's step on flat leaves: ``(t, leaves, x_leaves, check) -> (leaves, y_leaves)``.
 
@@ -172,8 +180,9 @@ class StepFn:
         if new is None:
             raise ConfigError(
                 f"step {t} returned a state that is not {self.state_def.describe()} like the "
-                f"initial state (got {type(new_state).__name__}); the state structure must not "
-                "change between steps"
+                f"initial state (got {_described(new_state)}); the state structure must not "
+                "change between steps: start from an initial state of the structure the step "
+                "returns"
             )
         if check:
             self._check_state(t, new, xs)
@@ -266,9 +275,34 @@ class StepFn:
             "wrap(model, ..., params=[tensor, ...]) (found by default: parameters of modules "
             "reachable from the step's self, closure, defaults and globals, and leaf tensors "
             "requiring grad held as attributes of those modules; registering the tensor as an "
-            "nn.Parameter also works).",
+            f"nn.Parameter also works).{_stale_attribute_hint(self.step, found)}",
             found,
         )
+
+
+def _stale_attribute_hint(step: Any, found: list[Tensor]) -> str:
+    """For unlisted tensors that are parameters of the modules ``step`` reaches: they were left
+    out of the default ``params`` because a tuple attribute of such a module holds tensors
+    computed from them (``m.state``, a NamedTuple an earlier call left with its graph); name
+    the attribute and the ways forward. Empty otherwise (an error path only)."""
+    _, modules = reachable(step)
+    own = {id(p) for m in modules for p in m.parameters()}
+    if not any(id(t) in own for t in found):
+        return ""
+    holders = [
+        f"{type(m).__name__}.{name}"
+        for m in modules
+        for name, value in vars(m).items()
+        if isinstance(value, tuple)
+        and any(isinstance(v, Tensor) and v.grad_fn is not None for v in value)
+    ]
+    where = ", ".join(holders[:3]) or "an attribute of a module the step reaches"
+    return (
+        " They are parameters of the modules the step reaches, left out because "
+        f"{where} holds tensors computed from them (a state an earlier call left there, with "
+        "its graph): clear it before the call (model.reset(), or set it to None), or pass "
+        "params=list(model.parameters())."
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
