@@ -106,6 +106,21 @@ def supported_summary() -> str:
     return "\n".join(lines)
 
 
+def _refuse_data_parallel(module: nn.Module, path: str) -> None:
+    """Refuse a ``DistributedDataParallel`` / ``DataParallel`` around the model, naming the
+    order that works: wrap the model, then hand the wrapped model to DDP."""
+    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        kind = type(module).__name__
+        raise unsupported(
+            module,
+            path,
+            f"it is the {kind} wrapper around your model, whose forward is the whole model "
+            f"(and whose gradient hooks spikeckpt would bypass). Wrap the model first and "
+            f"give the wrapped model to {kind}: {kind}(spikeckpt.wrap(model, ...)) (see "
+            "docs/ddp.md)",
+        )
+
+
 def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
     """The adapter for ``module`` (at dotted ``path`` in the model), or raise
     [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (its message ends with the list of supported layers)."""
@@ -124,6 +139,7 @@ def adapter_for(module: nn.Module, path: str = "") -> LayerAdapter:
                 "after wrapping runs spikeckpt's call as without it (the code around it "
                 "compiled)",
             )
+        _refuse_data_parallel(module, path)
         raise unsupported(module, path, "no adapter knows this layer type")
     except UnsupportedLayerError as err:
         message = str(err)
