@@ -355,7 +355,9 @@ class BudgetPlanner:
         params = [p for p in model.parameters_for_scan() if p.requires_grad]
         # what the probes may hold at once: the call holds its input and state meanwhile
         held = self._held_bytes(model, x, state, device)
-        room = max(self.budget_bytes - held, 0)
+        # under autocast its cache keeps a cast of each weight beside the probes, and each
+        # probe's backward makes a gradient of the cast (its dtype) before the float32 one
+        room = max(self.budget_bytes - held - 2 * cached_cast_bytes(params, device), 0)
         probe = probe_model(model, x, state, model.storage, max_bytes=room)
 
         def measured(probe: Probe, blocks: Any, working: Any, seconds: Any) -> Measured:
@@ -371,7 +373,8 @@ class BudgetPlanner:
                 grad_in_step=self.grad_in_step,
             )
             refuse_stateless(sizes.state)
-            sizes = replace(sizes, grads_held=self.grads_held)
+            casts = cached_cast_bytes(params, device)
+            sizes = replace(sizes, grads_held=self.grads_held, casts=casts)
             return Measured(
                 T=T,
                 batch=batch,
@@ -385,7 +388,7 @@ class BudgetPlanner:
                 note=tier_note(model.storage, device.type),
                 held=held,
                 grads_held=self.grads_held,
-                casts=cached_cast_bytes(params, device),
+                casts=casts,
             )
 
         layered = None

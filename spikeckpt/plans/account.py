@@ -98,6 +98,8 @@ class StepSizes:
         grads_held: ``.grad`` is held when the step begins (gradients accumulating over
             steps): the step's own sums are added into it, and both are held (measured: a
             ``Revolve(1)`` step of a 100-256-10 net held 113,704 bytes more, its ``.grad``).
+        casts: autocast's cached casts of the parameters (`cached_cast_bytes`): held beside
+            the forward, and made again by each recomputed segment, beside its backward.
     """
 
     state: int
@@ -110,9 +112,10 @@ class StepSizes:
     largest: int = 0
     grad_in_step: bool = True
     grads_held: bool = False
+    casts: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("state", "tape", "work", "output", "input", "grads", "largest"):
+        for name in ("state", "tape", "work", "output", "input", "grads", "largest", "casts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"StepSizes.{name} must be a whole number of bytes >= 0")
@@ -145,13 +148,13 @@ class StepSizes:
             return StepBytes(
                 input=self.input,
                 outputs=self.outputs(T),
-                gradients=self.grads + 2 * self.largest + self.held_grads,
+                gradients=self.grads + 2 * self.largest + self.held_grads + self.casts,
             )
         grad = self.grads + self.held_grads if self.grad_in_step else 0
         # a checkpointed backward holds a segment's own gradients beside the running sum, one
         # parameter's new sum (made out of place) and the state's gradient carried between
         # segments (measured: one state over the rest with Revolve(1) on a conv net)
-        buffers = self.grads + self.largest + self.state
+        buffers = self.grads + self.largest + self.state + self.casts
         return StepBytes(input=self.input, outputs=self.outputs(T), gradients=grad + buffers)
 
 
