@@ -52,6 +52,7 @@ from spikeckpt.planning.layer_working import (
 from spikeckpt.planning.measured import Measured, roomier
 from spikeckpt.planning.probe import (
     Probe,
+    carried_readout_bytes,
     compute_device,
     probe_model,
     shaped_state,
@@ -357,7 +358,7 @@ class BudgetPlanner:
         held = self._held_bytes(model, x, state, device)
         # under autocast its cache keeps a cast of each weight beside the probes, and each
         # probe's backward makes a gradient of the cast (its dtype) before the float32 one
-        room = max(self.budget_bytes - held - 2 * cached_cast_bytes(params, device), 0)
+        room = max(self.budget_bytes - held - 2 * (casts := cached_cast_bytes(params, device)), 0)
         probe = probe_model(model, x, state, model.storage, max_bytes=room)
 
         def measured(probe: Probe, blocks: Any, working: Any, seconds: Any) -> Measured:
@@ -373,8 +374,8 @@ class BudgetPlanner:
                 grad_in_step=self.grad_in_step,
             )
             refuse_stateless(sizes.state)
-            casts = cached_cast_bytes(params, device)
-            sizes = replace(sizes, grads_held=self.grads_held, casts=casts)
+            state = sizes.state + carried_readout_bytes(model.readout, probe.output_bytes, device)
+            sizes = replace(sizes, state=state, grads_held=self.grads_held, casts=casts)
             return Measured(
                 T=T,
                 batch=batch,
