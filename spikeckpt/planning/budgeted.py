@@ -52,7 +52,7 @@ from spikeckpt.planning.layer_working import (
 from spikeckpt.planning.measured import Measured, roomier
 from spikeckpt.planning.probe import (
     Probe,
-    carried_readout_bytes,
+    apart_under_autocast,
     compute_device,
     probe_model,
     shaped_state,
@@ -374,8 +374,8 @@ class BudgetPlanner:
                 grad_in_step=self.grad_in_step,
             )
             refuse_stateless(sizes.state)
-            state = sizes.state + carried_readout_bytes(model.readout, probe.output_bytes, device)
-            sizes = replace(sizes, state=state, grads_held=self.grads_held, casts=casts)
+            sizes = apart_under_autocast(sizes, model.readout, probe, device)
+            sizes = replace(sizes, grads_held=self.grads_held, casts=casts)
             return Measured(
                 T=T,
                 batch=batch,

@@ -50,6 +50,7 @@ from spikeckpt.planning.layer_working import (
     layerwise_working_bytes,
     scaled_sizes,
 )
+from spikeckpt.plans.account import StepSizes
 from spikeckpt.plans.layerwise import (
     BlockSizes,
     packed_bytes,
@@ -63,7 +64,7 @@ __all__ = [
     "Probe",
     "Probed",
     "block_sizes",
-    "carried_readout_bytes",
+    "apart_under_autocast",
     "compute_device",
     "layerwise_chunk_step_bytes",
     "layerwise_probe_chunks",
@@ -138,19 +139,23 @@ def probe_model(
     return replace(probe, input_density=density)
 
 
-def carried_readout_bytes(readout: Any, output_bytes: int, device: torch.device) -> int:
-    """Bytes a stack run's checkpoints hold beside the model's state for its readout, each:
-    where step 0 runs apart (under autocast, whose ops change the state's dtypes:
-    `spikeckpt.engine.first_step`) a reducing readout's accumulator is carried as state from
-    step 1 on (a sum's in float32: up to twice a reduced-precision output's ``output_bytes``;
-    a fold's with its step counter). 0 without autocast or with ``readout=None``/``"last"``.
-    Measured: 160 bytes more per checkpoint of a conv net's 10-class sum at batch 4 under
-    float16, which ran it 1.008-1.018x over its budget when left out."""
-    if readout is None or readout == "last" or not autocast_on(device):
-        return 0
+def apart_under_autocast(sizes: StepSizes, readout: Any, probe: Probe, device: Any) -> StepSizes:
+    """``sizes`` with what a stack run holds beside its plan where step 0 runs apart (under
+    autocast, whose ops change the state's dtypes: `spikeckpt.engine.first_step`): step 0's
+    tape, in your graph until the backward's end (``probe.step_bytes``, once), and a reducing
+    readout's accumulator carried as state from step 1 on, in every checkpoint (a sum's in
+    float32: up to twice a reduced-precision output's bytes; a fold's with its counter).
+    Measured on a conv net (2-4-10, batch 4, ``readout="sum"``, float16): 20 KiB more after
+    the forward than in float32, 160 bytes more per checkpoint; left out, 5 of 11 budgets ran
+    1.008-1.018x over. Unchanged without autocast."""
+    if not autocast_on(device):
+        return sizes
+    carried = 0
     if readout in ("sum", "mean"):
-        return 2 * output_bytes
-    return output_bytes + (8 if callable(readout) else 0)
+        carried = 2 * probe.output_bytes
+    elif readout is not None and readout != "last":
+        carried = probe.output_bytes + (8 if callable(readout) else 0)
+    return replace(sizes, state=sizes.state + carried, work=sizes.work + probe.step_bytes)
 
 
 def shaped_state(seq: Probed, x: Any, state: Any) -> Any:
