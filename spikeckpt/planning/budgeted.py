@@ -538,7 +538,7 @@ class BudgetPlanner:
             local = int(x.shape[1])  # this rank's batch; A is planned for ``batch``
             a_local = -(-sizes.tape * local // batch)
             work = -(-step_work_bytes(model, x, state, a_local) * batch // local)
-            work = max(work + m.probe.rng_start_bytes, sizes.work)  # as scan's refusal takes it
+            work = max(work + sizes.work - m.probe.work_bytes, sizes.work)  # what sizes adds
         sizes = replace(sizes, work=work)
         given = self._stack_plan(m)
         if given is None:
