@@ -554,6 +554,7 @@ def _dropout_loop(net: nn.Sequential, x: Tensor) -> Tensor:
     return total
 
 
+@pytest.mark.usefixtures("quiet_costs")  # "auto" picks layer-wise by measured times
 @pytest.mark.parametrize("granularity", ["layer", "auto", "stack"])
 def test_dropout_in_two_blocks_run_layerwise_warns_once(granularity: str) -> None:
     """Dropout after two neurons: a layer-wise run draws each block's masks for a chunk of
