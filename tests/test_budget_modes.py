@@ -43,6 +43,7 @@ def _peak(seq: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> i
     return meter.peak_bytes
 
 
+@pytest.mark.usefixtures("quiet_costs")  # a fresh wrap's plan compared: two measurements
 @pytest.mark.parametrize("granularity", ["layer", "auto", "stack"])
 def test_plans_are_kept_per_autocast_state(granularity: str) -> None:
     g = torch.Generator().manual_seed(3)
@@ -64,6 +65,7 @@ def test_plans_are_kept_per_autocast_state(granularity: str) -> None:
     assert fresh.last_stats.plan == planned[True]  # as a wrap planned under autocast picks
 
 
+@pytest.mark.usefixtures("quiet_costs")  # plans of separate measurements compared
 def test_plans_saved_under_autocast_are_restored_under_autocast() -> None:
     # the planner's state (a Lightning checkpoint's) held no autocast state: a fit resumed in
     # float32 ran the plans chosen under bf16-mixed, and one resumed in bf16 probed again
