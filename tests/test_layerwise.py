@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from snn_loops import leaky_loop
 from torch import Tensor, nn
 
 import spikeckpt as sc
@@ -539,21 +540,6 @@ def _dropout_net(blocks: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _dropout_loop(net: nn.Sequential, x: Tensor) -> Tensor:
-    """The plain time loop over ``net`` (snnTorch neurons with explicit membranes)."""
-    mems: dict[int, Tensor] = {}
-    total = torch.zeros(())
-    for x_t in x:
-        h = x_t
-        for i, layer in enumerate(net):
-            if isinstance(layer, snn.Leaky):
-                h, mems[i] = layer(h, mems.get(i, torch.zeros_like(h)))
-            else:
-                h = layer(h)
-        total = total + h.sum()
-    return total
-
-
 @pytest.mark.usefixtures("quiet_costs")  # "auto" picks layer-wise by measured times
 @pytest.mark.parametrize("granularity", ["layer", "auto", "stack"])
 def test_dropout_in_two_blocks_run_layerwise_warns_once(granularity: str) -> None:
@@ -565,7 +551,7 @@ def test_dropout_in_two_blocks_run_layerwise_warns_once(granularity: str) -> Non
     x = (torch.rand(30, 3, 8, generator=torch.Generator().manual_seed(1)) < 0.3).float()
     loop = _dropout_net(2)
     torch.manual_seed(5)
-    _dropout_loop(loop, x).backward()
+    leaky_loop(loop, x)[0].sum().backward()
     net = _dropout_net(2)
     seq = sc.wrap(net, granularity=granularity, readout="sum")
     with warnings.catch_warnings(record=True) as caught:
@@ -596,7 +582,7 @@ def test_dropout_in_one_block_layerwise_draws_the_loops_masks_without_a_warning(
     x = (torch.rand(30, 3, 8, generator=torch.Generator().manual_seed(1)) < 0.3).float()
     loop = _dropout_net(1)
     torch.manual_seed(5)
-    _dropout_loop(loop, x).backward()
+    leaky_loop(loop, x)[0].sum().backward()
     net = _dropout_net(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
