@@ -556,6 +556,10 @@ class StatefulAdapter(LayerAdapter):
 
     def _call(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         m = self.module
+        # the module gets fresh containers: one that assigns into the list or dict it is given
+        # (state[0] = ..., as Norse's SequentialState does) must not change a state spikeckpt
+        # keeps (the initial state a measuring step ran from, a checkpoint)
+        state = tree_map(lambda leaf: leaf, state)
         # an inference tensor (torch.inference_mode: Lightning's validation) has no version
         # counter, and a run without autograd hands no stored state to a recomputed step
         given = [t for t in tree_leaves(state) if isinstance(t, Tensor) and not t.is_inference()]
