@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import (
     CustomLayerAdapter,
+    RNNCellAdapter,
     StatefulAdapter,
     StatelessAdapter,
     own_class,
@@ -165,8 +166,11 @@ class StackAdapter(LayerAdapter):
 
         In sequence mode (a Norse ``SequentialState`` of sequence modules), plain stateless
         layers are applied to ``x_t[None]``: they were written for ``(T, B, ...)`` tensors.
-        ``stateful_flags`` (Norse's ``SequentialState.stateful_layers``): a module of yours
-        that Norse calls without a state is stepped as a stateless layer, as Norse calls it.
+        ``stateful_flags`` (Norse's ``SequentialState.stateful_layers``): a module of yours,
+        or torch's ``nn.RNNCell`` / ``GRUCell`` / ``LSTMCell`` (whose ``forward`` has no
+        ``state`` argument), that Norse calls without a state is stepped as a stateless layer,
+        as Norse calls it: from a zero state at each step (before 2026-11-29 the cells' states
+        were carried, 0.25-0.42 off Norse's loop, silently).
         Norse passes one state per position (``explicit_states``). ``return_hidden``: the
         step's output is every position's output (Norse's ``return_hidden=True``).
         """
@@ -177,7 +181,7 @@ class StackAdapter(LayerAdapter):
             if (
                 stateful_flags is not None
                 and not stateful_flags[i]
-                and isinstance(adapter, StatefulAdapter)
+                and isinstance(adapter, (StatefulAdapter, RNNCellAdapter))
             ):
                 adapter = StatelessAdapter(child, sub)
             # (a Lift(m) child gives m's adapter: m already works on one step)
