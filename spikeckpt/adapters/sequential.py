@@ -341,6 +341,29 @@ def _split(neuron: LayerAdapter) -> tuple[list[LayerAdapter], LayerAdapter]:
     return ([], neuron) if parts is None else ([parts[0]], parts[1])
 
 
+def _refuse_in_place_on_a_state(
+    neuron: LayerAdapter, synapses: Sequence[LayerAdapter], why: str
+) -> None:
+    """Refuse a layer built with ``inplace=True`` (``nn.ReLU``, ``nn.Dropout``) right after a
+    neuron that returns its state as its output (``nn.GRUCell``'s ``h``, a module of yours
+    returning ``(h, h)``): your loop's in-place op changes that neuron's state too, where a
+    layer-wise run hands the layer a copy (before 2026-11-29 spikes differed from the loop's,
+    silently). ``granularity="auto"`` then runs the stack, which runs it as the loop does."""
+    if not isinstance(neuron, (RNNCellAdapter, StatefulAdapter)):
+        return  # snnTorch's and Norse's spiking neurons return fresh spikes
+    for layer in synapses:
+        if any(getattr(m, "inplace", False) is True for m in layer.module.modules()):
+            raise unsupported(
+                layer.module,
+                layer.path,
+                why + f"it changes its input in place (inplace=True), and that input is "
+                f"the state of {neuron.path!r} ({type(neuron.module).__name__} returns its "
+                "state as its output), so your loop changes that state too, which a "
+                "layer-wise run would not; build it with inplace=False, or use "
+                "granularity='stack', which runs it as your loop does",
+            )
+
+
 def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """Split a wrapped model into feed-forward blocks (stateless layers, then one stateful
     layer), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (also a ``TypeError``)
@@ -392,6 +415,8 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
                 )
             _check_neuron(layer, why)
             synapses, neuron = _split(layer)
+            if blocks:
+                _refuse_in_place_on_a_state(blocks[-1].neuron, pending, why)
             blocks.append(Block([*pending, *synapses], neuron, i))
             pending = []
         else:
