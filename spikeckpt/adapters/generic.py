@@ -55,7 +55,7 @@ from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
 from spikeckpt.engine.rng import kept_generators
 from spikeckpt.engine.tree import tree_leaves, tree_map, tree_structure
-from spikeckpt.errors import UnsupportedLayerError
+from spikeckpt.errors import ConfigError, UnsupportedLayerError
 
 __all__ = [
     "PER_SAMPLE_TYPES",
@@ -556,6 +556,10 @@ class StatefulAdapter(LayerAdapter):
 
     def _call(self, state: State, x_t: Tensor) -> tuple[State, Any]:
         m = self.module
+        # the module gets fresh containers: one that assigns into the list or dict it is given
+        # (state[0] = ..., as Norse's SequentialState does) must not change a state spikeckpt
+        # keeps (the initial state a measuring step ran from, a checkpoint)
+        state = tree_map(lambda leaf: leaf, state)
         # an inference tensor (torch.inference_mode: Lightning's validation) has no version
         # counter, and a run without autograd hands no stored state to a recomputed step
         given = [t for t in tree_leaves(state) if isinstance(t, Tensor) and not t.is_inference()]
@@ -778,6 +782,30 @@ class RNNCellAdapter(LayerAdapter):
         m = cast(nn.RNNCellBase, self.module)  # RNNCell, GRUCell or LSTMCell
         h = torch.zeros(x_t.shape[0], m.hidden_size, dtype=x_t.dtype, device=x_t.device)
         return (h, h.clone()) if isinstance(m, nn.LSTMCell) else h
+
+    def coerce_state(self, state: State, x_t: Tensor) -> State:
+        """A given state: ``h`` (``(h, c)`` for ``nn.LSTMCell``) of this call's batch and
+        the cell's ``hidden_size``; another shape is refused naming the layer (torch's own
+        message named neither the layer nor the way forward)."""
+        m = cast(nn.RNNCellBase, self.module)
+        lstm = isinstance(m, nn.LSTMCell)
+        parts = list(state) if lstm and isinstance(state, tuple | list) else [state]
+        want = (x_t.shape[0], m.hidden_size) if x_t.dim() == 2 else (m.hidden_size,)
+        names = ("h", "c") if lstm else ("h",)
+        if len(parts) != len(names) or not all(
+            isinstance(p, Tensor) and tuple(p.shape) == want for p in parts
+        ):
+            got = ", ".join(
+                str(tuple(p.shape)) if isinstance(p, Tensor) else type(p).__name__ for p in parts
+            )
+            raise ConfigError(
+                f"state= for layer {self.path or '<root>'} ({type(m).__name__}): its state is "
+                f"{' and '.join(names)}, each {want} for this call's input {tuple(x_t.shape)}, "
+                f"got {got}; pass None for this layer (zeros) or "
+                f"{'(h, c)' if lstm else 'h'} of shape {want} (a previous batch's final state "
+                "sliced to this batch)"
+            )
+        return (parts[0], parts[1]) if lstm else parts[0]
 
     def step(self, state: State, x_t: Tensor) -> tuple[State, Tensor]:
         if isinstance(self.module, nn.LSTMCell):

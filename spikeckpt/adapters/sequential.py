@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from spikeckpt.adapters.generic import (
     CustomLayerAdapter,
+    RNNCellAdapter,
     StatefulAdapter,
     StatelessAdapter,
     own_class,
@@ -165,8 +166,11 @@ class StackAdapter(LayerAdapter):
 
         In sequence mode (a Norse ``SequentialState`` of sequence modules), plain stateless
         layers are applied to ``x_t[None]``: they were written for ``(T, B, ...)`` tensors.
-        ``stateful_flags`` (Norse's ``SequentialState.stateful_layers``): a module of yours
-        that Norse calls without a state is stepped as a stateless layer, as Norse calls it.
+        ``stateful_flags`` (Norse's ``SequentialState.stateful_layers``): a module of yours,
+        or torch's ``nn.RNNCell`` / ``GRUCell`` / ``LSTMCell`` (whose ``forward`` has no
+        ``state`` argument), that Norse calls without a state is stepped as a stateless layer,
+        as Norse calls it: from a zero state at each step (before 2026-11-29 the cells' states
+        were carried, 0.25-0.42 off Norse's loop, silently).
         Norse passes one state per position (``explicit_states``). ``return_hidden``: the
         step's output is every position's output (Norse's ``return_hidden=True``).
         """
@@ -177,7 +181,7 @@ class StackAdapter(LayerAdapter):
             if (
                 stateful_flags is not None
                 and not stateful_flags[i]
-                and isinstance(adapter, StatefulAdapter)
+                and isinstance(adapter, (StatefulAdapter, RNNCellAdapter))
             ):
                 adapter = StatelessAdapter(child, sub)
             # (a Lift(m) child gives m's adapter: m already works on one step)
@@ -337,6 +341,29 @@ def _split(neuron: LayerAdapter) -> tuple[list[LayerAdapter], LayerAdapter]:
     return ([], neuron) if parts is None else ([parts[0]], parts[1])
 
 
+def _refuse_in_place_on_a_state(
+    neuron: LayerAdapter, synapses: Sequence[LayerAdapter], why: str
+) -> None:
+    """Refuse a layer built with ``inplace=True`` (``nn.ReLU``, ``nn.Dropout``) right after a
+    neuron that returns its state as its output (``nn.GRUCell``'s ``h``, a module of yours
+    returning ``(h, h)``): your loop's in-place op changes that neuron's state too, where a
+    layer-wise run hands the layer a copy (before 2026-11-29 spikes differed from the loop's,
+    silently). ``granularity="auto"`` then runs the stack, which runs it as the loop does."""
+    if not isinstance(neuron, (RNNCellAdapter, StatefulAdapter)):
+        return  # snnTorch's and Norse's spiking neurons return fresh spikes
+    for layer in synapses:
+        if any(getattr(m, "inplace", False) is True for m in layer.module.modules()):
+            raise unsupported(
+                layer.module,
+                layer.path,
+                why + f"it changes its input in place (inplace=True), and that input is "
+                f"the state of {neuron.path!r} ({type(neuron.module).__name__} returns its "
+                "state as its output), so your loop changes that state too, which a "
+                "layer-wise run would not; build it with inplace=False, or use "
+                "granularity='stack', which runs it as your loop does",
+            )
+
+
 def split_blocks(adapter: LayerAdapter) -> list[Block]:
     """Split a wrapped model into feed-forward blocks (stateless layers, then one stateful
     layer), or raise [`UnsupportedLayerError`][spikeckpt.errors.UnsupportedLayerError] (also a ``TypeError``)
@@ -388,6 +415,8 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
                 )
             _check_neuron(layer, why)
             synapses, neuron = _split(layer)
+            if blocks:
+                _refuse_in_place_on_a_state(blocks[-1].neuron, pending, why)
             blocks.append(Block([*pending, *synapses], neuron, i))
             pending = []
         else:

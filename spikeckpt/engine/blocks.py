@@ -92,8 +92,18 @@ def stacked_outputs(ys: list[Any], name: str) -> Tensor:
 
 def check_block_states(blocks: Sequence[LayerBlock], states: Sequence[Any]) -> None:
     """Refuse a state leaf that is not a tensor (a step counter kept as a Python ``int``),
-    naming the block and the fix, as `scan` does for the stack."""
+    naming the block and the fix, as `scan` does for the stack. A ``None`` leaf, which the
+    stack carries as it is, is an `UnsupportedLayerError` naming ``granularity="stack"``:
+    ``granularity="auto"`` then runs the stack (it refused the model before 2026-11-29)."""
     for block, state in zip(blocks, states, strict=False):
         leaves = pytree.tree_flatten(state)[0]
         names = [f"its state leaf {i}" for i in range(len(leaves))]
+        none = next((i for i, leaf in enumerate(leaves) if leaf is None), None)
+        if none is not None:
+            raise UnsupportedLayerError(
+                f"layer {block.name!r}: its state leaf {none} is None, and layer-wise "
+                "granularity needs every state leaf as a tensor (it stores the states of "
+                "each chunk); use granularity='stack', which carries a None leaf as it is, "
+                "or keep a tensor there"
+            )
         pytree.refuse_non_tensor_leaves(leaves, names, where=f"layer {block.name!r}: ")

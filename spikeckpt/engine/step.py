@@ -238,7 +238,7 @@ class StepFn:
                         if leaf.dtype != dtype and leaf.shape == shape and t == 0
                         else ""
                     )
-                    + (_layout_hint(xs) if leaf.shape != shape else "")
+                    + _shape_hint(t, tuple(shape), tuple(leaf.shape), xs)
                 )
 
     def _warn_closures(
@@ -546,6 +546,29 @@ def no_own_draws(root: Any, who: str, way: str) -> Iterator[None]:
     before = [g.get_state() for g in generators]
     yield
     refuse_own_generators(generators, before, who, way)
+
+
+def _shape_hint(t: int, before: tuple[int, ...], after: tuple[int, ...], xs: list[Tensor]) -> str:
+    """What a state leaf whose shape changed from ``before`` to ``after`` at step ``t`` may say:
+    one whose size-1 axes broadcast at step 0 (a learned ``h0`` of shape ``(1, H)``) is
+    expanded to the batch; any other, the input's layout (`_layout_hint`). Empty where the
+    shape held."""
+    if before == after:
+        return ""
+    broadcasts = (
+        t == 0
+        and len(before) == len(after)
+        and all(b in (1, a) for b, a in zip(before, after, strict=True))
+    )
+    if not broadcasts:
+        return _layout_hint(xs)
+    return (
+        f". The initial {before} broadcast to {after} at step 0 (a learned initial state such "
+        "as h0 of shape (1, H)), which the plain loop allows but a checkpointed run cannot "
+        f"store: start from the full shape, h0.expand({', '.join(map(str, after))}) (in an "
+        "initial_state(x) method: the batch is x.shape[0]); the expanded view gets the loop's "
+        "gradient"
+    )
 
 
 def _layout_hint(xs: list[Tensor]) -> str:
