@@ -334,6 +334,7 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
         return [inputs], TreeDef("tensor", None, None, 1, [""]), _length(inputs.shape[0])
     if isinstance(inputs, Sequence) and not isinstance(inputs, (str, bytes)):
         _length(len(inputs))
+        _refuse_parallel_looking_tuple(inputs)
         first, in_def = tree_flatten(inputs[0])
         columns: list[list[Tensor]] = [[] for _ in first]
         for t, item in enumerate(inputs):
@@ -347,6 +348,29 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
     raise ConfigTypeError(
         f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
         f"got {type(inputs).__name__}"
+    )
+
+
+def _refuse_parallel_looking_tuple(inputs: Sequence[Any]) -> None:
+    """Refuse a tuple of 2-8 tensors of one shape ``(T', ...)`` with ``T'`` above their count:
+    time-first inputs meant in parallel (``x_t = (a[t], b[t])``, as ``jax.lax.scan`` reads a
+    tuple) that a sequence of per-step inputs would run as 2-8 steps, silently (the outputs of
+    a readout then have the loop's shape). A list of per-step inputs is never refused."""
+    if not isinstance(inputs, tuple) or not 2 <= len(inputs) <= 8:
+        return
+    if not all(isinstance(x, Tensor) for x in inputs):
+        return
+    shape = inputs[0].shape
+    if len(shape) < 2 or shape[0] <= len(inputs) or any(x.shape != shape for x in inputs):
+        return
+    n = len(inputs)
+    names = ", ".join("abcdefgh"[:n])
+    raise ConfigError(
+        f"inputs is a tuple of {n} tensors of shape {tuple(shape)}: scan reads a tuple as a "
+        f"sequence of {n} steps (x_t = inputs[t]), though each looks time-first "
+        f"({shape[0]} steps). For {n} time-first inputs read in parallel "
+        f"(x_t = ({', '.join(f'{c}[t]' for c in names)})), pass list(zip({names})); for {n} "
+        f"per-step inputs, pass them as a list"
     )
 
 
