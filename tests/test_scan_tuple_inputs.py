@@ -73,3 +73,22 @@ def test_a_tuple_of_per_step_inputs_longer_than_their_first_axis_still_runs() ->
 
     ys, _ = sc.scan(one, a.unbind(0), torch.zeros(B, H), plan=sc.plans.Uniform(4))
     assert ys.shape == (T, B, H)
+
+
+def test_a_dict_of_time_first_inputs_is_refused_naming_per_step_dicts() -> None:
+    fa, fb, a, b = _setup()
+
+    def step(h: torch.Tensor, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        h = torch.tanh(0.9 * h + fa(inp["x"]) + fb(inp["ctx"]))
+        return h, h
+
+    d = {"x": a, "ctx": b}
+    with pytest.raises(sc.ConfigTypeError, match=r"zip\(\*d\.values\(\)\)"):
+        sc.scan(step, d, torch.zeros(B, H), plan=sc.plans.BPTT())
+    per_step = [dict(zip(d, v, strict=True)) for v in zip(*d.values(), strict=True)]
+    out, _ = sc.scan(step, per_step, torch.zeros(B, H), plan=sc.plans.Uniform(5), readout="sum")
+    h, acc = torch.zeros(B, H), torch.zeros(B, H)
+    for t in range(T):
+        h, y = step(h, {"x": a[t], "ctx": b[t]})
+        acc = acc + y
+    assert torch.equal(out, acc)

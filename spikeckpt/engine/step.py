@@ -15,7 +15,7 @@ import dis
 import functools
 import inspect
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -345,9 +345,15 @@ def time_leaves(inputs: Any) -> tuple[list[Tensor], TreeDef, int]:
                 _same_step_shape(column, leaf, t, len(inputs))
                 column.append(leaf)
         return [torch.stack(column) for column in columns], in_def, len(inputs)
+    several = (
+        ": several time-first inputs go in as per-step items, list(zip(a, b)), a dict d of "
+        "them as [dict(zip(d, v)) for v in zip(*d.values())]"
+        if isinstance(inputs, Mapping)
+        else ""
+    )
     raise ConfigTypeError(
         f"inputs must be a time-first tensor (T, ...) or a sequence of per-step inputs, "
-        f"got {type(inputs).__name__}"
+        f"got {type(inputs).__name__}{several}"
     )
 
 
