@@ -48,7 +48,7 @@ from spikeckpt.engine.compiled import (
     under_dispatch_mode,
 )
 
-__all__ = ["CompiledStep", "compiled_step", "exact_backend"]
+__all__ = ["CompiledStep", "compiled_step", "exact_backend", "hooks_key"]
 
 #: ATen operations kept as ATen calls rather than decomposed: the matrix products (inductor
 #: rewrites small ones into elementwise products and sums), the normalizations (their
@@ -165,6 +165,31 @@ class CompiledStep:
                 return out
         self.ran_compiled = False
         return self.step(state, x_t)
+
+
+def hooks_key(model: torch.nn.Module) -> tuple[Any, ...]:
+    """The module hooks a step compiled now would be traced with: the handles' ids of every
+    module's forward, forward-pre, backward and backward-pre hooks, and of the global ones.
+
+    Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``
+    is True by default): a step compiled before a hook was registered ran without it, silently
+    (a forward hook scaling a layer's output, a full backward hook scaling its gradient: the
+    loop's gradients off by 23 on a small net), and one compiled with a hook kept running it
+    after its removal. The wrapper compiles the step afresh when this key changes."""
+    from torch.nn.modules import module as torch_module
+
+    global_hooks = (
+        torch_module._global_forward_hooks,
+        torch_module._global_forward_pre_hooks,
+        torch_module._global_backward_hooks,
+        torch_module._global_backward_pre_hooks,
+    )
+    own = tuple(
+        (id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+        + (tuple(m._backward_hooks), tuple(m._backward_pre_hooks))
+        for m in model.modules()
+    )
+    return (tuple(tuple(hooks) for hooks in global_hooks), own)
 
 
 def compiled_step(step: Callable[[Any, Any], Any], device: torch.device) -> CompiledStep | None:
