@@ -5,6 +5,7 @@ gradients (23 off on this net) until `hooks_key` made the wrapper compile afresh
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -88,3 +89,34 @@ def test_a_hook_added_and_removed_after_compiling_runs_as_in_the_loop(
         want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_sizes_and_grad_modes_stay_compiled_past_the_recompile_limit() -> None:
+    """Three batch sizes, each trained twice and evaluated under ``no_grad``: nine compiled
+    versions of the step, past dynamo's ``recompile_limit`` (8) for one function, which ran
+    the third batch size eagerly (2x slower, `step_compiled` True all the same, one log line)
+    while one compiled copy served every shape. Each shape and grad mode has its own now."""
+    hits: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "recompile_limit" in record.getMessage():
+                hits.append(record.getMessage())
+
+    catch = Catch()
+    logging.getLogger("torch._dynamo").addHandler(catch)
+    try:
+        net, _ = _net()
+        seq = sc.wrap(net, plan=sc.plans.BPTT(), compile=True)
+        for batch in (1, 2, 3):
+            x = (torch.rand(6, batch, 3) < 0.5).float() * 1.5
+            for _ in range(2):
+                want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
+                for a, b in zip(want, got, strict=True):
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+                assert seq.last_stats.step_compiled
+            with torch.no_grad():
+                assert torch.equal(seq(x), _loop(net, x))
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(catch)
+    assert hits == []
