@@ -27,7 +27,7 @@ from spikeckpt.adapters.registry import adapter_for, model_key, norse_sequence_d
 from spikeckpt.adapters.sequential import Block, split_blocks
 from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
-from spikeckpt.engine.compiled_step import CompiledStep, compiled_step
+from spikeckpt.engine.compiled_step import CompiledStep, compiled_step, hooks_key
 from spikeckpt.engine.function import refuse_func_transforms
 from spikeckpt.engine.grad import not_behind
 from spikeckpt.engine.hook_guard import hook_guard
@@ -137,6 +137,7 @@ class CheckpointedSequence(Remade):
         self.compile_mode = check_compile(compile)
         #: the stack granularity's compiled step (``compile=True`` or "auto"; made at first use)
         self._compiled_step: CompiledStep | AutoCompiledStep | None = None
+        self._hooks_key = hooks_key(module)  # the hooks it was compiled with (`hooks_key`)
         self.module = module
         self.adapter = adapter
         self.plan = plan
@@ -303,6 +304,8 @@ class CheckpointedSequence(Remade):
         refuse_func_transforms()
         if legacy:
             state, return_state = _legacy_call(legacy, state, return_state)
+        if hooks_key(self.module) != getattr(self, "_hooks_key", None):  # dynamo guards no hooks
+            self._compiled_step, self._hooks_key = None, hooks_key(self.module)
         with uncached_parametrizations(), hook_guard(self.module, self.compile_mode is not True):
             return self._forward(x, state, return_state)
 

@@ -48,7 +48,7 @@ from spikeckpt.engine.compiled import (
     under_dispatch_mode,
 )
 
-__all__ = ["CompiledStep", "compiled_step", "exact_backend"]
+__all__ = ["CompiledStep", "compiled_step", "exact_backend", "hooks_key"]
 
 #: ATen operations kept as ATen calls rather than decomposed: the matrix products (inductor
 #: rewrites small ones into elementwise products and sums), the normalizations (their
@@ -130,9 +130,10 @@ class CompiledStep:
     """``step(state, x_t) -> (state, y_t)`` run compiled, falling back to ``step`` itself
     (for good, with one line) where compiling or running compiled fails.
 
-    Each new shape or grad mode compiles once more (dynamo's guards); past dynamo's
-    ``recompile_limit`` entries for one model, dynamo runs the step eagerly with its own
-    warning.
+    Each input shape, dtype and grad mode compiles a copy of its own (`own_code`): dynamo
+    keeps at most ``recompile_limit`` (8) entries per code object, and each shape takes two
+    (the state without a gradient, at the first call, and with one), so one copy for all
+    ran a model's fifth batch size eagerly, 2x slower, while ``ran_compiled`` said True.
 
     Attributes:
         ran_compiled: whether the last call went through the compiled function without error.
@@ -140,7 +141,8 @@ class CompiledStep:
 
     def __init__(self, step: Callable[[Any, Any], Any]) -> None:
         self.step = step
-        self.compiled = torch.compile(own_code(step), dynamic=False, backend=exact_backend())
+        #: the compiled copies, by the input step's shape, dtype, device and the grad mode
+        self.compiled: dict[tuple[Any, ...], Callable[[Any, Any], Any]] = {}
         self.failed = False
         self.warm = False
         self.ran_compiled = False
@@ -156,7 +158,7 @@ class CompiledStep:
             return self.step(state, x_t)
         if not self.failed and not under_dispatch_mode():  # see spikeckpt.engine.compiled
             try:
-                out = self.compiled(state, x_t)
+                out = self._compiled_for(x_t)(state, x_t)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run eagerly
                 self.failed = True
                 note_eager(f"torch.compile failed on the model's step ({type(error).__name__})")
@@ -165,6 +167,45 @@ class CompiledStep:
                 return out
         self.ran_compiled = False
         return self.step(state, x_t)
+
+    def _compiled_for(self, x_t: Any) -> Callable[[Any, Any], Any]:
+        """The compiled copy for ``x_t``'s shape, dtype and device and the grad mode."""
+        key = (
+            tuple(getattr(x_t, "shape", ())),
+            getattr(x_t, "dtype", None),
+            str(getattr(x_t, "device", "")),
+            torch.is_grad_enabled(),
+        )
+        if key not in self.compiled:
+            self.compiled[key] = torch.compile(
+                own_code(self.step), dynamic=False, backend=exact_backend()
+            )
+        return self.compiled[key]
+
+
+def hooks_key(model: torch.nn.Module) -> tuple[Any, ...]:
+    """The module hooks a step compiled now would be traced with: the handles' ids of every
+    module's forward, forward-pre, backward and backward-pre hooks, and of the global ones.
+
+    Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``
+    is True by default): a step compiled before a hook was registered ran without it, silently
+    (a forward hook scaling a layer's output, a full backward hook scaling its gradient: the
+    loop's gradients off by 23 on a small net), and one compiled with a hook kept running it
+    after its removal. The wrapper compiles the step afresh when this key changes."""
+    from torch.nn.modules import module as torch_module
+
+    global_hooks = (
+        torch_module._global_forward_hooks,
+        torch_module._global_forward_pre_hooks,
+        torch_module._global_backward_hooks,
+        torch_module._global_backward_pre_hooks,
+    )
+    own = tuple(
+        (id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+        + (tuple(m._backward_hooks), tuple(m._backward_pre_hooks))
+        for m in model.modules()
+    )
+    return (tuple(tuple(hooks) for hooks in global_hooks), own)
 
 
 def compiled_step(step: Callable[[Any, Any], Any], device: torch.device) -> CompiledStep | None:
