@@ -81,9 +81,9 @@ class TrainWindow:
     def device(self) -> torch.device:
         return self.train.device
 
-    def step_ones(self) -> Tensor:
-        """Ones of each of its steps, ``(T,)`` int64 on the CPU."""
-        return self.train.step_ones()[self.start : self.stop]
+    def step_ones(self, dtype: torch.dtype = torch.int64) -> Tensor:
+        """Ones of each of its steps, ``(T,)`` of ``dtype`` on the CPU."""
+        return self.train.step_ones(dtype)[self.start : self.stop]
 
     @property
     def nbytes(self) -> int:

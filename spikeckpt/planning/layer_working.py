@@ -237,6 +237,13 @@ def layerwise_working_bytes(
         directory: folder for the disk tier's temporary folder.
     """
     T, batch = int(x.shape[0]), int(x.shape[1])
+    # a packed input's ones per step: each probe runs its length's densest chunk. They are
+    # held on the host through the probes, and `_densest_start` sums them two steps or more
+    # at a time: on a CPU run, room for both (4 and at most 2 bytes a step; 16 bytes a step,
+    # uncounted, held 1.22x a budget at T = 20,000 and 3x at T = 100,000 before 2026-11-29)
+    ones = x.step_ones(torch.int32) if is_packed(x) else None
+    held = 0 if ones is None or device.type != "cpu" else 6 * ones.numel()
+    max_bytes = None if max_bytes is None else max_bytes - held
     run = partial(
         _probe_residuals,
         blocks,
@@ -249,8 +256,7 @@ def layerwise_working_bytes(
         remote=not stored_on_device,
         fuse=fuse,
         directory=directory,
-        # a packed input's ones per step: each probe runs its length's densest chunk
-        ones=x.step_ones() if is_packed(x) else None,
+        ones=ones,
     )
     few = min(batch, PROBE_SAMPLES)
     one = [scaled_sizes(b, few, batch) for b in sizes]
@@ -261,7 +267,7 @@ def layerwise_working_bytes(
         # the whole batch's first run does not fit: what a few samples measured, scaled (an
         # over-estimate; the planner refuses layer-wise under this room anyway)
         first = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
-        return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes)
+        return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes + held)
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes), fewer)
     step, untaped = run(
@@ -272,7 +278,7 @@ def layerwise_working_bytes(
         limit=limit,
     )
     # what the first run held, when more than predicted (small batches: no prediction)
-    probe_bytes = max(probe_bytes, limit.peaks[0][1] + limit.inputs[0])
+    probe_bytes = max(probe_bytes, limit.peaks[0][1] + limit.inputs[0]) + held
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
@@ -462,10 +468,13 @@ def _densest_start(ones: Tensor | None, chunk: int, n: int) -> int:
     T = 0 if ones is None else int(ones.numel())
     if ones is None or n >= T:
         return 0
-    chunks = -(-T // chunk)
-    padded = torch.zeros(chunks * chunk, dtype=ones.dtype)
-    padded[:T] = ones
-    start = int(padded.reshape(chunks, chunk).sum(dim=1).argmax()) * chunk
+    whole = T // chunk  # the whole chunks' sums, then the last, shorter one's (no copy)
+    sums = (
+        ones if chunk == 1 else ones[: whole * chunk].reshape(whole, chunk).sum(1, dtype=ones.dtype)
+    )
+    if whole * chunk < T:
+        sums = torch.cat([sums, ones[whole * chunk :].sum(0, keepdim=True, dtype=ones.dtype)])
+    start = int(sums.argmax()) * chunk  # the first of equal chunks
     if start + n <= T:
         return start
     if start + chunk <= T and start >= n - chunk:  # the probe's second chunk

@@ -315,15 +315,16 @@ class SpikeTrain:
             out.index_fill_(0, positions, 1)
         return out.reshape(out_shape)
 
-    def step_ones(self) -> Tensor:
-        """Ones of each step, ``(T,)`` int64 on the CPU. The index codec reads them off its
-        offsets; a bit-packed train counts its bits on the host (NumPy), `ONES_SLAB_BYTES`
-        of payload at a time (never a dense step)."""
+    def step_ones(self, dtype: torch.dtype = torch.int64) -> Tensor:
+        """Ones of each step, ``(T,)`` of ``dtype`` (an integer type: ``torch.int32`` holds
+        4 bytes a step) on the CPU. The index codec reads them off its offsets; a bit-packed
+        train counts its bits on the host (NumPy), `ONES_SLAB_BYTES` of payload at a time
+        (never a dense step)."""
         n = shape_numel(self.shape[1:])
         if self.codec == "index":
             counts = self._offsets_on(torch.device("cpu")).diff()
-            return counts.reshape(self.T, _blocks_per_step(n)).sum(dim=1)
-        out = np.zeros(self.T, dtype=np.int64)
+            return counts.reshape(self.T, _blocks_per_step(n)).sum(dim=1, dtype=dtype)
+        out = np.zeros(self.T, dtype=torch.empty((), dtype=dtype).numpy().dtype)
         per = max(1, ONES_SLAB_BYTES * 8 // max(n, 1))  # steps per slab
         for a in range(0, self.T, per):
             b = min(self.T, a + per)
