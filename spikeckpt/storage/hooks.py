@@ -80,6 +80,10 @@ class SavedTensors:
         self._min_numel = min_numel
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
+    # never compiled by itself: around a graph break in a compiled step (a full backward
+    # hook) dynamo took it for a frame of its own and recompiled it as the byte count grew,
+    # up to its recompile limit (16 graphs, a 6-line warning naming this function)
+    @torch.compiler.disable
     def _pack(self, tensor: Tensor) -> _Saved:
         nbytes = tensor_nbytes(tensor)
         stats = self.stats
@@ -123,6 +127,7 @@ def packed_saved_tensors(min_numel: int = 1024) -> Iterator[SavedStats]:
         yield hooks.stats
 
 
+@torch.compiler.disable
 def _unpack(saved: _Saved) -> Tensor:
     return unpack(saved) if isinstance(saved, Packed) else saved
 
