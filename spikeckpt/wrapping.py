@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from spikeckpt.adapters.layered import draws_apart, layer_blocks, with_current_modes
 from spikeckpt.adapters.protocol import LayerAdapter, State
 from spikeckpt.adapters.registry import adapter_for, model_key, norse_sequence_dropouts
-from spikeckpt.adapters.sequential import Block, split_blocks
+from spikeckpt.adapters.sequential import Block, check_given_state, split_blocks
 from spikeckpt.engine.auto_compile import AutoCompiledStep, input_key
 from spikeckpt.engine.compiled import Compile
 from spikeckpt.engine.compiled_step import CompiledStep, compiled_step, hooks_key
@@ -338,6 +338,7 @@ class CheckpointedSequence(Remade):
             state = self.adapter.init_state(x_0)
         else:
             state = self.adapter.coerce_state(state, x_0)
+            check_given_state(self.adapter, state, x_0)
         del x_0
         planner = self.planner if self.planner is not None else self._own_planner()
         decision, planning = timed_decision(planner, self, x, state)

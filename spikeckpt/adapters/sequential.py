@@ -41,13 +41,48 @@ from spikeckpt.adapters.protocol import (
 )
 from spikeckpt.adapters.time_lifted import TimeLiftedAdapter
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES
+from spikeckpt.engine.tree import tree_leaves
 from spikeckpt.errors import ConfigError
 
-__all__ = ["Block", "StackAdapter", "positions", "split_blocks"]
+__all__ = ["Block", "StackAdapter", "check_given_state", "positions", "split_blocks"]
 
 #: the adapters of stateless layers that a ``SequentialState`` of sequence modules hands whole
 #: sequences: torch's layers and yours (`spikeckpt.adapters.time_lifted`)
 _LIFTED = (StatelessAdapter, CustomLayerAdapter)
+
+
+def _probe_step(layer: LayerAdapter, state: State, x: Any, given: Any) -> tuple[State, Any]:
+    """``layer.step(state, x)``; a step failing on a state passed as ``state=`` whose batch
+    differs from its input's (a previous batch's final state carried into a smaller last
+    batch) is refused, naming the layer, where the framework (Norse, a module of yours) raised
+    torch's shape error."""
+    try:
+        return layer.step(state, x)
+    except RuntimeError as err:
+        if given is None or not isinstance(x, Tensor) or x.dim() < 1:
+            raise
+        batch = x.shape[0]
+        other = [
+            tuple(t.shape)
+            for t in tree_leaves(given)
+            if isinstance(t, Tensor) and t.dim() == x.dim() and t.shape[0] not in (1, batch)
+        ]
+        if not other:
+            raise
+        raise ConfigError(
+            f"state= for layer {layer.path or '<root>'} ({type(layer.module).__name__}): "
+            f"it holds {', '.join(map(str, other))}, a batch of {other[0][0]}, this call's "
+            f"input a batch of {batch} ({err}). Pass None for this layer (a fresh state) or "
+            f"a state of batch {batch} (e.g. a previous batch's final state sliced to it)"
+        ) from err
+
+
+def check_given_state(adapter: LayerAdapter, state: State, x_0: Tensor) -> None:
+    """A model wrapped alone (a Norse cell, a neuron of yours) given ``state=``: one probe
+    step, so that a state of another batch than ``x_0`` is refused naming the layer (a stack
+    steps a given state in its `init_state` already)."""
+    if not isinstance(adapter, StackAdapter) and adapter.stateful:
+        probe(_probe_step, adapter, state, x_0, state, module=adapter.module)
 
 
 def positions(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -233,8 +268,11 @@ class StackAdapter(LayerAdapter):
                     live[i] = s
                 else:
                     states.append(())
-                if i + 1 < len(self.layers):
-                    live[j], x = layer.step(live[j], x)
+                g = given[j] if given is not None else None
+                if i + 1 < len(self.layers) or g is not None:
+                    # a given state is stepped once here, the last layer's too: one of
+                    # another batch fails in the framework's call, and is named here
+                    live[j], x = _probe_step(layer, live[j], x, g)
             return tuple(states)
 
         try:

@@ -47,7 +47,11 @@ __all__ = [
 #: the end of the message a second backward through one forward gets (scan's and layer-wise)
 SECOND_BACKWARD = (
     " (a second backward(retain_graph=True), torch.autograd.functional.jacobian or hessian, "
-    "autograd.grad twice over the same outputs); run the forward again for each backward"
+    "autograd.grad twice over the same outputs); run the forward again for each backward. "
+    "A final state (return_state=True) passed on undetached as the next call's state= "
+    "(windows of a long sequence) takes the next window's backward into this one again: "
+    "detach it between windows (truncated BPTT), or add the windows' losses and call "
+    "backward() once"
 )
 
 _NO_DOUBLE_BACKWARD = (
