@@ -104,3 +104,26 @@ def test_in_a_stack_too() -> None:
     expected = torch.stack(ys)
     out = sc.wrap(net, plan="auto", budget="64MiB", granularity="auto")(x)
     assert torch.equal(out, expected)
+
+
+def test_fresh_containers_copies_lists_and_dicts_and_keeps_leaves_and_other_tuples() -> None:
+    """What the module is handed: new lists and dicts (their types kept), the tuples around
+    them rebuilt (a NamedTuple as itself), every leaf and every tuple of leaves the same."""
+    from collections import OrderedDict, namedtuple
+
+    from spikeckpt.engine.tree import fresh_containers
+
+    pair = namedtuple("pair", "v i")
+    a, b = torch.zeros(2), torch.ones(2)
+    flat = (a, b)
+    assert fresh_containers(flat) is flat and fresh_containers(a) is a
+    tree = ([a, {"v": b}], pair(a, [b]), OrderedDict(v=flat), None)
+    fresh = fresh_containers(tree)
+    assert fresh is not tree and type(fresh) is tuple
+    assert fresh[0] is not tree[0] and fresh[0][0] is a
+    assert fresh[0][1] is not tree[0][1] and fresh[0][1]["v"] is b
+    assert type(fresh[1]) is pair and fresh[1].i is not tree[1].i and fresh[1].v is a
+    assert type(fresh[2]) is OrderedDict and fresh[2] is not tree[2] and fresh[2]["v"] is flat
+    assert fresh[3] is None
+    fresh[0][0] = b  # assigning into the copy leaves the original as it was
+    assert tree[0][0] is a

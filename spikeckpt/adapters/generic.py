@@ -54,7 +54,7 @@ from spikeckpt.adapters.returns import state_order_problem
 from spikeckpt.engine.compiled import is_compiling
 from spikeckpt.engine.phase import RUNNING_STATS_TYPES, frozen_running_stats, recomputing
 from spikeckpt.engine.rng import kept_generators
-from spikeckpt.engine.tree import tree_leaves, tree_map, tree_structure
+from spikeckpt.engine.tree import fresh_containers, tree_leaves, tree_map, tree_structure
 from spikeckpt.errors import ConfigError, UnsupportedLayerError
 
 __all__ = [
@@ -559,7 +559,7 @@ class StatefulAdapter(LayerAdapter):
         # the module gets fresh containers: one that assigns into the list or dict it is given
         # (state[0] = ..., as Norse's SequentialState does) must not change a state spikeckpt
         # keeps (the initial state a measuring step ran from, a checkpoint)
-        state = tree_map(lambda leaf: leaf, state)
+        state = fresh_containers(state)
         # an inference tensor (torch.inference_mode: Lightning's validation) has no version
         # counter, and a run without autograd hands no stored state to a recomputed step
         given = [t for t in tree_leaves(state) if isinstance(t, Tensor) and not t.is_inference()]

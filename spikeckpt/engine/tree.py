@@ -14,6 +14,7 @@ structures through it (`tree_flatten`, `tree_unflatten`, `tree_map`, `tree_leave
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from spikeckpt.storage.base import tensor_nbytes
 __all__ = [
     "refuse_non_tensor_leaves",
     "TreeDef",
+    "fresh_containers",
     "is_float",
     "leaf_bytes",
     "tree_flatten",
@@ -230,6 +232,27 @@ def tree_structure(obj: Any) -> TreeDef:
 def tree_leaves(obj: Any) -> list[Any]:
     """The leaves of ``obj``, in `tree_flatten`'s order."""
     return tree_flatten(obj)[0]
+
+
+def fresh_containers(tree: Any) -> Any:
+    """``tree`` with a new list and dict for each of its lists and dicts (the dict's own type
+    kept), the tuples holding them rebuilt, every leaf and every other tuple the same object:
+    what a step that assigns into the state it is given may change (about 1 us for a tensor
+    or a tuple of tensors, where `tree_map` takes 5 us for a pair and 128 us for a nested
+    tuple, through torch's pytree)."""
+    if isinstance(tree, list):
+        return [fresh_containers(x) for x in tree]
+    if isinstance(tree, dict):
+        out = copy.copy(tree)
+        for key, value in out.items():
+            out[key] = fresh_containers(value)
+        return out
+    if isinstance(tree, tuple):
+        items = [fresh_containers(x) for x in tree]
+        if all(a is b for a, b in zip(items, tree, strict=True)):
+            return tree
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
 
 
 def tree_map(fn: Any, tree: Any, *rest: Any) -> Any:
