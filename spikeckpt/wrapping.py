@@ -304,8 +304,10 @@ class CheckpointedSequence(Remade):
         refuse_func_transforms()
         if legacy:
             state, return_state = _legacy_call(legacy, state, return_state)
-        if hooks_key(self.module) != getattr(self, "_hooks_key", None):  # dynamo guards no hooks
-            self._compiled_step, self._hooks_key = None, hooks_key(self.module)
+        if self.compile_mode is not False:  # dynamo guards no hooks: compile afresh
+            key = hooks_key(self.module)
+            if key != getattr(self, "_hooks_key", None):
+                self._compiled_step, self._hooks_key = None, key
         with uncached_parametrizations(), hook_guard(self.module, self.compile_mode is not True):
             return self._forward(x, state, return_state)
 

@@ -6,7 +6,8 @@ gradients (23 off on this net) until `hooks_key` made the wrapper compile afresh
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import snntorch as snn
@@ -55,6 +56,31 @@ def _step(run: Callable[[Tensor], Tensor], net: nn.Module, x: Tensor) -> list[Te
     return [out.detach(), *(p.grad.clone() for p in net.parameters())]
 
 
+def _assert_as_loop(seq: nn.Module, net: nn.Module, x: Tensor) -> None:
+    """One training step of ``seq`` gives the loop's output and gradients."""
+    want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@contextmanager
+def _recompile_warnings() -> Iterator[list[str]]:
+    """The messages of dynamo's recompile-limit warnings logged inside the block."""
+    hits: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "recompile_limit" in record.getMessage():
+                hits.append(record.getMessage())
+
+    catch = Catch()
+    logging.getLogger("torch._dynamo").addHandler(catch)
+    try:
+        yield hits
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(catch)
+
+
 HOOKS: dict[str, Callable[[nn.Sequential], RemovableHandle]] = {
     "forward": lambda net: net[2].register_forward_hook(lambda m, a, out: out * 2),
     "forward_pre": lambda net: net[0].register_forward_pre_hook(lambda m, a: (a[0] + 0.5,)),
@@ -81,14 +107,10 @@ def test_a_hook_added_and_removed_after_compiling_runs_as_in_the_loop(
         _step(seq, net, x)
     assert seq.last_stats.step_compiled
     handle = HOOKS[kind](net)
-    want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
-    for a, b in zip(want, got, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    _assert_as_loop(seq, net, x)
     handle.remove()
     for _ in range(2):  # "auto" compiles afresh after the hook's calls ran eagerly
-        want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
-        for a, b in zip(want, got, strict=True):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        _assert_as_loop(seq, net, x)
 
 
 def test_batch_sizes_and_grad_modes_stay_compiled_past_the_recompile_limit() -> None:
@@ -96,29 +118,16 @@ def test_batch_sizes_and_grad_modes_stay_compiled_past_the_recompile_limit() -> 
     versions of the step, past dynamo's ``recompile_limit`` (8) for one function, which ran
     the third batch size eagerly (2x slower, `step_compiled` True all the same, one log line)
     while one compiled copy served every shape. Each shape and grad mode has its own now."""
-    hits: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "recompile_limit" in record.getMessage():
-                hits.append(record.getMessage())
-
-    catch = Catch()
-    logging.getLogger("torch._dynamo").addHandler(catch)
-    try:
+    with _recompile_warnings() as hits:
         net, _ = _net()
         seq = sc.wrap(net, plan=sc.plans.BPTT(), compile=True)
         for batch in (1, 2, 3):
             x = (torch.rand(6, batch, 3) < 0.5).float() * 1.5
             for _ in range(2):
-                want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
-                for a, b in zip(want, got, strict=True):
-                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+                _assert_as_loop(seq, net, x)
                 assert seq.last_stats.step_compiled
             with torch.no_grad():
                 assert torch.equal(seq(x), _loop(net, x))
-    finally:
-        logging.getLogger("torch._dynamo").removeHandler(catch)
     assert hits == []
 
 
@@ -127,24 +136,11 @@ def test_a_full_backward_hook_does_not_recompile_the_saved_tensor_hooks() -> Non
     pack hook as a frame of its own, guarded on its running byte count: 16 graphs in the
     first calls and dynamo's recompile-limit warning naming ``_pack`` (h37; results exact).
     The hooks are never compiled now: every call's results as the loop's, no warning."""
-    hits: list[str] = []
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "recompile_limit" in record.getMessage():
-                hits.append(record.getMessage())
-
-    catch = Catch()
-    logging.getLogger("torch._dynamo").addHandler(catch)
-    try:
+    with _recompile_warnings() as hits:
         net, x = _net()
         HOOKS["full_backward"](net)
         seq = sc.wrap(net, plan=sc.plans.Uniform(interval=3), compile=True)
         for _ in range(10):
-            want, got = _step(lambda z: _loop(net, z), net, x), _step(seq, net, x)
-            for a, b in zip(want, got, strict=True):
-                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            _assert_as_loop(seq, net, x)
         assert seq.last_stats.step_compiled
-    finally:
-        logging.getLogger("torch._dynamo").removeHandler(catch)
     assert hits == []
