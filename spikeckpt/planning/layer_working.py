@@ -242,8 +242,8 @@ def layerwise_working_bytes(
     # at a time: on a CPU run, room for both (4 and at most 2 bytes a step; 16 bytes a step,
     # uncounted, held 1.22x a budget at T = 20,000 and 3x at T = 100,000 before 2026-11-29)
     ones = x.step_ones(torch.int32) if is_packed(x) else None
-    held = 0 if ones is None or device.type != "cpu" else 6 * ones.numel()
-    max_bytes = None if max_bytes is None else max_bytes - held
+    ones_held = 0 if ones is None or device.type != "cpu" else 6 * ones.numel()
+    max_bytes = None if max_bytes is None else max_bytes - ones_held
     run = partial(
         _probe_residuals,
         blocks,
@@ -267,7 +267,7 @@ def layerwise_working_bytes(
         # the whole batch's first run does not fit: what a few samples measured, scaled (an
         # over-estimate; the planner refuses layer-wise under this room anyway)
         first = small.scaled(batch, 2 * PROBE_SAMPLES).points[0]
-        return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes + held)
+        return MeasuredWorking((first,), layerwise_chunk_step_bytes(sizes), probe_bytes + ones_held)
     # the step itself at the shortest lengths: the whole batch, as the training step runs
     limit = _ProbeLimit(max_bytes, layerwise_chunk_step_bytes(sizes), fewer)
     step, untaped = run(
@@ -278,7 +278,7 @@ def layerwise_working_bytes(
         limit=limit,
     )
     # what the first run held, when more than predicted (small batches: no prediction)
-    probe_bytes = max(probe_bytes, limit.peaks[0][1] + limit.inputs[0]) + held
+    probe_bytes = max(probe_bytes, limit.peaks[0][1] + limit.inputs[0]) + ones_held
     points, held = [], 0
     for k, r in step:  # the measured bytes never fall as the chunk grows
         held = max(held, r, 0)
