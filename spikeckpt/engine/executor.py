@@ -30,6 +30,7 @@ from spikeckpt.engine.grad import FeedGrads, grad
 from spikeckpt.engine.inputs import is_packed, step_of
 from spikeckpt.engine.rng import RngState
 from spikeckpt.engine.saved import SavedBytes
+from spikeckpt.engine.sums import plain, sum_in_place_from_first
 from spikeckpt.engine.tree import is_float, leaf_bytes
 from spikeckpt.errors import ConfigTypeError, UsageError
 from spikeckpt.plans.schedule import Action, Advance, Backprop, Free, Load, Prefetch, Store, Tape
@@ -117,6 +118,7 @@ class Executor:
         self.closed = False
         self.grad_state: list[Tensor | None] = []
         self.grad_params: list[Tensor | None] = [None] * len(self.params)
+        self._sums_started = False  # `sum_in_place_from_first` ran (the first Backprop)
         self.grad_inputs: list[Tensor | None] = [None] * len(self.inputs)
         self.y_grad: YGrad | None = None
         self._lock = threading.Lock()
@@ -411,6 +413,9 @@ class Executor:
         if outs and inputs:
             n, m = len(wrt_state), len(params)
             with torch.enable_grad():
+                if not self._sums_started:  # the first contributions made plain, once a call
+                    self._sums_started = True
+                    sum_in_place_from_first(outs, params)
                 self._feed(outs, grads)
                 found = grad(outs, inputs, grads)
             del outs, grads
@@ -418,7 +423,7 @@ class Executor:
                 new_state[i] = g
             for k, g in enumerate(found[n : n + m]):
                 if g is not None:
-                    self.grad_params[k] = g
+                    self.grad_params[k] = plain(g)  # a view fed on would be added out of place
             self._input_grads(a, b, wrt_inputs, found[n + m :])
             del found
         del tape

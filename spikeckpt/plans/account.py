@@ -142,9 +142,12 @@ class StepSizes:
             # one backward call: autograd sums each parameter's gradient over the steps in its
             # own buffer, which becomes ``.grad`` (taken over when ``.grad`` is None, added in
             # place when held from before the step); beside the buffers, one parameter's new
-            # gradient and its sum made out of place (a Linear's weight gradient arrives
-            # transposed, which autograd never sums in place). Measured: 3.0x the weight of a
-            # Linear(2048, 2048) + Leaky net, where 2x were counted before (2026-11-27)
+            # gradient and its sum made out of place (a Linear's weight gradient arrives as a
+            # view, which autograd sums out of place: 3.0x the weight of a Linear(2048, 2048)
+            # + Leaky net, 2026-11-27). The engine now hands each first contribution on as a
+            # plain tensor (`spikeckpt.engine.sums`: 2.0x measured, 2026-11-29); the out-of-place
+            # sum stays counted for a first use it does not find and for dispatch modes (the
+            # "tensors" meter), under which autograd never sums in place
             return StepBytes(
                 input=self.input,
                 outputs=self.outputs(T),
