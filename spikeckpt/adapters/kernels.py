@@ -21,6 +21,7 @@ threshold, ``s_t = H(u_t)`` the spike, ``y_t = s_t * graded``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
@@ -133,9 +134,26 @@ def reduce_to(grad: Tensor, like: Tensor) -> Tensor:
     return out.reshape(like.shape)
 
 
+@functools.cache
+def _clamp_bound_grads() -> tuple[float, float]:
+    """Torch's own gradient of ``v.clamp(0, 1)`` at ``v = 0`` and ``v = 1`` (scalar bounds, as
+    snnTorch clamps ``beta`` and ``alpha``): 0 at both in torch 2.14, which once passed it."""
+    v = torch.tensor([0.0, 1.0], requires_grad=True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(v.clamp(0, 1).sum(), v)
+    return float(g[0]), float(g[1])
+
+
 def clamp_grad(grad: Tensor, value: Tensor) -> Tensor:
-    """The gradient of ``value.clamp(0, 1)`` given ``grad`` for its result."""
-    return grad * ((value >= 0) & (value <= 1)).to(grad.dtype)
+    """The gradient of ``value.clamp(0, 1)`` given ``grad`` for its result, as torch's autograd
+    gives it, at the bounds too (a learnable ``beta`` of exactly 1.0 or 0.0)."""
+    low, high = _clamp_bound_grads()
+    scale = ((value > 0) & (value < 1)).to(grad.dtype)
+    if low:
+        scale = scale + (value == 0).to(grad.dtype) * low
+    if high:
+        scale = scale + (value == 1).to(grad.dtype) * high
+    return grad * scale
 
 
 def field_fits(t: object, like: Tensor, learnable: bool = False) -> bool:
