@@ -1,9 +1,12 @@
 """The error for a scan step that keeps state on a module (snnTorch ``init_hidden=True``
-neurons, a SpikingJelly-style ``self.v``) names the way out that works. It advised
-``plan=BPTT()`` until 2026-11-29, with which the backward fails too (torch's "backward
-through the graph a second time")."""
+neurons, a SpikingJelly-style ``self.v``) names a way out that works: ``plan=BPTT()`` runs,
+with the loop's gradients, from an initial state of full shape or ``()``; from a state that
+step 0 shapes (``None``, empty, 0-d) step 0 runs apart and BPTT fails with torch's "backward
+through the graph a second time", which the advice left out until 2026-11-29."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -28,22 +31,39 @@ class KeepsV(nn.Module):
         return s
 
 
-def _run(plan: object) -> None:
+def _net() -> nn.Module:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 8), KeepsV())
-    x = torch.rand(9, 3, 6) * 2
-    ys, _ = spikeckpt.scan(lambda s, x_t: (s, net(x_t)), x, torch.zeros(()), plan=plan)
-    ys.sum().backward()
+    return nn.Sequential(nn.Linear(6, 8), KeepsV())
 
 
-def test_advice_leaves_out_bptt() -> None:
+_X = torch.rand(9, 3, 6, generator=torch.Generator().manual_seed(1)) * 2
+
+
+def _scan(net: nn.Module, plan: object, state0: Any) -> nn.Module:
+    ys, _ = spikeckpt.scan(lambda s, x_t: (s, net(x_t)), _X, state0, plan=plan)
+    ys.pow(2).sum().backward()
+    return net
+
+
+def test_advice_names_the_state_bptt_needs() -> None:
     with pytest.raises(spikeckpt.UsageError, match="keeps state outside its arguments") as info:
-        _run(Uniform(3))
-    assert "use plan=spikeckpt.plans.BPTT()" not in str(info.value)
+        _scan(_net(), Uniform(3), torch.zeros(3, 1))
+    assert "BPTT(), which does not recompute, with an initial state of full shape" in str(
+        info.value
+    )
     assert "forward(x, state) -> (y, state)" in str(info.value)
 
 
-def test_bptt_is_no_way_out() -> None:
-    """Why the advice went: BPTT() fails on the same step."""
+@pytest.mark.parametrize("state0", [torch.zeros(3, 1), ()], ids=["full", "empty-tuple"])
+def test_bptt_from_a_full_state_gives_the_loops_gradients(state0: Any) -> None:
+    ref, net = _net(), _net()
+    torch.stack([ref(x_t) for x_t in _X]).pow(2).sum().backward()
+    _scan(net, BPTT(), state0)
+    for p, q in zip(ref.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_bptt_from_a_state_step_0_shapes_fails() -> None:
+    """What the advice warns of (torch's own error: left as it is)."""
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        _run(BPTT())
+        _scan(_net(), BPTT(), None)
