@@ -287,6 +287,10 @@ def _entry_key(e: Any) -> Any:
     return id(e)
 
 
+#: torch's messages for an input of the wrong shape
+_SHAPE_ERROR = re.compile(r"shape|size|dimension|cannot be multiplied|expected .*input")
+
+
 class CustomLayerAdapter(StatelessAdapter):
     """A module of yours with ``forward(x)`` and no state: ``y_t = module(x_t)``.
 
@@ -306,6 +310,18 @@ class CustomLayerAdapter(StatelessAdapter):
             if refusal is None:
                 raise
             raise refusal from err
+        except RuntimeError as err:
+            if not probing() or not _SHAPE_ERROR.search(str(err)):
+                raise
+            raise unsupported(
+                self.module,
+                self.path,
+                f"its forward failed on one time step, x_t of shape {tuple(x_t.shape)} "
+                f"({str(err).splitlines()[0]}). spikeckpt calls each layer once per step, as "
+                "your per-step loop does; a layer written for the whole sequence (T, B, ...), "
+                "such as SpikingJelly's SeqToANNContainer or a step_mode='m' module, must be "
+                "ported to one step: use the module it wraps (the Linear, the Conv2d) itself",
+            ) from err
 
     def check(self) -> None:
         refuse_graph_attributes(self.module, self.path)
