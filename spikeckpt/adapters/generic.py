@@ -247,7 +247,48 @@ def _value_key(v: Any) -> Any:
         return (type(v), v)
     if type(v) in (tuple, torch.Size) and all(type(e) in _PLAIN for e in v):
         return (type(v), tuple(v))
+    entries = _container_entries(v)
+    if entries is not None:
+        return (id(v), tuple((k, _entry_key(e)) for k, e in entries))
     return id(v)
+
+
+#: what torch's ``nn.Module.__init__`` puts in every module's ``__dict__`` (its hooks,
+#: parameters, submodules, ``training``): torch's to manage, not state of yours
+_MODULE_OWN = frozenset(nn.Module().__dict__)
+
+#: containers longer than this are compared by identity alone (a large cache of yours)
+_CONTAINER_ENTRIES = 64
+
+
+def _container_entries(v: Any) -> list[tuple[Any, Any]] | None:
+    """The entries of a list, dict or ``types.SimpleNamespace`` held as an attribute, whose
+    contents a forward may change without assigning the attribute (SpikingJelly's
+    ``self._memories["v"]``, ``self.mem[0] = v``, ``self.h.v = v``); ``None`` for anything
+    else, or for a container too large to compare at each step."""
+    if type(v) is list:
+        entries: list[tuple[Any, Any]] = list(enumerate(v))
+    elif type(v) is dict:
+        entries = list(v.items())
+    elif type(v) is types.SimpleNamespace:
+        entries = list(vars(v).items())
+    else:
+        return None
+    return entries if len(entries) <= _CONTAINER_ENTRIES else None
+
+
+def _entry_key(e: Any) -> Any:
+    """What identifies a container's entry: as `_value_key`, one level deep (a container
+    inside it by identity)."""
+    if isinstance(e, Tensor):
+        return (id(e), e._version)
+    if type(e) in _PLAIN:
+        return (type(e), e)
+    return id(e)
+
+
+#: torch's messages for an input of the wrong shape
+_SHAPE_ERROR = re.compile(r"shape|size|dimension|cannot be multiplied|expected .*input")
 
 
 class CustomLayerAdapter(StatelessAdapter):
@@ -269,6 +310,18 @@ class CustomLayerAdapter(StatelessAdapter):
             if refusal is None:
                 raise
             raise refusal from err
+        except RuntimeError as err:
+            if not probing() or not _SHAPE_ERROR.search(str(err)):
+                raise
+            raise unsupported(
+                self.module,
+                self.path,
+                f"its forward failed on one time step, x_t of shape {tuple(x_t.shape)} "
+                f"({str(err).splitlines()[0]}). spikeckpt calls each layer once per step, as "
+                "your per-step loop does; a layer written for the whole sequence (T, B, ...), "
+                "such as SpikingJelly's SeqToANNContainer or a step_mode='m' module, must be "
+                "ported to one step: use the module it wraps (the Linear, the Conv2d) itself",
+            ) from err
 
     def check(self) -> None:
         refuse_graph_attributes(self.module, self.path)
@@ -327,7 +380,12 @@ def _attributes(
     seen: dict[tuple[int, str], Any] = {}
     for m in module.modules():
         for k, v in m.__dict__.items():
-            if not k.startswith("_") and k != "training" and k not in allowed:
+            if k in allowed or k in _MODULE_OWN:
+                continue
+            # private names too where they hold a container of yours (SpikingJelly keeps
+            # its neurons' memories in self._memories)
+            mine = k.startswith("_spikeckpt")  # what spikeckpt keeps on a module
+            if not k.startswith("_") or (not mine and _container_entries(v) is not None):
                 seen[(id(m), k)] = _value_key(v)
         if buffers and not isinstance(m, RUNNING_STATS_TYPES):
             for k, v in m._buffers.items():
@@ -919,6 +977,38 @@ def _time_loop(code: types.CodeType, self_name: str, depth: int = 0) -> str | No
     return None
 
 
+def _loop_in_methods(
+    code: types.CodeType, self_name: str, cls: type, seen: frozenset[str] = frozenset()
+) -> str | None:
+    """Describe a time loop in a method of ``cls`` that ``code`` calls on ``self``
+    (SpikingJelly's ``forward`` hands a whole sequence to ``self.multi_step_forward``, whose
+    loop runs over time), two calls deep, or ``None``. Methods of torch's classes are not
+    looked into."""
+    instrs = list(dis.get_instructions(code))
+    for prev, ins in zip(instrs, instrs[1:], strict=False):
+        if ins.opname not in ("LOAD_METHOD", "LOAD_ATTR") or not isinstance(ins.argval, str):
+            continue
+        if not prev.opname.startswith("LOAD_FAST") or prev.argval != self_name:
+            continue
+        name = ins.argval
+        fn = inspect.getattr_static(cls, name, None)
+        fn = getattr(fn, "__func__", fn)  # a staticmethod / classmethod: its function
+        inner = getattr(fn, "__code__", None)
+        if name in seen or not isinstance(fn, types.FunctionType) or inner is None:
+            continue
+        if (fn.__module__ or "").split(".")[0] == "torch":
+            continue
+        inner_self = inner.co_varnames[0] if inner.co_argcount else self_name
+        found = _time_loop(inner, inner_self)
+        if found:
+            return f"{found} (in self.{name}, which its forward calls)"
+        if len(seen) < 1:
+            found = _loop_in_methods(inner, inner_self, cls, seen | {name})
+            if found:
+                return found
+    return None
+
+
 def _foreign(module: nn.Module) -> bool:
     """Whether the module's class is not one of torch's own (a class of yours or a package's)."""
     return (own_class(module).__module__ or "").split(".")[0] != "torch"
@@ -1040,8 +1130,11 @@ def _custom_factory(adapter_for: AdapterFor) -> Callable[[nn.Module, str], Layer
         if n:
             return UsersStatefulAdapter(module, path, n)
         code = _code_of(module.forward)
+        self_name = code.co_varnames[0] if code and code.co_argcount else "self"
         loop = (
-            _time_loop(code, code.co_varnames[0] if code.co_argcount else "self") if code else None
+            _time_loop(code, self_name) or _loop_in_methods(code, self_name, type(module))
+            if code
+            else None
         )
         stateful = _stateful_descendants(module, adapter_for)
         if stateful and not loop and all(_holds_state_itself(a) for _, a in stateful):

@@ -462,12 +462,14 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
             _check_shared_norm(layer, norms, why)
             pending.append(layer)
     if not blocks:
+        own = [f"{p.path!r} ({type(p.module).__name__})" for p in pending if _yours(p)]
+        named = f"; layers of yours it steps as stateless: {', '.join(own[:4])}" if own else ""
         raise unsupported(
             adapter.module,
             adapter.path,
             why + "the stack has no stateful layer (no neuron spikeckpt knows: a neuron of yours "
             "takes and returns its state, forward(x, state) -> (y, state); one that keeps it on "
-            "itself, self.mem = ..., is refused by granularity='stack', naming it)",
+            f"itself, self.mem = ..., is refused by granularity='stack', naming it){named}",
         )
     if pending:
         names = ", ".join(repr(p.path) for p in pending)
@@ -485,6 +487,12 @@ def _container(module: nn.Module) -> str:
     (Norse's ``SequentialState``: an ``nn.Sequential`` of Norse cells returns no state)."""
     kind = type(module)
     return "nn.Sequential" if kind is nn.Sequential else kind.__name__
+
+
+def _yours(layer: LayerAdapter) -> bool:
+    """Whether ``layer`` is a stateless layer of yours (``forward(x)``, a class not torch's):
+    one a ported neuron that keeps its state on itself (``self.v``) would be taken for."""
+    return isinstance(layer, CustomLayerAdapter)
 
 
 def _check_neuron(layer: LayerAdapter, why: str) -> None:

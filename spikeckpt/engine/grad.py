@@ -146,7 +146,10 @@ FREED_GRAPH = (
     "(snnTorch neurons built with init_hidden=True called inside a scan step, or a tensor "
     "assigned on a module, self.x = ...), which a plan that recomputes steps replays out of "
     "order: pass that state in and return it (snnTorch: init_hidden=False, spk, mem = "
-    "lif(cur, mem)), or use plan=spikeckpt.plans.BPTT(), which does not recompute"
+    "lif(cur, mem); a neuron of yours: forward(x, state) -> (y, state)), or use "
+    "plan=spikeckpt.plans.BPTT(), which does not recompute, with an initial state of full "
+    "shape (or ()): from None, empty or 0-d leaves step 0 runs apart and its graph is freed "
+    "before your backward reaches it"
 )
 
 
