@@ -169,3 +169,40 @@ def test_layerwise_refusal_names_your_layers() -> None:
         spikeckpt.UnsupportedLayerError, match=r"stateless: '1' \(DictLIF\), '3' \(ListLIF\)"
     ):
         spikeckpt.wrap(net, plan=Uniform(3), granularity="layer")(torch.rand(5, 2, 12))
+
+
+class _Recorder(nn.Module):
+    """A layer that appends what it sees to a list (a recorder, not state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(float(x.detach().sum()))
+        return x
+
+
+class _LazyCache(nn.Module):
+    """A layer that fills a dict at its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.cache: dict[str, float] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        if "scale" not in self.cache:
+            self.cache["scale"] = 0.5
+        return self.lin(x) * self.cache["scale"]
+
+
+@pytest.mark.parametrize("layer", [_Recorder, _LazyCache])
+def test_a_container_only_added_to_is_refused_with_the_way_out(layer: type[nn.Module]) -> None:
+    snn = pytest.importorskip("snntorch")
+    net = nn.Sequential(nn.Linear(5, 5), layer(), snn.Leaky(beta=0.9, init_hidden=True))
+    with pytest.raises(spikeckpt.UnsupportedLayerError) as err:
+        spikeckpt.wrap(net, plan=BPTT())(torch.rand(4, 2, 5)).sum().backward()
+    message = str(err.value)
+    assert "layer '1'" in message
+    assert "register_forward_hook" in message and "__init__" in message

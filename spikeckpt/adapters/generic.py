@@ -476,6 +476,7 @@ def refuse_kept_state(
         if after.get(key, _NO_VALUE) != before.get(key, _NO_VALUE)
     )
     where = ", ".join(f"self.{(n + '.') if n else ''}{k}" for n, k in changed[:5])
+    added = [key for key in after.keys() & before.keys() if _only_added(before[key], after[key])]
     raise unsupported(
         module,
         path,
@@ -485,8 +486,27 @@ def refuse_kept_state(
         "forward(x, state) -> (y, state), with state=None at t=0 (or an "
         "initial_state(x) method); a value computed from parameters at each call "
         "(self.beta = torch.sigmoid(raw)) goes in a local variable or a parametrization "
-        "(torch.nn.utils.parametrize.register_parametrization)",
+        "(torch.nn.utils.parametrize.register_parametrization)" + (_ADDED if added else ""),
     )
+
+
+#: the way out for a list or dict that a forward only adds to (a recorder, a lazy cache)
+_ADDED = (
+    ". Its forward added entries to a list or dict it holds: to record values, register a "
+    "forward hook on the layer (layer.register_forward_hook: it runs at each step spikeckpt "
+    "computes, the recomputed ones too; or return the values from the model); a cache "
+    "filled at the first call is filled in __init__ instead"
+)
+
+
+def _only_added(before: Any, after: Any) -> bool:
+    """Whether two `_value_key`s of one container differ only by entries added (a list
+    appended to, a dict given a new key), none changed or removed."""
+    if not (isinstance(before, tuple) and isinstance(after, tuple) and len(before) == 2):
+        return False
+    if len(after) != 2 or before[0] != after[0] or not isinstance(before[1], tuple):
+        return False
+    return set(before[1]) < set(after[1])
 
 
 def positional_params(fn: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool] | None:
