@@ -82,4 +82,7 @@ def sum_in_place_from_first(
                 want.discard(id(variable))
                 slots.append(i)
         if slots:
-            node.register_hook(functools.partial(_plain_slots, tuple(slots)))
+            try:
+                node.register_hook(functools.partial(_plain_slots, tuple(slots)))
+            except (RuntimeError, TypeError):  # a node without hooks: summed as autograd does
+                continue
