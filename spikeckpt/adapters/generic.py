@@ -541,6 +541,17 @@ def state_arity(module: nn.Module) -> int:
     return 0
 
 
+def _extra_outputs_hint(out: Any, args: str) -> str:
+    """For a forward returning more than ``(y, state)`` (Rockpool's ``(y, state, record)``):
+    how to keep the extra values as outputs."""
+    if not isinstance(out, tuple) or len(out) <= 2:
+        return ""
+    return (
+        f". To keep more outputs than y (a record of the step), return them with y as one "
+        f"output: ((y, record), {args})"
+    )
+
+
 def _optional_states_hint(module: nn.Module, out: Any) -> str:
     """For a forward whose states all default to None (``forward(x, mem1=None, mem2=None)``,
     counted as one state, ``forward(x, state=None)``) returning more: how to say it takes
@@ -661,7 +672,7 @@ class StatefulAdapter(LayerAdapter):
                 self.path,
                 f"its forward takes {self.n_state} state argument(s) after the input, so it "
                 f"must return (y, {args}); it returned {got}. A stateless layer takes the input "
-                f"alone: forward(x){_optional_states_hint(m, out)}",
+                f"alone: forward(x){_optional_states_hint(m, out)}{_extra_outputs_hint(out, args)}",
             )
         if self.n_state == 1:
             return out[1], out[0]
