@@ -236,20 +236,21 @@ _NO_VALUE = object()
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
-def _value_key(v: Any) -> Any:
+def _value_key(v: Any, *, nested: bool = True) -> Any:
     """What identifies an attribute's value between two looks: the object and, for a tensor,
     its in-place version counter; a plain value (a number, a string, a ``torch.Size``) by
     itself, so that writing the same value again (``self.batchSize = x.size(0)`` at every
-    call) is no change, at any batch size (ints above 256 are new objects at each call)."""
+    call) is no change, at any batch size (ints above 256 are new objects at each call); a
+    small list, dict or namespace (``nested``) by its entries, each one level deep."""
     if isinstance(v, Tensor):
         return (id(v), v._version)
     if type(v) in _PLAIN:
         return (type(v), v)
     if type(v) in (tuple, torch.Size) and all(type(e) in _PLAIN for e in v):
         return (type(v), tuple(v))
-    entries = _container_entries(v)
+    entries = _container_entries(v) if nested else None
     if entries is not None:
-        return (id(v), tuple((k, _entry_key(e)) for k, e in entries))
+        return (id(v), tuple((k, _value_key(e, nested=False)) for k, e in entries))
     return id(v)
 
 
@@ -275,16 +276,6 @@ def _container_entries(v: Any) -> list[tuple[Any, Any]] | None:
     else:
         return None
     return entries if len(entries) <= _CONTAINER_ENTRIES else None
-
-
-def _entry_key(e: Any) -> Any:
-    """What identifies a container's entry: as `_value_key`, one level deep (a container
-    inside it by identity)."""
-    if isinstance(e, Tensor):
-        return (id(e), e._version)
-    if type(e) in _PLAIN:
-        return (type(e), e)
-    return id(e)
 
 
 #: torch's messages for an input of the wrong shape
@@ -541,10 +532,10 @@ def state_arity(module: nn.Module) -> int:
     return 0
 
 
-def _extra_outputs_hint(out: Any, args: str) -> str:
+def _extra_outputs_hint(out: Any, n_state: int, args: str) -> str:
     """For a forward returning more than ``(y, state)`` (Rockpool's ``(y, state, record)``):
     how to keep the extra values as outputs."""
-    if not isinstance(out, tuple) or len(out) <= 2:
+    if not isinstance(out, tuple) or len(out) <= n_state + 1:
         return ""
     return (
         f". To keep more outputs than y (a record of the step), return them with y as one "
@@ -672,7 +663,7 @@ class StatefulAdapter(LayerAdapter):
                 self.path,
                 f"its forward takes {self.n_state} state argument(s) after the input, so it "
                 f"must return (y, {args}); it returned {got}. A stateless layer takes the input "
-                f"alone: forward(x){_optional_states_hint(m, out)}{_extra_outputs_hint(out, args)}",
+                f"alone: forward(x){_optional_states_hint(m, out)}{_extra_outputs_hint(out, self.n_state, args)}",
             )
         if self.n_state == 1:
             return out[1], out[0]

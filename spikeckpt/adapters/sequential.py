@@ -462,7 +462,11 @@ def split_blocks(adapter: LayerAdapter) -> list[Block]:
             _check_shared_norm(layer, norms, why)
             pending.append(layer)
     if not blocks:
-        own = [f"{p.path!r} ({type(p.module).__name__})" for p in pending if _yours(p)]
+        own = [
+            f"{p.path!r} ({type(p.module).__name__})"
+            for p in pending
+            if isinstance(p, CustomLayerAdapter)
+        ]
         named = f"; layers of yours it steps as stateless: {', '.join(own[:4])}" if own else ""
         raise unsupported(
             adapter.module,
@@ -487,12 +491,6 @@ def _container(module: nn.Module) -> str:
     (Norse's ``SequentialState``: an ``nn.Sequential`` of Norse cells returns no state)."""
     kind = type(module)
     return "nn.Sequential" if kind is nn.Sequential else kind.__name__
-
-
-def _yours(layer: LayerAdapter) -> bool:
-    """Whether ``layer`` is a stateless layer of yours (``forward(x)``, a class not torch's):
-    one a ported neuron that keeps its state on itself (``self.v``) would be taken for."""
-    return isinstance(layer, CustomLayerAdapter)
 
 
 def _check_neuron(layer: LayerAdapter, why: str) -> None:
